@@ -1,0 +1,62 @@
+"""The exception hierarchy (STYLE.md §5).
+
+Every error is a :class:`CasstoreError` and also the builtin it means, so plain
+``except FileNotFoundError`` works. Errors carry the step, key path, chunk id and URL they are
+about as attributes and name them in the message.
+"""
+
+from __future__ import annotations
+
+
+class CasstoreError(Exception):
+    """Base class of every error casstore raises on purpose."""
+
+
+def _where(**parts: object) -> str:
+    """Formats the non-empty context parts as ``" (step 3, key path 'a/b')"``."""
+    shown = [f"{name.replace('_', ' ')} {value!r}" for name, value in parts.items()
+             if value is not None]
+    return f" ({', '.join(shown)})" if shown else ""
+
+
+class _Located(CasstoreError):
+    """An error about a place in a repository: step, key path, chunk id, URL."""
+
+    def __init__(self, message: str, *, step: int | None = None, key_path: str | None = None,
+                 chunk_id: str | None = None, url: str | None = None, run: str | None = None):
+        self.step, self.key_path, self.chunk_id, self.url, self.run = (
+            step, key_path, chunk_id, url, run)
+        where = _where(url=url, run=run, step=step, key_path=key_path, chunk_id=chunk_id)
+        super().__init__(message + where)
+
+
+class ObjectNotFoundError(_Located, FileNotFoundError):
+    """A store key does not exist."""
+
+
+class StepNotFoundError(_Located, FileNotFoundError):
+    """The requested step (or any step, for ``step=None``) does not exist in the run."""
+
+
+class StepAlreadyExistsError(_Located, FileExistsError):
+    """A save found the step already committed; nothing was changed."""
+
+
+class CorruptChunkError(_Located, ValueError):
+    """A chunk's bytes do not decode to its recorded length and content address."""
+
+
+class ManifestError(_Located, ValueError):
+    """A manifest or config object is malformed, out of limits or of an unknown version."""
+
+
+class TargetMismatchError(_Located, ValueError):
+    """The restore target disagrees with the checkpoint (structure, shape or dtype)."""
+
+
+class UnsupportedLeafError(_Located, TypeError):
+    """A leaf of the pytree to save is neither an array nor a plain Python scalar or string."""
+
+
+class ReadOnlyStoreError(_Located, PermissionError):
+    """A write was attempted on a store opened with ``read_only=True``."""

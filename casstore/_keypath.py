@@ -1,0 +1,158 @@
+"""Pytree structure and key paths (format.md §4.2 and §5).
+
+:func:`flatten` walks a pytree with ``jax.tree_util`` one level at a time and returns the
+manifest's tree structure plus ``(key path string, leaf)`` pairs; :func:`unflatten_plain`
+rebuilds plain dict / list / tuple containers from the structure; :func:`path_str` gives the
+storage form of a jax key path.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._errors import UnsupportedLeafError
+
+tu = jax.tree_util
+SCALAR_TYPES = (bool, int, float, complex, str, bytes)
+MAX_DEPTH = 256
+_INDEX = r"\[-?\d+\]|\[=-?\d+\]"
+_NAME = r"(?:[^~/\[]|~[0-3])+"
+_ELEMENT = re.compile(rf"{_INDEX}|~3|{_NAME}")
+
+
+def escape_name(name: str) -> str:
+    """The storage form of a dict key or attribute name (format.md §5)."""
+    if name == "":
+        return "~3"
+    return name.replace("~", "~0").replace("/", "~1").replace("[", "~2")
+
+
+def element_str(key: Any) -> str:
+    """The storage form of one jax key-path entry (DictKey, GetAttrKey, SequenceKey, ...).
+
+    Raises:
+      TypeError: a dict key that is neither str nor int.
+    """
+    if isinstance(key, tu.DictKey):
+        k = key.key
+        if isinstance(k, str):
+            return escape_name(k)
+        if isinstance(k, int) and not isinstance(k, bool):
+            return f"[={k}]"
+        raise TypeError(f"dict key {k!r} of type {type(k).__name__} is not str or int")
+    if isinstance(key, tu.GetAttrKey):
+        return escape_name(key.name)
+    if isinstance(key, tu.SequenceKey):
+        return f"[{key.idx}]"
+    if isinstance(key, tu.FlattenedIndexKey):
+        return f"[{key.key}]"
+    raise TypeError(f"unsupported key path entry {key!r}")
+
+
+def path_str(keys: tuple) -> str:
+    """The storage form of a jax key path: elements joined by ``/`` (format.md §5)."""
+    return "/".join(element_str(k) for k in keys)
+
+
+def is_valid_path(path: object) -> bool:
+    """True if ``path`` is a well-formed key path string (format.md §5)."""
+    if not isinstance(path, str) or len(path.encode()) > 4096 or "\0" in path:
+        return False
+    return path == "" or all(_ELEMENT.fullmatch(e) for e in path.split("/"))
+
+
+def matches(path: str, prefixes: list[str] | None) -> bool:
+    """True if ``path`` equals a prefix or lies below one (``prefix + "/"``); None matches all."""
+    if prefixes is None:
+        return True
+    return any(p == "" or path == p or path.startswith(p + "/") for p in prefixes)
+
+
+def is_leaf_value(x: Any) -> bool:
+    """True for what casstore stores as a leaf: arrays and plain Python scalars."""
+    return isinstance(x, (np.ndarray, np.generic, jax.Array, *SCALAR_TYPES))
+
+
+def _type_name(x: Any) -> str:
+    t = type(x)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def flatten(tree: Any) -> tuple[dict, list[tuple[str, Any]]]:
+    """Walks ``tree`` into the manifest's structure and its leaves (format.md §4.2).
+
+    Args:
+      tree: any pytree whose leaves are arrays, Python scalars, strings, bytes or None.
+
+    Returns:
+      ``(node, leaves)``: the root node as the manifest stores it, and ``(key path, value)``
+      for every leaf in order. ``None`` is a node of the structure, not a leaf.
+
+    Raises:
+      UnsupportedLeafError: a leaf is some other object, a dict key is not str or int, or the
+        tree is deeper than 256 levels; the message names the key path.
+    """
+    leaves: list[tuple[str, Any]] = []
+    return _walk(tree, (), leaves), leaves
+
+
+def _walk(node: Any, path: tuple[str, ...], leaves: list) -> dict:
+    if len(path) > MAX_DEPTH:
+        raise UnsupportedLeafError("tree is nested too deeply", key_path="/".join(path))
+    if node is None:  # a tree node without children, as in jax (format.md §4.2)
+        return {"t": "none"}
+    if is_leaf_value(node):
+        leaves.append(("/".join(path), node))
+        return {"t": "leaf", "i": len(leaves) - 1}
+    children, treedef = tu.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    if treedef.num_leaves == 1 and treedef.num_nodes == 1:  # not a pytree node
+        raise UnsupportedLeafError(
+            f"cannot store a leaf of type {_type_name(node)}: only arrays, Python scalars, "
+            "str and bytes are stored (casstore never pickles)", key_path="/".join(path))
+    try:
+        elements = [element_str(keys[0]) for keys, _ in children]
+    except TypeError as e:
+        raise UnsupportedLeafError(str(e), key_path="/".join(path)) from e
+    nodes = [_walk(child, (*path, el), leaves) for el, (_, child) in zip(elements, children)]
+    if isinstance(node, list) or (isinstance(node, tuple) and not hasattr(node, "_fields")):
+        return {"t": "list" if isinstance(node, list) else "tuple", "c": nodes,
+                "type": _type_name(node)}
+    if children and all(isinstance(k[0], (tu.SequenceKey, tu.FlattenedIndexKey))
+                        for k, _ in children):
+        return {"t": "list", "c": nodes, "type": _type_name(node)}
+    keys = [k[0].key if isinstance(k[0], tu.DictKey) else k[0].name for k, _ in children]
+    return {"t": "dict", "k": keys, "c": nodes, "type": _type_name(node)}
+
+
+def unflatten_plain(node: dict, values: dict[int, Any], keep: set[int] | None = None) -> Any:
+    """Rebuilds plain containers from a manifest tree node (format.md §4.2).
+
+    Args:
+      node: a validated manifest tree node.
+      values: leaf index -> restored value.
+      keep: leaf indices to include; dict entries without any kept leaf are dropped, and
+        sequence positions without one become None. None keeps everything.
+
+    Returns:
+      Nested dict / list / tuple / None with the restored values at the leaves.
+    """
+    t = node["t"]
+    if t == "leaf":
+        return values.get(node["i"])
+    if t == "none":
+        return None
+    children = [unflatten_plain(c, values, keep) for c in node["c"]]
+    if t == "dict":
+        return {k: v for k, v, c in zip(node["k"], children, node["c"])
+                if keep is None or _has_kept(c, keep)}
+    return list(children) if t == "list" else tuple(children)
+
+
+def _has_kept(node: dict, keep: set[int]) -> bool:
+    if node["t"] == "leaf":
+        return node["i"] in keep
+    return any(_has_kept(c, keep) for c in node.get("c", ()))

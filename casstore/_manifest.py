@@ -1,0 +1,301 @@
+"""The manifest: value objects, msgpack encoding and validation (format.md §4).
+
+:func:`encode_manifest` writes the map in the field order of format.md §4.1; :func:`decode_manifest`
+treats the bytes as hostile: it checks every type, range and limit of format.md §4.4 before it
+builds anything, and raises :class:`~casstore.ManifestError` naming the step and key path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from ._chunking import INLINE_LIMIT_BYTES, dtype_from_name
+from ._codec import is_chunk_id
+from ._errors import ManifestError
+from ._keypath import MAX_DEPTH, is_valid_path
+
+FORMAT = "casstore.manifest"
+VERSION = 1
+MAX_MANIFEST_BYTES = 256 * 2**20
+MAX_LEAVES = 1_000_000
+MAX_CHUNK_REFS = 10_000_000
+MAX_NDIM = 64
+MAX_ARRAY_BYTES = 2**48
+MAX_SCALAR_BYTES = 2**20
+MAX_GRID_CELLS = 4_000_000
+SCALAR_TYPES = ("bool", "int", "float", "complex", "str", "bytes")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkRef:
+    """One block of a leaf stored in a chunk (format.md §4.3).
+
+    Attributes:
+      id: chunk id, 32 lowercase hex digits.
+      start, stop: the block's index into the global array, per dimension (stop exclusive).
+      offset: byte offset of the block in the chunk's raw bytes (non-zero only in packs).
+      raw_bytes: raw length of the whole chunk, bytes.
+      stored_bytes: encoded length of the chunk object, bytes.
+    """
+
+    id: str
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+    offset: int
+    raw_bytes: int
+    stored_bytes: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The block's shape."""
+        return tuple(b - a for a, b in zip(self.start, self.stop))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeafEntry:
+    """One leaf of a checkpoint (format.md §4.3).
+
+    Attributes:
+      path: the key path string (format.md §5).
+      kind: ``"array"`` or ``"scalar"``.
+      shape, dtype: global shape and dtype name of an array (key data for PRNG keys).
+      jax: the leaf was a jax.Array.
+      key_impl: PRNG implementation name for typed key arrays, else None.
+      sharding: the sharding used at save, for display only.
+      inline: raw bytes of a tiny array stored in the manifest, else None.
+      chunks: the chunk refs that tile the array.
+      scalar_type, value: a Python scalar's type name and value.
+    """
+
+    path: str
+    kind: str
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+    jax: bool = False
+    key_impl: str | None = None
+    sharding: Any = None
+    inline: bytes | None = None
+    chunks: tuple[ChunkRef, ...] = ()
+    scalar_type: str = ""
+    value: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        """Raw bytes of an array leaf (0 for other kinds)."""
+        if self.kind != "array":
+            return 0
+        return math.prod(self.shape) * dtype_from_name(self.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Manifest:
+    """A parsed, validated manifest (format.md §4).
+
+    Attributes:
+      run: run name. step: the step. created: seconds since the epoch (UTC).
+      metadata: the user metadata given at save.
+      tree: the tree structure node (format.md §4.2).
+      leaves: the leaf entries in tree order.
+    """
+
+    run: str
+    step: int
+    created: float
+    metadata: Any
+    tree: dict
+    leaves: tuple[LeafEntry, ...]
+
+    @property
+    def logical_bytes(self) -> int:
+        """Raw bytes of all array leaves."""
+        return sum(leaf.nbytes for leaf in self.leaves)
+
+    def chunk_ids(self) -> set[str]:
+        """Every chunk id the manifest references."""
+        return {ref.id for leaf in self.leaves for ref in leaf.chunks}
+
+
+def encode_manifest(m: Manifest) -> bytes:
+    """msgpack bytes of ``m`` in format.md §4.1 field order."""
+    return msgpack.packb({
+        "format": FORMAT, "version": VERSION, "run": m.run, "step": m.step,
+        "created": m.created, "metadata": m.metadata, "tree": m.tree,
+        "leaves": [_encode_leaf(leaf) for leaf in m.leaves],
+    }, use_bin_type=True)
+
+
+def _encode_leaf(leaf: LeafEntry) -> dict:
+    if leaf.kind == "scalar":
+        return {"path": leaf.path, "kind": "scalar", "type": leaf.scalar_type,
+                "value": leaf.value}
+    return {"path": leaf.path, "kind": "array", "shape": list(leaf.shape), "dtype": leaf.dtype,
+            "jax": leaf.jax, "key_impl": leaf.key_impl, "sharding": leaf.sharding,
+            "inline": leaf.inline,
+            "chunks": [{"id": c.id, "start": list(c.start), "stop": list(c.stop),
+                        "offset": c.offset, "raw_bytes": c.raw_bytes,
+                        "stored_bytes": c.stored_bytes} for c in leaf.chunks]}
+
+
+class _Check:
+    """Raises ManifestError with the manifest's step, run and URL, and the key path at fault."""
+
+    def __init__(self, *, run: str, step: int, url: str):
+        self.run, self.step, self.url, self.path = run, step, url, None
+
+    def __call__(self, ok: bool, message: str) -> None:
+        if not ok:
+            raise ManifestError(f"invalid manifest: {message}", run=self.run, step=self.step,
+                                url=self.url, key_path=self.path)
+
+
+def _is_int(x: Any, lo: int = 0, hi: int = 2**63) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and lo <= x < hi
+
+
+def decode_manifest(data: bytes, *, run: str, step: int, url: str) -> Manifest:
+    """Parses and validates manifest bytes read from storage (format.md §4, limits §4.4).
+
+    Args:
+      data: the object's bytes.
+      run, step: the run and step its key names (the manifest must agree).
+      url: the store URL, for messages.
+
+    Returns:
+      The validated Manifest.
+
+    Raises:
+      ManifestError: the bytes are not a valid version-1 manifest for this run and step.
+    """
+    check = _Check(run=run, step=step, url=url)
+    check(len(data) <= MAX_MANIFEST_BYTES, f"{len(data)} bytes exceeds the size limit")
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True,
+                              max_bin_len=MAX_MANIFEST_BYTES, max_str_len=MAX_MANIFEST_BYTES)
+    except Exception as e:  # msgpack raises many types on garbage; all mean "not a manifest"
+        raise ManifestError(f"not msgpack: {e}", run=run, step=step, url=url) from e
+    check(isinstance(raw, dict), "top level is not a map")
+    check(raw.get("format") == FORMAT, f"format is {raw.get('format')!r}, not {FORMAT!r}")
+    check(raw.get("version") == VERSION, f"unsupported format version {raw.get('version')!r}")
+    check(raw.get("run") == run and raw.get("step") == step,
+          f"names run {raw.get('run')!r} step {raw.get('step')!r}, but its key says otherwise")
+    check(isinstance(raw.get("created"), (int, float)), "created is not a number")
+    leaves_raw = raw.get("leaves")
+    check(isinstance(leaves_raw, list) and len(leaves_raw) <= MAX_LEAVES, "bad leaves list")
+    n_refs = sum(len(x.get("chunks") or ()) for x in leaves_raw if isinstance(x, dict))
+    check(n_refs <= MAX_CHUNK_REFS, f"{n_refs} chunk refs exceed the limit")
+    leaves = tuple(_decode_leaf(x, check) for x in leaves_raw)
+    check.path = None
+    check(len({leaf.path for leaf in leaves}) == len(leaves), "duplicate key paths")
+    tree = raw.get("tree")
+    _check_tree(tree, len(leaves), check)
+    return Manifest(run, step, float(raw["created"]), raw.get("metadata"), tree, leaves)
+
+
+def _check_tree(tree: Any, n_leaves: int, check: _Check) -> None:
+    """Checks the tree nodes (format.md §4.2): kinds, keys, depth, each leaf index once."""
+    seen: set[int] = set()
+    stack = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        check(isinstance(node, dict) and depth <= MAX_DEPTH, "bad tree node or too deep")
+        t = node.get("t")
+        if t == "leaf":
+            i = node.get("i")
+            check(_is_int(i, 0, n_leaves) and i not in seen, "bad leaf index in tree")
+            seen.add(i)
+        elif t in ("dict", "list", "tuple"):
+            children = node.get("c")
+            check(isinstance(children, list), "tree node without children list")
+            if t == "dict":
+                keys = node.get("k")
+                check(isinstance(keys, list) and len(keys) == len(children) and all(
+                    isinstance(k, str) or _is_int(k, -2**63) for k in keys), "bad dict keys")
+            stack.extend((c, depth + 1) for c in children)
+        else:
+            check(t == "none", f"unknown tree node kind {t!r}")
+    check(len(seen) == n_leaves, "tree does not reference every leaf")
+
+
+def _decode_leaf(x: Any, check: _Check) -> LeafEntry:
+    check.path = None
+    check(isinstance(x, dict), "leaf entry is not a map")
+    path = x.get("path")
+    check(is_valid_path(path), f"bad key path {path!r}")
+    check.path = path
+    kind = x.get("kind")
+    if kind == "scalar":
+        return _decode_scalar(path, x, check)
+    check(kind == "array", f"unknown leaf kind {kind!r}")
+    shape, dtype = x.get("shape"), x.get("dtype")
+    check(isinstance(shape, list) and len(shape) <= MAX_NDIM
+          and all(_is_int(d, 0, 2**53) for d in shape), f"bad shape {shape!r}")
+    np_dtype = dtype_from_name(dtype) if isinstance(dtype, str) else None
+    check(np_dtype is not None, f"dtype {dtype!r} is not an allowed array dtype")
+    nbytes = math.prod(shape) * np_dtype.itemsize
+    check(nbytes <= MAX_ARRAY_BYTES, f"array of {nbytes} bytes exceeds the limit")
+    key_impl = x.get("key_impl")
+    check(key_impl is None or (isinstance(key_impl, str) and key_impl.isidentifier()),
+          "bad key_impl")
+    inline = x.get("inline")
+    refs_raw = x.get("chunks")
+    check(isinstance(refs_raw, list), "chunks is not a list")
+    if inline is not None:
+        check(isinstance(inline, bytes) and len(inline) == nbytes <= INLINE_LIMIT_BYTES
+              and not refs_raw, "bad inline bytes")
+    refs = tuple(_decode_ref(r, len(shape), np_dtype.itemsize, check) for r in refs_raw)
+    if inline is None:
+        _check_tiling(tuple(shape), refs, check)
+    return LeafEntry(path, "array", tuple(shape), dtype, bool(x.get("jax")), key_impl,
+                     x.get("sharding"), inline, refs)
+
+
+def _decode_scalar(path: str, x: dict, check: _Check) -> LeafEntry:
+    t, v = x.get("type"), x.get("value")
+    ok = {"bool": lambda: isinstance(v, bool), "int": lambda: _is_int(v, -2**63),
+          "float": lambda: isinstance(v, float),
+          "complex": lambda: isinstance(v, list) and len(v) == 2
+          and all(isinstance(p, float) for p in v),
+          "str": lambda: isinstance(v, str) and len(v) <= MAX_SCALAR_BYTES,
+          "bytes": lambda: isinstance(v, bytes) and len(v) <= MAX_SCALAR_BYTES}
+    check(t in ok and ok[t](), f"bad scalar of type {t!r}")
+    return LeafEntry(path, "scalar", scalar_type=t, value=v)
+
+
+def _decode_ref(r: Any, ndim: int, itemsize: int, check: _Check) -> ChunkRef:
+    check(isinstance(r, dict), "chunk ref is not a map")
+    cid, start, stop = r.get("id"), r.get("start"), r.get("stop")
+    offset, raw_bytes, stored = r.get("offset"), r.get("raw_bytes"), r.get("stored_bytes")
+    check(is_chunk_id(cid), f"bad chunk id {cid!r}")
+    check(isinstance(start, list) and isinstance(stop, list) and len(start) == len(stop) == ndim
+          and all(_is_int(v, 0, 2**53) for v in start + stop), f"bad chunk index of {cid}")
+    check(all(_is_int(v, 0, 2**32) for v in (offset, raw_bytes, stored)),
+          f"bad chunk sizes of {cid}")
+    ref = ChunkRef(cid, tuple(start), tuple(stop), offset, raw_bytes, stored)
+    check(all(d > 0 for d in ref.shape), f"empty or inverted block in chunk {cid}")
+    check(offset + math.prod(ref.shape) * itemsize <= raw_bytes,
+          f"block of chunk {cid} extends past its raw bytes")
+    return ref
+
+
+def _check_tiling(shape: tuple[int, ...], refs: tuple[ChunkRef, ...], check: _Check) -> None:
+    """Checks that the blocks tile ``shape`` exactly: inside it, no overlaps, no gaps."""
+    if math.prod(shape) == 0:
+        check(not refs, "chunks given for an empty array")
+        return
+    check(bool(refs), "array without chunks")
+    check(all(all(b <= d for b, d in zip(r.stop, shape)) for r in refs), "block out of bounds")
+    edges = [sorted({0, d, *(r.start[i] for r in refs), *(r.stop[i] for r in refs)})
+             for i, d in enumerate(shape)]
+    cells = math.prod(len(e) - 1 for e in edges)
+    check(cells <= MAX_GRID_CELLS, "chunk grid too irregular to validate")
+    count = np.zeros([len(e) - 1 for e in edges], dtype=np.int32)  # refs < 2**31: cannot wrap
+    for r in refs:
+        sel = tuple(slice(np.searchsorted(e, a), np.searchsorted(e, b))
+                    for e, a, b in zip(edges, r.start, r.stop))
+        count[sel] += 1
+    check(bool(np.all(count == 1)), "chunk blocks overlap or leave gaps")

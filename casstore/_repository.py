@@ -1,0 +1,165 @@
+"""Repository-level reads and the config object (format.md §2 and §2.1).
+
+Listing steps and runs reads only manifest keys; a step exists exactly when its manifest does
+(format.md §7).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import msgpack
+
+from ._errors import ManifestError, StepNotFoundError
+from ._layout import (
+    CONFIG_KEY,
+    RUNS_PREFIX,
+    check_run,
+    manifest_key,
+    parse_manifest_key,
+    steps_prefix,
+)
+from ._manifest import Manifest, decode_manifest
+from .store import Store, open_store
+
+CONFIG_FORMAT = "casstore"
+CONFIG_VERSION = 1
+HASH = "xxh3-128"
+
+Url = str | os.PathLike | Store
+
+
+def _parse_config(data: bytes, url: str) -> dict:
+    """Validates the config object (format.md §2.1); unknown versions are refused."""
+    try:
+        config = msgpack.unpackb(data, raw=False, max_str_len=4096, max_bin_len=0)
+    except Exception as e:  # any msgpack failure means a damaged config
+        raise ManifestError(f"config object is not msgpack: {e}", url=url) from e
+    if not isinstance(config, dict) or config.get("format") != CONFIG_FORMAT:
+        raise ManifestError("not a casstore repository (bad config object)", url=url)
+    if config.get("version") != CONFIG_VERSION or config.get("hash") != HASH:
+        raise ManifestError(f"unsupported repository version {config.get('version')!r} / "
+                            f"hash {config.get('hash')!r}", url=url)
+    return config
+
+
+def ensure_config(store: Store) -> None:
+    """Validates the config object, creating it (create-only) if the repository is new."""
+    try:
+        _parse_config(store.get(CONFIG_KEY), store.url)
+        return
+    except FileNotFoundError:
+        pass
+    data = msgpack.packb({"format": CONFIG_FORMAT, "version": CONFIG_VERSION, "hash": HASH,
+                          "created": time.time()})
+    try:
+        store.put_if_absent(CONFIG_KEY, data)
+    except FileExistsError:  # a concurrent first save won; validate what it wrote
+        _parse_config(store.get(CONFIG_KEY), store.url)
+
+
+def check_config(store: Store) -> bool:
+    """Validates the config object if present; returns whether the repository exists."""
+    try:
+        _parse_config(store.get(CONFIG_KEY), store.url)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def list_steps(url: Url, *, run: str = "default") -> list[int]:
+    """The committed steps of a run, ascending.
+
+    Reads one listing of ``runs/<run>/steps/``; keys that are not manifest names are ignored.
+
+    Args:
+      url: a path, an fsspec URL or a Store.
+      run: the run name.
+
+    Returns:
+      Step numbers, ascending; empty if the run or the repository does not exist.
+
+    Raises:
+      ValueError: ``run`` is not a valid run name.
+      ManifestError: the repository's config object is damaged or of an unknown version.
+    """
+    store = open_store(url)
+    prefix = steps_prefix(run)
+    if not check_config(store):
+        return []
+    return sorted(p[1] for info in store.list(prefix)
+                  if (p := parse_manifest_key(info.key)) is not None and p[0] == run)
+
+
+def latest_step(url: Url, *, run: str = "default") -> int | None:
+    """The largest committed step of a run, or None if it has none (see :func:`list_steps`)."""
+    steps = list_steps(url, run=run)
+    return steps[-1] if steps else None
+
+
+def list_runs(url: Url) -> list[str]:
+    """The names of the runs that have at least one committed step, sorted.
+
+    Raises:
+      ManifestError: the repository's config object is damaged or of an unknown version.
+    """
+    store = open_store(url)
+    if not check_config(store):
+        return []
+    return sorted({p[0] for info in store.list(RUNS_PREFIX)
+                   if (p := parse_manifest_key(info.key)) is not None})
+
+
+def resolve_step(store: Store, step: int | None, run: str) -> int:
+    """``step``, or the latest step for None. Raises StepNotFoundError if there is none."""
+    if step is not None:
+        return step
+    latest = latest_step(store, run=run)
+    if latest is None:
+        raise StepNotFoundError("no committed step", url=store.url, run=run)
+    return latest
+
+
+def read_manifest(url: Url, step: int | None = None, *, run: str = "default") -> Manifest:
+    """Reads and validates the manifest of one step (format.md §4).
+
+    Args:
+      url: a path, an fsspec URL or a Store.
+      step: the step; None means the latest.
+      run: the run name.
+
+    Returns:
+      The parsed :class:`Manifest`.
+
+    Raises:
+      StepNotFoundError: the step (or, for None, any step) does not exist.
+      ManifestError: the manifest or the config object is malformed or of an unknown version.
+    """
+    store = open_store(url)
+    check_run(run)
+    if not check_config(store):
+        raise StepNotFoundError("no casstore repository here", url=store.url, run=run,
+                                step=step)
+    step = resolve_step(store, step, run)
+    try:
+        data = store.get(manifest_key(run, step))
+    except FileNotFoundError:
+        raise StepNotFoundError("no such step", url=store.url, run=run, step=step) from None
+    return decode_manifest(data, run=run, step=step, url=store.url)
+
+
+def delete(url: Url, step: int, *, run: str = "default") -> None:
+    """Deletes a step by deleting its manifest (format.md §8).
+
+    Its chunks stay until garbage collection reclaims the ones no manifest references.
+
+    Raises:
+      StepNotFoundError: the step does not exist.
+      ReadOnlyStoreError: the store is read-only.
+    """
+    store = open_store(url)
+    key = manifest_key(run, step)
+    if not store.exists(key):
+        raise StepNotFoundError("no such step", url=store.url, run=run, step=step)
+    store.delete(key)

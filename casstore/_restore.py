@@ -1,0 +1,204 @@
+"""Restoring a checkpoint, with or without an abstract target (format.md §3.2, §4, §6).
+
+Reads the manifest (validated), then fetches every needed chunk concurrently, verifies its
+length and chunk id, and copies its blocks into the leaves' host arrays; a chunk shared by
+several leaves (a pack) is fetched once. With a target, leaves are matched by key path, cast to
+the target dtype and placed with the target's sharding.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._chunking import dtype_from_name
+from ._codec import decode_chunk
+from ._errors import CorruptChunkError, TargetMismatchError
+from ._keypath import SCALAR_TYPES, matches, path_str, unflatten_plain
+from ._layout import chunk_key
+from ._manifest import ChunkRef, LeafEntry, Manifest
+from ._pool import bounded_map
+from ._repository import Url, read_manifest
+from .store import Store, open_store
+
+tu = jax.tree_util
+
+
+def restore(url: Url, step: int | None = None, *, run: str = "default", target: Any = None,
+            paths: list[str] | None = None, partial: bool = False,
+            max_workers: int | None = None) -> Any:
+    """Restores checkpoint ``step`` of ``run``.
+
+    Reads the manifest, then only the chunks of the selected leaves, each verified against its
+    chunk id and length before use. Nothing is written.
+
+    Args:
+      url: a path, an fsspec URL or a Store.
+      step: the step; None means the latest committed step.
+      run: the run name.
+      target: None, or a pytree like the saved one whose leaves say what to return:
+        ``jax.ShapeDtypeStruct`` (a jax.Array of that dtype, placed with its ``sharding`` or on
+        the default device), a jax.Array (same, with its sharding), a numpy array (numpy, of its
+        dtype), or a Python scalar. Get one without allocating memory with ``jax.eval_shape``,
+        ``nnx.eval_shape`` or ``eqx.filter_eval_shape``. Leaves are matched by key path;
+        dtypes are cast where the target asks for another dtype.
+      paths: key-path prefixes (format.md §5, e.g. ``["params"]``) to read; None reads all.
+        Without a target, only the matching subtrees are returned. With a target, target leaves
+        outside ``paths`` are returned unchanged.
+      partial: with a target, allow the checkpoint to have leaves the target lacks.
+      max_workers: threads fetching and decoding chunks (default the store's).
+
+    Returns:
+      Without a target: the saved tree as plain dict / list / tuple containers (namedtuples and
+      dataclass-like nodes as dicts) with numpy arrays, Python scalars, None, and typed PRNG key
+      arrays as jax arrays. With a target: the target's tree structure with restored leaves.
+
+    Raises:
+      StepNotFoundError: the step (or any step, for None) does not exist.
+      ManifestError: the manifest is malformed (names step and key path).
+      CorruptChunkError: a chunk is missing, or its bytes fail the checks (names step, key path
+        and chunk id).
+      TargetMismatchError: a target leaf is not in the checkpoint, has another shape or kind,
+        or (without ``partial``) the checkpoint has leaves the target lacks.
+    """
+    store = open_store(url)
+    manifest = read_manifest(store, step, run=run)
+    workers = max_workers or store.max_workers
+    if target is None:
+        selected = [i for i, leaf in enumerate(manifest.leaves) if matches(leaf.path, paths)]
+        _check_paths_found(manifest, paths, selected, store)
+        values = read_leaves(store, manifest, selected, workers)
+        return unflatten_plain(manifest.tree, values, None if paths is None else set(selected))
+    flat, treedef = tu.tree_flatten_with_path(target)
+    by_path = {leaf.path: i for i, leaf in enumerate(manifest.leaves)}
+    plan: list[tuple[Any, int | None]] = []
+    for keys, t in flat:
+        path = path_str(keys)
+        if not matches(path, paths):
+            plan.append((t, None))
+            continue
+        if path not in by_path:
+            raise _mismatch("target leaf is not in the checkpoint", manifest, store, path)
+        _check_compatible(manifest.leaves[by_path[path]], t, manifest, store)
+        plan.append((t, by_path[path]))
+    if not partial:
+        _check_no_extra(manifest, {i for _, i in plan if i is not None}, paths, store)
+    values = read_leaves(store, manifest, [i for _, i in plan if i is not None], workers)
+    return tu.tree_unflatten(treedef, [t if i is None else _place(values[i], t)
+                                       for t, i in plan])
+
+
+def _mismatch(message: str, manifest: Manifest, store: Store, path: str | None = None):
+    return TargetMismatchError(message, url=store.url, run=manifest.run, step=manifest.step,
+                               key_path=path)
+
+
+def _check_paths_found(manifest: Manifest, paths, selected: list[int], store: Store) -> None:
+    for p in paths or ():
+        if not any(matches(manifest.leaves[i].path, [p]) for i in selected):
+            raise _mismatch("no leaf matches the requested path", manifest, store, p)
+
+
+def _check_no_extra(manifest: Manifest, used: set[int], paths, store: Store) -> None:
+    extra = [leaf.path for i, leaf in enumerate(manifest.leaves)
+             if i not in used and matches(leaf.path, paths)]
+    if extra:
+        shown = ", ".join(repr(p) for p in extra[:5]) + (", ..." if len(extra) > 5 else "")
+        raise _mismatch(f"the checkpoint has {len(extra)} leaves the target lacks ({shown}); "
+                        "pass partial=True to restore a subtree", manifest, store, extra[0])
+
+
+def _target_shape(t: Any) -> tuple[int, ...] | None:
+    return tuple(t.shape) if hasattr(t, "shape") and hasattr(t, "dtype") else None
+
+
+def _check_compatible(entry: LeafEntry, t: Any, manifest: Manifest, store: Store) -> None:
+    """Checks shape and kind of a target leaf against the saved leaf before any chunk is read."""
+    shape = _target_shape(t)
+    if shape is None:
+        if not isinstance(t, SCALAR_TYPES):
+            raise _mismatch(f"unsupported target leaf of type {type(t).__name__}", manifest,
+                            store, entry.path)
+        if entry.kind == "array" and entry.shape != ():
+            raise _mismatch(f"target is a Python scalar, saved an array of shape "
+                            f"{entry.shape}", manifest, store, entry.path)
+        return
+    saved = entry.shape[:-1] if entry.key_impl else entry.shape
+    if entry.kind != "array" and shape != ():
+        raise _mismatch(f"target has shape {shape}, saved a {entry.kind}", manifest, store,
+                        entry.path)
+    if entry.kind == "array" and shape != saved:
+        raise _mismatch(f"target has shape {shape}, saved shape is {saved}", manifest, store,
+                        entry.path)
+    is_key = jax.dtypes.issubdtype(t.dtype, jax.dtypes.prng_key)
+    if is_key != bool(entry.key_impl):
+        raise _mismatch("target and checkpoint disagree on whether this is a PRNG key array",
+                        manifest, store, entry.path)
+
+
+def _place(value: Any, t: Any) -> Any:
+    """Converts a restored host value to what target leaf ``t`` asks for."""
+    if _target_shape(t) is None:
+        return type(t)(value.item() if isinstance(value, np.ndarray) else value)
+    if isinstance(t, np.ndarray | np.generic):
+        return np.asarray(value, dtype=t.dtype)
+    if not (isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype,
+                                                                   jax.dtypes.prng_key)):
+        value = np.asarray(value)
+        value = value if value.dtype == t.dtype else value.astype(t.dtype)
+    sharding = getattr(t, "sharding", None)
+    return jax.device_put(value, sharding) if sharding is not None else jax.device_put(value)
+
+
+def read_leaves(store: Store, manifest: Manifest, indices: list[int],
+                max_workers: int) -> dict[int, Any]:
+    """Reads the given leaves of a manifest into host values (numpy arrays or scalars).
+
+    Every needed chunk is fetched once, with at most ``2 * max_workers`` in flight, decoded and
+    verified (format.md §3.2), and its blocks are copied into the leaves' arrays.
+    """
+    values: dict[int, Any] = {}
+    users: dict[str, list[tuple[int, ChunkRef]]] = collections.defaultdict(list)
+    for i in indices:
+        entry = manifest.leaves[i]
+        if entry.kind == "scalar":
+            values[i] = complex(*entry.value) if entry.scalar_type == "complex" else entry.value
+        elif entry.inline is not None:
+            values[i] = np.frombuffer(entry.inline, _dtype(entry)).reshape(entry.shape).copy()
+        else:
+            values[i] = np.empty(entry.shape, _dtype(entry))
+            for ref in entry.chunks:
+                users[ref.id].append((i, ref))
+
+    def fetch(cid: str) -> None:
+        blocks = users[cid]
+        first = manifest.leaves[blocks[0][0]]
+        try:
+            raw = decode_chunk(store.get(chunk_key(cid)), cid, blocks[0][1].raw_bytes)
+        except (CorruptChunkError, FileNotFoundError) as e:
+            raise CorruptChunkError(f"unusable chunk: {e}", url=store.url, run=manifest.run,
+                                    step=manifest.step, key_path=first.path,
+                                    chunk_id=cid) from e
+        for i, ref in blocks:
+            out = values[i]
+            if ref.raw_bytes != len(raw):  # the first ref's length was checked by decode_chunk
+                raise CorruptChunkError("chunk refs disagree on the chunk's length",
+                                        url=store.url, run=manifest.run, step=manifest.step,
+                                        key_path=manifest.leaves[i].path, chunk_id=cid)
+            block = np.frombuffer(raw, out.dtype, int(np.prod(ref.shape)), ref.offset)
+            out[tuple(slice(a, b) for a, b in zip(ref.start, ref.stop))] = block.reshape(
+                ref.shape)
+
+    bounded_map(fetch, users, max_workers)
+    for i in indices:
+        entry = manifest.leaves[i]
+        if entry.kind == "array" and entry.key_impl:
+            values[i] = jax.random.wrap_key_data(values[i], impl=entry.key_impl)
+    return values
+
+
+def _dtype(entry: LeafEntry) -> np.dtype:
+    return dtype_from_name(entry.dtype).newbyteorder("<")

@@ -1,0 +1,297 @@
+"""Saving a pytree as a content-addressed checkpoint (format.md §3, §4 and §7).
+
+The write path: flatten and check the tree, refuse an existing step, list the chunk ids the
+repository already has, then hash, compress and upload only the new chunks in a bounded thread
+pool (straight from the arrays' buffers), and finally write the manifest create-only.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import dataclasses
+import threading
+import time
+from typing import Any
+
+import jax
+import msgpack
+import numpy as np
+
+from ._chunking import (
+    DEFAULT_CHUNK_SIZE_BYTES,
+    DEFAULT_PACK_THRESHOLD_BYTES,
+    INLINE_LIMIT_BYTES,
+    block_bytes,
+    dtype_name,
+    grid,
+    is_key_array,
+    shards_of,
+)
+from ._codec import DEFAULT_ZSTD_LEVEL, chunk_id, encode_chunk
+from ._errors import StepAlreadyExistsError, UnsupportedLeafError
+from ._keypath import flatten
+from ._layout import CHUNKS_PREFIX, check_run, check_step, chunk_id_of_key, chunk_key, manifest_key
+from ._manifest import ChunkRef, LeafEntry, Manifest, encode_manifest
+from ._pool import bounded_map
+from ._repository import Url, ensure_config
+from .store import Store, open_store
+
+MAX_METADATA_BYTES = 2**20
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SaveInfo:
+    """What one :func:`save` did.
+
+    Attributes:
+      step, run: the checkpoint written.
+      logical_bytes: raw bytes of all array leaves.
+      written_bytes: bytes actually uploaded: new chunk objects plus the manifest.
+      new_chunks: chunks uploaded by this save.
+      reused_chunks: chunk refs satisfied by chunks already stored (or uploaded earlier in the
+        same save).
+      manifest_bytes: size of the manifest object.
+      seconds: wall time of the save.
+    """
+
+    step: int
+    run: str
+    logical_bytes: int
+    written_bytes: int
+    new_chunks: int
+    reused_chunks: int
+    manifest_bytes: int
+    seconds: float
+
+    @property
+    def dedup_ratio(self) -> float:
+        """``logical_bytes / written_bytes``: how many times smaller the save was than the state."""
+        return self.logical_bytes / max(self.written_bytes, 1)
+
+
+class _ChunkWriter:
+    """Uploads chunks that the repository does not have yet; thread-safe.
+
+    A chunk id seen in the listing, or already uploaded (or being uploaded) by this save, is
+    reused; a second block with the same id waits for the first upload to finish.
+    """
+
+    def __init__(self, store: Store, existing: dict[str, int], zstd_level: int):
+        self.store, self.existing, self.zstd_level = store, existing, zstd_level
+        self.inflight: dict[str, cf.Future] = {}
+        self.lock = threading.Lock()
+        self.new = self.reused = self.written = 0
+
+    def write(self, raw: memoryview) -> tuple[str, int]:
+        """Stores ``raw`` if needed; returns ``(chunk id, stored bytes)``."""
+        cid = chunk_id(raw)
+        with self.lock:
+            size = self.existing.get(cid)
+            future = self.inflight.get(cid) if size is None else None
+            owner = size is None and future is None
+            if owner:
+                future = self.inflight[cid] = cf.Future()
+            else:
+                self.reused += 1
+        if size is not None:
+            return cid, size
+        if not owner:
+            return cid, future.result()
+        try:
+            data = encode_chunk(raw, level=self.zstd_level)
+            self.store.put(chunk_key(cid), data)
+        except BaseException as e:
+            future.set_exception(e)
+            raise
+        with self.lock:
+            self.existing[cid] = len(data)
+            self.new += 1
+            self.written += len(data)
+        future.set_result(len(data))
+        return cid, len(data)
+
+
+def _sharding_info(x: Any) -> dict | None:
+    """The NamedSharding of a jax.Array as ``{"mesh": {axis: size}, "spec": [...]}``."""
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return None
+    spec = [list(p) if isinstance(p, tuple) else p for p in sharding.spec]
+    return {"mesh": {str(k): int(v) for k, v in sharding.mesh.shape.items()}, "spec": spec}
+
+
+def _scalar_entry(path: str, value: Any) -> LeafEntry:
+    """A Python scalar stored inline (format.md §4.3); bool is checked before int."""
+    kind = next(t for t in (bool, int, float, complex, str, bytes) if isinstance(value, t))
+    if kind is int and not -2**63 <= value < 2**63:
+        raise UnsupportedLeafError("int does not fit in 64 bits", key_path=path)
+    if kind in (str, bytes) and len(value) > 2**20:
+        raise UnsupportedLeafError(f"{kind.__name__} longer than 1 MiB", key_path=path)
+    stored = [float(value.real), float(value.imag)] if kind is complex else kind(value)
+    return LeafEntry(path, "scalar", scalar_type=kind.__name__, value=stored)
+
+
+def _as_array(path: str, value: Any) -> tuple[Any, str | None]:
+    """The array to store for a leaf, and the PRNG key implementation for typed keys."""
+    key_impl = None
+    if is_key_array(value):
+        key_impl = str(jax.random.key_impl(value))
+        value = jax.random.key_data(value)
+    elif isinstance(value, np.generic):
+        value = np.asarray(value)
+    if dtype_name(value.dtype) is None:
+        raise UnsupportedLeafError(f"arrays of dtype {value.dtype} cannot be stored",
+                                   key_path=path)
+    return value, key_impl
+
+
+def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any = None,
+         chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES,
+         pack_threshold_bytes: int = DEFAULT_PACK_THRESHOLD_BYTES,
+         zstd_level: int = DEFAULT_ZSTD_LEVEL, max_workers: int | None = None) -> SaveInfo:
+    """Saves ``tree`` as checkpoint ``step`` of ``run``.
+
+    Writes, in this order (format.md §7): the config object if the repository is new; every
+    chunk the repository lacks (found by one listing of ``chunks/``); then the manifest,
+    create-only. Arrays are cut along shard boundaries into chunks of at most
+    ``chunk_size_bytes`` (format.md §3.3); leaves of at most ``pack_threshold_bytes`` are packed
+    together and leaves of at most 64 bytes are stored inline in the manifest (§3.4). Hashing,
+    compression and upload run in a pool of ``max_workers`` threads with at most two blocks per
+    worker in flight, reading straight from the arrays' buffers.
+
+    Args:
+      url: a path, an fsspec URL or a Store.
+      step: the step number, ``0 <= step < 10**16``.
+      tree: a pytree (dict / list / tuple / namedtuple / registered dataclasses, flax and equinox
+        nodes) whose leaves are numpy or jax arrays of the dtypes of format.md §4.5 (typed PRNG
+        keys included), Python bool / int / float / complex / str / bytes, or None.
+      run: the run name.
+      metadata: user metadata stored in the manifest (msgpack types: None, bool, int, float, str,
+        bytes, list, dict; at most 1 MiB encoded).
+      chunk_size_bytes: the largest chunk, bytes (default 16 MiB).
+      pack_threshold_bytes: leaves up to this size are packed (default 64 KiB).
+      zstd_level: zstd compression level (the chunk id does not depend on it).
+      max_workers: threads for hashing, compression and upload (default the store's).
+
+    Returns:
+      A :class:`SaveInfo`.
+
+    Raises:
+      StepAlreadyExistsError: the step exists (checked first, and again by the create-only
+        manifest write); nothing visible changes.
+      UnsupportedLeafError: a leaf cannot be stored; names its key path. Raised before any write.
+      ValueError: invalid ``step``, ``run``, or ``metadata`` that msgpack cannot encode.
+      ManifestError: the repository's config object is damaged or of an unknown version.
+    """
+    t0, created = time.perf_counter(), time.time()
+    store = open_store(url)
+    key = manifest_key(check_run(run), check_step(step))
+    node, leaves = flatten(tree)
+    _check_metadata(metadata)
+    if store.exists(key):
+        raise StepAlreadyExistsError("step already exists", url=store.url, run=run, step=step)
+    ensure_config(store)
+    existing = {cid: info.size for info in store.list(CHUNKS_PREFIX)
+                if (cid := chunk_id_of_key(info.key)) is not None}
+    writer = _ChunkWriter(store, existing, zstd_level)
+    entries = _write_leaves(leaves, writer, chunk_size_bytes, pack_threshold_bytes,
+                            max_workers or store.max_workers)
+    manifest = Manifest(run, step, created, metadata, node, entries)
+    data = encode_manifest(manifest)
+    try:
+        store.put_if_absent(key, data)
+    except FileExistsError:
+        raise StepAlreadyExistsError("step was committed by a concurrent save", url=store.url,
+                                     run=run, step=step) from None
+    return SaveInfo(step, run, manifest.logical_bytes, writer.written + len(data), writer.new,
+                    writer.reused, len(data), time.perf_counter() - t0)
+
+
+def _check_metadata(metadata: Any) -> None:
+    try:
+        size = len(msgpack.packb(metadata, use_bin_type=True))
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ValueError(f"metadata is not msgpack-serializable: {e}") from e
+    if size > MAX_METADATA_BYTES:
+        raise ValueError(f"metadata is {size} bytes encoded; the limit is 1 MiB")
+
+
+def _write_leaves(leaves: list[tuple[str, Any]], writer: _ChunkWriter, chunk_size_bytes: int,
+                  pack_threshold_bytes: int, max_workers: int) -> tuple[LeafEntry, ...]:
+    """Stores every leaf's chunks and returns the leaf entries, in leaf order."""
+    entries: dict[int, LeafEntry] = {}
+    arrays: dict[int, tuple[Any, str | None]] = {}
+    for i, (path, value) in enumerate(leaves):
+        if not isinstance(value, (np.ndarray, np.generic, jax.Array)):
+            entries[i] = _scalar_entry(path, value)
+        else:
+            arrays[i] = _as_array(path, value)
+    refs: dict[int, list[ChunkRef]] = collections.defaultdict(list)
+    small = {i: a for i, (a, _) in arrays.items() if a.nbytes <= pack_threshold_bytes
+             and getattr(a, "is_fully_addressable", True)}
+    inline = {i: bytes(block_bytes(np.asarray(a), (0,) * a.ndim, a.shape))
+              for i, a in small.items() if a.nbytes <= INLINE_LIMIT_BYTES}
+    jobs = _pack_jobs({i: a for i, a in small.items() if i not in inline}, chunk_size_bytes)
+    jobs += [job for i, (a, _) in arrays.items() if i not in small
+             for job in _block_jobs(i, a, chunk_size_bytes)]
+    for i, ref in _run_jobs(jobs, writer, max_workers, leaves):
+        refs[i].append(ref)
+    for i, (a, key_impl) in arrays.items():
+        entries[i] = LeafEntry(
+            leaves[i][0], "array", tuple(a.shape), dtype_name(a.dtype), isinstance(a, jax.Array),
+            key_impl, _sharding_info(a), inline.get(i),
+            tuple(sorted(refs.get(i, ()), key=lambda r: r.start)))
+    return tuple(entries[i] for i in range(len(leaves)))
+
+
+# A job yields the raw bytes of one chunk and the (leaf, start, stop, offset) blocks it holds.
+_Job = tuple[Any, list[tuple[int, tuple[int, ...], tuple[int, ...], int]]]
+
+
+def _block_jobs(i: int, array: Any, chunk_size_bytes: int) -> list[_Job]:
+    """One job per block of every unique shard of a large array (format.md §3.3)."""
+    jobs = []
+    for (origin, _), host in shards_of(array):
+        for start, stop in grid(host.shape, host.dtype.itemsize, chunk_size_bytes):
+            g_start = tuple(o + a for o, a in zip(origin, start))
+            g_stop = tuple(o + b for o, b in zip(origin, stop))
+            jobs.append(((host, start, stop), [(i, g_start, g_stop, 0)]))
+    return jobs
+
+
+def _pack_jobs(small: dict[int, Any], chunk_size_bytes: int) -> list[_Job]:
+    """Groups small leaves, in key-path order, into packs of at most one chunk (format.md §3.4)."""
+    jobs: list[_Job] = []
+    parts: list[bytes] = []
+    blocks: list = []
+    size = 0
+    for i, a in small.items():
+        raw = bytes(block_bytes(np.asarray(a), (0,) * a.ndim, a.shape))
+        if parts and size + len(raw) > chunk_size_bytes:
+            jobs.append((b"".join(parts), blocks))
+            parts, blocks, size = [], [], 0
+        blocks.append((i, (0,) * a.ndim, tuple(a.shape), size))
+        parts.append(raw)
+        size += len(raw)
+    if parts:
+        jobs.append((b"".join(parts), blocks))
+    return jobs
+
+
+def _run_jobs(jobs: list[_Job], writer: _ChunkWriter, max_workers: int,
+              leaves: list) -> list[tuple[int, ChunkRef]]:
+    """Runs the jobs in a bounded thread pool; returns (leaf index, chunk ref) pairs."""
+
+    def run(job: _Job) -> list[tuple[int, ChunkRef]]:
+        source, blocks = job
+        try:
+            raw = block_bytes(*source) if isinstance(source, tuple) else memoryview(source)
+            cid, stored = writer.write(raw)
+        except Exception as e:
+            if hasattr(e, "add_note"):  # Python >= 3.11
+                e.add_note(f"while saving key path {leaves[blocks[0][0]][0]!r}")
+            raise
+        return [(i, ChunkRef(cid, a, b, off, len(raw), stored)) for i, a, b, off in blocks]
+
+    return [pair for pairs in bounded_map(run, jobs, max_workers) for pair in pairs]

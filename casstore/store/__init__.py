@@ -1,0 +1,43 @@
+"""Stores: where casstore keeps its objects (local disk, memory, any fsspec URL)."""
+
+from __future__ import annotations
+
+import os
+
+from ._base import ObjectInfo as ObjectInfo
+from ._base import Store as Store
+from ._fsspec import FsspecStore as FsspecStore
+from ._local import LocalStore as LocalStore
+from ._memory import MemoryStore as MemoryStore
+from ._wrappers import CountingStore as CountingStore
+
+
+def open_store(url: str | os.PathLike | Store, *, read_only: bool = False,
+               **storage_options) -> Store:
+    """Opens the store at ``url``.
+
+    A plain path or ``file://`` URL gives a :class:`LocalStore` (fsynced, atomic writes); any
+    other URL (``s3://``, ``gs://``, ``memory://``, ...) gives an :class:`FsspecStore` opened
+    with ``storage_options``; a :class:`Store` is returned as it is.
+
+    Args:
+      url: a path, an fsspec URL or a Store.
+      read_only: open for reading only (ignored for a Store instance).
+      **storage_options: passed to fsspec (e.g. ``endpoint_url``, ``anon``, ``key``).
+
+    Returns:
+      The Store.
+
+    Raises:
+      ValueError: ``storage_options`` given for a local path or a Store instance.
+    """
+    if isinstance(url, Store):
+        if storage_options:
+            raise ValueError("storage_options cannot apply to an already opened Store")
+        return url
+    url = os.fspath(url)
+    if "://" not in url or url.startswith("file://"):
+        if storage_options:
+            raise ValueError(f"storage_options are for fsspec URLs, not the local path {url!r}")
+        return LocalStore(url.removeprefix("file://"), read_only=read_only)
+    return FsspecStore.from_url(url, read_only=read_only, **storage_options)

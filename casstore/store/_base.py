@@ -1,0 +1,141 @@
+"""The Store interface: a handful of primitives, the rest derived (STYLE.md §3).
+
+A store maps relative ``/``-separated ASCII keys to immutable byte objects. Missing keys raise
+:class:`~casstore.ObjectNotFoundError` (a ``FileNotFoundError``) everywhere; there is no other
+missing-key convention.
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures as cf
+import dataclasses
+import re
+from collections.abc import Iterable, Iterator, Mapping
+
+from .._errors import ReadOnlyStoreError
+
+_SEGMENT = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]*")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """One object found by :meth:`Store.list`.
+
+    Attributes:
+      key: the object's key, relative to the store root.
+      size: its length in bytes.
+      mtime: its last modification time, seconds since the epoch (UTC).
+    """
+
+    key: str
+    size: int
+    mtime: float
+
+
+def check_key(key: str) -> str:
+    """Returns ``key`` if it is a valid store key, else raises ``ValueError``.
+
+    Valid keys are relative, ``/``-separated, ASCII; each segment is letters, digits, ``_``,
+    ``-`` and ``.``, and does not start with ``.`` (so no ``..`` and no hidden temp names).
+    """
+    if not isinstance(key, str) or not key or not all(
+            _SEGMENT.fullmatch(s) for s in key.split("/")):
+        raise ValueError(f"invalid store key {key!r}")
+    return key
+
+
+class Store(abc.ABC):
+    """A flat, synchronous key -> bytes object store.
+
+    Subclasses implement ``get``, ``_put``, ``exists``, ``_delete`` and ``list``; ``put``,
+    ``put_if_absent`` and ``delete`` check ``read_only`` first. ``get_many`` and ``put_many``
+    run over a thread pool of ``max_workers`` by default; backends with bulk calls override them.
+    Stores are thread-safe: one store may be used from many threads at once.
+
+    Attributes:
+      url: where the store lives (a path or URL without credentials).
+      read_only: if true, every write raises :class:`~casstore.ReadOnlyStoreError`.
+      max_workers: the concurrency of bulk operations.
+    """
+
+    url: str
+    read_only: bool = False
+    max_workers: int = 8
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes:
+        """Returns the object's bytes. Raises ObjectNotFoundError if ``key`` is absent."""
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool:
+        """True if ``key`` exists. Errors other than "not found" (auth, network) propagate."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Yields every object whose key starts with ``prefix`` (a plain string prefix)."""
+
+    @abc.abstractmethod
+    def _put(self, key: str, data: bytes, *, exclusive: bool) -> None:
+        """Writes ``data`` atomically; with ``exclusive``, raises FileExistsError if present."""
+
+    @abc.abstractmethod
+    def _delete(self, key: str) -> None:
+        """Deletes ``key``; a missing key is not an error."""
+
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        """Writes a whole object atomically: readers see all of it or nothing.
+
+        Raises:
+          ReadOnlyStoreError: the store is read-only.
+          ValueError: ``key`` is not a valid key.
+        """
+        self._check_writable(key)
+        self._put(check_key(key), data, exclusive=False)
+
+    def put_if_absent(self, key: str, data: bytes | memoryview) -> None:
+        """Writes a whole object atomically, only if ``key`` does not exist yet (create-only).
+
+        Raises:
+          FileExistsError: ``key`` exists; it is left unchanged.
+          ReadOnlyStoreError: the store is read-only.
+        """
+        self._check_writable(key)
+        self._put(check_key(key), data, exclusive=True)
+
+    def delete(self, key: str) -> None:
+        """Deletes ``key``. Idempotent: deleting a missing key succeeds.
+
+        Raises:
+          ReadOnlyStoreError: the store is read-only.
+        """
+        self._check_writable(key)
+        self._delete(check_key(key))
+
+    def get_many(self, keys: Iterable[str]) -> dict[str, bytes]:
+        """Returns ``{key: bytes}`` for all ``keys``, fetched concurrently.
+
+        Raises:
+          ObjectNotFoundError: one of the keys is absent.
+        """
+        keys = list(keys)
+        if len(keys) <= 1:
+            return {k: self.get(k) for k in keys}
+        with cf.ThreadPoolExecutor(min(self.max_workers, len(keys))) as pool:
+            return dict(zip(keys, pool.map(self.get, keys)))
+
+    def put_many(self, items: Mapping[str, bytes | memoryview]) -> None:
+        """Writes every ``{key: bytes}`` item (each atomically), concurrently."""
+        if len(items) <= 1:
+            for key, data in items.items():
+                self.put(key, data)
+            return
+        with cf.ThreadPoolExecutor(min(self.max_workers, len(items))) as pool:
+            list(pool.map(self.put, items.keys(), items.values()))
+
+    def _check_writable(self, key: str) -> None:
+        if self.read_only:
+            raise ReadOnlyStoreError(f"store is read-only; cannot write {key!r}", url=self.url)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r}{', read_only=True' if self.read_only else ''})"

@@ -1,0 +1,114 @@
+"""A local-directory store with restic's durable write recipe (STYLE.md §3).
+
+Every write goes to a temp file in the target directory, is fsynced, then renamed into place
+(or hard-linked, for create-only writes), and the directory is fsynced, so after ``put``
+returns the object survives a crash and readers never see a partial object.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+from .._errors import ObjectNotFoundError
+from ._base import ObjectInfo, Store
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class LocalStore(Store):
+    """A store in a local directory, durable and atomic per object.
+
+    Writes: temp file ``.<name>.<random>.tmp`` in the same directory, write all bytes, fsync,
+    close, then ``os.replace`` (``put``) or ``os.link`` (``put_if_absent``, atomic create-only
+    on POSIX), then fsync the directory. Temp names start with ``.`` and are never listed.
+
+    Args:
+      root: the directory; created on first write.
+      read_only: refuse writes.
+      fsync: fsync files and directories (turn off only for throwaway data).
+    """
+
+    def __init__(self, root: str | os.PathLike, *, read_only: bool = False, fsync: bool = True):
+        self.root = os.path.abspath(os.fspath(root))
+        self.url = self.root
+        self.read_only = read_only
+        self.fsync = fsync
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, *key.split("/"))
+
+    def get(self, key: str) -> bytes:
+        try:
+            with open(self._path(key), "rb") as f:
+                return f.read()
+        except (FileNotFoundError, NotADirectoryError):
+            raise ObjectNotFoundError("no such object", url=self._path(key)) from None
+
+    def exists(self, key: str) -> bool:
+        return os.path.isfile(self._path(key))
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        for dirpath, dirnames, filenames in os.walk(self._path(base) if base else self.root):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            rel = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
+            for name in sorted(filenames):
+                key = name if rel == "." else f"{rel}/{name}"
+                if name.startswith(".") or not key.startswith(prefix):
+                    continue
+                try:
+                    st = os.stat(os.path.join(dirpath, name))
+                except FileNotFoundError:  # deleted while listing
+                    continue
+                yield ObjectInfo(key, st.st_size, st.st_mtime)
+
+    def _put(self, key: str, data: bytes | memoryview, *, exclusive: bool) -> None:
+        path = self._path(key)
+        directory = os.path.dirname(path)
+        self._makedirs(directory)
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                written = f.write(data)
+                if written != len(memoryview(data).cast("B")):
+                    raise OSError(f"short write to {tmp}: {written} bytes")
+                if self.fsync:
+                    os.fsync(f.fileno())
+            if exclusive:
+                os.link(tmp, path)  # raises FileExistsError if present
+            else:
+                os.replace(tmp, path)
+        finally:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+        if self.fsync:
+            _fsync_dir(directory)
+
+    def _makedirs(self, directory: str) -> None:
+        """Creates missing directories and fsyncs each new one's parent."""
+        if os.path.isdir(directory):
+            return
+        parent = os.path.dirname(directory)
+        self._makedirs(parent)
+        try:
+            os.mkdir(directory)
+        except FileExistsError:
+            return
+        if self.fsync:
+            _fsync_dir(parent)
+
+    def _delete(self, key: str) -> None:
+        try:
+            os.unlink(self._path(key))
+        except FileNotFoundError:
+            return
+        if self.fsync:
+            _fsync_dir(os.path.dirname(self._path(key)))

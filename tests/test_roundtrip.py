@@ -1,0 +1,236 @@
+"""Save/restore round trips: every dtype and shape, every store, the pytrees JAX users have."""
+
+import dataclasses
+from typing import NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from flax import nnx, struct
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import casstore
+from casstore._chunking import DTYPE_NAMES, dtype_from_name
+
+from conftest import BACKENDS, make_store
+
+DTYPES = [dtype_from_name(n) for n in DTYPE_NAMES if dtype_from_name(n) is not None]
+
+
+def random_array(rng: np.random.Generator, shape, dtype) -> np.ndarray:
+    """Random bytes viewed as ``dtype``, masked to valid values for bool and sub-byte types."""
+    dtype = np.dtype(dtype)
+    raw = rng.integers(0, 256, size=int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8)
+    if dtype == np.bool_:
+        raw = raw & 1
+    elif dtype.name in ("int2", "uint2", "int4", "uint4", "float4_e2m1fn"):
+        bits = 2 if dtype.name.endswith("2") else 4
+        return raw.astype(np.int8 if dtype.name.startswith("int") else np.uint8)[
+            :int(np.prod(shape))].__and__((1 << bits) - 1).astype(dtype).reshape(shape)
+    return raw.view(dtype).reshape(shape)
+
+
+def assert_bitwise_equal(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+    assert a.tobytes() == b.tobytes()
+
+
+def assert_trees_equal(saved, restored):
+    s_leaves, s_def = jax.tree_util.tree_flatten(saved)
+    r_leaves, r_def = jax.tree_util.tree_flatten(restored)
+    assert len(s_leaves) == len(r_leaves)
+    for s, r in zip(s_leaves, r_leaves):
+        if isinstance(s, jax.Array) and jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key):
+            assert jax.random.key_impl(s) == jax.random.key_impl(r)
+            assert_bitwise_equal(jax.random.key_data(s), jax.random.key_data(r))
+        elif isinstance(s, (np.ndarray, np.generic, jax.Array)):
+            assert_bitwise_equal(s, r)
+        else:
+            assert type(s) is type(r) and s == r
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (7,), (5, 3), (40, 33, 3)])
+def test_every_dtype_and_shape_roundtrips(repo_store, dtype, shape):
+    rng = np.random.default_rng(0)
+    tree = {"np": random_array(rng, shape, dtype)}
+    try:
+        tree["jax"] = jnp.asarray(random_array(rng, shape, dtype))
+    except (TypeError, ValueError):  # a dtype this jax cannot hold stays numpy-only
+        pass
+    casstore.save(repo_store, 0, tree, chunk_size_bytes=64, pack_threshold_bytes=128)
+    restored = casstore.restore(repo_store, 0)
+    for key in tree:
+        assert_bitwise_equal(tree[key], restored[key])
+    # numpy target leaves give numpy; ShapeDtypeStruct leaves give jax arrays.
+    target = {"np": np.zeros(shape, dtype)}
+    if "jax" in tree:
+        target["jax"] = jax.ShapeDtypeStruct(shape, tree["jax"].dtype)
+    typed = casstore.restore(repo_store, 0, target=target)
+    assert isinstance(typed["np"], np.ndarray)
+    assert all(isinstance(typed[k], jax.Array) for k in target if k == "jax")
+    for key in tree:
+        assert_bitwise_equal(tree[key], typed[key])
+
+
+@st.composite
+def pytrees(draw, depth=0):
+    if depth < 3 and draw(st.booleans()):
+        kind = draw(st.sampled_from(["dict", "list", "tuple"]))
+        children = draw(st.lists(pytrees(depth + 1), max_size=4))
+        if kind == "dict":
+            keys = draw(st.lists(st.text(max_size=6) | st.integers(-5, 5), min_size=len(
+                children), max_size=len(children), unique_by=lambda k: (type(k), k)))
+            keys = [k for k in keys if isinstance(k, str)] or [
+                k for k in keys if isinstance(k, int)]  # jax sorts keys: one key type
+            return dict(zip(keys, children))
+        return children if kind == "list" else tuple(children)
+    leaf = draw(st.sampled_from(["array", "array", "scalar", "none"]))
+    if leaf == "none":
+        return None
+    if leaf == "scalar":
+        return draw(st.booleans() | st.integers(-2**63, 2**63 - 1) | st.floats(
+            allow_nan=False) | st.text(max_size=20) | st.binary(max_size=20))
+    dtype = draw(st.sampled_from(DTYPES))
+    shape = draw(hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=20))
+    seed = draw(st.integers(0, 2**32 - 1))
+    return random_array(np.random.default_rng(seed), shape, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.data_too_large])
+@given(tree=pytrees(), chunk=st.sampled_from([16, 100, 4096, 2**24]))
+def test_random_pytrees_roundtrip(tmp_path_factory, backend, tree, chunk):
+    store = make_store(backend, tmp_path_factory.mktemp("r"))
+    casstore.save(store, 3, tree, chunk_size_bytes=chunk, pack_threshold_bytes=chunk // 2)
+    assert_trees_equal(tree, casstore.restore(store, 3))
+
+
+def test_noncontiguous_and_big_endian_inputs(repo_store):
+    base = np.arange(600, dtype=np.float64).reshape(20, 30)
+    tree = {"t": base.T, "strided": base[::3, 1::2], "be": base.astype(">f8"),
+            "be_int": np.arange(50, dtype=">i4"), "fortran": np.asfortranarray(base)}
+    casstore.save(repo_store, 1, tree, chunk_size_bytes=256)
+    restored = casstore.restore(repo_store, 1)
+    for key, value in tree.items():
+        np.testing.assert_array_equal(restored[key], value)
+        assert restored[key].dtype == value.dtype.newbyteorder("=")
+
+
+def test_python_scalars_keep_their_type(repo_store):
+    tree = {"b": True, "i": -(2**62), "f": 0.1, "c": 1 + 2j, "s": "héllo/[x]", "y": b"\x00\xff",
+            "n": None, "np_scalar": np.float32(1.5), "empty": {}, "empty_list": []}
+    casstore.save(repo_store, 0, tree)
+    restored = casstore.restore(repo_store, 0)
+    assert_trees_equal(tree, restored)
+    assert restored["n"] is None and restored["empty"] == {} and restored["empty_list"] == []
+    assert isinstance(restored["np_scalar"], np.ndarray) and restored["np_scalar"] == 1.5
+
+
+def test_typed_prng_keys_restore_as_typed_keys(repo_store):
+    tree = {"key": jax.random.key(7), "keys": jax.random.split(jax.random.key(1), 4),
+            "rbg": jax.random.key(3, impl="rbg")}
+    casstore.save(repo_store, 0, tree)
+    plain = casstore.restore(repo_store, 0)
+    assert_trees_equal(tree, plain)
+    typed = casstore.restore(repo_store, 0, target=jax.eval_shape(lambda: tree))
+    assert_trees_equal(tree, typed)
+    assert jax.random.uniform(typed["key"]) == jax.random.uniform(tree["key"])
+
+
+class Point(NamedTuple):
+    x: jax.Array
+    y: int
+
+
+@struct.dataclass
+class TrainState:
+    params: dict
+    step: jax.Array
+    name: str = struct.field(pytree_node=False, default="run")
+
+
+def test_namedtuple_flax_struct_and_optax_state(repo_store):
+    params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3)}
+    opt = optax.adam(1e-3)
+    state = {"train": TrainState(params, jnp.int32(5)), "opt": opt.init(params),
+             "pt": Point(jnp.arange(3), 4)}
+    casstore.save(repo_store, 0, state)
+    plain = casstore.restore(repo_store, 0)
+    assert set(plain["train"]) == {"params", "step"}
+    assert plain["opt"][0]["count"] == 0 and plain["pt"]["y"] == 4
+    np.testing.assert_array_equal(plain["opt"][0]["mu"]["w"], np.zeros((4, 3)))
+    target = jax.eval_shape(lambda: state)
+    target["pt"] = target["pt"]._replace(y=0)  # a Python int target leaf gives a Python int
+    restored = casstore.restore(repo_store, 0, target=target)
+    assert isinstance(restored["opt"][0], optax.ScaleByAdamState)
+    assert isinstance(restored["train"], TrainState) and restored["train"].name == "run"
+    assert_trees_equal(state, restored)
+
+
+def test_flax_nnx_state_with_rngs(repo_store):
+    model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.Dropout(0.1,
+                           rngs=nnx.Rngs(1)), nnx.Linear(8, 2, rngs=nnx.Rngs(2)))
+    graphdef, state = nnx.split(model)
+    casstore.save(repo_store, 0, state)
+    abstract = nnx.eval_shape(lambda: nnx.Sequential(
+        nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.Dropout(0.1, rngs=nnx.Rngs(1)),
+        nnx.Linear(8, 2, rngs=nnx.Rngs(2))))
+    _, abstract_state = nnx.split(abstract)
+    restored = casstore.restore(repo_store, 0, target=abstract_state)
+    assert_trees_equal(state, restored)
+    new_model = nnx.merge(graphdef, restored)
+    x = jnp.ones((1, 4))
+    np.testing.assert_array_equal(new_model.layers[0](x), model.layers[0](x))
+
+
+class MLP(eqx.Module):
+    layers: list
+    activation: str = eqx.field(static=True)
+    scale: float
+
+
+def test_equinox_module_with_non_array_fields(repo_store):
+    key = jax.random.key(0)
+    model = MLP([eqx.nn.Linear(3, 4, key=key), eqx.nn.Linear(4, 1, key=key)], "relu", 0.5)
+    params, static = eqx.partition(model, eqx.is_array)
+    casstore.save(repo_store, 0, params)
+    restored = casstore.restore(repo_store, 0, target=eqx.filter_eval_shape(lambda: params))
+    assert_trees_equal(params, restored)
+    rebuilt = eqx.combine(restored, static)
+    np.testing.assert_array_equal(rebuilt.layers[0](jnp.ones(3)), model.layers[0](jnp.ones(3)))
+    casstore.save(repo_store, 1, model)  # float field is a scalar leaf, str field is static
+    assert casstore.restore(repo_store, 1)["scale"] == 0.5
+
+
+@dataclasses.dataclass
+class Opaque:
+    value: int
+
+
+@pytest.mark.parametrize("bad", [Opaque(1), np.array(["a", "b"]), np.array([object()]),
+                                 lambda x: x, np.arange(3).astype("datetime64[s]")])
+def test_unsupported_leaves_name_their_key_path(repo_store, bad):
+    with pytest.raises(casstore.UnsupportedLeafError) as info:
+        casstore.save(repo_store, 0, {"params": {"ok": np.ones(2), "bad": bad}})
+    assert info.value.key_path == "params/bad" and "params/bad" in str(info.value)
+    assert isinstance(info.value, TypeError)
+    assert casstore.list_steps(repo_store) == []
+
+
+def test_bfloat16_and_float8_values_survive(repo_store):
+    x = jnp.linspace(-3, 3, 101, dtype=jnp.bfloat16)
+    y = np.linspace(-3, 3, 50).astype(ml_dtypes.float8_e4m3fn)
+    casstore.save(repo_store, 0, {"x": x, "y": y})
+    r = casstore.restore(repo_store, 0)
+    assert r["x"].dtype == jnp.bfloat16 and r["y"].dtype == ml_dtypes.float8_e4m3fn
+    assert_bitwise_equal(x, r["x"])
+    assert_bitwise_equal(y, r["y"])
