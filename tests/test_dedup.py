@@ -1,0 +1,118 @@
+"""Deduplication proven by counting store writes (CountingStore)."""
+
+import jax.numpy as jnp
+import numpy as np
+
+import casstore
+from casstore._layout import CHUNKS_PREFIX
+from casstore.store import CountingStore, MemoryStore
+
+CHUNK = 4096
+
+
+def train_state(seed: int, frozen_seed: int = 0) -> dict:
+    """A small train state: a frozen base (embeddings, 3 layers) and a trained head."""
+    frozen = np.random.default_rng(frozen_seed)
+    trained = np.random.default_rng(seed)
+    base = {"embed": frozen.normal(size=(300, 16)).astype(np.float32),
+            "layers": [{"w": frozen.normal(size=(64, 64)).astype(np.float32),
+                        "b": frozen.normal(size=(64,)).astype(np.float32)} for _ in range(3)]}
+    head = {"w": trained.normal(size=(64, 40)).astype(np.float32),
+            "b": trained.normal(size=(40,)).astype(np.float32)}
+    return {"params": {"base": base, "head": head}, "step": jnp.int32(seed)}
+
+
+def chunk_writes(store: CountingStore) -> list[str]:
+    return [k for k in store.keys_written if k.startswith(CHUNKS_PREFIX)]
+
+
+def test_unchanged_tree_writes_only_a_manifest():
+    store = CountingStore(MemoryStore())
+    state = train_state(1)
+    first = casstore.save(store, 1, state, chunk_size_bytes=CHUNK)
+    assert first.new_chunks == len(chunk_writes(store)) > 10
+    store.reset()
+    info = casstore.save(store, 2, state, chunk_size_bytes=CHUNK)
+    assert chunk_writes(store) == []
+    assert store.keys_written == ["runs/default/steps/0000000000000002.manifest"]
+    assert info.new_chunks == 0 and info.reused_chunks == first.new_chunks
+    assert info.written_bytes == info.manifest_bytes == store.bytes_written
+    assert store.counts["exists"] == 1  # one existence check for the step, none per chunk
+
+
+def test_frozen_subtree_writes_only_changed_leaves():
+    store = CountingStore(MemoryStore())
+    casstore.save(store, 1, train_state(1), chunk_size_bytes=CHUNK)
+    new = train_state(2)  # same frozen base, new head
+    probe = CountingStore(MemoryStore())
+    casstore.save(probe, 0, {"head": new["params"]["head"]}, chunk_size_bytes=CHUNK)
+    store.reset()
+    info = casstore.save(store, 2, new, chunk_size_bytes=CHUNK)
+    assert sorted(chunk_writes(store)) == sorted(chunk_writes(probe))
+    assert info.new_chunks == len(chunk_writes(probe))
+    np.testing.assert_array_equal(casstore.restore(store, 2)["params"]["head"]["w"],
+                                  new["params"]["head"]["w"])
+
+
+def test_changing_rows_of_an_embedding_rewrites_only_their_chunks():
+    store = CountingStore(MemoryStore())
+    table = np.random.default_rng(0).normal(size=(1024, 64)).astype(np.float32)  # 256 KiB
+    first = casstore.save(store, 1, {"embed": table}, chunk_size_bytes=16 * 1024)  # 64 rows
+    table2 = table.copy()
+    table2[70] += 1  # one row in the second chunk
+    store.reset()
+    info = casstore.save(store, 2, {"embed": table2}, chunk_size_bytes=16 * 1024)
+    assert first.new_chunks == 16 and info.new_chunks == 1 and info.reused_chunks == 15
+    assert len(chunk_writes(store)) == 1
+
+
+def test_second_run_from_the_same_base_writes_only_its_own_part():
+    store = CountingStore(MemoryStore())
+    casstore.save(store, 0, train_state(1), run="lr-1e-3", chunk_size_bytes=CHUNK)
+    other = train_state(99)
+    probe = CountingStore(MemoryStore())
+    casstore.save(probe, 0, {"head": other["params"]["head"]}, chunk_size_bytes=CHUNK)
+    store.reset()
+    casstore.save(store, 0, other, run="lr-3e-4", chunk_size_bytes=CHUNK)
+    assert sorted(chunk_writes(store)) == sorted(chunk_writes(probe))
+    assert casstore.list_runs(store) == ["lr-1e-3", "lr-3e-4"]
+    assert casstore.list_steps(store, run="lr-3e-4") == [0]
+
+
+def test_identical_leaves_in_one_save_are_stored_once():
+    store = CountingStore(MemoryStore())
+    x = np.arange(100_000, dtype=np.float32)
+    info = casstore.save(store, 0, {"a": x, "b": x.copy(), "c": [x]}, chunk_size_bytes=2**20)
+    assert info.new_chunks == 1 and info.reused_chunks == 2
+    assert len(chunk_writes(store)) == 1
+
+
+def test_small_leaves_are_packed_not_one_object_each():
+    store = CountingStore(MemoryStore())
+    tree = {f"bias{i}": np.full(100, i, np.float32) for i in range(50)}  # 400 B each
+    tree["count"] = np.int32(3)  # inline
+    info = casstore.save(store, 0, tree)
+    assert info.new_chunks == 1 and len(chunk_writes(store)) == 1
+    manifest = casstore.read_manifest(store, 0)
+    count = next(leaf for leaf in manifest.leaves if leaf.path == "count")
+    assert count.inline is not None and count.chunks == ()
+    restored = casstore.restore(store, 0)
+    for i in range(50):
+        np.testing.assert_array_equal(restored[f"bias{i}"], tree[f"bias{i}"])
+    store.reset()
+    tree["count"] = np.int32(4)  # a changed inline counter does not rewrite the pack
+    assert casstore.save(store, 1, tree).new_chunks == 0
+
+
+def test_restore_of_a_subtree_reads_only_its_chunks():
+    store = CountingStore(MemoryStore())
+    state = train_state(1)
+    casstore.save(store, 1, state, chunk_size_bytes=CHUNK)
+    head_ids = {r.id for leaf in casstore.read_manifest(store, 1).leaves
+                if leaf.path.startswith("params/head") for r in leaf.chunks}
+    store.reset()
+    head = casstore.restore(store, 1, paths=["params/head"])
+    read = {k.replace("/", "")[len("chunks"):] for k in store.keys_read
+            if k.startswith(CHUNKS_PREFIX)}
+    assert read == head_ids
+    assert set(head) == {"params"} and set(head["params"]) == {"head"}

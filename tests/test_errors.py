@@ -1,0 +1,234 @@
+"""Errors: missing and existing steps, corrupt chunks and manifests, mismatched targets."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import msgpack
+import numpy as np
+import pytest
+
+import casstore
+from casstore._layout import chunk_key, manifest_key
+from casstore.store import LocalStore, MemoryStore
+
+
+@pytest.fixture
+def saved(repo_store):
+    tree = {"params": {"w": np.arange(20000, dtype=np.float32).reshape(100, 200),
+                       "b": np.ones(7, np.float32)},
+            "opt": {"mu": np.zeros((100, 200), np.float32)}, "step": 3}
+    casstore.save(repo_store, 5, tree, chunk_size_bytes=8000)
+    return repo_store, tree
+
+
+def first_chunk(store, path="params/w"):
+    leaf = next(x for x in casstore.read_manifest(store, 5).leaves if x.path == path)
+    return leaf.chunks[0].id
+
+
+def test_missing_step_and_empty_repository(saved, tmp_path):
+    store, _ = saved
+    with pytest.raises(casstore.StepNotFoundError) as info:
+        casstore.restore(store, 6)
+    assert isinstance(info.value, FileNotFoundError) and info.value.step == 6
+    assert "step 6" in str(info.value) and store.url in str(info.value)
+    with pytest.raises(casstore.StepNotFoundError):
+        casstore.restore(store, run="other")
+    empty = LocalStore(tmp_path / "empty")
+    with pytest.raises(casstore.StepNotFoundError):
+        casstore.restore(empty)
+    assert casstore.list_steps(empty) == [] and casstore.latest_step(empty) is None
+    with pytest.raises(casstore.StepNotFoundError):
+        casstore.delete(store, 4)
+
+
+def test_existing_step_is_refused_and_unchanged(saved):
+    store, tree = saved
+    before = {i.key: store.get(i.key) for i in store.list()}
+    other = {"params": {"w": np.full((100, 200), 9, np.float32)}}
+    with pytest.raises(casstore.StepAlreadyExistsError) as info:
+        casstore.save(store, 5, other)
+    assert isinstance(info.value, FileExistsError) and info.value.step == 5
+    assert {i.key: store.get(i.key) for i in store.list()} == before
+    np.testing.assert_array_equal(casstore.restore(store, 5)["params"]["w"],
+                                  tree["params"]["w"])
+
+
+def test_concurrent_commit_loser_gets_step_already_exists(saved):
+    store, _ = saved
+    # The step check passes, then another writer commits first: the create-only put decides.
+    data = store.get(manifest_key("default", 5))
+    store.delete(manifest_key("default", 5))
+    original_put = store.put_if_absent
+
+    def racing_put(key, value):
+        if key.endswith(".manifest"):
+            original_put(key, data)  # the other writer wins the race
+        original_put(key, value)
+
+    store.put_if_absent = racing_put
+    with pytest.raises(casstore.StepAlreadyExistsError):
+        casstore.save(store, 5, {"x": np.ones(3)})
+    del store.put_if_absent
+    assert store.get(manifest_key("default", 5)) == data
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "swap", "delete", "garbage_header"])
+def test_corrupt_chunks_raise_naming_step_path_and_chunk(saved, damage):
+    store, _ = saved
+    cid = first_chunk(store)
+    key = chunk_key(cid)
+    data = bytearray(store.get(key))
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01
+    elif damage == "truncate":
+        data = data[: len(data) - 10]
+    elif damage == "swap":
+        data = bytearray(store.get(chunk_key(first_chunk(store, "opt/mu"))))
+    elif damage == "garbage_header":
+        data[:4] = b"XXXX"
+    store.delete(key)
+    if damage != "delete":
+        store.put(key, bytes(data))
+    with pytest.raises(casstore.CorruptChunkError) as info:
+        casstore.restore(store, 5)
+    err = info.value
+    assert (err.step, err.key_path, err.chunk_id) == (5, "params/w", cid)
+    assert isinstance(err, ValueError)
+    for part in ("step 5", "'params/w'", cid):
+        assert part in str(err)
+    # Leaves in other chunks still restore.
+    assert casstore.restore(store, 5, paths=["opt"])["opt"]["mu"].shape == (100, 200)
+
+
+def test_zstd_bomb_is_rejected_before_decompressing():
+    import zstandard
+
+    from casstore._codec import HEADER, MAGIC, decode_chunk
+    bomb = zstandard.ZstdCompressor().compress(b"\0" * (64 * 2**20))  # 64 MiB of zeros
+    data = HEADER.pack(MAGIC, 1, 1, 0, 100) + bomb
+    with pytest.raises(casstore.CorruptChunkError, match="declares"):
+        decode_chunk(data, "0" * 32, 100)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty", "not_a_map", "version",
+                                    "wrong_step", "bad_dtype", "gap", "overlap", "escape"])
+def test_bad_manifests_raise_manifest_error(saved, damage):
+    store, _ = saved
+    key = manifest_key("default", 5)
+    data = store.get(key)
+    doc = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    w = next(x for x in doc["leaves"] if x["path"] == "params/w")
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "garbage":
+        data = os.urandom(300)
+    elif damage == "empty":
+        data = b""
+    else:
+        if damage == "not_a_map":
+            doc = [1, 2, 3]
+        elif damage == "version":
+            doc["version"] = 99
+        elif damage == "wrong_step":
+            doc["step"] = 6
+        elif damage == "bad_dtype":
+            w["dtype"] = "object"
+        elif damage == "gap":
+            w["chunks"].pop()
+        elif damage == "overlap":
+            w["chunks"][1]["start"] = [0, 0]
+            w["chunks"][1]["stop"] = w["chunks"][0]["stop"]
+        elif damage == "escape":
+            w["chunks"][0]["id"] = "../../etc/passwd"
+        data = msgpack.packb(doc, use_bin_type=True)
+    store.delete(key)
+    store.put(key, data)
+    with pytest.raises(casstore.ManifestError) as info:
+        casstore.restore(store, 5)
+    assert info.value.step == 5 and isinstance(info.value, ValueError)
+
+
+def test_unknown_repository_version_is_refused(saved):
+    store, _ = saved
+    config = msgpack.unpackb(store.get("config"))
+    config["version"] = 2
+    store.delete("config")
+    store.put("config", msgpack.packb(config))
+    with pytest.raises(casstore.ManifestError, match="version"):
+        casstore.list_steps(store)
+    with pytest.raises(casstore.ManifestError):
+        casstore.save(store, 9, {"x": np.ones(2)})
+
+
+def test_mismatched_targets(saved):
+    store, tree = saved
+    target = jax.eval_shape(lambda: jax.tree.map(jnp.asarray, tree))
+    wrong_shape = dict(target, params=dict(target["params"], w=jax.ShapeDtypeStruct((3,),
+                                                                                    jnp.float32)))
+    with pytest.raises(casstore.TargetMismatchError) as info:
+        casstore.restore(store, 5, target=wrong_shape)
+    assert info.value.key_path == "params/w" and "(3,)" in str(info.value)
+    missing = dict(target, extra=jax.ShapeDtypeStruct((2,), jnp.float32))
+    with pytest.raises(casstore.TargetMismatchError, match="not in the checkpoint"):
+        casstore.restore(store, 5, target=missing)
+    subtree = {"params": target["params"]}
+    with pytest.raises(casstore.TargetMismatchError, match="partial=True"):
+        casstore.restore(store, 5, target=subtree)
+    restored = casstore.restore(store, 5, target=subtree, partial=True)
+    np.testing.assert_array_equal(restored["params"]["w"], tree["params"]["w"])
+    with pytest.raises(casstore.TargetMismatchError):
+        casstore.restore(store, 5, paths=["nope"])
+
+
+def test_dtype_cast_on_restore(saved):
+    store, tree = saved
+    target = {"params": {"w": jax.ShapeDtypeStruct((100, 200), jnp.bfloat16),
+                         "b": np.zeros(7, np.float16)},
+              "opt": {"mu": jax.ShapeDtypeStruct((100, 200), jnp.float32)}, "step": 0}
+    r = casstore.restore(store, 5, target=target)
+    assert r["params"]["w"].dtype == jnp.bfloat16 and isinstance(r["params"]["w"], jax.Array)
+    np.testing.assert_array_equal(np.asarray(r["params"]["w"]),
+                                  tree["params"]["w"].astype(jnp.bfloat16))
+    assert r["params"]["b"].dtype == np.float16 and isinstance(r["params"]["b"], np.ndarray)
+    assert r["step"] == 3 and type(r["step"]) is int
+
+
+def test_partial_restore_params_without_optimizer_state(saved):
+    store, tree = saved
+    params = casstore.restore(store, 5, paths=["params"])
+    assert set(params) == {"params"}
+    np.testing.assert_array_equal(params["params"]["b"], tree["params"]["b"])
+
+
+def test_invalid_arguments(saved):
+    store, _ = saved
+    for step in (-1, 1.5, True, 10**16):
+        with pytest.raises(ValueError):
+            casstore.save(store, step, {"x": np.ones(1)})
+    for run in ("", "../x", "a/b", ".hidden"):
+        with pytest.raises(ValueError):
+            casstore.save(store, 0, {"x": np.ones(1)}, run=run)
+    with pytest.raises(ValueError, match="metadata"):
+        casstore.save(store, 0, {"x": np.ones(1)}, metadata={"f": object()})
+    assert casstore.list_steps(store) == [5]
+
+
+def test_read_only_store_restores_and_refuses_to_save(tmp_path):
+    casstore.save(tmp_path / "r", 1, {"x": np.arange(5)})
+    ro = LocalStore(tmp_path / "r", read_only=True)
+    np.testing.assert_array_equal(casstore.restore(ro, 1)["x"], np.arange(5))
+    with pytest.raises(casstore.ReadOnlyStoreError):
+        casstore.save(ro, 2, {"x": np.arange(5)})
+    with pytest.raises(casstore.ReadOnlyStoreError):
+        casstore.delete(ro, 1)
+    assert casstore.list_steps(ro) == [1]
+
+
+def test_delete_removes_only_the_manifest():
+    store = MemoryStore()
+    casstore.save(store, 1, {"x": np.arange(100_000)})
+    chunks = [i.key for i in store.list("chunks/")]
+    casstore.delete(store, 1)
+    assert casstore.list_steps(store) == [] and [i.key for i in store.list("chunks/")] == chunks
