@@ -25,7 +25,13 @@ _ELEMENT = re.compile(rf"{_INDEX}|~3|{_NAME}")
 
 
 def escape_name(name: str) -> str:
-    """The storage form of a dict key or attribute name (format.md §5)."""
+    """The storage form of a dict key or attribute name (format.md §5).
+
+    Raises:
+      TypeError: the name contains a NUL character, which key paths never hold.
+    """
+    if "\0" in name:
+        raise TypeError(f"key {name!r} contains a NUL character")
     if name == "":
         return "~3"
     return name.replace("~", "~0").replace("/", "~1").replace("[", "~2")

@@ -1,0 +1,75 @@
+"""Key path strings (format.md §5) and tree structure (§4.2)."""
+
+import collections
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import casstore
+from casstore._keypath import escape_name, flatten, is_valid_path, path_str, unflatten_plain
+
+tu = jax.tree_util
+
+
+@pytest.mark.parametrize("keys, expected", [
+    ((tu.DictKey("params"), tu.DictKey("dense"), tu.DictKey("kernel")), "params/dense/kernel"),
+    ((tu.DictKey("opt_state"), tu.SequenceKey(0), tu.GetAttrKey("mu")), "opt_state/[0]/mu"),
+    ((tu.DictKey(0),), "[=0]"),
+    ((tu.SequenceKey(0),), "[0]"),
+    ((tu.DictKey("0"),), "0"),
+    ((tu.DictKey(-3),), "[=-3]"),
+    ((tu.DictKey("a/b"),), "a~1b"),
+    ((tu.DictKey("~x"),), "~0x"),
+    ((tu.DictKey("[0]"),), "~20]"),
+    ((tu.DictKey(""),), "~3"),
+    ((), ""),
+])
+def test_documented_examples(keys, expected):
+    assert path_str(keys) == expected
+    assert is_valid_path(expected)
+
+
+def test_list_index_and_int_dict_key_and_str_key_differ():
+    """The ambiguity of keystr(simple=True) that the storage form avoids."""
+    forms = {path_str((tu.SequenceKey(0),)), path_str((tu.DictKey(0),)),
+             path_str((tu.DictKey("0"),))}
+    assert len(forms) == 3
+
+
+@given(st.lists(st.text(st.characters(exclude_characters="\0"), max_size=8), min_size=1,
+                max_size=4, unique=True))
+def test_escaping_is_injective(names):
+    escaped = [escape_name(n) for n in names]
+    assert len(set(escaped)) == len(names)
+    assert all("/" not in e and is_valid_path(e) for e in escaped)
+
+
+@pytest.mark.parametrize("bad", ["a//b", "a/~9", "[x]", "a\0b", "x" * 5000, 3, None, "~"])
+def test_invalid_paths_are_rejected(bad):
+    assert not is_valid_path(bad)
+
+
+def test_flatten_records_structure_and_rebuilds_plain_containers():
+    Pair = collections.namedtuple("Pair", "a b")
+    tree = {"x": [np.ones(1), (2, None)], "p": Pair(np.zeros(2), "s"), "e": {}}
+    node, leaves = flatten(tree)
+    assert [p for p, _ in leaves] == ["p/a", "p/b", "x/[0]", "x/[1]/[0]"]
+    plain = unflatten_plain(node, {i: v for i, (_, v) in enumerate(leaves)})
+    assert plain["p"] == {"a": leaves[0][1], "b": "s"} and plain["e"] == {}
+    assert isinstance(plain["x"], list) and plain["x"][1] == (2, None)
+    assert node["c"][1]["type"].endswith("Pair")
+
+
+def test_nul_in_a_key_is_refused(tmp_path):
+    with pytest.raises(casstore.UnsupportedLeafError):
+        casstore.save(tmp_path, 0, {"a\0b": np.ones(1)})
+
+
+def test_saved_paths_match_jax_key_paths(tmp_path):
+    tree = {"a": [np.ones(2), {"b": np.zeros(3)}], "z": (np.ones(1),), "i": {3: np.ones(1)}}
+    casstore.save(tmp_path, 0, tree)
+    saved = [leaf.path for leaf in casstore.read_manifest(tmp_path, 0).leaves]
+    assert saved == [path_str(k) for k, _ in tu.tree_flatten_with_path(tree)[0]]
