@@ -9,12 +9,13 @@ the target dtype and placed with the target's sharding.
 from __future__ import annotations
 
 import collections
+import math
 from typing import Any
 
 import jax
 import numpy as np
 
-from ._chunking import dtype_from_name
+from ._chunking import Index, dtype_from_name
 from ._codec import decode_chunk
 from ._errors import CorruptChunkError, TargetMismatchError
 from ._keypath import SCALAR_TYPES, matches, path_str, unflatten_plain
@@ -70,7 +71,10 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
     if target is None:
         selected = [i for i, leaf in enumerate(manifest.leaves) if matches(leaf.path, paths)]
         _check_paths_found(manifest, paths, selected, store)
-        values = read_leaves(store, manifest, selected, workers)
+        arrays = [i for i in selected if manifest.leaves[i].kind == "array"]
+        regions = read_regions(store, manifest, {i: _regions_for(manifest.leaves[i], None)
+                                                 for i in arrays}, workers)
+        values = {i: _plain_value(manifest.leaves[i], regions.get(i)) for i in selected}
         return unflatten_plain(manifest.tree, values, None if paths is None else set(selected))
     flat, treedef = tu.tree_flatten_with_path(target)
     by_path = {leaf.path: i for i, leaf in enumerate(manifest.leaves)}
@@ -86,9 +90,18 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
         plan.append((t, by_path[path]))
     if not partial:
         _check_no_extra(manifest, {i for _, i in plan if i is not None}, paths, store)
-    values = read_leaves(store, manifest, [i for _, i in plan if i is not None], workers)
-    return tu.tree_unflatten(treedef, [t if i is None else _place(values[i], t)
-                                       for t, i in plan])
+    regions = read_regions(store, manifest, {i: _regions_for(manifest.leaves[i], t)
+                                             for t, i in plan if i is not None
+                                             and manifest.leaves[i].kind == "array"}, workers)
+    return tu.tree_unflatten(treedef, [
+        t if i is None else _place(manifest.leaves[i], regions.get(i), t) for t, i in plan])
+
+
+def _plain_value(entry: LeafEntry, regions: dict[Index, np.ndarray] | None) -> Any:
+    """A leaf restored without a target: numpy, a Python scalar, or typed PRNG keys."""
+    if entry.kind == "scalar":
+        return complex(*entry.value) if entry.scalar_type == "complex" else entry.value
+    return _cast(next(iter(regions.values())), entry, _dtype(entry))
 
 
 def _mismatch(message: str, manifest: Manifest, store: Store, path: str | None = None):
@@ -139,65 +152,121 @@ def _check_compatible(entry: LeafEntry, t: Any, manifest: Manifest, store: Store
                         manifest, store, entry.path)
 
 
-def _place(value: Any, t: Any) -> Any:
-    """Converts a restored host value to what target leaf ``t`` asks for."""
-    if _target_shape(t) is None:
-        return type(t)(value.item() if isinstance(value, np.ndarray) else value)
-    if isinstance(t, np.ndarray | np.generic):
-        return np.asarray(value, dtype=t.dtype)
-    if not (isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype,
-                                                                   jax.dtypes.prng_key)):
-        value = np.asarray(value)
-        value = value if value.dtype == t.dtype else value.astype(t.dtype)
-    sharding = getattr(t, "sharding", None)
-    return jax.device_put(value, sharding) if sharding is not None else jax.device_put(value)
+def _cast(host: np.ndarray, entry: LeafEntry, dtype: Any) -> Any:
+    """A host region as typed PRNG keys (for key leaves) or cast to ``dtype``."""
+    if entry.key_impl:
+        return jax.random.wrap_key_data(host, impl=entry.key_impl)
+    return host if host.dtype == dtype else host.astype(dtype)
 
 
-def read_leaves(store: Store, manifest: Manifest, indices: list[int],
-                max_workers: int) -> dict[int, Any]:
-    """Reads the given leaves of a manifest into host values (numpy arrays or scalars).
+def _regions_for(entry: LeafEntry, t: Any) -> list[Index]:
+    """The index regions of the saved array that target leaf ``t`` needs on this process.
 
-    Every needed chunk is fetched once, with at most ``2 * max_workers`` in flight, decoded and
-    verified (format.md §3.2), and its blocks are copied into the leaves' arrays.
+    One region per distinct addressable shard for a jax target with a sharding (format.md §6),
+    else the whole array.
     """
-    values: dict[int, Any] = {}
+    whole = ((0,) * len(entry.shape), entry.shape)
+    sharding = getattr(t, "sharding", None)
+    if entry.kind != "array" or not isinstance(sharding, jax.sharding.Sharding) or isinstance(
+            t, np.ndarray):
+        return [whole]
+    tail = entry.shape[len(t.shape):]  # the key-data dimensions of PRNG key leaves
+    indices = sharding.addressable_devices_indices_map(tuple(t.shape)).values()
+    return list(dict.fromkeys(_normalize(index, t.shape, tail) for index in indices))
+
+
+def _normalize(index: tuple, shape: tuple[int, ...], tail: tuple[int, ...]) -> Index:
+    bounds = [s.indices(d)[:2] for s, d in zip(index, shape)]
+    return (tuple(a for a, _ in bounds) + (0,) * len(tail),
+            tuple(b for _, b in bounds) + tuple(tail))
+
+
+def _place(entry: LeafEntry, regions: dict[Index, np.ndarray] | None, t: Any) -> Any:
+    """Builds what target leaf ``t`` asks for from the restored regions (or scalar value)."""
+    if entry.kind == "scalar":
+        value = _plain_value(entry, None)
+        host = np.asarray(value) if _target_shape(t) is not None else value
+    else:
+        host = next(iter(regions.values())) if len(regions) == 1 else None
+    if _target_shape(t) is None:
+        return type(t)(host.item() if isinstance(host, np.ndarray) else host)
+    if isinstance(t, np.ndarray | np.generic):
+        return np.asarray(_cast(host, entry, t.dtype))
+    sharding = getattr(t, "sharding", None)
+    if not isinstance(sharding, jax.sharding.Sharding):
+        return jax.device_put(_cast(host, entry, t.dtype))
+    if entry.kind == "scalar":
+        return jax.device_put(host.astype(t.dtype), sharding)
+    tail = entry.shape[len(t.shape):]
+    shards = [jax.device_put(_cast(regions[_normalize(index, t.shape, tail)], entry, t.dtype), d)
+              for d, index in sharding.addressable_devices_indices_map(tuple(t.shape)).items()]
+    return jax.make_array_from_single_device_arrays(tuple(t.shape), sharding, shards)
+
+
+def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Index]],
+                 max_workers: int) -> dict[int, dict[Index, np.ndarray]]:
+    """Reads index regions of array leaves into host arrays (format.md §6).
+
+    Only the chunks whose blocks overlap a requested region are fetched, each once, with at
+    most ``2 * max_workers`` in flight, and verified (format.md §3.2) before its blocks are
+    copied into every region they overlap. A chunk that overlaps in part is read whole.
+
+    Args:
+      requests: leaf index -> ``(start, stop)`` regions wanted (array leaves only).
+
+    Returns:
+      leaf index -> {region: host array of the region's shape, little-endian saved dtype}.
+
+    Raises:
+      CorruptChunkError: a chunk is missing or fails its checks; names step, key path, chunk id.
+    """
+    out: dict[int, dict[Index, np.ndarray]] = {}
     users: dict[str, list[tuple[int, ChunkRef]]] = collections.defaultdict(list)
-    for i in indices:
+    for i, regions in requests.items():
         entry = manifest.leaves[i]
-        if entry.kind == "scalar":
-            values[i] = complex(*entry.value) if entry.scalar_type == "complex" else entry.value
-        elif entry.inline is not None:
-            values[i] = np.frombuffer(entry.inline, _dtype(entry)).reshape(entry.shape).copy()
-        else:
-            values[i] = np.empty(entry.shape, _dtype(entry))
-            for ref in entry.chunks:
+        out[i] = {r: np.empty([b - a for a, b in zip(*r)], _dtype(entry)) for r in regions}
+        if entry.inline is not None:
+            whole = np.frombuffer(entry.inline, _dtype(entry)).reshape(entry.shape)
+            for (start, stop), buf in out[i].items():
+                buf[...] = whole[tuple(slice(a, b) for a, b in zip(start, stop))]
+            continue
+        for ref in entry.chunks:
+            if any(_overlap((ref.start, ref.stop), r) for r in regions):
                 users[ref.id].append((i, ref))
 
     def fetch(cid: str) -> None:
         blocks = users[cid]
-        first = manifest.leaves[blocks[0][0]]
         try:
             raw = decode_chunk(store.get(chunk_key(cid)), cid, blocks[0][1].raw_bytes)
         except (CorruptChunkError, FileNotFoundError) as e:
             raise CorruptChunkError(f"unusable chunk: {e}", url=store.url, run=manifest.run,
-                                    step=manifest.step, key_path=first.path,
+                                    step=manifest.step, key_path=manifest.leaves[blocks[0][0]].path,
                                     chunk_id=cid) from e
         for i, ref in blocks:
-            out = values[i]
             if ref.raw_bytes != len(raw):  # the first ref's length was checked by decode_chunk
                 raise CorruptChunkError("chunk refs disagree on the chunk's length",
                                         url=store.url, run=manifest.run, step=manifest.step,
                                         key_path=manifest.leaves[i].path, chunk_id=cid)
-            block = np.frombuffer(raw, out.dtype, int(np.prod(ref.shape)), ref.offset)
-            out[tuple(slice(a, b) for a, b in zip(ref.start, ref.stop))] = block.reshape(
-                ref.shape)
+            dtype = _dtype(manifest.leaves[i])
+            block = np.frombuffer(raw, dtype, math.prod(ref.shape), ref.offset).reshape(ref.shape)
+            for region, buf in out[i].items():
+                if (both := _overlap((ref.start, ref.stop), region)) is not None:
+                    lo, hi = both
+                    buf[_slices(lo, hi, region[0])] = block[_slices(lo, hi, ref.start)]
 
     bounded_map(fetch, users, max_workers)
-    for i in indices:
-        entry = manifest.leaves[i]
-        if entry.kind == "array" and entry.key_impl:
-            values[i] = jax.random.wrap_key_data(values[i], impl=entry.key_impl)
-    return values
+    return out
+
+
+def _overlap(a: Index, b: Index) -> Index | None:
+    """The intersection of two index regions, or None if they do not overlap."""
+    lo = tuple(max(x, y) for x, y in zip(a[0], b[0]))
+    hi = tuple(min(x, y) for x, y in zip(a[1], b[1]))
+    return (lo, hi) if all(x < y for x, y in zip(lo, hi)) else None
+
+
+def _slices(lo: tuple[int, ...], hi: tuple[int, ...], origin: tuple[int, ...]) -> tuple:
+    return tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, origin))
 
 
 def _dtype(entry: LeafEntry) -> np.dtype:

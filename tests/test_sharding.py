@@ -1,0 +1,114 @@
+"""Sharded arrays on 8 CPU devices: save along shard boundaries, restore onto any sharding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+import casstore
+from casstore._layout import CHUNKS_PREFIX
+from casstore._restore import read_regions
+from casstore.store import CountingStore, MemoryStore
+
+DEVICES = jax.devices()
+
+
+def mesh(shape, names):
+    return Mesh(np.array(DEVICES[:int(np.prod(shape))]).reshape(shape), names)
+
+
+def shardings():
+    m42, m24, m8 = mesh((4, 2), ("data", "model")), mesh((2, 4), ("a", "b")), mesh((8,), ("x",))
+    return {
+        "4x2 data,model": NamedSharding(m42, P("data", "model")),
+        "2x4 b,a": NamedSharding(m24, P("b", "a")),
+        "8 x,None": NamedSharding(m8, P("x")),
+        "8 None,x": NamedSharding(m8, P(None, "x")),
+        "replicated": NamedSharding(m8, P()),
+        "single device": SingleDeviceSharding(DEVICES[3]),
+    }
+
+
+def test_eight_devices_are_available():
+    assert len(DEVICES) == 8, "conftest sets --xla_force_host_platform_device_count=8"
+
+
+@pytest.mark.parametrize("shape, dtype", [((16, 8), np.float32), ((17, 9), np.int32),
+                                          ((8, 6, 3), jnp.bfloat16), ((5, 3), np.uint8)])
+def test_save_on_one_mesh_restore_on_every_sharding(shape, dtype):
+    store = MemoryStore()
+    value = (np.arange(np.prod(shape)) % 251).reshape(shape).astype(dtype)
+    spec = P("data", "model")
+    try:
+        x = jax.device_put(value, NamedSharding(mesh((4, 2), ("data", "model")), spec))
+    except ValueError:  # uneven shape jax refuses to shard on this mesh: shard the first axis
+        x = jax.device_put(value, NamedSharding(mesh((8,), ("x",)), P()))
+    casstore.save(store, 0, {"x": x, "plain": np.ones(3)}, chunk_size_bytes=64)
+    for name, sharding in shardings().items():
+        target = {"x": jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding),
+                  "plain": np.zeros(3)}
+        try:
+            restored = casstore.restore(store, 0, target=target)
+        except ValueError as e:  # only jax's own refusals of uneven shardings are acceptable
+            assert "divisible" in str(e) or "evenly" in str(e), (name, e)
+            continue
+        assert restored["x"].sharding == sharding, name
+        assert np.asarray(restored["x"]).tobytes() == value.astype(x.dtype).tobytes(), name
+    as_numpy = casstore.restore(store, 0)
+    assert as_numpy["x"].tobytes() == value.astype(x.dtype).tobytes()
+
+
+def test_each_unique_shard_is_written_once_by_replica_zero():
+    store = CountingStore(MemoryStore())
+    m = mesh((4, 2), ("data", "model"))
+    x = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8),
+                       NamedSharding(m, P("data")))  # replicated over "model"
+    info = casstore.save(store, 0, {"x": x}, pack_threshold_bytes=0)
+    leaf = casstore.read_manifest(store, 0).leaves[0]
+    assert len(leaf.chunks) == 4 and info.new_chunks == 4
+    assert [r.start for r in leaf.chunks] == [(0, 0), (2, 0), (4, 0), (6, 0)]
+    assert leaf.sharding == {"mesh": {"data": 4, "model": 2}, "spec": ["data"]}
+    store.reset()
+    casstore.save(store, 1, {"x": x}, pack_threshold_bytes=0)  # unchanged: dedups fully
+    assert [k for k in store.keys_written if k.startswith(CHUNKS_PREFIX)] == []
+
+
+def test_restoring_one_device_shard_reads_only_its_chunks():
+    store = CountingStore(MemoryStore())
+    value = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    x = jax.device_put(value, NamedSharding(mesh((8,), ("x",)), P("x")))
+    casstore.save(store, 0, {"x": x}, chunk_size_bytes=4 * 32 * 4)  # 2 chunks per shard
+    manifest = casstore.read_manifest(store, 0)
+    assert len(manifest.leaves[0].chunks) == 16
+    # The region device 3 holds under a (4,)-way target sharding: rows 16..32.
+    target = NamedSharding(Mesh(np.array(DEVICES[:4]), ("x",)), P("x"))
+    index = target.devices_indices_map((64, 32))[DEVICES[1]]
+    region = ((index[0].start, 0), (index[0].stop, 32))
+    store.reset()
+    got = read_regions(store, manifest, {0: [region]}, max_workers=4)[0][region]
+    np.testing.assert_array_equal(got, value[16:32])
+    wanted = {r.id for r in manifest.leaves[0].chunks if 16 <= r.start[0] < 32}
+    read = {k.replace("/", "")[len("chunks"):] for k in store.keys_read}
+    assert len(wanted) == 4 and read == wanted
+    # A region that straddles chunk boundaries reads the partly overlapping chunks whole.
+    store.reset()
+    got = read_regions(store, manifest, {0: [((6, 5), (9, 7))]}, max_workers=4)[0]
+    np.testing.assert_array_equal(got[((6, 5), (9, 7))], value[6:9, 5:7])
+    assert len(store.keys_read) == 2
+
+
+def test_typed_keys_and_mixed_tree_on_a_mesh():
+    m = mesh((8,), ("x",))
+    keys = jax.device_put(jax.random.split(jax.random.key(0), 8), NamedSharding(m, P("x")))
+    tree = {"keys": keys, "w": jax.device_put(jnp.ones((8, 4)), NamedSharding(m, P("x"))),
+            "b": jnp.zeros(4), "n": np.arange(3)}
+    store = MemoryStore()
+    casstore.save(store, 0, tree)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                          if isinstance(x, jax.Array) else x, tree)
+    restored = casstore.restore(store, 0, target=target)
+    assert restored["keys"].sharding == keys.sharding
+    np.testing.assert_array_equal(jax.random.key_data(restored["keys"]),
+                                  jax.random.key_data(keys))
