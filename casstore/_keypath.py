@@ -24,14 +24,22 @@ _NAME = r"(?:[^~/\[]|~[0-3])+"
 _ELEMENT = re.compile(rf"{_INDEX}|~3|{_NAME}")
 
 
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def escape_name(name: str) -> str:
     """The storage form of a dict key or attribute name (format.md §5).
 
     Raises:
       TypeError: the name contains a NUL character, which key paths never hold.
     """
-    if "\0" in name:
-        raise TypeError(f"key {name!r} contains a NUL character")
+    if "\0" in name or _has_surrogate(name):
+        raise TypeError(f"key {name!r} contains NUL or is not valid Unicode")
     if name == "":
         return "~3"
     return name.replace("~", "~0").replace("/", "~1").replace("[", "~2")
@@ -66,7 +74,8 @@ def path_str(keys: tuple) -> str:
 
 def is_valid_path(path: object) -> bool:
     """True if ``path`` is a well-formed key path string (format.md §5)."""
-    if not isinstance(path, str) or len(path.encode()) > 4096 or "\0" in path:
+    if not isinstance(path, str) or "\0" in path or _has_surrogate(path) or len(
+            path.encode()) > 4096:
         return False
     return path == "" or all(_ELEMENT.fullmatch(e) for e in path.split("/"))
 
