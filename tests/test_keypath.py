@@ -39,8 +39,8 @@ def test_list_index_and_int_dict_key_and_str_key_differ():
     assert len(forms) == 3
 
 
-@given(st.lists(st.text(st.characters(exclude_characters="\0", exclude_categories=["Cs"]), max_size=8), min_size=1,
-                max_size=4, unique=True))
+@given(st.lists(st.text(st.characters(exclude_characters="\0", exclude_categories=["Cs"]),
+                        max_size=8), min_size=1, max_size=4, unique=True))
 def test_escaping_is_injective(names):
     escaped = [escape_name(n) for n in names]
     assert len(set(escaped)) == len(names)

@@ -80,15 +80,18 @@ def test_every_dtype_and_shape_roundtrips(repo_store, dtype, shape):
         assert_bitwise_equal(tree[key], typed[key])
 
 
+KEY_CHARS = st.characters(exclude_characters="\0", exclude_categories=["Cs"])
+
+
 @st.composite
 def pytrees(draw, depth=0):
     if depth < 3 and draw(st.booleans()):
         kind = draw(st.sampled_from(["dict", "list", "tuple"]))
         children = draw(st.lists(pytrees(depth + 1), max_size=4))
         if kind == "dict":
-            keys = draw(st.lists(st.text(st.characters(exclude_characters="\0", exclude_categories=["Cs"]), max_size=6)
-                | st.integers(-5, 5), min_size=len(
-                children), max_size=len(children), unique_by=lambda k: (type(k), k)))
+            keys = draw(st.lists(st.text(KEY_CHARS, max_size=6) | st.integers(-5, 5),
+                                 min_size=len(children), max_size=len(children),
+                                 unique_by=lambda k: (type(k), k)))
             keys = [k for k in keys if isinstance(k, str)] or [
                 k for k in keys if isinstance(k, int)]  # jax sorts keys: one key type
             return dict(zip(keys, children))
@@ -97,8 +100,8 @@ def pytrees(draw, depth=0):
     if leaf == "none":
         return None
     if leaf == "scalar":
-        return draw(st.booleans() | st.integers(-2**63, 2**63 - 1) | st.floats(
-            allow_nan=False) | st.text(st.characters(exclude_categories=["Cs"]), max_size=20) | st.binary(max_size=20))
+        return draw(st.booleans() | st.integers(-2**63, 2**63 - 1) | st.floats(allow_nan=False)
+                    | st.text(KEY_CHARS, max_size=20) | st.binary(max_size=20))
     dtype = draw(st.sampled_from(DTYPES))
     shape = draw(hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=20))
     seed = draw(st.integers(0, 2**32 - 1))
