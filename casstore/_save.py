@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import dataclasses
+import math
 import threading
 import time
 from typing import Any
@@ -32,7 +33,8 @@ from ._codec import DEFAULT_ZSTD_LEVEL, chunk_id, encode_chunk
 from ._errors import StepAlreadyExistsError, UnsupportedLeafError
 from ._keypath import flatten
 from ._layout import CHUNKS_PREFIX, check_run, check_step, chunk_id_of_key, chunk_key, manifest_key
-from ._manifest import ChunkRef, LeafEntry, Manifest, encode_manifest
+from ._manifest import ChunkRef, LeafEntry, Manifest, decode_manifest, encode_manifest
+from ._multihost import SaveAgreement
 from ._pool import bounded_map
 from ._repository import Url, ensure_config
 from .store import Store, open_store
@@ -191,21 +193,53 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
     _check_metadata(metadata)
     if store.exists(key):
         raise StepAlreadyExistsError("step already exists", url=store.url, run=run, step=step)
-    ensure_config(store)
+    agreement = SaveAgreement()
+    if agreement.is_primary:
+        ensure_config(store)
     existing = {cid: info.size for info in store.list(CHUNKS_PREFIX)
                 if (cid := chunk_id_of_key(info.key)) is not None}
     writer = _ChunkWriter(store, existing, zstd_level)
-    entries = _write_leaves(leaves, writer, chunk_size_bytes, pack_threshold_bytes,
-                            max_workers or store.max_workers)
-    manifest = Manifest(run, step, created, metadata, node, entries)
+    scalars, arrays = _split_leaves(leaves)
+    try:
+        refs, inline = _write_chunks(arrays, leaves, writer, chunk_size_bytes,
+                                     pack_threshold_bytes, max_workers or store.max_workers,
+                                     agreement.is_primary)
+    except BaseException as e:  # tell the other processes, so none waits or commits
+        error = f"{type(e).__name__}: {e}"
+        agreement.publish_outcome(error) if agreement.is_primary else agreement.gather([], error)
+        raise
+    manifest_bytes = 0
+    if agreement.is_primary:
+        try:
+            for posted in agreement.gather([], None)[1:]:
+                for i, *ref in posted:
+                    refs[i].append(ChunkRef(ref[0], tuple(ref[1]), tuple(ref[2]), *ref[3:]))
+            manifest = Manifest(run, step, created, metadata, node,
+                                _entries(leaves, scalars, arrays, refs, inline))
+            manifest_bytes = _commit(store, key, manifest)
+        except BaseException as e:
+            agreement.publish_outcome(f"{type(e).__name__}: {e}")
+            raise
+        agreement.publish_outcome(None)
+    else:
+        agreement.gather([[i, r.id, r.start, r.stop, r.offset, r.raw_bytes, r.stored_bytes]
+                          for i, rs in refs.items() for r in rs], None)
+        agreement.wait_outcome()
+    logical = sum(math.prod(a.shape) * a.dtype.itemsize for a, _ in arrays.values())
+    return SaveInfo(step, run, logical, writer.written + manifest_bytes, writer.new,
+                    writer.reused, manifest_bytes, time.perf_counter() - t0)
+
+
+def _commit(store: Store, key: str, manifest: Manifest) -> int:
+    """Writes the manifest create-only after checking it decodes (format.md §4.4, §7)."""
     data = encode_manifest(manifest)
+    decode_manifest(data, run=manifest.run, step=manifest.step, url=store.url)
     try:
         store.put_if_absent(key, data)
     except FileExistsError:
         raise StepAlreadyExistsError("step was committed by a concurrent save", url=store.url,
-                                     run=run, step=step) from None
-    return SaveInfo(step, run, manifest.logical_bytes, writer.written + len(data), writer.new,
-                    writer.reused, len(data), time.perf_counter() - t0)
+                                     run=manifest.run, step=manifest.step) from None
+    return len(data)
 
 
 def _check_metadata(metadata: Any) -> None:
@@ -217,28 +251,47 @@ def _check_metadata(metadata: Any) -> None:
         raise ValueError(f"metadata is {size} bytes encoded; the limit is 1 MiB")
 
 
-def _write_leaves(leaves: list[tuple[str, Any]], writer: _ChunkWriter, chunk_size_bytes: int,
-                  pack_threshold_bytes: int, max_workers: int) -> tuple[LeafEntry, ...]:
-    """Stores every leaf's chunks and returns the leaf entries, in leaf order."""
-    entries: dict[int, LeafEntry] = {}
+def _split_leaves(leaves: list[tuple[str, Any]]) -> tuple[dict, dict]:
+    """Scalar entries and ``(array, key_impl)`` for array leaves, by leaf index."""
+    scalars: dict[int, LeafEntry] = {}
     arrays: dict[int, tuple[Any, str | None]] = {}
     for i, (path, value) in enumerate(leaves):
-        if not isinstance(value, (np.ndarray, np.generic, jax.Array)):
-            entries[i] = _scalar_entry(path, value)
-        else:
+        if isinstance(value, (np.ndarray, np.generic, jax.Array)):
             arrays[i] = _as_array(path, value)
-    refs: dict[int, list[ChunkRef]] = collections.defaultdict(list)
-    small = {i: a for i, (a, _) in arrays.items()
-             if a.nbytes <= min(pack_threshold_bytes, chunk_size_bytes)
-             and getattr(a, "is_fully_addressable", True)}
+        else:
+            scalars[i] = _scalar_entry(path, value)
+    return scalars, arrays
+
+
+def _write_chunks(arrays: dict, leaves: list, writer: _ChunkWriter, chunk_size_bytes: int,
+                  pack_threshold_bytes: int, max_workers: int,
+                  primary: bool) -> tuple[dict[int, list[ChunkRef]], dict[int, bytes]]:
+    """Stores this process's chunks; returns chunk refs and inline bytes by leaf index.
+
+    Arrays that span several processes are written by every process for its own
+    ``replica_id == 0`` shards; everything else (numpy, fully addressable jax arrays) only by
+    the primary process.
+    """
+    spread = {i for i, (a, _) in arrays.items() if not getattr(a, "is_fully_addressable", True)}
+    mine = {i: a for i, (a, _) in arrays.items() if i in spread or primary}
+    small = {i: a for i, a in mine.items() if i not in spread
+             and a.nbytes <= min(pack_threshold_bytes, chunk_size_bytes)}
     inline = {i: bytes(block_bytes(np.asarray(a), (0,) * a.ndim, a.shape))
               for i, a in small.items() if a.nbytes <= INLINE_LIMIT_BYTES}
     jobs = _pack_jobs({i: a for i, a in small.items() if i not in inline}, leaves,
                       chunk_size_bytes)
-    jobs += [job for i, (a, _) in arrays.items() if i not in small
+    jobs += [job for i, a in mine.items() if i not in small
              for job in _block_jobs(i, a, chunk_size_bytes)]
+    refs: dict[int, list[ChunkRef]] = collections.defaultdict(list)
     for i, ref in _run_jobs(jobs, writer, max_workers, leaves):
         refs[i].append(ref)
+    return refs, inline
+
+
+def _entries(leaves: list, scalars: dict, arrays: dict, refs: dict,
+             inline: dict) -> tuple[LeafEntry, ...]:
+    """The manifest's leaf entries, in leaf order (format.md §4.3)."""
+    entries = dict(scalars)
     for i, (a, key_impl) in arrays.items():
         entries[i] = LeafEntry(
             leaves[i][0], "array", tuple(a.shape), dtype_name(a.dtype), isinstance(a, jax.Array),

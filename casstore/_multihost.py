@@ -1,0 +1,88 @@
+"""Agreement between the processes of a multi-process JAX job during a save (format.md §7).
+
+Every process writes the chunks of its own shards, then posts its chunk refs (or its error) to
+the ``jax.distributed`` coordinator's key-value store. Process 0 waits for every process, and
+only if all succeeded writes the manifest; it then posts the outcome, which the others wait for.
+A process that dies before posting makes process 0 time out: no manifest is written.
+This follows orbax's use of the same key-value store for its multi-host barriers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import jax
+import msgpack
+
+from ._errors import CasstoreError
+
+_save_counter = itertools.count()  # SPMD: every process calls save() in the same order
+
+
+def timeout_ms() -> int:
+    """How long to wait for the other processes: ``CASSTORE_MULTIHOST_TIMEOUT_S`` (default 600)."""
+    return int(float(os.environ.get("CASSTORE_MULTIHOST_TIMEOUT_S", "600")) * 1000)
+
+
+class SaveAgreement:
+    """One save's exchange between processes; a no-op in a single-process job."""
+
+    def __init__(self):
+        self.count = jax.process_count()
+        self.index = jax.process_index()
+        self.tag = f"casstore/save/{next(_save_counter)}" if self.count > 1 else ""
+
+    @property
+    def is_primary(self) -> bool:
+        """True on the process that writes the manifest (process 0)."""
+        return self.index == 0
+
+    def _client(self):
+        from jax._src.distributed import global_state  # the only handle on the KV store
+        if global_state.client is None:
+            raise CasstoreError("jax.distributed is not initialized in a multi-process job")
+        return global_state.client
+
+    def gather(self, refs: list, error: str | None) -> list[list]:
+        """Posts this process's refs (or error); on process 0 returns every process's refs.
+
+        Raises:
+          CasstoreError: on process 0, another process reported an error.
+        """
+        if self.count == 1:
+            return [refs]
+        client = self._client()
+        client.key_value_set_bytes(f"{self.tag}/refs/{self.index}",
+                                   msgpack.packb({"error": error, "refs": refs}))
+        if not self.is_primary:
+            return []
+        posts = [msgpack.unpackb(self._wait(client, f"{self.tag}/refs/{p}", p),
+                                 strict_map_key=False) for p in range(self.count)]
+        failed = [f"process {p}: {post['error']}" for p, post in enumerate(posts)
+                  if post["error"]]
+        if failed:
+            raise CasstoreError("save failed on other processes; no manifest written: "
+                                + "; ".join(failed))
+        return [post["refs"] for post in posts]
+
+    @staticmethod
+    def _wait(client, key: str, process: int) -> bytes:
+        try:
+            return client.blocking_key_value_get_bytes(key, timeout_ms())
+        except Exception as e:  # jax raises its runtime error type for timeouts and dead peers
+            raise CasstoreError(f"process {process} did not report its chunks within "
+                                f"{timeout_ms() / 1000:g} s; no manifest written") from e
+
+    def publish_outcome(self, error: str | None) -> None:
+        """Process 0 tells the others whether the manifest was committed."""
+        if self.count > 1 and self.is_primary:
+            self._client().key_value_set(f"{self.tag}/outcome", error or "")
+
+    def wait_outcome(self) -> None:
+        """Other processes wait for process 0's commit; raises if it failed."""
+        if self.count == 1 or self.is_primary:
+            return
+        outcome = self._client().blocking_key_value_get(f"{self.tag}/outcome", timeout_ms())
+        if outcome:
+            raise CasstoreError(f"process 0 did not commit the step: {outcome}")

@@ -1,0 +1,87 @@
+"""One process of a multi-process JAX job, launched by test_multiprocess.py.
+
+Usage: multiprocess_worker.py PORT NUM_PROCESSES PROCESS_ID MODE REPO STEP
+MODE is ``save`` (save the deterministic sharded state), ``restore`` (restore it onto another
+mesh and check this process's shards bit-exact) or ``crash`` (process 1 dies after writing its
+first chunk). Prints ``OK`` on success.
+"""
+
+import os
+import sys
+
+port, nproc, pid, mode, repo, step = sys.argv[1:]
+nproc, pid, step = int(nproc), int(pid), int(step)
+if nproc > 1:
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // nproc}"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import casstore  # noqa: E402
+from casstore.store import LocalStore  # noqa: E402
+
+if nproc > 1:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=nproc,
+                               process_id=pid)
+assert len(jax.devices()) == 8
+
+
+def expected(step: int) -> dict:
+    """The global state's values, identical on every process."""
+    w = np.arange(64 * 48, dtype=np.float32).reshape(64, 48) * step
+    return {"w": w, "emb": (np.arange(40 * 8, dtype=np.int32) % 97).reshape(40, 8) + step,
+            "b": np.full(48, step, np.float32)}
+
+
+def shardings(kind: str) -> dict:
+    devices = np.array(jax.devices())
+    if kind == "save":
+        mesh = Mesh(devices.reshape(4, 2), ("data", "model"))
+        return {"w": NamedSharding(mesh, P("data", "model")),
+                "emb": NamedSharding(mesh, P("data")), "b": NamedSharding(mesh, P())}
+    mesh = Mesh(devices.reshape(2, 4), ("a", "b"))
+    return {"w": NamedSharding(mesh, P("b", "a")), "emb": NamedSharding(mesh, P(None, "b")),
+            "b": NamedSharding(mesh, P("b"))}
+
+
+def main() -> None:
+    values = expected(step)
+    if mode in ("save", "crash"):
+        state = {k: jax.make_array_from_callback(v.shape, s, lambda idx, v=v: v[idx])
+                 for (k, v), s in zip(values.items(), shardings("save").values())}
+        store = LocalStore(repo)
+        if mode == "crash" and pid == 1:
+            real_put = store._put
+
+            def put_then_die(key, data, *, exclusive):
+                real_put(key, data, exclusive=exclusive)
+                os._exit(17)  # killed after writing one chunk, before the commit
+
+            store._put = put_then_die
+        try:
+            info = casstore.save(store, step, {"state": state, "step": step},
+                                 chunk_size_bytes=2048)
+        except casstore.CasstoreError as e:
+            print("save failed:", e, flush=True)
+            os._exit(3)  # skip jax.distributed's shutdown barrier, which waits for the dead peer
+        print("saved", info.new_chunks, info.written_bytes, flush=True)
+    else:
+        target = {"state": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)
+                            for (k, v), s in zip(values.items(), shardings("restore").values())},
+                  "step": 0}
+        restored = casstore.restore(repo, step, target=target)
+        assert restored["step"] == step
+        for key, array in restored["state"].items():
+            assert array.sharding == target["state"][key].sharding
+            for shard in array.addressable_shards:
+                got = np.asarray(shard.data)
+                assert got.tobytes() == values[key][shard.index].tobytes(), (key, shard.index)
+    if nproc > 1:
+        jax.distributed.shutdown()
+    print("OK", flush=True)
+
+
+main()

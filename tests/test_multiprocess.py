@@ -1,0 +1,70 @@
+"""Multi-process save and restore under jax.distributed (several local processes)."""
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import numpy as np
+
+import casstore
+
+WORKER = pathlib.Path(__file__).with_name("multiprocess_worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(nproc: int, mode: str, repo, step: int, timeout_s: float = 120):
+    """Runs ``nproc`` worker processes; returns their (returncode, output) pairs."""
+    port = free_port()
+    env = dict(os.environ, CASSTORE_MULTIHOST_TIMEOUT_S="8", PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)
+    if nproc == 1:
+        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(nproc), str(i), mode,
+                               str(repo), str(step)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(nproc)]
+    results = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+        results.append((p.returncode, out))
+    return results
+
+
+def assert_ok(results):
+    for code, out in results:
+        assert code == 0 and "OK" in out, out[-3000:]
+
+
+def test_save_with_2_and_4_processes_restore_with_4_2_and_1(tmp_path):
+    repo = tmp_path / "repo"
+    assert_ok(run_job(2, "save", repo, 1))
+    assert_ok(run_job(4, "save", repo, 2))
+    assert casstore.list_steps(repo) == [1, 2]
+    for nproc in (4, 2, 1):
+        assert_ok(run_job(nproc, "restore", repo, 1))
+    assert_ok(run_job(2, "restore", repo, 2))
+    plain = casstore.restore(repo, 1)  # no jax.distributed, numpy
+    np.testing.assert_array_equal(plain["state"]["w"],
+                                  np.arange(64 * 48, dtype=np.float32).reshape(64, 48))
+    leaf = next(x for x in casstore.read_manifest(repo, 1).leaves if x.path == "state/w")
+    assert leaf.sharding == {"mesh": {"data": 4, "model": 2}, "spec": ["data", "model"]}
+
+
+def test_a_process_killed_before_commit_leaves_no_step(tmp_path):
+    repo = tmp_path / "repo"
+    assert_ok(run_job(2, "save", repo, 1))
+    results = run_job(2, "crash", repo, 3)
+    assert results[1][0] == 17, results[1][1][-2000:]
+    assert results[0][0] == 3 and "save failed" in results[0][1], results[0][1][-2000:]
+    assert casstore.list_steps(repo) == [1]
+    assert_ok(run_job(1, "restore", repo, 1))
