@@ -59,3 +59,19 @@ def parse_manifest_key(key: str) -> tuple[str, int] | None:
     """``(run, step)`` for a manifest key, or None for any other key (ignored by readers)."""
     m = _MANIFEST.fullmatch(key)
     return (m.group(1), int(m.group(2))) if m else None
+
+
+LOCKS_PREFIX = "locks/"
+
+
+def lock_key(kind: str, token: str) -> str:
+    """``locks/<kind>-<token>`` for a save or gc lock (format.md §8)."""
+    if kind not in ("save", "gc") or not re.fullmatch(r"[0-9a-f]{32}", token):
+        raise ValueError(f"invalid lock {kind!r} {token!r}")
+    return f"{LOCKS_PREFIX}{kind}-{token}"
+
+
+def lock_kind(key: str) -> str | None:
+    """``"save"`` or ``"gc"`` for a lock key, None for any other key."""
+    m = re.fullmatch(r"locks/(save|gc)-[0-9a-f]{32}", key)
+    return m.group(1) if m else None

@@ -9,8 +9,10 @@ This follows orbax's use of the same key-value store for its multi-host barriers
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
+from collections.abc import Iterator
 
 import jax
 import msgpack
@@ -73,6 +75,19 @@ class SaveAgreement:
         except Exception as e:  # jax raises its runtime error type for timeouts and dead peers
             raise CasstoreError(f"process {process} did not report its chunks within "
                                 f"{timeout_ms() / 1000:g} s; no manifest written") from e
+
+    @contextlib.contextmanager
+    def reporting_errors(self) -> Iterator[None]:
+        """Tells the other processes about an error in the body, so none waits or commits."""
+        try:
+            yield
+        except BaseException as e:
+            error = f"{type(e).__name__}: {e}"
+            if self.is_primary:
+                self.publish_outcome(error)
+            else:
+                self.gather([], error)
+            raise
 
     def publish_outcome(self, error: str | None) -> None:
         """Process 0 tells the others whether the manifest was committed."""

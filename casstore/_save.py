@@ -33,6 +33,7 @@ from ._codec import DEFAULT_ZSTD_LEVEL, chunk_id, encode_chunk
 from ._errors import StepAlreadyExistsError, UnsupportedLeafError
 from ._keypath import flatten
 from ._layout import CHUNKS_PREFIX, check_run, check_step, chunk_id_of_key, chunk_key, manifest_key
+from ._locks import save_lock
 from ._manifest import ChunkRef, LeafEntry, Manifest, decode_manifest, encode_manifest
 from ._multihost import SaveAgreement
 from ._pool import bounded_map
@@ -190,41 +191,35 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
     store = open_store(url)
     key = manifest_key(check_run(run), check_step(step))
     node, leaves = flatten(tree)
+    scalars, arrays = _split_leaves(leaves)
     _check_metadata(metadata)
     if store.exists(key):
         raise StepAlreadyExistsError("step already exists", url=store.url, run=run, step=step)
     agreement = SaveAgreement()
-    if agreement.is_primary:
-        ensure_config(store)
-    existing = {cid: info.size for info in store.list(CHUNKS_PREFIX)
-                if (cid := chunk_id_of_key(info.key)) is not None}
-    writer = _ChunkWriter(store, existing, zstd_level)
-    scalars, arrays = _split_leaves(leaves)
-    try:
-        refs, inline = _write_chunks(arrays, leaves, writer, chunk_size_bytes,
-                                     pack_threshold_bytes, max_workers or store.max_workers,
-                                     agreement.is_primary)
-    except BaseException as e:  # tell the other processes, so none waits or commits
-        error = f"{type(e).__name__}: {e}"
-        agreement.publish_outcome(error) if agreement.is_primary else agreement.gather([], error)
-        raise
     manifest_bytes = 0
-    if agreement.is_primary:
-        try:
-            for posted in agreement.gather([], None)[1:]:
-                for i, *ref in posted:
-                    refs[i].append(ChunkRef(ref[0], tuple(ref[1]), tuple(ref[2]), *ref[3:]))
-            manifest = Manifest(run, step, created, metadata, node,
-                                _entries(leaves, scalars, arrays, refs, inline))
-            manifest_bytes = _commit(store, key, manifest)
-        except BaseException as e:
-            agreement.publish_outcome(f"{type(e).__name__}: {e}")
-            raise
-        agreement.publish_outcome(None)
-    else:
-        agreement.gather([[i, r.id, r.start, r.stop, r.offset, r.raw_bytes, r.stored_bytes]
-                          for i, rs in refs.items() for r in rs], None)
-        agreement.wait_outcome()
+    with save_lock(store):
+        with agreement.reporting_errors():
+            if agreement.is_primary:
+                ensure_config(store)
+            existing = {cid: info.size for info in store.list(CHUNKS_PREFIX)
+                        if (cid := chunk_id_of_key(info.key)) is not None}
+            writer = _ChunkWriter(store, existing, zstd_level)
+            refs, inline = _write_chunks(arrays, leaves, writer, chunk_size_bytes,
+                                         pack_threshold_bytes, max_workers or store.max_workers,
+                                         agreement.is_primary)
+            if agreement.is_primary:
+                for posted in agreement.gather([], None)[1:]:
+                    for i, *ref in posted:
+                        refs[i].append(ChunkRef(ref[0], tuple(ref[1]), tuple(ref[2]), *ref[3:]))
+                manifest = Manifest(run, step, created, metadata, node,
+                                    _entries(leaves, scalars, arrays, refs, inline))
+                manifest_bytes = _commit(store, key, manifest)
+        if agreement.is_primary:
+            agreement.publish_outcome(None)
+        else:
+            agreement.gather([[i, r.id, r.start, r.stop, r.offset, r.raw_bytes, r.stored_bytes]
+                              for i, rs in refs.items() for r in rs], None)
+            agreement.wait_outcome()
     logical = sum(math.prod(a.shape) * a.dtype.itemsize for a, _ in arrays.values())
     return SaveInfo(step, run, logical, writer.written + manifest_bytes, writer.new,
                     writer.reused, manifest_bytes, time.perf_counter() - t0)

@@ -34,10 +34,14 @@ def test_unchanged_tree_writes_only_a_manifest():
     store.reset()
     info = casstore.save(store, 2, state, chunk_size_bytes=CHUNK)
     assert chunk_writes(store) == []
-    assert store.keys_written == ["runs/default/steps/0000000000000002.manifest"]
+    lock, manifest = store.keys_written  # the save lock (deleted again), then the manifest
+    assert lock.startswith("locks/save-")
+    assert manifest == "runs/default/steps/0000000000000002.manifest"
     assert info.new_chunks == 0 and info.reused_chunks == first.new_chunks
-    assert info.written_bytes == info.manifest_bytes == store.bytes_written
+    assert info.written_bytes == info.manifest_bytes == len(store.get(manifest))
+    assert store.bytes_written - info.manifest_bytes < 200  # the lock object
     assert store.counts["exists"] == 1  # one existence check for the step, none per chunk
+    assert not store.exists(lock)
 
 
 def test_frozen_subtree_writes_only_changed_leaves():
