@@ -16,6 +16,9 @@ from ._errors import StepAlreadyExistsError as StepAlreadyExistsError
 from ._errors import StepNotFoundError as StepNotFoundError
 from ._errors import TargetMismatchError as TargetMismatchError
 from ._errors import UnsupportedLeafError as UnsupportedLeafError
+from ._gc import GcInfo as GcInfo
+from ._gc import gc as gc
+from ._manager import CheckpointManager as CheckpointManager
 from ._manifest import ChunkRef as ChunkRef
 from ._manifest import LeafEntry as LeafEntry
 from ._manifest import Manifest as Manifest
@@ -27,6 +30,9 @@ from ._repository import read_manifest as read_manifest
 from ._restore import restore as restore
 from ._save import SaveInfo as SaveInfo
 from ._save import save as save
+from ._verify import Problem as Problem
+from ._verify import VerifyReport as VerifyReport
+from ._verify import verify as verify
 from .store import FsspecStore as FsspecStore
 from .store import LocalStore as LocalStore
 from .store import MemoryStore as MemoryStore

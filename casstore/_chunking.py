@@ -8,6 +8,7 @@ C-contiguous little-endian.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from typing import Any
@@ -50,13 +51,69 @@ def is_key_array(x: Any) -> bool:
     return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def shards_of(leaf: np.ndarray | jax.Array) -> list[tuple[Index, np.ndarray]]:
+@dataclasses.dataclass(frozen=True, eq=False)
+class HostArray:
+    """A host copy of a jax.Array's unique addressable shards, taken for an asynchronous save.
+
+    It stands in for the jax.Array when saving: same shape, dtype, shard boundaries and
+    sharding, so an asynchronous save writes exactly the chunks a synchronous one would.
+
+    Attributes:
+      shape, dtype: of the global array (key data for typed PRNG keys).
+      shards: ``((start, stop), host copy)`` of each addressable ``replica_id == 0`` shard.
+      sharding: the jax sharding, for the manifest's display field.
+      is_fully_addressable: whether this process held every shard.
+      key_impl: the PRNG implementation name for typed key arrays, else None.
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    shards: tuple[tuple[Index, np.ndarray], ...]
+    sharding: Any
+    is_fully_addressable: bool
+    key_impl: str | None = None
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        """The whole array (only for fully addressable arrays)."""
+        out = np.empty(self.shape, self.dtype)
+        for (start, stop), data in self.shards:
+            out[tuple(slice(a, b) for a, b in zip(start, stop))] = data
+        return out if dtype is None else out.astype(dtype)
+
+
+def host_snapshot(x: jax.Array) -> HostArray:
+    """Copies the unique addressable shards of ``x`` to host memory (typed keys as key data).
+
+    After it returns, the caller may overwrite or donate ``x``.
+    """
+    key_impl = None
+    if is_key_array(x):
+        key_impl, x = str(jax.random.key_impl(x)), jax.random.key_data(x)
+    unique = [s for s in x.addressable_shards if s.replica_id == 0]
+    for s in unique:
+        s.data.copy_to_host_async()  # start every transfer before waiting on any
+    shards = tuple((index, np.array(host, copy=True)) for index, host in shards_of(x))
+    return HostArray(tuple(x.shape), np.dtype(x.dtype), shards, x.sharding,
+                     x.is_fully_addressable, key_impl)
+
+
+def shards_of(leaf: np.ndarray | jax.Array | HostArray) -> list[tuple[Index, np.ndarray]]:
     """The unique shards of an array as ``((start, stop), host array)`` pairs.
 
     A jax.Array yields one entry per addressable shard with ``replica_id == 0`` (on CPU the
     host array is a view of the device buffer); a numpy array is one shard covering all of it.
     Shards held only by other processes are not returned.
     """
+    if isinstance(leaf, HostArray):
+        return list(leaf.shards)
     if not isinstance(leaf, jax.Array):
         return [(((0,) * leaf.ndim, tuple(leaf.shape)), leaf)]
     out = []

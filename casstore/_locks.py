@@ -2,9 +2,10 @@
 
 A save puts a ``locks/save-*`` object, then looks for ``locks/gc-*``; GC puts ``locks/gc-*``,
 then looks for ``locks/save-*``. On a store with read-after-write listings (local disk, S3,
-GCS), at least one of two racing parties sees the other. A save that sees GC withdraws its lock
-and waits, so GC always makes progress; GC waits for the saves it sees to finish. Locks older
-than ``STALE_LOCK_S`` belong to dead processes and are ignored (restic's stale-lock rule).
+GCS), at least one of two racing parties sees the other. GC that sees a save withdraws its lock
+and retries later; a save that sees GC keeps its lock and waits for GC to finish its sweep.
+Locks older than ``STALE_LOCK_S`` belong to dead processes and are ignored (restic's
+stale-lock rule).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ._layout import LOCKS_PREFIX, lock_key, lock_kind
 from .store import Store
 
 STALE_LOCK_S = 6 * 3600.0
-POLL_S = 0.2
+POLL_S = 0.1
 
 
 def _live(store: Store, kind: str) -> list[str]:
@@ -42,14 +43,11 @@ def _put_lock(store: Store, kind: str) -> str:
 
 @contextlib.contextmanager
 def save_lock(store: Store) -> Iterator[None]:
-    """Holds a save lock for the body; waits (withdrawn) while a GC holds its lock."""
-    while True:
-        key = _put_lock(store, "save")
-        if not _live(store, "gc"):
-            break
-        store.delete(key)
-        time.sleep(POLL_S)
+    """Holds a save lock for the body, after any GC that holds its lock has finished."""
+    key = _put_lock(store, "save")
     try:
+        while _live(store, "gc"):
+            time.sleep(POLL_S)
         yield
     finally:
         store.delete(key)
@@ -57,19 +55,26 @@ def save_lock(store: Store) -> Iterator[None]:
 
 @contextlib.contextmanager
 def gc_lock(store: Store, timeout_s: float) -> Iterator[None]:
-    """Holds the GC lock for the body, after every save in flight has finished.
+    """Holds the GC lock for the body, taken at a moment no save is in flight.
+
+    GC yields to saves: if it finds a save lock after putting its own, it withdraws and tries
+    again, so saves never wait for a GC that has not started sweeping.
 
     Raises:
-      CasstoreError: saves were still in flight after ``timeout_s`` seconds; nothing deleted.
+      CasstoreError: no moment without saves came within ``timeout_s`` seconds; nothing done.
     """
-    key = _put_lock(store, "gc")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if not _live(store, "save"):
+            key = _put_lock(store, "gc")
+            if not _live(store, "save"):
+                break
+            store.delete(key)
+        if time.monotonic() > deadline:
+            raise CasstoreError(f"saves kept running for {timeout_s:g} s; garbage collection "
+                                f"did nothing (url {store.url!r})")
+        time.sleep(POLL_S)
     try:
-        deadline = time.monotonic() + timeout_s
-        while busy := _live(store, "save"):
-            if time.monotonic() > deadline:
-                raise CasstoreError(f"{len(busy)} saves still in flight after {timeout_s:g} s; "
-                                    f"garbage collection did nothing (url {store.url!r})")
-            time.sleep(POLL_S)
         yield
     finally:
         store.delete(key)

@@ -23,6 +23,7 @@ from ._chunking import (
     DEFAULT_CHUNK_SIZE_BYTES,
     DEFAULT_PACK_THRESHOLD_BYTES,
     INLINE_LIMIT_BYTES,
+    HostArray,
     block_bytes,
     dtype_name,
     grid,
@@ -138,7 +139,9 @@ def _scalar_entry(path: str, value: Any) -> LeafEntry:
 def _as_array(path: str, value: Any) -> tuple[Any, str | None]:
     """The array to store for a leaf, and the PRNG key implementation for typed keys."""
     key_impl = None
-    if is_key_array(value):
+    if isinstance(value, HostArray):
+        key_impl = value.key_impl
+    elif is_key_array(value):
         key_impl = str(jax.random.key_impl(value))
         value = jax.random.key_data(value)
     elif isinstance(value, np.generic):
@@ -251,7 +254,7 @@ def _split_leaves(leaves: list[tuple[str, Any]]) -> tuple[dict, dict]:
     scalars: dict[int, LeafEntry] = {}
     arrays: dict[int, tuple[Any, str | None]] = {}
     for i, (path, value) in enumerate(leaves):
-        if isinstance(value, (np.ndarray, np.generic, jax.Array)):
+        if isinstance(value, (np.ndarray, np.generic, jax.Array, HostArray)):
             arrays[i] = _as_array(path, value)
         else:
             scalars[i] = _scalar_entry(path, value)
@@ -289,7 +292,8 @@ def _entries(leaves: list, scalars: dict, arrays: dict, refs: dict,
     entries = dict(scalars)
     for i, (a, key_impl) in arrays.items():
         entries[i] = LeafEntry(
-            leaves[i][0], "array", tuple(a.shape), dtype_name(a.dtype), isinstance(a, jax.Array),
+            leaves[i][0], "array", tuple(a.shape), dtype_name(a.dtype),
+            isinstance(a, jax.Array | HostArray),
             key_impl, _sharding_info(a), inline.get(i),
             tuple(sorted(refs.get(i, ()), key=lambda r: r.start)))
     return tuple(entries[i] for i in range(len(leaves)))

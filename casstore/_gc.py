@@ -1,0 +1,113 @@
+"""Garbage collection: plan, stats, execute (format.md §8; restic's PlanPrune / Execute).
+
+Under the GC lock (no save in flight, see ``_locks``), list the chunks first, then every
+manifest of every run; a chunk is garbage if no manifest references it and it is older than the
+grace period. Listing chunks before manifests means a chunk written after the listing is never
+a candidate, and the grace period spares young chunks of any writer the locks did not see.
+Deleting is idempotent, so an interrupted GC is safe to run again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from ._layout import CHUNKS_PREFIX, RUNS_PREFIX, chunk_id_of_key, chunk_key, parse_manifest_key
+from ._locks import gc_lock
+from ._manifest import decode_manifest
+from ._pool import bounded_map
+from ._repository import Url, check_config
+from .store import Store, open_store
+
+DEFAULT_GRACE_PERIOD_S = 3600.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GcInfo:
+    """What one :func:`gc` found and did.
+
+    Attributes:
+      manifests: manifests read (all runs).
+      chunks: chunk objects listed.
+      referenced_chunks: chunk ids referenced by at least one manifest.
+      deleted_chunks, deleted_bytes: garbage deleted (or, for a dry run, that would be).
+      young_unreferenced_chunks: unreferenced chunks spared because they are within the grace
+        period.
+      missing_chunks: referenced chunk ids with no object (a damaged repository; see verify).
+      dry_run: nothing was deleted.
+      seconds: wall time.
+    """
+
+    manifests: int
+    chunks: int
+    referenced_chunks: int
+    deleted_chunks: int
+    deleted_bytes: int
+    young_unreferenced_chunks: int
+    missing_chunks: int
+    dry_run: bool
+    seconds: float
+
+
+def gc(url: Url, *, grace_period_s: float = DEFAULT_GRACE_PERIOD_S, dry_run: bool = False,
+       lock_timeout_s: float = 600.0, max_workers: int | None = None) -> GcInfo:
+    """Deletes chunks that no manifest of any run references and that are older than the grace.
+
+    Takes the GC lock (waiting up to ``lock_timeout_s`` for saves in flight to finish; new saves
+    wait for GC), lists ``chunks/``, then reads every manifest, then deletes the garbage with
+    bounded concurrency.
+
+    Args:
+      url: a path, an fsspec URL or a Store.
+      grace_period_s: spare unreferenced chunks modified less than this many seconds ago.
+      dry_run: report what would be deleted (count and bytes) and delete nothing (no lock
+        is taken either).
+      lock_timeout_s: how long to wait for saves in flight.
+      max_workers: concurrent deletes (default the store's).
+
+    Returns:
+      A :class:`GcInfo`.
+
+    Raises:
+      ManifestError: a manifest does not parse; GC refuses to delete anything, since it cannot
+        know what that step references.
+      CasstoreError: saves still in flight after ``lock_timeout_s``.
+      ReadOnlyStoreError: not a dry run on a read-only store.
+    """
+    t0 = time.perf_counter()
+    store = open_store(url)
+    if not check_config(store):
+        return GcInfo(0, 0, 0, 0, 0, 0, 0, dry_run, time.perf_counter() - t0)
+    if dry_run:
+        return _collect(store, grace_period_s, True, max_workers, t0)
+    with gc_lock(store, lock_timeout_s):
+        return _collect(store, grace_period_s, False, max_workers, t0)
+
+
+def _collect(store: Store, grace_period_s: float, dry_run: bool, max_workers: int | None,
+             t0: float) -> GcInfo:
+    now = time.time()
+    chunks = {cid: info for info in store.list(CHUNKS_PREFIX)
+              if (cid := chunk_id_of_key(info.key)) is not None}
+    referenced: set[str] = set()
+    manifests = 0
+    for info in store.list(RUNS_PREFIX):
+        parsed = parse_manifest_key(info.key)
+        if parsed is None:
+            continue
+        try:
+            data = store.get(info.key)
+        except FileNotFoundError:  # deleted (by retention) since the listing: references nothing
+            continue
+        run, step = parsed
+        referenced |= decode_manifest(data, run=run, step=step, url=store.url).chunk_ids()
+        manifests += 1
+    garbage = [cid for cid, info in chunks.items()
+               if cid not in referenced and now - info.mtime >= grace_period_s]
+    young = sum(1 for cid in chunks if cid not in referenced) - len(garbage)
+    if not dry_run:
+        bounded_map(lambda cid: store.delete(chunk_key(cid)), garbage,
+                    max_workers or store.max_workers)
+    return GcInfo(manifests, len(chunks), len(referenced), len(garbage),
+                  sum(chunks[cid].size for cid in garbage), young,
+                  len(referenced - chunks.keys()), dry_run, time.perf_counter() - t0)

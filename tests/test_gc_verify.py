@@ -1,0 +1,158 @@
+"""Garbage collection (safe against concurrent saves) and verify."""
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import casstore
+from casstore._layout import chunk_key
+from casstore.store import LocalStore, MemoryStore
+
+
+def age_all(store: LocalStore, seconds: float) -> None:
+    """Makes every object look ``seconds`` older (for the grace period)."""
+    for info in store.list():
+        path = store._path(info.key)
+        os.utime(path, (info.mtime - seconds, info.mtime - seconds))
+
+
+def test_gc_deletes_only_unreferenced_chunks_older_than_the_grace(tmp_path):
+    store = LocalStore(tmp_path / "r")
+    casstore.save(store, 1, {"a": np.arange(10_000), "b": np.ones(10_000)})
+    casstore.save(store, 2, {"a": np.arange(10_000), "b": np.zeros(10_000)})
+    casstore.delete(store, 1)  # b=ones is now unreferenced
+    young = casstore.gc(store, grace_period_s=3600)
+    assert young.deleted_chunks == 0 and young.young_unreferenced_chunks == 1
+    age_all(store, 7200)
+    dry = casstore.gc(store, grace_period_s=3600, dry_run=True)
+    assert dry.deleted_chunks == 1 and dry.deleted_bytes > 0 and dry.dry_run
+    assert len(list(store.list("chunks/"))) == 3
+    info = casstore.gc(store, grace_period_s=3600)
+    assert (info.deleted_chunks, info.deleted_bytes) == (1, dry.deleted_bytes)
+    assert info.manifests == 1 and info.referenced_chunks == 2 and info.missing_chunks == 0
+    assert len(list(store.list("chunks/"))) == 2
+    np.testing.assert_array_equal(casstore.restore(store, 2)["b"], np.zeros(10_000))
+    assert casstore.gc(store, grace_period_s=0).deleted_chunks == 0  # re-run is a no-op
+
+
+def test_gc_counts_every_run_and_refuses_on_a_bad_manifest(tmp_path):
+    store = MemoryStore()
+    casstore.save(store, 0, {"x": np.arange(5000)}, run="a")
+    casstore.save(store, 0, {"x": np.arange(5000) + 1}, run="b")
+    assert casstore.gc(store, grace_period_s=0).deleted_chunks == 0
+    store.put("runs/b/steps/0000000000000001.manifest", b"garbage")
+    with pytest.raises(casstore.ManifestError):
+        casstore.gc(store, grace_period_s=0)
+    assert len(list(store.list("chunks/"))) == 2
+
+
+def test_gc_waits_for_a_save_in_flight_and_saves_wait_for_gc(tmp_path):
+    store = LocalStore(tmp_path / "r")
+    casstore.save(store, 0, {"x": np.arange(1000)})
+    gate = threading.Event()
+    real_put = store._put
+
+    def slow_put(key, data, *, exclusive):
+        if key.startswith("chunks/"):
+            gate.wait(10)
+        real_put(key, data, exclusive=exclusive)
+
+    store._put = slow_put
+    saver = threading.Thread(target=casstore.save, args=(store, 1, {"y": np.arange(3000)}))
+    saver.start()
+    time.sleep(0.3)
+    with pytest.raises(casstore.CasstoreError, match="saves kept running"):
+        casstore.gc(store, grace_period_s=0, lock_timeout_s=0.5)
+    gate.set()
+    saver.join()
+    assert casstore.gc(store, grace_period_s=0).deleted_chunks == 0
+    assert casstore.list_steps(store) == [0, 1]
+
+
+@pytest.mark.parametrize("backend", ["local", "memory"])
+def test_stress_saves_while_gc_runs_in_a_loop(tmp_path, backend):
+    """Threads save new steps (reusing old, deleted content) while GC loops with no grace."""
+    store = LocalStore(tmp_path / "r") if backend == "local" else MemoryStore()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    base = np.random.default_rng(0).normal(size=(256, 64)).astype(np.float32)
+
+    def saver(worker: int) -> None:
+        try:
+            for i in range(12):
+                step = worker * 100 + i
+                tree = {"base": base, "head": np.full(2000, step, np.float32),
+                        "old": np.full(2000, i % 3, np.float32)}  # content that comes and goes
+                casstore.save(store, step, tree, run=f"w{worker}", chunk_size_bytes=8192)
+                if i % 2:
+                    casstore.delete(store, step, run=f"w{worker}")
+                time.sleep(0.05)  # a training step between saves
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    sweeps: list[casstore.GcInfo] = []
+
+    def collector() -> None:
+        while not stop.is_set():
+            try:
+                sweeps.append(casstore.gc(store, grace_period_s=0, lock_timeout_s=1))
+            except casstore.CasstoreError as e:  # busy: saves kept running; try again
+                if "saves kept running" not in str(e):
+                    errors.append(e)
+            except BaseException as e:
+                errors.append(e)
+
+    threads = [threading.Thread(target=saver, args=(w,)) for w in range(3)]
+    gc_thread = threading.Thread(target=collector)
+    gc_thread.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    gc_thread.join()
+    assert not errors, errors
+    assert len(sweeps) >= 3 and sum(s.deleted_chunks for s in sweeps) > 0, sweeps
+    report = casstore.verify(store)
+    assert report.ok, report.problems
+    for worker in range(3):
+        steps = casstore.list_steps(store, run=f"w{worker}")
+        assert len(steps) == 6
+        for step in steps:
+            restored = casstore.restore(store, step, run=f"w{worker}")
+            np.testing.assert_array_equal(restored["base"], base)
+            assert restored["head"][0] == step and restored["old"][0] == (step % 100) % 3
+
+
+def test_verify_finds_a_deleted_chunk_and_a_flipped_byte(tmp_path):
+    store = LocalStore(tmp_path / "r")
+    casstore.save(store, 1, {"p": {"w": np.arange(50_000.0)}, "q": np.ones(30_000)})
+    casstore.save(store, 2, {"p": {"w": np.arange(50_000.0)}, "q": np.zeros(30_000)})
+    assert casstore.verify(store).ok
+    manifest = casstore.read_manifest(store, 1)
+    w_id = manifest.leaves[0].chunks[0].id
+    q_id = manifest.leaves[1].chunks[0].id
+    store.delete(chunk_key(w_id))
+    data = bytearray(store.get(chunk_key(q_id)))
+    data[-1] ^= 0xFF
+    store.put(chunk_key(q_id), bytes(data))
+    report = casstore.verify(store)
+    found = {(p.step, p.key_path, p.chunk_id, p.message.split(":")[0]) for p in report.problems}
+    assert found == {(1, "p/w", w_id, "chunk missing"), (2, "p/w", w_id, "chunk missing"),
+                     (1, "q", q_id, "chunk corrupt")}
+    assert not casstore.verify(store, 2).ok and casstore.verify(store, 2, read_data=False)
+    only_existence = casstore.verify(store, read_data=False)
+    assert {p.message for p in only_existence.problems} == {"chunk missing"}
+    assert all(str(w_id) in str(p) for p in only_existence.problems)
+
+
+def test_verify_reports_a_garbage_manifest(tmp_path):
+    store = MemoryStore()
+    casstore.save(store, 1, {"x": np.arange(10)})
+    store.put("runs/default/steps/0000000000000002.manifest", b"\xc1junk")
+    report = casstore.verify(store)
+    assert [(p.step, p.message.split(":")[0]) for p in report.problems] == [
+        (2, "manifest unreadable")]

@@ -1,0 +1,147 @@
+"""CheckpointManager: async save, retention policies, errors from the background."""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import casstore
+from casstore.store import MemoryStore
+
+
+def state(step: int) -> dict:
+    return {"w": jnp.full((64, 64), step, jnp.float32), "step": step}
+
+
+def test_async_save_then_overwrite_keeps_the_old_values(tmp_path):
+    x = jnp.arange(1_000_000, dtype=jnp.float32)
+    with casstore.CheckpointManager(tmp_path) as mngr:
+        assert mngr.save(0, {"x": x, "n": np.arange(5)})
+        x = x.at[0].set(-1.0)  # the caller moves on right away
+        y = np.arange(5)
+        y[:] = 0
+        assert mngr.last_save_blocking_s is not None
+        mngr.wait_until_finished()
+        restored = mngr.restore(0)
+    assert restored["x"][0] == 0.0 and restored["n"].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_donated_buffers_do_not_change_the_checkpoint(tmp_path):
+    @jax.jit
+    def step_fn(w):
+        return w * 2
+
+    donating = jax.jit(lambda w: w + 1, donate_argnums=0)
+    w = jnp.ones((256, 256))
+    with casstore.CheckpointManager(tmp_path) as mngr:
+        mngr.save(1, {"w": w})
+        w = donating(w)  # the saved buffer is donated and reused
+        w = step_fn(w)
+        mngr.wait_until_finished()
+        np.testing.assert_array_equal(mngr.restore(1)["w"], np.ones((256, 256)))
+
+
+def test_max_to_keep_and_keep_period():
+    store = MemoryStore()
+    with casstore.CheckpointManager(store, max_to_keep=2, keep_period=4) as mngr:
+        for step in range(10):
+            mngr.save(step, state(step))
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [0, 4, 8, 9]
+        assert mngr.latest_step() == 9
+
+
+def test_best_fn_keeps_the_best_steps():
+    with casstore.CheckpointManager(MemoryStore(), max_to_keep=2, best_fn=lambda m: m["acc"],
+                                    best_mode="max") as mngr:
+        for step, acc in enumerate([0.5, 0.9, 0.1, 0.8, 0.3]):
+            mngr.save(step, state(step), metrics={"acc": acc})
+        mngr.save(5, state(5))  # no metrics: kept by keep_checkpoints_without_metrics
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [1, 3, 5]
+        assert mngr.best_step() == 1
+    with casstore.CheckpointManager(MemoryStore(), max_to_keep=1, best_fn=lambda m: m["loss"],
+                                    best_mode="min",
+                                    keep_checkpoints_without_metrics=False) as mngr:
+        for step, loss in enumerate([3.0, 1.0, 2.0]):
+            mngr.save(step, state(step), metrics={"loss": loss})
+        mngr.save(3, state(3))
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [1]
+
+
+def test_should_save_and_interval(tmp_path):
+    with casstore.CheckpointManager(tmp_path, save_interval_steps=5) as mngr:
+        saved = [step for step in range(12) if mngr.save(step, state(step))]
+        mngr.wait_until_finished()
+        assert saved == [0, 5, 10] and mngr.all_steps() == [0, 5, 10]
+        assert not mngr.should_save(10) and not mngr.should_save(3)
+        assert mngr.save(3, state(3), force=True)
+
+
+def test_metadata_and_delete(tmp_path):
+    with casstore.CheckpointManager(tmp_path) as mngr:
+        mngr.save(0, state(0), metadata={"lr": 0.1}, metrics={"loss": 1.0})
+        assert mngr.metadata(0) == {"lr": 0.1}
+        mngr.delete(0)
+        assert mngr.all_steps() == []
+        with pytest.raises(casstore.StepNotFoundError):
+            mngr.delete(0)
+
+
+class FailingStore(MemoryStore):
+    """Fails every chunk write after ``ok_puts`` successful ones."""
+
+    def __init__(self, ok_puts: int):
+        super().__init__()
+        self.ok_puts = ok_puts
+
+    def _put(self, key, data, *, exclusive):
+        if key.startswith("chunks/"):
+            if self.ok_puts <= 0:
+                raise OSError("injected: disk full")
+            self.ok_puts -= 1
+        super()._put(key, data, exclusive=exclusive)
+
+
+def test_background_errors_surface_from_wait_and_next_save():
+    store = FailingStore(ok_puts=0)
+    mngr = casstore.CheckpointManager(store)
+    assert mngr.save(0, state(0))  # returns: the failure happens in the background
+    with pytest.raises(OSError, match="disk full"):
+        mngr.wait_until_finished()
+    assert casstore.list_steps(store) == []
+    mngr.save(1, state(1))
+    with pytest.raises(OSError, match="disk full"):
+        mngr.save(2, state(2))
+    with pytest.raises(RuntimeError):
+        mngr.close()
+        mngr.save(3, state(3))
+    assert casstore.list_steps(store) == []
+
+
+def test_close_raises_pending_error_and_stops_the_thread():
+    store = FailingStore(ok_puts=0)
+    before = {t.name for t in threading.enumerate()}
+    mngr = casstore.CheckpointManager(store)
+    mngr.save(0, state(0))
+    with pytest.raises(OSError):
+        mngr.close()
+    after = {t.name for t in threading.enumerate() if t.name.startswith("casstore-save")}
+    assert after <= before
+    mngr.close()  # idempotent
+
+
+def test_gc_after_retention_frees_old_chunks():
+    store = MemoryStore()
+    with casstore.CheckpointManager(store, max_to_keep=1, gc_after_retention=True,
+                                    grace_period_s=0) as mngr:
+        for step in range(3):
+            mngr.save(step, {"w": np.full((1000,), step, np.float32)})
+        mngr.wait_until_finished()
+        assert mngr.last_gc_info.deleted_chunks == 1
+    assert casstore.list_steps(store) == [2]
+    assert len(list(store.list("chunks/"))) == 1
+    assert casstore.verify(store).ok
