@@ -1,23 +1,27 @@
-"""Shared fixtures: one parametrized ``repo_store`` fixture over every store backend."""
+"""Shared fixtures: every store backend, including real S3 and GCS servers on loopback."""
 
 import os
 
 # 8 CPU devices for sharding tests; must be set before jax initializes its backend.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gcsfs is imported
 
+import contextlib  # noqa: E402
 import uuid  # noqa: E402
 
 import fsspec  # noqa: E402
 import pytest  # noqa: E402
+import servers  # noqa: E402
 
 from casstore.store import FsspecStore, LocalStore, MemoryStore  # noqa: E402
 
-BACKENDS = ["memory", "local", "fsspec-memory"]
+LOCAL_BACKENDS = ["memory", "local", "fsspec-memory"]
+OBJECT_BACKENDS = ["seaweedfs", "moto", "fake-gcs"]
+BACKENDS = LOCAL_BACKENDS + OBJECT_BACKENDS
 
 
 def make_store(kind: str, tmp_path):
-    """A fresh, empty store of the given backend kind."""
+    """A fresh, empty store of a local backend kind."""
     if kind == "memory":
         return MemoryStore()
     if kind == "local":
@@ -26,7 +30,35 @@ def make_store(kind: str, tmp_path):
     return FsspecStore(fsspec.filesystem("memory"), f"/casstore-test-{uuid.uuid4().hex}")
 
 
+@pytest.fixture(scope="session")
+def object_servers(tmp_path_factory):
+    """SeaweedFS, moto and fake-gcs-server, started once per session on free loopback ports.
+
+    With CASSTORE_TEST_S3_ENDPOINT / CASSTORE_TEST_GCS_ENDPOINT set, those servers stand in for
+    the S3 ones / the GCS one. A server that cannot start fails every test that uses it.
+    """
+    root = tmp_path_factory.mktemp("servers")
+    with contextlib.ExitStack() as stack:
+        if os.environ.get("CASSTORE_TEST_S3_ENDPOINT"):
+            s3 = stack.enter_context(servers.external_s3())
+            found = {"seaweedfs": s3, "moto": s3}
+        else:
+            found = {"seaweedfs": stack.enter_context(servers.seaweedfs(root)),
+                     "moto": stack.enter_context(servers.moto_server())}
+        found["fake-gcs"] = stack.enter_context(
+            servers.external_gcs() if os.environ.get("CASSTORE_TEST_GCS_ENDPOINT")
+            else servers.fake_gcs(root))
+        yield found
+
+
+def object_store(server: servers.ObjectServer, **kwargs) -> FsspecStore:
+    """A store in a fresh bucket of ``server``."""
+    return FsspecStore.from_url(server.url(), **server.storage_options, **kwargs)
+
+
 @pytest.fixture(params=BACKENDS)
 def repo_store(request, tmp_path):
-    """A fresh store, once per backend."""
+    """A fresh store, once per backend (the object-storage ones on real servers)."""
+    if request.param in OBJECT_BACKENDS:
+        return object_store(request.getfixturevalue("object_servers")[request.param])
     return make_store(request.param, tmp_path)

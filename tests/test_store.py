@@ -8,7 +8,7 @@ from casstore import open_store
 from casstore.store import CountingStore, FsspecStore, LocalStore, MemoryStore
 from casstore.testing import StoreContract
 
-from conftest import make_store
+from conftest import make_store, object_store
 
 
 class TestMemoryStore(StoreContract):
@@ -74,3 +74,64 @@ def test_open_store_picks_backend(tmp_path):
     assert open_store(s) is s
     with pytest.raises(ValueError):
         open_store(tmp_path, anon=True)
+
+
+@pytest.fixture(params=["seaweedfs", "moto", "fake-gcs"])
+def object_server(request, object_servers):
+    return object_servers[request.param]
+
+
+class TestObjectStores(StoreContract):
+    """The contract on S3 (SeaweedFS, moto) and GCS (fake-gcs-server) through fsspec."""
+
+    @pytest.fixture
+    def store(self, object_server):
+        return object_store(object_server)
+
+    def read_only_store(self, store):
+        return FsspecStore(store.fs, store.root, read_only=True)
+
+
+def flaky(fn, failures: list[BaseException]):
+    """``fn``, but raising the given exceptions on its first calls."""
+    def wrapper(*args, **kwargs):
+        if failures:
+            raise failures.pop(0)
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+def test_transient_errors_are_retried_and_permanent_ones_are_not(tmp_path):
+    import errno
+
+    store = make_store("fsspec-memory", tmp_path)
+    store.backoff_s = 0.001
+    store.put("a", b"1")
+    store.fs.cat_file = flaky(store.fs.cat_file, [OSError(errno.EREMOTEIO, "InternalError"),
+                                                   ConnectionResetError("reset"),
+                                                   TimeoutError("slow")])
+    assert store.get("a") == b"1"
+    store.fs.cat_file = flaky(store.fs.cat_file, [PermissionError(13, "AccessDenied")])
+    with pytest.raises(PermissionError) as info:
+        store.get("a")
+    assert store.url in "".join(getattr(info.value, "__notes__", [store.url]))
+    store.retries = 2
+    store.fs.cat_file = flaky(store.fs.cat_file, [TimeoutError()] * 3)
+    with pytest.raises(TimeoutError):
+        store.get("a")
+
+
+def test_a_create_that_stored_its_bytes_then_failed_is_not_a_conflict(tmp_path):
+    store = make_store("fsspec-memory", tmp_path)
+    store.backoff_s = 0.001
+    real = store.fs.pipe_file
+
+    def stores_then_fails(path, data, **kwargs):
+        real(path, data, **kwargs)
+        store.fs.pipe_file = real
+        raise TimeoutError("response lost")
+
+    store.fs.pipe_file = stores_then_fails
+    store.put_if_absent("m", b"mine")  # the retry finds its own bytes: success
+    with pytest.raises(FileExistsError):
+        store.put_if_absent("m", b"other")

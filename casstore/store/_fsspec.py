@@ -8,9 +8,15 @@ the async backends (s3fs, gcsfs) run concurrently. Create-only writes use
 
 from __future__ import annotations
 
+import asyncio
+import errno
+import itertools
 import posixpath
-from collections.abc import Iterable, Iterator, Mapping
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime
+from typing import Any
 
 import fsspec
 
@@ -29,6 +35,43 @@ def _is_exists_error(exc: BaseException) -> bool:
     cause = exc.__cause__
     code = getattr(cause, "response", {}).get("Error", {}).get("Code") if cause else None
     return code in ("PreconditionFailed", "412")
+
+
+_TRANSIENT_CODES = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout",
+                    "Throttling", "ThrottlingException", "RequestLimitExceeded", "503", "500"}
+_TRANSIENT_ERRNOS = {errno.EREMOTEIO, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED,
+                     errno.EAGAIN, errno.EBUSY, errno.EPIPE}
+_PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
+              NotADirectoryError)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for errors worth retrying: 5xx, 429/503 SlowDown, timeouts, connection resets.
+
+    Not found, already exists, permission and credential errors are permanent (restic's
+    ``IsPermanentError``). The exception and its causes are inspected, since s3fs and gcsfs wrap
+    botocore / HTTP errors in OSError.
+    """
+    seen = [exc, exc.__cause__, exc.__context__]
+    if isinstance(exc, _PERMANENT):
+        return False
+    for e in (x for x in seen if x is not None):
+        if isinstance(e, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
+            return True
+        response = getattr(e, "response", None)  # botocore ClientError
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            if response.get("Error", {}).get("Code") in _TRANSIENT_CODES or status >= 500 or (
+                    status == 429):
+                return True
+        code = getattr(e, "code", None)  # gcsfs HttpError
+        if isinstance(code, int) and (code >= 500 or code == 429):
+            return True
+        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
+            return True
+        if type(e).__module__.split(".")[0] in ("aiohttp", "urllib3"):
+            return True
+    return False
 
 
 def _mtime(info: dict) -> float:
@@ -53,16 +96,37 @@ class FsspecStore(Store):
       read_only: refuse writes.
       url: the URL shown in messages (no credentials); defaults to ``protocol://root``.
       batch_size: the largest number of objects in one ``fs.cat`` / ``fs.pipe`` call.
+      retries: retries of a call that failed with a transient error (:func:`is_transient`).
+      backoff_s, max_backoff_s: the first retry waits about ``backoff_s`` seconds, doubling
+        up to ``max_backoff_s``, each wait jittered by a factor in [0.5, 1.5].
     """
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, *, read_only: bool = False,
-                 url: str | None = None, batch_size: int = 64):
+                 url: str | None = None, batch_size: int = 64, retries: int = 6,
+                 backoff_s: float = 0.2, max_backoff_s: float = 10.0):
         self.fs = fs
         self.root = root.rstrip("/")
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
         self.url = url or f"{protocol}://{self.root}"
         self.read_only = read_only
         self.batch_size = batch_size
+        self.retries, self.backoff_s, self.max_backoff_s = retries, backoff_s, max_backoff_s
+
+    def _retry(self, key: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``, retried on transient errors with bounded exponential backoff and jitter.
+
+        A permanent error (or the last transient one) is raised with the object's URL added.
+        """
+        for attempt in itertools.count():
+            try:
+                return fn()
+            except Exception as e:  # classified by is_transient; anything else is re-raised
+                if attempt >= self.retries or not is_transient(e):
+                    if not isinstance(e, FileNotFoundError) and hasattr(e, "add_note"):
+                        e.add_note(f"casstore: while accessing {self.url}/{key}")
+                    raise
+                delay = min(self.max_backoff_s, self.backoff_s * 2**attempt)
+                time.sleep(delay * random.uniform(0.5, 1.5))
 
     @classmethod
     def from_url(cls, url: str, *, read_only: bool = False, **storage_options) -> FsspecStore:
@@ -78,13 +142,13 @@ class FsspecStore(Store):
 
     def get(self, key: str) -> bytes:
         try:
-            return self.fs.cat_file(self._path(check_key(key)))
+            return self._retry(key, lambda: self.fs.cat_file(self._path(check_key(key))))
         except FileNotFoundError:
             raise self._missing(key) from None
 
     def exists(self, key: str) -> bool:
         try:
-            info = self.fs.info(self._path(check_key(key)))
+            info = self._retry(key, lambda: self.fs.info(self._path(check_key(key))))
         except FileNotFoundError:
             return False
         return info.get("type") != "directory"
@@ -93,7 +157,7 @@ class FsspecStore(Store):
         base = posixpath.dirname(prefix)
         top = f"{self.root}/{base}" if base else self.root
         try:
-            found = self.fs.find(top, detail=True)
+            found = self._retry(prefix, lambda: self.fs.find(top, detail=True))
         except FileNotFoundError:
             return
         start = len(self.root.lstrip("/")) + 1  # some filesystems add or drop a leading "/"
@@ -106,18 +170,27 @@ class FsspecStore(Store):
     def _put(self, key: str, data: bytes | memoryview, *, exclusive: bool) -> None:
         data = bytes(data) if isinstance(data, memoryview) else data
         if not exclusive:
-            self.fs.pipe_file(self._path(key), data)
+            self._retry(key, lambda: self.fs.pipe_file(self._path(key), data))
             return
-        try:
-            self.fs.pipe_file(self._path(key), data, mode="create")
-        except Exception as e:  # narrowed by _is_exists_error; everything else re-raises
-            if _is_exists_error(e):
+        attempts = []
+
+        def create() -> None:
+            attempts.append(1)
+            try:
+                self.fs.pipe_file(self._path(key), data, mode="create")
+            except Exception as e:  # narrowed by _is_exists_error; everything else re-raises
+                if not _is_exists_error(e):
+                    raise
+                # A retried create may find the object its own failed attempt stored.
+                if len(attempts) > 1 and self.fs.cat_file(self._path(key)) == data:
+                    return
                 raise FileExistsError(f"{self.url}/{key} exists") from e
-            raise
+
+        self._retry(key, create)
 
     def _delete(self, key: str) -> None:
         try:
-            self.fs.rm_file(self._path(key))
+            self._retry(key, lambda: self.fs.rm_file(self._path(key)))
         except FileNotFoundError:
             pass
 
@@ -126,9 +199,12 @@ class FsspecStore(Store):
         out: dict[str, bytes] = {}
         for i in range(0, len(keys), self.batch_size):
             batch = keys[i:i + self.batch_size]
-            got = self.fs.cat([self._path(k) for k in batch], on_error="return")
+            got = self._retry(batch[0], lambda b=batch: self.fs.cat(
+                [self._path(k) for k in b], on_error="return"))
             for key in batch:
                 value = got.get(self._path(key), FileNotFoundError())
+                if isinstance(value, BaseException) and is_transient(value):
+                    value = self._retry(key, lambda k=key: self.fs.cat_file(self._path(k)))
                 if isinstance(value, FileNotFoundError):
                     raise self._missing(key) from value
                 if isinstance(value, BaseException):
@@ -143,4 +219,5 @@ class FsspecStore(Store):
         keys = list(items)
         for i in range(0, len(keys), self.batch_size):
             batch = keys[i:i + self.batch_size]
-            self.fs.pipe({self._path(k): bytes(items[k]) for k in batch})
+            self._retry(batch[0], lambda b=batch: self.fs.pipe(
+                {self._path(k): bytes(items[k]) for k in b}))
