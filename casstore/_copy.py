@@ -1,0 +1,116 @@
+"""Copy checkpoints between repositories (local, S3, GCS, any pair), moving only missing chunks.
+
+Follows the commit rule of format.md §7 at the destination: a step's chunks are all stored
+(each verified against its chunk id as it passes) before its manifest is written create-only,
+so an interrupted copy leaves no partial step, and running it again sends only what is missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+from ._codec import decode_chunk
+from ._errors import CorruptChunkError, StepNotFoundError
+from ._layout import CHUNKS_PREFIX, chunk_id_of_key, chunk_key, manifest_key
+from ._locks import save_lock
+from ._pool import bounded_map
+from ._repository import Url, ensure_config, list_runs, list_steps, read_manifest
+from .store import open_store
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CopyInfo:
+    """What one :func:`copy` did.
+
+    Attributes:
+      steps_copied: ``(run, step)`` pairs whose manifests were written at the destination.
+      steps_skipped: ``(run, step)`` pairs the destination already had.
+      chunks_copied, bytes_copied: chunk objects sent (stored bytes).
+      chunks_skipped, bytes_skipped: referenced chunks the destination already had.
+      seconds: wall time.
+    """
+
+    steps_copied: tuple[tuple[str, int], ...]
+    steps_skipped: tuple[tuple[str, int], ...]
+    chunks_copied: int
+    bytes_copied: int
+    chunks_skipped: int
+    bytes_skipped: int
+    seconds: float
+
+
+def copy(src_url: Url, dst_url: Url, *, steps: list[int] | None = None,
+         runs: list[str] | None = None, max_workers: int | None = None) -> CopyInfo:
+    """Copies checkpoints from one repository to another.
+
+    Lists the destination's chunks once, then for each selected step: reads and validates the
+    source manifest, copies the chunks the destination lacks (reading each from the source,
+    checking its length and chunk id, writing it), and writes the manifest last, create-only.
+    The destination holds a save lock meanwhile, so its garbage collection cannot interfere.
+
+    Args:
+      src_url, dst_url: paths, fsspec URLs or Stores.
+      steps: the steps to copy (in every selected run); None copies all.
+      runs: the runs to copy; None copies every run of the source.
+      max_workers: concurrent chunk transfers (default the destination store's).
+
+    Returns:
+      A :class:`CopyInfo`.
+
+    Raises:
+      StepNotFoundError: a step named in ``steps`` is in none of the selected runs.
+      CorruptChunkError: a source chunk fails its checks (nothing more of that step is written;
+        its manifest is not written).
+      ManifestError: a source manifest is invalid.
+    """
+    t0 = time.perf_counter()
+    src, dst = open_store(src_url), open_store(dst_url)
+    selected = [(run, step) for run in (runs if runs is not None else list_runs(src))
+                for step in list_steps(src, run=run) if steps is None or step in steps]
+    for step in steps or ():
+        if not any(s == step for _, s in selected):
+            raise StepNotFoundError("step not in the source", url=src.url, step=step)
+    ensure_config(dst)
+    copied, skipped_steps = [], []
+    counts = {"copied": 0, "bytes_copied": 0, "skipped": 0, "bytes_skipped": 0}
+    lock = threading.Lock()
+    with save_lock(dst):
+        present = {cid: info.size for info in dst.list(CHUNKS_PREFIX)
+                   if (cid := chunk_id_of_key(info.key)) is not None}
+        for run, step in selected:
+            key = manifest_key(run, step)
+            if dst.exists(key):
+                skipped_steps.append((run, step))
+                continue
+            manifest = read_manifest(src, step, run=run)
+            raw_length = {r.id: (r.raw_bytes, leaf.path) for leaf in manifest.leaves
+                          for r in leaf.chunks}
+            missing = [cid for cid in raw_length if cid not in present]
+            with lock:
+                counts["skipped"] += len(raw_length) - len(missing)
+                counts["bytes_skipped"] += sum(present[c] for c in raw_length if c in present)
+
+            def transfer(cid: str, run=run, step=step, raw_length=raw_length) -> None:
+                data = src.get(chunk_key(cid))
+                try:
+                    decode_chunk(data, cid, raw_length[cid][0])
+                except CorruptChunkError as e:
+                    raise CorruptChunkError(f"source chunk unusable: {e}", url=src.url, run=run,
+                                            step=step, key_path=raw_length[cid][1],
+                                            chunk_id=cid) from e
+                dst.put(chunk_key(cid), data)
+                with lock:
+                    present[cid] = len(data)
+                    counts["copied"] += 1
+                    counts["bytes_copied"] += len(data)
+
+            bounded_map(transfer, missing, max_workers or dst.max_workers)
+            try:
+                dst.put_if_absent(key, src.get(key))
+                copied.append((run, step))
+            except FileExistsError:  # written concurrently by someone else
+                skipped_steps.append((run, step))
+    return CopyInfo(tuple(copied), tuple(skipped_steps), counts["copied"], counts["bytes_copied"],
+                    counts["skipped"], counts["bytes_skipped"], time.perf_counter() - t0)

@@ -1,0 +1,111 @@
+"""Object storage: commit races, cross-cloud copy, and an interrupted copy finishing on re-run."""
+
+import threading
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import casstore
+from casstore.store import CountingStore, FsspecStore, LocalStore
+
+from conftest import object_store
+
+
+def test_concurrent_saves_of_one_step_exactly_one_wins(repo_store):
+    """Several threads save the same step with different trees: one commits, the rest get
+    StepAlreadyExistsError, and the winner's checkpoint restores bit-exact."""
+    trees = [{"w": np.full((300, 50), i, np.float32), "i": i} for i in range(4)]
+    barrier = threading.Barrier(len(trees))
+    outcome: dict[int, object] = {}
+
+    def save(i: int) -> None:
+        barrier.wait()
+        try:
+            outcome[i] = casstore.save(repo_store, 7, trees[i])
+        except casstore.StepAlreadyExistsError as e:
+            outcome[i] = e
+
+    threads = [threading.Thread(target=save, args=(i,)) for i in range(len(trees))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [i for i, o in outcome.items() if isinstance(o, casstore.SaveInfo)]
+    assert len(winners) == 1 and len(outcome) == len(trees), outcome
+    restored = casstore.restore(repo_store, 7)
+    assert restored["i"] == winners[0]
+    np.testing.assert_array_equal(restored["w"], trees[winners[0]]["w"])
+
+
+def test_copy_local_to_s3_to_gcs_to_local(tmp_path, object_servers):
+    src = LocalStore(tmp_path / "src")
+    base = np.random.default_rng(0).normal(size=(500, 64)).astype(np.float32)
+    for step in range(3):
+        casstore.save(src, step, {"base": base, "head": jnp.full((40,), step, jnp.float32),
+                                  "step": step}, run="a")
+    casstore.save(src, 0, {"base": base, "other": np.arange(7)}, run="b")
+    s3 = object_store(object_servers["seaweedfs"])
+    gcs = object_store(object_servers["fake-gcs"])
+    back = LocalStore(tmp_path / "back")
+    first = casstore.copy(src, s3)
+    assert len(first.steps_copied) == 4 and first.chunks_skipped > 0  # base shared by steps
+    assert casstore.copy(src, s3).chunks_copied == 0  # nothing left to send
+    casstore.copy(s3, gcs, runs=["a"], steps=[1, 2])
+    assert casstore.list_runs(gcs) == ["a"] and casstore.list_steps(gcs, run="a") == [1, 2]
+    casstore.copy(gcs, back)
+    for step in (1, 2):
+        restored = casstore.restore(back, step, run="a")
+        np.testing.assert_array_equal(restored["base"], base)
+        np.testing.assert_array_equal(restored["head"], np.full(40, step, np.float32))
+    assert casstore.verify(back).ok and casstore.verify(s3).ok
+
+
+class FailingAfter(CountingStore):
+    """Fails every chunk write after the first ``ok`` ones (a dropped connection)."""
+
+    def __init__(self, inner, ok: int):
+        super().__init__(inner)
+        self.ok = ok
+
+    def _put(self, key, data, *, exclusive):
+        if key.startswith("chunks/"):
+            if self.ok <= 0:
+                raise ConnectionResetError("injected: connection reset")
+            self.ok -= 1
+        super()._put(key, data, exclusive=exclusive)
+
+
+def test_interrupted_copy_finishes_on_rerun_sending_only_the_rest(tmp_path, object_servers):
+    src = LocalStore(tmp_path / "src")
+    tree = {f"w{i}": np.full((200, 100), i, np.float32) for i in range(10)}
+    casstore.save(src, 1, tree, chunk_size_bytes=40_000)
+    n_chunks = len(casstore.read_manifest(src, 1).chunk_ids())
+    dst_url = object_servers["moto"].url()
+    options = object_servers["moto"].storage_options
+    flaky = FailingAfter(FsspecStore.from_url(dst_url, **options), ok=4)
+    with pytest.raises(ConnectionResetError):
+        casstore.copy(src, flaky, max_workers=1)
+    assert casstore.list_steps(flaky) == []  # no manifest without all chunks
+    again = CountingStore(FsspecStore.from_url(dst_url, **options))
+    info = casstore.copy(src, again)
+    assert info.chunks_skipped == 4 and info.chunks_copied == n_chunks - 4
+    assert len([k for k in again.keys_written if k.startswith("chunks/")]) == n_chunks - 4
+    restored = casstore.restore(again, 1)
+    for key, value in tree.items():
+        np.testing.assert_array_equal(restored[key], value)
+
+
+def test_copy_verifies_chunks_in_transit(tmp_path):
+    src = LocalStore(tmp_path / "src")
+    casstore.save(src, 1, {"x": np.arange(100_000)})
+    cid = next(iter(casstore.read_manifest(src, 1).chunk_ids()))
+    path = src._path(f"chunks/{cid[:2]}/{cid[2:]}")
+    data = bytearray(open(path, "rb").read())
+    data[-1] ^= 1
+    open(path, "wb").write(bytes(data))
+    dst = LocalStore(tmp_path / "dst")
+    with pytest.raises(casstore.CorruptChunkError) as info:
+        casstore.copy(src, dst)
+    assert info.value.chunk_id == cid and info.value.key_path == "x"
+    assert casstore.list_steps(dst) == []
