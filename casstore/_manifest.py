@@ -186,7 +186,8 @@ def decode_manifest(data: bytes, *, run: str, step: int, url: str) -> Manifest:
     check(isinstance(raw.get("created"), (int, float)), "created is not a number")
     leaves_raw = raw.get("leaves")
     check(isinstance(leaves_raw, list) and len(leaves_raw) <= MAX_LEAVES, "bad leaves list")
-    n_refs = sum(len(x.get("chunks") or ()) for x in leaves_raw if isinstance(x, dict))
+    n_refs = sum(len(x["chunks"]) for x in leaves_raw
+                 if isinstance(x, dict) and isinstance(x.get("chunks"), list))
     check(n_refs <= MAX_CHUNK_REFS, f"{n_refs} chunk refs exceed the limit")
     leaves = tuple(_decode_leaf(x, check) for x in leaves_raw)
     check.path = None
@@ -262,7 +263,7 @@ def _decode_scalar(path: str, x: dict, check: _Check) -> LeafEntry:
           and all(isinstance(p, float) for p in v),
           "str": lambda: isinstance(v, str) and len(v) <= MAX_SCALAR_BYTES,
           "bytes": lambda: isinstance(v, bytes) and len(v) <= MAX_SCALAR_BYTES}
-    check(t in ok and ok[t](), f"bad scalar of type {t!r}")
+    check(isinstance(t, str) and t in ok and ok[t](), f"bad scalar of type {t!r}")
     return LeafEntry(path, "scalar", scalar_type=t, value=v)
 
 

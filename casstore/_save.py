@@ -237,6 +237,15 @@ def _commit(store: Store, key: str, manifest: Manifest) -> int:
     except FileExistsError:
         raise StepAlreadyExistsError("step was committed by a concurrent save", url=store.url,
                                      run=manifest.run, step=manifest.step) from None
+    except Exception:
+        # The write may have been stored before the error (a lost response): if the manifest
+        # there is ours, the commit happened.
+        try:
+            committed = store.get(key) == data
+        except Exception:  # still unknown: report the original error
+            committed = False
+        if not committed:
+            raise
     return len(data)
 
 

@@ -99,3 +99,88 @@ class StoreContract:
                 write()
             assert isinstance(info.value, PermissionError)
         assert store.get("r/1") == b"1" and not store.exists("r/2")
+
+
+class FaultyStore(Store):
+    """Wraps a store and injects faults, driven by a seed, for reliability tests.
+
+    Each call of a chosen operation fails with probability ``rate``, in one of these ways:
+    ``error`` (raise ``ConnectionResetError`` before doing anything), ``timeout`` (raise
+    ``TimeoutError``), ``stored_then_error`` (writes only: perform the write, then raise as if
+    the response was lost), ``slow`` (sleep ``delay_s``, then succeed), and, for ``list``,
+    ``list_misses_recent`` (omit objects modified in the last ``recent_s`` seconds).
+
+    Args:
+      inner: the store to wrap.
+      seed: seeds the fault decisions, so a failing run can be replayed.
+      rate: probability of a fault per call, in [0, 1].
+      ops: the operations that may fail (``get``, ``put``, ``put_if_absent``, ``exists``,
+        ``delete``, ``list``).
+      kinds: the kinds of faults to choose from.
+      delay_s: the delay of ``slow`` faults, seconds.
+      recent_s: what ``list_misses_recent`` counts as recent, seconds.
+
+    Attributes:
+      injected: a list of ``(operation, kind, key)`` of every fault injected.
+    """
+
+    KINDS = ("error", "timeout", "stored_then_error", "slow", "list_misses_recent")
+
+    def __init__(self, inner: Store, *, seed: int, rate: float = 0.1,
+                 ops: tuple[str, ...] = ("get", "put", "put_if_absent", "exists", "delete",
+                                         "list"),
+                 kinds: tuple[str, ...] = KINDS, delay_s: float = 0.01, recent_s: float = 5.0):
+        import random
+        import threading
+        self.inner, self.url, self.read_only = inner, inner.url, inner.read_only
+        self.max_workers = inner.max_workers
+        self.rate, self.ops, self.kinds = rate, ops, kinds
+        self.delay_s, self.recent_s = delay_s, recent_s
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self.injected: list[tuple[str, str, str]] = []
+
+    def _fault(self, op: str, key: str, allowed: tuple[str, ...]) -> str | None:
+        kinds = [k for k in self.kinds if k in allowed]
+        with self._lock:
+            if op not in self.ops or not kinds or self._rng.random() >= self.rate:
+                return None
+            kind = self._rng.choice(kinds)
+            self.injected.append((op, kind, key))
+        if kind == "slow":
+            time.sleep(self.delay_s)
+            return None
+        if kind == "error":
+            raise ConnectionResetError(f"injected fault: {op} {key}")
+        if kind == "timeout":
+            raise TimeoutError(f"injected fault: {op} {key}")
+        return kind
+
+    def get(self, key: str) -> bytes:
+        self._fault("get", key, ("error", "timeout", "slow"))
+        return self.inner.get(key)
+
+    def exists(self, key: str) -> bool:
+        self._fault("exists", key, ("error", "timeout", "slow"))
+        return self.inner.exists(key)
+
+    def list(self, prefix: str = ""):
+        kind = self._fault("list", prefix, ("error", "timeout", "slow", "list_misses_recent"))
+        now = time.time()
+        for info in self.inner.list(prefix):
+            if kind == "list_misses_recent" and now - info.mtime < self.recent_s:
+                continue
+            yield info
+
+    def _put(self, key: str, data, *, exclusive: bool) -> None:
+        op = "put_if_absent" if exclusive else "put"
+        kind = self._fault(op, key, ("error", "timeout", "slow", "stored_then_error"))
+        (self.inner.put_if_absent if exclusive else self.inner.put)(key, data)
+        if kind == "stored_then_error":
+            raise ConnectionResetError(f"injected fault after storing: {op} {key}")
+
+    def _delete(self, key: str) -> None:
+        kind = self._fault("delete", key, ("error", "timeout", "slow", "stored_then_error"))
+        self.inner.delete(key)
+        if kind == "stored_then_error":
+            raise ConnectionResetError(f"injected fault after deleting: delete {key}")

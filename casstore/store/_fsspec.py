@@ -131,6 +131,9 @@ class FsspecStore(Store):
     @classmethod
     def from_url(cls, url: str, *, read_only: bool = False, **storage_options) -> FsspecStore:
         """Opens ``url`` (e.g. ``s3://bucket/repo``) with fsspec ``storage_options``."""
+        if url.split("://")[0] in ("s3", "s3a", "gs", "gcs"):
+            # Listings must be fresh: another process may have just committed a step.
+            storage_options.setdefault("use_listings_cache", False)
         fs, root = fsspec.core.url_to_fs(url, **storage_options)
         return cls(fs, root, read_only=read_only, url=url.rstrip("/"))
 
@@ -141,8 +144,15 @@ class FsspecStore(Store):
         return ObjectNotFoundError("no such object", url=f"{self.url}/{key}")
 
     def get(self, key: str) -> bytes:
+        path = self._path(check_key(key))
         try:
-            return self._retry(key, lambda: self.fs.cat_file(self._path(check_key(key))))
+            return self._retry(key, lambda: self.fs.cat_file(path))
+        except FileNotFoundError:
+            pass
+        # s3fs sizes objects through its listings cache, which may predate the object.
+        self.fs.invalidate_cache(path)
+        try:
+            return self._retry(key, lambda: self.fs.cat_file(path))
         except FileNotFoundError:
             raise self._missing(key) from None
 
@@ -156,6 +166,7 @@ class FsspecStore(Store):
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         base = posixpath.dirname(prefix)
         top = f"{self.root}/{base}" if base else self.root
+        self.fs.invalidate_cache(top)  # a listing must show what other processes just wrote
         try:
             found = self._retry(prefix, lambda: self.fs.find(top, detail=True))
         except FileNotFoundError:

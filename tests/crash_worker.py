@@ -1,0 +1,28 @@
+"""Saves steps in a loop until killed; launched by test_crash.py.
+
+Usage: crash_worker.py URL FIRST_STEP [STORAGE_OPTIONS_JSON]. Prints "ready" once imported.
+"""
+
+import json
+import sys
+
+import numpy as np
+
+import casstore
+
+
+def tree_for(step: int) -> dict:
+    """Deterministic content per step, shared with the test that checks it."""
+    rng = np.random.default_rng(step)
+    return {"base": np.arange(200_000, dtype=np.float32),
+            "head": rng.standard_normal(300_000).astype(np.float32),
+            "small": np.full(50, step, np.int32), "step": step}
+
+
+if __name__ == "__main__":
+    url, first = sys.argv[1], int(sys.argv[2])
+    options = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    store = casstore.open_store(url, **options)
+    print("ready", flush=True)
+    for step in range(first, first + 1000):
+        casstore.save(store, step, tree_for(step), chunk_size_bytes=64 * 1024)

@@ -1,0 +1,234 @@
+"""Reliability: random faults, corrupt and hostile input, secrets, read-only access."""
+
+import random
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import casstore
+from casstore._manifest import decode_manifest
+from casstore.store import CountingStore, MemoryStore
+from casstore.testing import FaultyStore
+
+FAULT_SEEDS = range(40)
+
+
+def tree_for(step: int) -> dict:
+    """A deterministic tree per step: a shared base, a per-step head, small leaves."""
+    base = np.arange(30_000, dtype=np.float32)
+    return {"base": base, "head": np.full(5000, step, np.float32),
+            "bias": np.full(10, step % 3, np.float32), "step": step}
+
+
+def assert_restores(store, step: int) -> None:
+    restored = casstore.restore(store, step)
+    expected = tree_for(step)
+    for key in ("base", "head", "bias"):
+        assert restored[key].tobytes() == expected[key].tobytes(), (step, key)
+    assert restored["step"] == step
+
+
+@pytest.mark.parametrize("seed", FAULT_SEEDS)
+def test_save_restore_gc_copy_under_random_faults(seed):
+    """Every operation either succeeds (and its step restores) or raises; a visible step always
+    restores bit-exact, and earlier steps are never harmed."""
+    inner = MemoryStore()
+    casstore.save(inner, 0, tree_for(0), chunk_size_bytes=8192)
+    rng = random.Random(seed)
+    # GC assumes complete listings (format.md §8): no list_misses_recent while it runs.
+    faulty = FaultyStore(inner, seed=seed, rate=0.1, delay_s=0.001,
+                         kinds=("error", "timeout", "stored_then_error", "slow"))
+    saved, deleting = {0}, set()
+    for step in range(1, 8):
+        op = rng.choice(["save", "save", "restore", "gc", "delete", "copy"])
+        try:
+            if op == "save":
+                casstore.save(faulty, step, tree_for(step), chunk_size_bytes=8192)
+                saved.add(step)
+            elif op == "restore" and saved:
+                assert_restores(faulty, max(saved))
+            elif op == "gc":
+                casstore.gc(faulty, grace_period_s=0, lock_timeout_s=2)
+            elif op == "delete" and len(saved) > 1:
+                victim = min(saved - {0})
+                deleting.add(victim)
+                casstore.delete(faulty, victim)
+                saved.discard(victim)
+            elif op == "copy":
+                casstore.copy(faulty, MemoryStore())
+        except (OSError, casstore.CasstoreError):
+            pass  # the operation failed; the invariants below must hold anyway
+        visible = set(casstore.list_steps(inner))
+        assert saved - deleting <= visible  # a save that returned is committed
+        for step_seen in visible:  # and whatever is visible restores, failed calls or not
+            assert_restores(inner, step_seen)
+        assert 0 in visible
+    assert casstore.verify(inner).ok
+    assert faulty.injected  # the run did meet faults
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_saves_survive_listings_that_miss_recent_objects(seed):
+    inner = MemoryStore()
+    faulty = FaultyStore(inner, seed=seed, rate=0.5, kinds=("list_misses_recent",))
+    for step in range(4):
+        casstore.save(faulty, step, tree_for(step), chunk_size_bytes=8192)
+    for step in range(4):
+        assert_restores(inner, step)
+    assert faulty.injected
+
+
+# -- hostile manifests -----------------------------------------------------------------------
+
+def valid_manifest() -> dict:
+    store = MemoryStore()
+    casstore.save(store, 1, {"a": {"w": np.arange(4096, dtype=np.float32)}, "b": [1, "x"]},
+                  chunk_size_bytes=4096)
+    return msgpack.unpackb(store.get("runs/default/steps/0000000000000001.manifest"),
+                           strict_map_key=False)
+
+
+HOSTILE = st.one_of(
+    st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(),
+    st.text(max_size=30), st.binary(max_size=30),
+    st.sampled_from(["../../etc/passwd", "/abs", "a\x00b", "object", "O", "float128", "V8",
+                     "<U3", "f" * 32, "G" * 32, 2**62, -1, [2**40, 2**40], [[0] * 65],
+                     {"t": "leaf", "i": 10**9}, [0, -1], [10**15] * 5]),
+    st.lists(st.integers(-2, 2**40), max_size=5),
+    st.dictionaries(st.text(max_size=5), st.integers(-2**63, 2**63 - 1), max_size=3),
+)
+
+
+def mutate(doc, path_choices: list, value):
+    """Sets the field at a random path in the manifest document to ``value``."""
+    node, path = doc, path_choices
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return doc
+
+
+def field_paths(doc, prefix=()) -> list:
+    out = []
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            out.append(prefix + (k,))
+            out += field_paths(v, prefix + (k,))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            out.append(prefix + (i,))
+            out += field_paths(v, prefix + (i,))
+    return out
+
+
+PATHS = field_paths(valid_manifest())
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(where=st.sampled_from(PATHS), value=HOSTILE)
+def test_mutated_manifests_are_rejected_or_safe(where, value):
+    doc = mutate(valid_manifest(), list(where), value)
+    data = msgpack.packb(doc, use_bin_type=True)
+    try:
+        manifest = decode_manifest(data, run="default", step=1, url="mem")
+    except casstore.ManifestError:
+        return
+    # Accepted: it must be internally consistent, so restoring can only fail cleanly.
+    store = MemoryStore()
+    store.put("config", msgpack.packb({"format": "casstore", "version": 1, "hash": "xxh3-128",
+                                       "created": 0.0}))
+    store.put("runs/default/steps/0000000000000001.manifest", data)
+    assert manifest.step == 1
+    try:
+        casstore.restore(store, 1)
+    except casstore.CasstoreError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=2000))
+def test_random_bytes_are_never_a_manifest(data):
+    with pytest.raises(casstore.ManifestError):
+        decode_manifest(data, run="default", step=1, url="mem")
+
+
+@pytest.mark.parametrize("hostile", [
+    {"shape": [2**40, 2**40]},                      # huge allocation
+    {"shape": [-4]},                                # negative
+    {"dtype": "object"}, {"dtype": "V16"}, {"dtype": "<U8"},  # not plain numeric
+])
+def test_hostile_leaf_fields_fail_before_any_allocation(hostile):
+    doc = valid_manifest()
+    leaf = next(x for x in doc["leaves"] if x["path"] == "a/w")
+    leaf.update(hostile)
+    with pytest.raises(casstore.ManifestError) as info:
+        decode_manifest(msgpack.packb(doc, use_bin_type=True), run="default", step=1, url="m")
+    assert info.value.key_path == "a/w"
+
+
+def test_deeply_nested_tree_and_oversized_strings_are_rejected():
+    doc = valid_manifest()
+    node = {"t": "none"}
+    for _ in range(300):
+        node = {"t": "list", "c": [node], "type": "x"}
+    doc["tree"] = node
+    with pytest.raises(casstore.ManifestError):
+        decode_manifest(msgpack.packb(doc), run="default", step=1, url="m")
+    doc = valid_manifest()
+    doc["leaves"][0]["path"] = "p" * 5000
+    with pytest.raises(casstore.ManifestError):
+        decode_manifest(msgpack.packb(doc), run="default", step=1, url="m")
+
+
+def test_chunk_ids_cannot_name_objects_outside_chunks():
+    doc = valid_manifest()
+    leaf = next(x for x in doc["leaves"] if x["path"] == "a/w")
+    for bad in ("../config0000000000000000000000000", "runs/default/steps/000000000000000"):
+        leaf["chunks"][0]["id"] = bad
+        with pytest.raises(casstore.ManifestError):
+            decode_manifest(msgpack.packb(doc), run="default", step=1, url="m")
+
+
+# -- read-only access and secrets -----------------------------------------------------------
+
+def test_read_only_operations_never_write():
+    inner = MemoryStore()
+    casstore.save(inner, 1, tree_for(1))
+    counting = CountingStore(inner)
+    casstore.restore(counting, 1)
+    casstore.list_steps(counting)
+    casstore.read_manifest(counting, 1)
+    assert casstore.verify(counting).ok
+    casstore.gc(counting, dry_run=True)
+    assert counting.counts["put"] == counting.counts["put_if_absent"] == 0
+    assert counting.counts["delete"] == 0
+
+
+def test_secrets_never_appear_in_manifests_reprs_logs_or_errors(object_servers, caplog, capfd):
+    import logging
+
+    from casstore.store import FsspecStore
+    secret = "SECRETabc123XYZ-do-not-leak"
+    server = object_servers["moto"]
+    options = dict(server.storage_options, key="AKIDEXAMPLE", secret=secret)
+    url = server.url()
+    caplog.set_level(logging.DEBUG)
+    store = casstore.open_store(url, **options)
+    seen = [repr(store), str(store.url)]
+    casstore.save(store, 1, tree_for(1), metadata={"note": "hello"})
+    seen.append(repr(casstore.read_manifest(store, 1)))
+    for failing in (lambda: casstore.restore(store, 99),
+                    lambda: casstore.save(store, 1, tree_for(1)),
+                    lambda: casstore.restore(casstore.open_store(
+                        "s3://no-such-bucket-casstore/x", **options), 1)):
+        with pytest.raises(Exception) as info:
+            failing()
+        seen += [str(info.value), repr(info.value), *getattr(info.value, "__notes__", [])]
+    raw = FsspecStore.from_url(url, **options)
+    seen += [raw.get(i.key).decode("latin-1") for i in raw.list("runs/")]
+    out, err = capfd.readouterr()
+    seen += [out, err, caplog.text]
+    assert not [s for s in seen if secret in s]
