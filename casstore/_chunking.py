@@ -90,9 +90,12 @@ class HostArray:
 
 
 def host_snapshot(x: jax.Array) -> HostArray:
-    """Copies the unique addressable shards of ``x`` to host memory (typed keys as key data).
+    """Host arrays of the unique addressable shards of ``x`` (typed keys as key data).
 
-    After it returns, the caller may overwrite or donate ``x``.
+    After it returns, the caller may overwrite or donate ``x``. An accelerator's shards are
+    copied to host memory (all transfers are started before any is awaited). A CPU device's
+    shard is taken as a zero-copy view, as orbax does: the view holds the buffer, so jax copies
+    instead of reusing it if the caller donates ``x`` while the save runs.
     """
     key_impl = None
     if is_key_array(x):
@@ -100,7 +103,8 @@ def host_snapshot(x: jax.Array) -> HostArray:
     unique = [s for s in x.addressable_shards if s.replica_id == 0]
     for s in unique:
         s.data.copy_to_host_async()  # start every transfer before waiting on any
-    shards = tuple((index, np.array(host, copy=True)) for index, host in shards_of(x))
+    # np.asarray gives a host copy of an accelerator buffer, a read-only view of a CPU one.
+    shards = tuple((index, host) for index, host in shards_of(x))
     return HostArray(tuple(x.shape), np.dtype(x.dtype), shards, x.sharding,
                      x.is_fully_addressable, key_impl)
 

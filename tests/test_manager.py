@@ -28,17 +28,29 @@ def test_async_save_then_overwrite_keeps_the_old_values(tmp_path):
     assert restored["x"][0] == 0.0 and restored["n"].tolist() == [0, 1, 2, 3, 4]
 
 
-def test_donated_buffers_do_not_change_the_checkpoint(tmp_path):
-    @jax.jit
-    def step_fn(w):
-        return w * 2
+class GatedStore(MemoryStore):
+    """Holds every chunk write until ``gate`` is set."""
 
-    donating = jax.jit(lambda w: w + 1, donate_argnums=0)
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+
+    def _put(self, key, data, *, exclusive):
+        if key.startswith("chunks/"):
+            assert self.gate.wait(30)
+        super()._put(key, data, exclusive=exclusive)
+
+
+def test_donated_buffers_do_not_change_the_checkpoint():
+    donating = jax.jit(lambda w: w * 3 + 1, donate_argnums=0)
+    store = GatedStore()
     w = jnp.ones((256, 256))
-    with casstore.CheckpointManager(tmp_path) as mngr:
+    with casstore.CheckpointManager(store) as mngr:
         mngr.save(1, {"w": w})
-        w = donating(w)  # the saved buffer is donated and reused
-        w = step_fn(w)
+        for _ in range(3):
+            w = donating(w)  # the saved buffer is donated while the save is still running
+        jax.block_until_ready(w)
+        store.gate.set()
         mngr.wait_until_finished()
         np.testing.assert_array_equal(mngr.restore(1)["w"], np.ones((256, 256)))
 
