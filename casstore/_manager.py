@@ -6,8 +6,12 @@ the manifest commit, retention and (optionally) garbage collection run on one ba
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
+import functools
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +25,20 @@ from ._save import SaveInfo, save
 from .store import Store, open_store
 
 
+def _finish_at_exit(ref: weakref.ref) -> None:
+    """At interpreter exit, lets an in-flight background save finish (or fail) first."""
+    manager = ref()
+    if manager is not None and manager._pending is not None:
+        manager._pending.exception()  # waits; a failed save has written no manifest
+
+
+def _register_exit_hook(manager: CheckpointManager) -> None:
+    # concurrent.futures forbids new thread pools once its own exit hook has run, and the save
+    # uses pools; threading's exit hooks run in reverse order, so this one runs before it.
+    register = getattr(threading, "_register_atexit", atexit.register)
+    register(functools.partial(_finish_at_exit, weakref.ref(manager)))
+
+
 def _snapshot(tree: Any) -> Any:
     """The tree with every jax.Array replaced by a host copy of its unique shards."""
     return jax.tree.map(lambda x: host_snapshot(x) if isinstance(x, jax.Array) else x, tree)
@@ -29,7 +47,9 @@ def _snapshot(tree: Any) -> Any:
 class CheckpointManager:
     """Saves a run's steps periodically and keeps only what the retention policy says.
 
-    Thread-safety: NOT thread-safe (call it from one training loop). Multi-process: every
+    Thread-safety: NOT thread-safe (call it from one training loop). At interpreter exit an
+    in-flight background save is finished first; a save killed with the process leaves no
+    manifest, never a partial step. Multi-process: every
     process of a ``jax.distributed`` job calls ``save`` with the same steps in the same order;
     process 0 commits. Saves of one manager never overlap: a save waits for the previous one.
 
@@ -91,6 +111,7 @@ class CheckpointManager:
         self.last_save_blocking_s: float | None = None
         self.last_save_info: SaveInfo | None = None
         self.last_gc_info: GcInfo | None = None
+        _register_exit_hook(self)
 
     # -- saving ------------------------------------------------------------------------------
 

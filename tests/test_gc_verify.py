@@ -11,6 +11,8 @@ import casstore
 from casstore._layout import chunk_key
 from casstore.store import LocalStore, MemoryStore
 
+from conftest import object_store
+
 
 def age_all(store: LocalStore, seconds: float) -> None:
     """Makes every object look ``seconds`` older (for the grace period)."""
@@ -72,10 +74,13 @@ def test_gc_waits_for_a_save_in_flight_and_saves_wait_for_gc(tmp_path):
     assert casstore.list_steps(store) == [0, 1]
 
 
-@pytest.mark.parametrize("backend", ["local", "memory"])
-def test_stress_saves_while_gc_runs_in_a_loop(tmp_path, backend):
+@pytest.mark.parametrize("backend", ["local", "memory", "seaweedfs"])
+def test_stress_saves_while_gc_runs_in_a_loop(tmp_path, backend, request):
     """Threads save new steps (reusing old, deleted content) while GC loops with no grace."""
-    store = LocalStore(tmp_path / "r") if backend == "local" else MemoryStore()
+    if backend == "seaweedfs":
+        store = object_store(request.getfixturevalue("object_servers")["seaweedfs"])
+    else:
+        store = LocalStore(tmp_path / "r") if backend == "local" else MemoryStore()
     stop = threading.Event()
     errors: list[BaseException] = []
     base = np.random.default_rng(0).normal(size=(256, 64)).astype(np.float32)

@@ -1,0 +1,71 @@
+"""Several processes on one repository, GC meanwhile; an interpreter exit during an async save."""
+
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+from save_worker import tree_for
+
+import casstore
+
+WORKER = os.path.join(os.path.dirname(__file__), "save_worker.py")
+
+
+def start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, WORKER, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def assert_restores(url, run: str, step: int) -> None:
+    restored = casstore.restore(url, step, run=run)
+    expected = tree_for(run, step)
+    assert restored["run"] == run and restored["step"] == step
+    for key in ("base", "head"):
+        assert restored[key].tobytes() == expected[key].tobytes(), (run, step, key)
+
+
+def test_processes_saving_into_one_repository_while_gc_runs(tmp_path):
+    url = str(tmp_path / "repo")
+    casstore.save(url, 0, tree_for("seed", 0), run="seed")
+    stop, gc_runs, errors = threading.Event(), [], []
+
+    def collect() -> None:
+        while not stop.is_set():
+            try:
+                gc_runs.append(casstore.gc(url, grace_period_s=0, lock_timeout_s=1))
+            except casstore.CasstoreError as e:
+                if "saves kept running" not in str(e):
+                    errors.append(e)
+
+    collector = threading.Thread(target=collect)
+    collector.start()
+    writers = [start(url, f"p{i}", "0", "6") for i in range(3)]
+    racers = [start(url, "shared", "5", "1") for _ in range(2)]
+    outputs = [p.communicate(timeout=300) for p in writers + racers]
+    stop.set()
+    collector.join()
+    for p, (_, err) in zip(writers + racers, outputs):
+        assert p.returncode == 0, err[-3000:]
+    assert not errors and gc_runs
+    race = [out.split()[0] for out, _ in outputs[3:]]
+    assert sorted(race) == ["exists", "saved"]  # exactly one of the two same-step saves won
+    for i in range(3):
+        assert casstore.list_steps(url, run=f"p{i}") == list(range(6))
+        for step in range(6):
+            assert_restores(url, f"p{i}", step)
+    assert_restores(url, "shared", 5)
+    assert_restores(url, "seed", 0)
+    assert casstore.verify(url).ok
+
+
+def test_interpreter_exit_waits_for_the_async_save_in_flight(tmp_path):
+    url = str(tmp_path / "repo")
+    proc = start(url, "default", "1", "1", "--exit-during-async-save")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "returned" in out, err[-3000:]
+    assert casstore.list_steps(url) == [1]
+    restored = casstore.restore(url, 1)
+    np.testing.assert_array_equal(restored["big"], np.arange(2_000_000, dtype=np.int64))
+    assert_restores(url, "default", 1)
