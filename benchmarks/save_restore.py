@@ -7,8 +7,8 @@ run:
 
 - casstore: ``casstore.save`` (its LocalStore fsyncs every object and directory), then
   ``casstore.restore(target=...)`` with an abstract target of ``jax.ShapeDtypeStruct``;
-- orbax: ``ocp.StandardCheckpointer().save`` timed through ``wait_until_finished`` (tensorstore
-  syncs its files), then ``restore`` with the same abstract target;
+- orbax: ``ocp.StandardCheckpointer().save`` timed through ``wait_until_finished`` (it fsyncs
+  its files), then ``restore`` with the same abstract target;
 - safetensors: ``safetensors.numpy.save_file`` of the flattened state plus ``os.fsync`` of the
   file and its directory, then ``load_file``.
 
@@ -79,6 +79,7 @@ SYSTEMS = ("casstore", "orbax", "safetensors")
 # Figures every system reports: (key, label, unit). Seconds are "s", sizes "B", multiples "x".
 FIGURES = [
     ("first_save_s", "1. first save", "s"),
+    ("first_save_cpu_s", "1. ... CPU time, user + system", "s"),
     ("first_save_disk_bytes", "1. first save: bytes on disk", "B"),
     ("changed_save_s", "2. save, last 2 blocks + ln_f + count changed", "s"),
     ("changed_save_written_bytes", "2. ... bytes written", "B"),
@@ -86,6 +87,7 @@ FIGURES = [
     ("unchanged_save_s", "3. save of the unchanged state", "s"),
     ("unchanged_save_written_bytes", "3. ... bytes written", "B"),
     ("restore_s", "4. restore", "s"),
+    ("restore_cpu_s", "4. ... CPU time, user + system", "s"),
     ("repo_bytes", "bytes on disk after the 3 saves", "B"),
     ("save_rss_extra_bytes", "5. peak extra RSS, first save", "B"),
     ("restore_rss_extra_bytes", "5. peak extra RSS, restore", "B"),
@@ -258,10 +260,16 @@ class PeakRss:
         self.extra = self.peak - self.base
 
 
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    t0 = time.perf_counter()
+def timed(out: dict, key: str, fn: Callable[[], Any]) -> Any:
+    """Runs ``fn``; sets ``out[key]`` to its wall time and ``out[key_cpu_s]`` to the CPU time
+    (user + system, all threads) the process spent meanwhile. Returns ``fn``'s result."""
+    proc = psutil.Process()
+    c0, t0 = proc.cpu_times(), time.perf_counter()
     result = fn()
-    return time.perf_counter() - t0, result
+    t1, c1 = time.perf_counter(), proc.cpu_times()
+    out[key] = t1 - t0
+    out[key.removesuffix("_s") + "_cpu_s"] = (c1.user + c1.system) - (c0.user + c0.system)
+    return result
 
 
 def settle(warm_bytes: int = 0) -> None:
@@ -317,7 +325,7 @@ def _restore_phase(out: dict, drop: bool, warm: int, restore: Callable[[], Any])
     out["dropped_caches"] = drop_caches() if drop else False
     settle(warm)
     with PeakRss() as rss:
-        out["restore_s"], restored = timed(restore)
+        restored = timed(out, "restore_s", restore)
     out["restore_rss_extra_bytes"] = rss.extra
     return restored
 
@@ -327,16 +335,16 @@ def bench_casstore(root: pathlib.Path, states: list[dict], abstract: Any, drop: 
     repo, out = root / "repo", {}
     settle(warm)
     with PeakRss() as rss:
-        out["first_save_s"], info = timed(lambda: casstore.save(str(repo), 1, states[0]))
+        info = timed(out, "first_save_s", lambda: casstore.save(str(repo), 1, states[0]))
     out["save_rss_extra_bytes"] = rss.extra
     out["first_save_disk_bytes"], out["first_save_written_bytes"] = du(repo), info.written_bytes
     settle(warm)
-    out["changed_save_s"], info = timed(lambda: casstore.save(str(repo), 2, states[1]))
+    info = timed(out, "changed_save_s", lambda: casstore.save(str(repo), 2, states[1]))
     out["changed_save_written_bytes"] = info.written_bytes
     out["changed_save_new_chunks"], out["changed_save_reused_chunks"] = (info.new_chunks,
                                                                          info.reused_chunks)
     settle(warm)
-    out["unchanged_save_s"], info = timed(lambda: casstore.save(str(repo), 3, states[1]))
+    info = timed(out, "unchanged_save_s", lambda: casstore.save(str(repo), 3, states[1]))
     out["unchanged_save_written_bytes"] = info.written_bytes
     out["unchanged_save_new_chunks"] = info.new_chunks
     out["repo_bytes"] = du(repo)
@@ -358,14 +366,14 @@ def bench_orbax(root: pathlib.Path, states: list[dict], abstract: Any, drop: boo
 
         settle(warm)
         with PeakRss() as rss:
-            out["first_save_s"], _ = timed(lambda: save(1, states[0]))
+            timed(out, "first_save_s", lambda: save(1, states[0]))
         out["save_rss_extra_bytes"] = rss.extra
         out["first_save_disk_bytes"] = du(root)
         settle(warm)
-        out["changed_save_s"], _ = timed(lambda: save(2, states[1]))
+        timed(out, "changed_save_s", lambda: save(2, states[1]))
         out["changed_save_written_bytes"] = du(root / "2")
         settle(warm)
-        out["unchanged_save_s"], _ = timed(lambda: save(3, states[1]))
+        timed(out, "unchanged_save_s", lambda: save(3, states[1]))
         out["unchanged_save_written_bytes"] = du(root / "3")
         out["repo_bytes"] = du(root)
         restored = _restore_phase(out, drop, warm, lambda: jax.block_until_ready(
@@ -389,14 +397,14 @@ def bench_safetensors(root: pathlib.Path, states: list[dict], abstract: Any, dro
 
     settle(warm)
     with PeakRss() as rss:
-        out["first_save_s"], _ = timed(lambda: save(1, flat[0]))
+        timed(out, "first_save_s", lambda: save(1, flat[0]))
     out["save_rss_extra_bytes"] = rss.extra
     out["first_save_disk_bytes"] = du(root)
     settle(warm)
-    out["changed_save_s"], _ = timed(lambda: save(2, flat[1]))
+    timed(out, "changed_save_s", lambda: save(2, flat[1]))
     out["changed_save_written_bytes"] = du(root / "2.safetensors")
     settle(warm)
-    out["unchanged_save_s"], _ = timed(lambda: save(3, flat[1]))
+    timed(out, "unchanged_save_s", lambda: save(3, flat[1]))
     out["unchanged_save_written_bytes"] = du(root / "3.safetensors")
     out["repo_bytes"] = du(root)
     restored = _restore_phase(out, drop, warm, lambda: load_file(str(root / "3.safetensors")))
@@ -475,8 +483,10 @@ def run(size: str = "gpt2", base_dir: str | None = None, repeat: int = 1, drop: 
     for r in range(repeat):
         for system in systems[r % len(systems):] + systems[:r % len(systems)]:
             states = np_states if system == "safetensors" else _to_jax(np_states)
+            load_1m = os.getloadavg()[0]
             with _scratch(base_dir, system) as root:
                 figures = BENCHES[system](root, states, abstract, drop, warm_bytes)
+            figures["load_1m_at_start"] = load_1m
             figures["changed_save_vs_changed_zstd"] = (figures["changed_save_written_bytes"]
                                                        / changed_zstd)
             runs[system].append(figures)
@@ -537,7 +547,7 @@ def table(result: dict) -> str:
         vals = [res[s].get(key, float("nan")) for s in cols]
         ratio = (_ratio(res["casstore"][key], res["orbax"][key])
                  if {"casstore", "orbax"} <= set(res) else float("nan"))
-        lines.append(f"| {label} ({unit if unit != 'B' else 'bytes'}) | "
+        lines.append(f"| {label}{f' ({unit})' if unit != 'B' else ''} | "
                      + " | ".join(_fmt(v, unit) for v in vals) + f" | {_fmt(ratio, 'x')} |")
     notes = [
         "",
