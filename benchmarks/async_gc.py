@@ -507,7 +507,8 @@ def table(result: dict) -> str:
         f"{a['orbax']['verified_steps']} + proof "
         f"{'ok' if a['orbax']['proof_verified'] else 'FAILED'})",
         f"- proof step: the caller's buffers were donated and overwritten in place: casstore "
-        f"{'yes' if a['casstore']['buffers_donated_in_place'] else 'no'}, orbax "
+        f"{'yes' if a['casstore']['buffers_donated_in_place'] else 'no (jax copied instead)'}"
+        ", orbax "
         f"{'yes' if a['orbax']['buffers_donated_in_place'] else 'no (jax copied instead)'}",
         f"- a plain copy of the state to new host memory (np.array(copy=True) per leaf) took "
         f"{result['host_copy_s']:.3f} s (median)",

@@ -40,8 +40,9 @@ def test_async_gc_benchmark_reports_every_figure_and_its_checks_pass(tmp_path, c
     assert positive(result["host_copy_s"])
     casstore = result["async"]["casstore"]
     assert casstore["reported_blocking_s"] <= casstore["blocking_s"]
-    # Nothing held the caller's buffers, so the proof step's update overwrote them in place.
-    assert casstore["buffers_donated_in_place"]
+    # casstore, like orbax, holds zero-copy views of CPU buffers while the save runs, so jax
+    # copies instead of donating them in place (host_snapshot in casstore/_chunking.py).
+    assert not casstore["buffers_donated_in_place"]
 
     gc = result["gc"]
     assert gc["steps"] == bench.GC_STEPS and len(gc["kept_steps"]) == bench.GC_KEEP
