@@ -46,18 +46,20 @@ import shutil  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import psutil  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import casstore  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from save_restore import PeakRss  # noqa: E402  (one RSS sampler for every benchmark)
+
 from casstore._restore import read_regions  # noqa: E402
 from casstore.store import CountingStore, LocalStore  # noqa: E402
 
@@ -105,40 +107,6 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     t0 = time.perf_counter()
     result = fn()
     return time.perf_counter() - t0, result
-
-
-class PeakRss:
-    """Peak RSS of this process minus its RSS on entry, as ``extra`` (bytes).
-
-    A thread samples RSS every 2 ms; the kernel's VmHWM (reset on entry through
-    ``/proc/self/clear_refs`` where allowed) catches peaks between samples.
-    """
-
-    def __enter__(self) -> PeakRss:
-        self.proc = psutil.Process()
-        self.hwm_ok = False
-        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-            self.hwm_ok = True
-        self.base = self.peak = self.proc.memory_info().rss
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._sample, daemon=True)
-        self.thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self.stop.wait(0.002):
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join()
-        hwm = 0
-        if self.hwm_ok:
-            with open("/proc/self/status") as f:
-                hwm = next((int(line.split()[1]) * 1024 for line in f
-                            if line.startswith("VmHWM:")), 0)
-        self.extra = max(self.peak, hwm, self.proc.memory_info().rss) - self.base
 
 
 # ---------------------------------------------------------------------------- state, checks
