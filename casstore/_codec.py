@@ -1,8 +1,10 @@
 """Chunk ids and the chunk object encoding (format.md §3.1 and §3.2).
 
 A chunk id is the xxh3-128 of the raw bytes, as 32 lowercase hex digits. A chunk object is a
-16-byte header (magic, version, codec, raw length) followed by the raw bytes or one zstd frame.
-zstandard and xxhash release the GIL, so these functions run in parallel in a thread pool.
+16-byte header (magic, version, codec, element size, raw length) followed by the raw bytes, one
+zstd frame of them, or one zstd frame of their byte-shuffled form (HDF5's and blosc's shuffle
+filter). zstandard, xxhash and numpy's copies release the GIL, so these functions run in
+parallel in a thread pool.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import re
 import struct
 import threading
 
+import numpy as np
 import xxhash
 import zstandard
 
@@ -20,7 +23,9 @@ MAGIC = b"CAS1"
 VERSION = 1
 CODEC_RAW = 0
 CODEC_ZSTD = 1
-HEADER = struct.Struct("<4sBBHQ")  # format.md §3.2: magic, version, codec, reserved, raw_length
+CODEC_SHUFFLE_ZSTD = 2
+HEADER = struct.Struct("<4sBBHQ")  # format.md §3.2: magic, version, codec, element_size, length
+MAX_ELEMENT_SIZE = 16
 MAX_RAW_LENGTH = 2**31
 DEFAULT_ZSTD_LEVEL = 1
 MIN_SAVING = 1 / 8  # keep zstd only if it saves this fraction of the raw size
@@ -60,51 +65,131 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return _local.decompressor
 
 
-def _worth_compressing(raw: memoryview, level: int) -> bool:
-    """Whether zstd is likely to save 1/8: tried on two 64 KiB samples of large chunks first."""
+def shuffle(raw: memoryview | bytes, element_size: int) -> np.ndarray:
+    """Byte shuffle (HDF5's shuffle filter): byte ``j`` of element ``i`` goes to ``j * n + i``.
+
+    Args:
+      raw: ``n * element_size`` bytes.
+      element_size: bytes per element.
+
+    Returns:
+      A new uint8 array of ``len(raw)`` bytes: all first bytes of the elements, then all second
+      bytes, and so on. The exponent bytes of floats end up together, which zstd compresses.
+    """
+    return np.frombuffer(raw, np.uint8).reshape(-1, element_size).T.copy()
+
+
+def unshuffle(shuffled: bytes | memoryview, element_size: int) -> np.ndarray:
+    """The inverse of :func:`shuffle`; returns a new uint8 array (one strided copy per byte)."""
+    planes = np.frombuffer(shuffled, np.uint8).reshape(element_size, -1)
+    out = np.empty((planes.shape[1], element_size), np.uint8)
+    for j in range(element_size):  # row-by-row copies run ~3x faster than planes.T.copy()
+        out[:, j] = planes[j]
+    return out.reshape(-1)
+
+
+def _candidates(element_size: int) -> tuple[int, ...]:
+    return (CODEC_SHUFFLE_ZSTD, CODEC_ZSTD) if element_size > 1 else (CODEC_ZSTD,)
+
+
+def _zstd_input(raw: memoryview, codec: int, element_size: int) -> memoryview | np.ndarray:
+    return shuffle(raw, element_size) if codec == CODEC_SHUFFLE_ZSTD else raw
+
+
+def _encode(source: memoryview | np.ndarray, codec: int, level: int, element_size: int) -> bytes:
+    """The chunk object of codec 1 or 2 (``source`` already shuffled for codec 2).
+
+    For codec 2 every byte plane ends a zstd block, so no block mixes the exponent bytes with
+    the random mantissa bytes (on a 64 KiB chunk: 0.84 of the size instead of 0.91).
+    """
+    n = memoryview(source).nbytes
+    shuffled = codec == CODEC_SHUFFLE_ZSTD
+    parts = [HEADER.pack(MAGIC, VERSION, codec, element_size if shuffled else 0, n)]
+    if not shuffled:
+        return parts[0] + _compressor(level).compress(source)
+    stream = _compressor(level).compressobj(size=n)
+    for plane in source.reshape(element_size, -1):
+        parts += [stream.compress(plane), stream.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)]
+    parts.append(stream.flush())
+    return b"".join(parts)
+
+
+def _choose_codec(raw: memoryview, level: int, element_size: int) -> int:
+    """The codec whose zstd output of two 64 KiB samples (start, middle) is smallest, or raw
+    if none saves 1/8. Chunks under 256 KiB are judged whole instead, by :func:`encode_chunk`.
+    """
     n = len(raw)
-    if n < 4 * SAMPLE_BYTES:
-        return True
-    samples = (raw[:SAMPLE_BYTES], raw[n // 2:n // 2 + SAMPLE_BYTES])
-    packed = sum(len(_compressor(level).compress(s)) for s in samples)
-    return packed <= 2 * SAMPLE_BYTES * (1 - MIN_SAVING)
+    step = SAMPLE_BYTES - SAMPLE_BYTES % element_size
+    middle = n // 2 - (n // 2) % element_size
+    samples = (raw[:step], raw[middle:middle + step])
+    best, best_size = CODEC_RAW, 2 * step * (1 - MIN_SAVING)
+    for codec in _candidates(element_size):
+        size = sum(len(_encode(_zstd_input(s, codec, element_size), codec, level, element_size))
+                   - HEADER.size for s in samples)
+        if size <= best_size:
+            best, best_size = codec, size
+    return best
 
 
-def encode_chunk(raw: memoryview, *, level: int = DEFAULT_ZSTD_LEVEL) -> bytes:
+def encode_chunk(raw: memoryview, *, level: int = DEFAULT_ZSTD_LEVEL, element_size: int = 1,
+                 shuffle: bool = True) -> bytes:
     """Encodes raw chunk bytes as a chunk object (format.md §3.2).
 
-    zstd at ``level`` is kept only if it saves at least 1/8 of the size (for large chunks,
-    judged first on two 64 KiB samples, so incompressible data such as trained float weights
-    costs no full compression); otherwise the raw bytes are stored (codec 0). A zstd payload is
-    decoded again and compared before it is returned (restic's verify-after-encode), so a faulty
-    compressor cannot store wrong bytes.
+    Plain zstd (codec 1) is tried and, with ``shuffle`` and ``element_size > 1`` (an array
+    chunk of that itemsize), zstd of the byte-shuffled bytes (codec 2; about 0.84 of the raw
+    size on trained float32, where plain zstd keeps 0.92, at about 2.3x the CPU time of a save
+    that stores such chunks raw). The smaller output is kept if it saves at least 1/8 of the
+    size, otherwise the raw bytes are stored (codec 0). Chunks of 256 KiB or more are judged on
+    two 64 KiB samples first, so incompressible data costs no full compression. A zstd payload
+    is decompressed again and its hash compared with its input's before it is returned
+    (restic's verify-after-encode), so a faulty compressor cannot store wrong bytes.
 
     Args:
       raw: raw bytes, at most 2**31.
       level: zstd compression level.
+      element_size: bytes per array element, 1 to 16; codec 2 is tried only if it is above 1
+        and divides ``len(raw)``.
+      shuffle: whether to try codec 2 at all.
 
     Returns:
       The chunk object: 16-byte header plus payload.
 
     Raises:
-      ValueError: ``raw`` is longer than 2**31 bytes.
-      CorruptChunkError: the compressed payload does not decode back to ``raw``.
+      ValueError: ``raw`` is longer than 2**31 bytes, or ``element_size`` is not in [1, 16].
+      CorruptChunkError: the compressed payload does not decode back to its input.
     """
     n = len(raw)
     if n > MAX_RAW_LENGTH:
         raise ValueError(f"chunk of {n} bytes exceeds the {MAX_RAW_LENGTH}-byte limit")
-    packed = _compressor(level).compress(raw) if _worth_compressing(raw, level) else None
-    if packed is not None and len(packed) <= n * (1 - MIN_SAVING):
-        if _decompressor().decompress(packed, max_output_size=n) != raw:
-            raise CorruptChunkError("zstd output does not decode back to its input")
-        return HEADER.pack(MAGIC, VERSION, CODEC_ZSTD, 0, n) + packed
-    return b"".join((HEADER.pack(MAGIC, VERSION, CODEC_RAW, 0, n), raw))
+    if not 1 <= element_size <= MAX_ELEMENT_SIZE:
+        raise ValueError(f"element_size {element_size} is not in [1, {MAX_ELEMENT_SIZE}]")
+    if not shuffle or n == 0 or n % element_size:
+        element_size = 1
+    if n >= 4 * SAMPLE_BYTES:
+        codecs = (_choose_codec(raw, level, element_size),)
+    else:
+        codecs = _candidates(element_size)
+    best = None
+    for codec in (c for c in codecs if c != CODEC_RAW):
+        source = _zstd_input(raw, codec, element_size)
+        data = _encode(source, codec, level, element_size)
+        if len(data) - HEADER.size <= n * (1 - MIN_SAVING) and (
+                best is None or len(data) < len(best[0])):
+            best = data, source
+    if best is None:
+        return b"".join((HEADER.pack(MAGIC, VERSION, CODEC_RAW, 0, n), raw))
+    data, source = best
+    decoded = _decompressor().decompress(memoryview(data)[HEADER.size:], max_output_size=n)
+    if xxhash.xxh3_128_digest(decoded) != xxhash.xxh3_128_digest(source):
+        raise CorruptChunkError("zstd output does not decode back to its input")
+    return data
 
 
 def decode_chunk(data: bytes, expected_id: str, raw_length: int) -> memoryview:
     """Decodes and verifies a chunk object read from storage (format.md §3.2).
 
-    Checks the header, that the raw length equals ``raw_length``, that a zstd frame declares
+    Checks the header (an element size only with codec 2, dividing the raw length), that the
+    raw length equals ``raw_length``, that a zstd frame declares
     exactly that content size (so a frame that would expand further is rejected before it is
     decompressed), and that the decoded bytes hash to ``expected_id``.
 
@@ -123,9 +208,16 @@ def decode_chunk(data: bytes, expected_id: str, raw_length: int) -> memoryview:
     if len(data) < HEADER.size:
         raise CorruptChunkError(f"chunk object of {len(data)} bytes is shorter than its header",
                                 chunk_id=expected_id)
-    magic, version, codec, reserved, length = HEADER.unpack_from(data)
-    if magic != MAGIC or version != VERSION or reserved != 0:
+    magic, version, codec, element_size, length = HEADER.unpack_from(data)
+    if magic != MAGIC or version != VERSION:
         raise CorruptChunkError("bad chunk header", chunk_id=expected_id)
+    if codec == CODEC_SHUFFLE_ZSTD:
+        bad = not 2 <= element_size <= MAX_ELEMENT_SIZE or length % element_size
+    else:
+        bad = element_size != 0
+    if bad:
+        raise CorruptChunkError(f"bad element size {element_size} for codec {codec} and "
+                                f"{length} raw bytes", chunk_id=expected_id)
     if length != raw_length:
         raise CorruptChunkError(f"chunk header says {length} raw bytes, manifest says "
                                 f"{raw_length}", chunk_id=expected_id)
@@ -134,6 +226,8 @@ def decode_chunk(data: bytes, expected_id: str, raw_length: int) -> memoryview:
         raw = payload
     elif codec == CODEC_ZSTD:
         raw = memoryview(_unzstd(payload, raw_length, expected_id))
+    elif codec == CODEC_SHUFFLE_ZSTD:
+        raw = memoryview(unshuffle(_unzstd(payload, raw_length, expected_id), element_size))
     else:
         raise CorruptChunkError(f"unknown chunk codec {codec}", chunk_id=expected_id)
     if len(raw) != raw_length:

@@ -81,14 +81,16 @@ class _ChunkWriter:
     reused; a second block with the same id waits for the first upload to finish.
     """
 
-    def __init__(self, store: Store, existing: dict[str, int], zstd_level: int):
-        self.store, self.existing, self.zstd_level = store, existing, zstd_level
+    def __init__(self, store: Store, existing: dict[str, int], zstd_level: int, shuffle: bool):
+        self.store, self.existing = store, existing
+        self.zstd_level, self.shuffle = zstd_level, shuffle
         self.inflight: dict[str, cf.Future] = {}
         self.lock = threading.Lock()
         self.new = self.reused = self.written = 0
 
-    def write(self, raw: memoryview) -> tuple[str, int]:
-        """Stores ``raw`` if needed; returns ``(chunk id, stored bytes)``."""
+    def write(self, raw: memoryview, element_size: int) -> tuple[str, int]:
+        """Stores ``raw`` (elements of ``element_size`` bytes) if needed; returns
+        ``(chunk id, stored bytes)``."""
         cid = chunk_id(raw)
         with self.lock:
             size = self.existing.get(cid)
@@ -103,7 +105,8 @@ class _ChunkWriter:
         if not owner:
             return cid, future.result()
         try:
-            data = encode_chunk(raw, level=self.zstd_level)
+            data = encode_chunk(raw, level=self.zstd_level, element_size=element_size,
+                                shuffle=self.shuffle)
             self.store.put(chunk_key(cid), data)
         except BaseException as e:
             future.set_exception(e)
@@ -155,7 +158,8 @@ def _as_array(path: str, value: Any) -> tuple[Any, str | None]:
 def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any = None,
          chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES,
          pack_threshold_bytes: int = DEFAULT_PACK_THRESHOLD_BYTES,
-         zstd_level: int = DEFAULT_ZSTD_LEVEL, max_workers: int | None = None) -> SaveInfo:
+         zstd_level: int = DEFAULT_ZSTD_LEVEL, shuffle: bool | None = None,
+         max_workers: int | None = None) -> SaveInfo:
     """Saves ``tree`` as checkpoint ``step`` of ``run``.
 
     Writes, in this order (format.md §7): the config object if the repository is new; every
@@ -178,6 +182,9 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
       chunk_size_bytes: the largest chunk, bytes (default 16 MiB).
       pack_threshold_bytes: leaves up to this size are packed (default 64 KiB).
       zstd_level: zstd compression level (the chunk id does not depend on it).
+      shuffle: also try byte shuffle + zstd on array chunks (format.md §3.2): about 16% fewer
+        bytes on trained float32 for about 2.3x the CPU time. None: the store's ``shuffle``
+        (True for S3, GCS and other fsspec stores; False for local disk and memory).
       max_workers: threads for hashing, compression and upload (default the store's).
 
     Returns:
@@ -206,7 +213,8 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
                 ensure_config(store)
             existing = {cid: info.size for info in store.list(CHUNKS_PREFIX)
                         if (cid := chunk_id_of_key(info.key)) is not None}
-            writer = _ChunkWriter(store, existing, zstd_level)
+            writer = _ChunkWriter(store, existing, zstd_level,
+                                  store.shuffle if shuffle is None else shuffle)
             refs, inline = _write_chunks(arrays, leaves, writer, chunk_size_bytes,
                                          pack_threshold_bytes, max_workers or store.max_workers,
                                          agreement.is_primary)
@@ -308,8 +316,9 @@ def _entries(leaves: list, scalars: dict, arrays: dict, refs: dict,
     return tuple(entries[i] for i in range(len(leaves)))
 
 
-# A job yields the raw bytes of one chunk and the (leaf, start, stop, offset) blocks it holds.
-_Job = tuple[Any, list[tuple[int, tuple[int, ...], tuple[int, ...], int]]]
+# A job yields the raw bytes of one chunk, the (leaf, start, stop, offset) blocks it holds and
+# the size of its elements in bytes (1 for a pack of mixed dtypes).
+_Job = tuple[Any, list[tuple[int, tuple[int, ...], tuple[int, ...], int]], int]
 
 
 def _block_jobs(i: int, array: Any, chunk_size_bytes: int) -> list[_Job]:
@@ -319,7 +328,7 @@ def _block_jobs(i: int, array: Any, chunk_size_bytes: int) -> list[_Job]:
         for start, stop in grid(host.shape, host.dtype.itemsize, chunk_size_bytes):
             g_start = tuple(o + a for o, a in zip(origin, start))
             g_stop = tuple(o + b for o, b in zip(origin, stop))
-            jobs.append(((host, start, stop), [(i, g_start, g_stop, 0)]))
+            jobs.append(((host, start, stop), [(i, g_start, g_stop, 0)], host.dtype.itemsize))
     return jobs
 
 
@@ -340,13 +349,19 @@ def _pack_jobs(small: dict[int, Any], leaves: list, chunk_size_bytes: int) -> li
             a = small[i]
             raw = bytes(block_bytes(np.asarray(a), (0,) * a.ndim, a.shape))
             if parts and size + len(raw) > chunk_size_bytes:
-                jobs.append((b"".join(parts), blocks))
+                jobs.append(_pack_job(parts, blocks, small))
                 parts, blocks, size = [], [], 0
             blocks.append((i, (0,) * a.ndim, tuple(a.shape), size))
             parts.append(raw)
             size += len(raw)
-        jobs.append((b"".join(parts), blocks))
+        jobs.append(_pack_job(parts, blocks, small))
     return jobs
+
+
+def _pack_job(parts: list[bytes], blocks: list, small: dict[int, Any]) -> _Job:
+    """A pack's job; its element size is the leaves' itemsize if they all share one, else 1."""
+    sizes = {small[i].dtype.itemsize for i, *_ in blocks}
+    return b"".join(parts), blocks, sizes.pop() if len(sizes) == 1 else 1
 
 
 def _run_jobs(jobs: list[_Job], writer: _ChunkWriter, max_workers: int,
@@ -354,10 +369,10 @@ def _run_jobs(jobs: list[_Job], writer: _ChunkWriter, max_workers: int,
     """Runs the jobs in a bounded thread pool; returns (leaf index, chunk ref) pairs."""
 
     def run(job: _Job) -> list[tuple[int, ChunkRef]]:
-        source, blocks = job
+        source, blocks, element_size = job
         try:
             raw = block_bytes(*source) if isinstance(source, tuple) else memoryview(source)
-            cid, stored = writer.write(raw)
+            cid, stored = writer.write(raw, element_size)
         except Exception as e:
             if hasattr(e, "add_note"):  # Python >= 3.11
                 e.add_note(f"while saving key path {leaves[blocks[0][0]][0]!r}")

@@ -134,6 +134,7 @@ class FaultyStore(Store):
         import threading
         self.inner, self.url, self.read_only = inner, inner.url, inner.read_only
         self.max_workers = inner.max_workers
+        self.shuffle = inner.shuffle
         self.rate, self.ops, self.kinds = rate, ops, kinds
         self.delay_s, self.recent_s = delay_s, recent_s
         self._rng = random.Random(seed)

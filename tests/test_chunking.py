@@ -2,6 +2,7 @@
 
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given
@@ -9,7 +10,18 @@ from hypothesis import strategies as st
 
 from casstore import CorruptChunkError
 from casstore._chunking import block_bytes, grid
-from casstore._codec import CODEC_RAW, CODEC_ZSTD, HEADER, chunk_id, decode_chunk, encode_chunk
+from casstore._codec import (
+    CODEC_RAW,
+    CODEC_SHUFFLE_ZSTD,
+    CODEC_ZSTD,
+    HEADER,
+    MAGIC,
+    chunk_id,
+    decode_chunk,
+    encode_chunk,
+    shuffle,
+    unshuffle,
+)
 
 shapes = st.lists(st.integers(0, 9), min_size=0, max_size=4).map(tuple)
 
@@ -60,6 +72,66 @@ def test_chunk_id_ignores_the_compression_level():
     assert a != b
     for data in (a, b):
         decode_chunk(data, chunk_id(raw), len(raw))
+
+
+def _trained_like(n: int, dtype=np.float32) -> np.ndarray:
+    """Values like trained weights: N(0, 0.02), whose mantissas are random."""
+    return (np.random.default_rng(1).standard_normal(n) * 0.02).astype(dtype)
+
+
+@given(data=st.binary(max_size=400), element_size=st.sampled_from([1, 2, 3, 4, 8, 16]))
+def test_shuffle_is_the_hdf5_byte_shuffle_and_unshuffle_inverts_it(data, element_size):
+    raw = data[:len(data) - len(data) % element_size]
+    n = len(raw) // element_size
+    expected = bytes(raw[i * element_size + j] for j in range(element_size) for i in range(n))
+    assert shuffle(raw, element_size).tobytes() == expected
+    assert unshuffle(expected, element_size).tobytes() == raw
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("n", [4000, 2**20])  # judged whole / judged on samples
+def test_float_chunks_use_the_shuffle_codec_and_store_fewer_bytes(dtype, n):
+    raw = memoryview(_trained_like(n, dtype).view(np.uint8))
+    element_size = np.dtype(dtype).itemsize
+    data = encode_chunk(raw, element_size=element_size)
+    _, _, codec, stored_size, length = HEADER.unpack_from(data)
+    assert (codec, stored_size, length) == (CODEC_SHUFFLE_ZSTD, element_size, len(raw))
+    assert len(data) <= 0.875 * len(raw)
+    assert len(data) < len(encode_chunk(raw))  # plain zstd, or raw, is larger
+    assert len(encode_chunk(raw, element_size=element_size, shuffle=False)) == len(
+        encode_chunk(raw))
+    assert bytes(decode_chunk(data, chunk_id(raw), len(raw))) == bytes(raw)
+
+
+def test_shuffle_is_not_used_when_plain_zstd_is_smaller_or_sizes_do_not_divide():
+    text = memoryview(np.frombuffer(b"the quick brown fox jumps " * 4000, np.uint32)).cast("B")
+    assert HEADER.unpack_from(encode_chunk(text, element_size=4))[2] == CODEC_ZSTD
+    odd = memoryview(np.zeros(1001, np.uint8))
+    data = encode_chunk(odd, element_size=4)
+    assert HEADER.unpack_from(data)[2:4] == (CODEC_ZSTD, 0)
+    noise = memoryview(np.random.default_rng(0).integers(0, 256, 2**19, np.uint8))
+    assert HEADER.unpack_from(encode_chunk(noise, element_size=4))[2] == CODEC_RAW
+    with pytest.raises(ValueError, match="element_size"):
+        encode_chunk(odd, element_size=17)
+
+
+@pytest.mark.parametrize("codec,element_size", [(CODEC_SHUFFLE_ZSTD, 0), (CODEC_SHUFFLE_ZSTD, 1),
+                                                (CODEC_SHUFFLE_ZSTD, 3), (CODEC_SHUFFLE_ZSTD, 17),
+                                                (CODEC_ZSTD, 4), (CODEC_RAW, 4)])
+def test_decode_rejects_an_element_size_that_does_not_fit_the_codec(codec, element_size):
+    raw = memoryview(_trained_like(1000)).cast("B")
+    payload = encode_chunk(raw, element_size=4)[HEADER.size:]
+    data = HEADER.pack(MAGIC, 1, codec, element_size, len(raw)) + payload
+    with pytest.raises(CorruptChunkError, match="element size"):
+        decode_chunk(data, chunk_id(raw), len(raw))
+
+
+def test_a_shuffled_chunk_with_the_wrong_element_size_fails_its_hash_check():
+    raw = memoryview(_trained_like(1000)).cast("B")
+    data = bytearray(encode_chunk(raw, element_size=4))
+    data[6] = 2  # the element size: the frame decodes, but unshuffles into other bytes
+    with pytest.raises(CorruptChunkError, match="chunk id"):
+        decode_chunk(bytes(data), chunk_id(raw), len(raw))
 
 
 @pytest.mark.parametrize("mutate", [

@@ -120,3 +120,29 @@ def test_restore_of_a_subtree_reads_only_its_chunks():
             if k.startswith(CHUNKS_PREFIX)}
     assert read == head_ids
     assert set(head) == {"params"} and set(head["params"]) == {"head"}
+
+
+def _codecs(store) -> set[int]:
+    from casstore._codec import HEADER
+    return {HEADER.unpack_from(store.get(info.key))[2] for info in store.list(CHUNKS_PREFIX)}
+
+
+def test_the_codec_follows_the_store_default_or_the_shuffle_argument_and_dedup_ignores_it():
+    from casstore._codec import CODEC_RAW, CODEC_SHUFFLE_ZSTD
+    from casstore.store import FsspecStore
+    state = {"w": (np.random.default_rng(0).standard_normal((512, 512)) * 0.02).astype(
+        np.float32)}  # 1 MiB of values like trained weights
+    local, remote = MemoryStore(), FsspecStore.from_url("memory://casstore-codec-default")
+    assert (local.shuffle, remote.shuffle) == (False, True)
+    small = casstore.save(remote, 1, state).written_bytes
+    assert _codecs(remote) == {CODEC_SHUFFLE_ZSTD}
+    large = casstore.save(local, 1, state).written_bytes
+    assert _codecs(local) == {CODEC_RAW} and small < 0.875 * large
+    # Chunk ids cover the raw bytes: the other codec finds every chunk already stored.
+    assert casstore.save(local, 2, state, shuffle=True).new_chunks == 0
+    assert casstore.save(CountingStore(remote), 2, state).new_chunks == 0
+    fresh = MemoryStore()
+    casstore.save(fresh, 1, state, shuffle=True)
+    assert _codecs(fresh) == {CODEC_SHUFFLE_ZSTD}
+    for store in (local, remote, fresh):
+        np.testing.assert_array_equal(casstore.restore(store, 1)["w"], state["w"])

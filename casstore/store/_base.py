@@ -56,12 +56,16 @@ class Store(abc.ABC):
     Attributes:
       url: where the store lives (a path or URL without credentials).
       read_only: if true, every write raises :class:`~casstore.ReadOnlyStoreError`.
-      max_workers: the concurrency of bulk operations.
+      max_workers: the concurrency of bulk operations and of saves and restores.
+      shuffle: whether saves try the byte-shuffle codec (format.md §3.2) unless told: float
+        chunks are stored about 16% smaller for about 2.3x the CPU time of a save. False for
+        local disk and memory, where writing the bytes is cheaper than compressing them.
     """
 
     url: str
     read_only: bool = False
     max_workers: int = 8
+    shuffle: bool = False
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes:

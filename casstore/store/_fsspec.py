@@ -99,7 +99,14 @@ class FsspecStore(Store):
       retries: retries of a call that failed with a transient error (:func:`is_transient`).
       backoff_s, max_backoff_s: the first retry waits about ``backoff_s`` seconds, doubling
         up to ``max_backoff_s``, each wait jittered by a factor in [0.5, 1.5].
+
+    Saves and restores run 16 requests at once (``max_workers``; 8 for local disk): an object
+    store's latency, not its bandwidth, bounds one request. Saves try the byte-shuffle codec
+    (``shuffle``), since object storage bills and sends every byte.
     """
+
+    max_workers = 16
+    shuffle = True
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, *, read_only: bool = False,
                  url: str | None = None, batch_size: int = 64, retries: int = 6,
@@ -131,9 +138,14 @@ class FsspecStore(Store):
     @classmethod
     def from_url(cls, url: str, *, read_only: bool = False, **storage_options) -> FsspecStore:
         """Opens ``url`` (e.g. ``s3://bucket/repo``) with fsspec ``storage_options``."""
-        if url.split("://")[0] in ("s3", "s3a", "gs", "gcs"):
+        protocol = url.split("://")[0]
+        if protocol in ("s3", "s3a", "gs", "gcs"):
             # Listings must be fresh: another process may have just committed a step.
             storage_options.setdefault("use_listings_cache", False)
+        if protocol in ("s3", "s3a"):
+            # s3fs sends a HEAD before every GET to decide on a ranged concurrent download
+            # (objects over 50 MiB); chunks are 16 MiB by default, so one GET is enough.
+            storage_options.setdefault("max_concurrency", 1)
         fs, root = fsspec.core.url_to_fs(url, **storage_options)
         return cls(fs, root, read_only=read_only, url=url.rstrip("/"))
 

@@ -25,6 +25,7 @@ class CountingStore(Store):
         self.url = inner.url
         self.read_only = inner.read_only
         self.max_workers = inner.max_workers
+        self.shuffle = inner.shuffle
         self._lock = threading.Lock()
         self.reset()
 
