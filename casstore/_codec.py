@@ -137,9 +137,9 @@ def encode_chunk(raw: memoryview, *, level: int = DEFAULT_ZSTD_LEVEL, element_si
 
     Plain zstd (codec 1) is tried and, with ``shuffle`` and ``element_size > 1`` (an array
     chunk of that itemsize), zstd of the byte-shuffled bytes (codec 2; about 0.84 of the raw
-    size on trained float32, where plain zstd keeps 0.92, at about 2.3x the CPU time of a save
-    that stores such chunks raw). The smaller output is kept if it saves at least 1/8 of the
-    size, otherwise the raw bytes are stored (codec 0). Chunks of 256 KiB or more are judged on
+    size on trained float32, where plain zstd keeps 0.92; a save to S3 then took 2.6x the client
+    CPU time of one storing such chunks raw, benchmarks/README.md). The smaller output is kept
+    if it saves at least 1/8 of the size, otherwise the raw bytes are stored (codec 0). Chunks of 256 KiB or more are judged on
     two 64 KiB samples first, so incompressible data costs no full compression. A zstd payload
     is decompressed again and its hash compared with its input's before it is returned
     (restic's verify-after-encode), so a faulty compressor cannot store wrong bytes.

@@ -183,7 +183,7 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
       pack_threshold_bytes: leaves up to this size are packed (default 64 KiB).
       zstd_level: zstd compression level (the chunk id does not depend on it).
       shuffle: also try byte shuffle + zstd on array chunks (format.md §3.2): about 16% fewer
-        bytes on trained float32 for about 2.3x the CPU time. None: the store's ``shuffle``
+        bytes on trained float32 for 2.6x the client CPU time. None: the store's ``shuffle``
         (True for S3, GCS and other fsspec stores; False for local disk and memory).
       max_workers: threads for hashing, compression and upload (default the store's).
 

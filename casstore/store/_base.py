@@ -58,8 +58,9 @@ class Store(abc.ABC):
       read_only: if true, every write raises :class:`~casstore.ReadOnlyStoreError`.
       max_workers: the concurrency of bulk operations and of saves and restores.
       shuffle: whether saves try the byte-shuffle codec (format.md §3.2) unless told: float
-        chunks are stored about 16% smaller for about 2.3x the CPU time of a save. False for
-        local disk and memory, where writing the bytes is cheaper than compressing them.
+        chunks are stored about 16% smaller for 2.6x the client CPU time of a save (measured
+        on S3, benchmarks/README.md). False for local disk and memory, where writing the
+        bytes is cheaper than compressing them.
     """
 
     url: str
