@@ -135,14 +135,15 @@ def encode_chunk(raw: memoryview, *, level: int = DEFAULT_ZSTD_LEVEL, element_si
                  shuffle: bool = True) -> bytes:
     """Encodes raw chunk bytes as a chunk object (format.md §3.2).
 
-    Plain zstd (codec 1) is tried and, with ``shuffle`` and ``element_size > 1`` (an array
-    chunk of that itemsize), zstd of the byte-shuffled bytes (codec 2; about 0.84 of the raw
-    size on trained float32, where plain zstd keeps 0.92; a save to S3 then took 2.6x the client
-    CPU time of one storing such chunks raw, benchmarks/README.md). The smaller output is kept
-    if it saves at least 1/8 of the size, otherwise the raw bytes are stored (codec 0). Chunks of 256 KiB or more are judged on
-    two 64 KiB samples first, so incompressible data costs no full compression. A zstd payload
-    is decompressed again and its hash compared with its input's before it is returned
-    (restic's verify-after-encode), so a faulty compressor cannot store wrong bytes.
+    Plain zstd (codec 1) is tried and, with ``shuffle`` and ``element_size > 1`` (an array chunk
+    of that itemsize), zstd of the byte-shuffled bytes (codec 2; about 0.84 of the raw size on
+    trained float32, where plain zstd keeps 0.92; a save to S3 then took 2.6x the client CPU
+    time of one storing such chunks raw, benchmarks/README.md). The smaller output is kept if it
+    saves at least 1/8 of the size, otherwise the raw bytes are stored (codec 0). Chunks of 256
+    KiB or more are judged on two 64 KiB samples first, so incompressible data costs no full
+    compression. A zstd payload is decompressed again and its hash compared with its input's
+    before it is returned (restic's verify-after-encode), so a faulty compressor cannot store
+    wrong bytes.
 
     Args:
       raw: raw bytes, at most 2**31.
