@@ -186,7 +186,7 @@ def encode_chunk(raw: memoryview, *, level: int = DEFAULT_ZSTD_LEVEL, element_si
     return data
 
 
-def decode_chunk(data: bytes, expected_id: str, raw_length: int) -> memoryview:
+def decode_chunk(data: bytes | memoryview, expected_id: str, raw_length: int) -> memoryview:
     """Decodes and verifies a chunk object read from storage (format.md §3.2).
 
     Checks the header (an element size only with codec 2, dividing the raw length), that the
@@ -200,7 +200,7 @@ def decode_chunk(data: bytes, expected_id: str, raw_length: int) -> memoryview:
       raw_length: the raw byte count the manifest gives.
 
     Returns:
-      The raw bytes, ``raw_length`` long.
+      The raw bytes, ``raw_length`` long (a view of ``data`` for a raw chunk).
 
     Raises:
       CorruptChunkError: any check fails (the message says which; the caller adds step and

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import collections
 import math
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -26,6 +28,7 @@ from ._repository import Url, read_manifest
 from .store import Store, open_store
 
 tu = jax.tree_util
+_ALIGN = 64  # bytes: jax's CPU client adopts buffers aligned so (DLPack import)
 
 
 def restore(url: Url, step: int | None = None, *, run: str = "default", target: Any = None,
@@ -90,11 +93,15 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
         plan.append((t, by_path[path]))
     if not partial:
         _check_no_extra(manifest, {i for _, i in plan if i is not None}, paths, store)
-    regions = read_regions(store, manifest, {i: _regions_for(manifest.leaves[i], t)
-                                             for t, i in plan if i is not None
-                                             and manifest.leaves[i].kind == "array"}, workers)
+    targets = {i: t for t, i in plan if i is not None}
+    placed = read_regions(store, manifest, {i: _regions_for(manifest.leaves[i], t)
+                                            for i, t in targets.items()
+                                            if manifest.leaves[i].kind == "array"}, workers,
+                          place=lambda i, regions: _place(manifest.leaves[i], regions,
+                                                          targets[i]))
     return tu.tree_unflatten(treedef, [
-        t if i is None else _place(manifest.leaves[i], regions.get(i), t) for t, i in plan])
+        t if i is None else placed[i] if i in placed else _place(manifest.leaves[i], None, t)
+        for t, i in plan])
 
 
 def _plain_value(entry: LeafEntry, regions: dict[Index, np.ndarray] | None) -> Any:
@@ -194,68 +201,137 @@ def _place(entry: LeafEntry, regions: dict[Index, np.ndarray] | None, t: Any) ->
         return np.asarray(_cast(host, entry, t.dtype))
     sharding = getattr(t, "sharding", None)
     if not isinstance(sharding, jax.sharding.Sharding):
-        return jax.device_put(_cast(host, entry, t.dtype))
+        value = _cast(host, entry, t.dtype)
+        return _to_device(value, None) if isinstance(value, np.ndarray) else jax.device_put(value)
     if entry.kind == "scalar":
         return jax.device_put(host.astype(t.dtype), sharding)
     tail = entry.shape[len(t.shape):]
-    shards = [jax.device_put(_cast(regions[_normalize(index, t.shape, tail)], entry, t.dtype), d)
-              for d, index in sharding.addressable_devices_indices_map(tuple(t.shape)).items()]
+    shards, used = [], set()
+    for d, index in sharding.addressable_devices_indices_map(tuple(t.shape)).items():
+        region = _normalize(index, t.shape, tail)
+        value = _cast(regions[region], entry, t.dtype)
+        shared = region in used  # a replica: its buffer may not alias another device's
+        used.add(region)
+        shards.append(jax.device_put(value, d) if shared or not isinstance(value, np.ndarray)
+                      else _to_device(value, d))
     return jax.make_array_from_single_device_arrays(tuple(t.shape), sharding, shards)
 
 
+def _to_device(host: np.ndarray, device: Any) -> jax.Array:
+    """``host`` on ``device`` (None: the default device), without a copy where jax allows.
+
+    jax's CPU client can adopt a 64-byte-aligned C-contiguous buffer of a DLPack dtype in
+    place, on the first CPU device; :func:`read_regions` allocates such buffers, and nothing
+    else keeps a reference to them. Anything else is copied by ``jax.device_put``.
+    """
+    target = device or _default_device()
+    if (target == jax.local_devices(backend="cpu")[0] and host.ctypes.data % _ALIGN == 0
+            and host.flags.c_contiguous and host.dtype.type.__module__ == "numpy"
+            and host.dtype.kind in "biufc" and host.dtype.byteorder in "=|<"):
+        return jax.dlpack.from_dlpack(host, copy=False)
+    return jax.device_put(host, target)
+
+
+def _default_device() -> Any:
+    return jax.config.jax_default_device or jax.local_devices()[0]
+
+
 def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Index]],
-                 max_workers: int) -> dict[int, dict[Index, np.ndarray]]:
-    """Reads index regions of array leaves into host arrays (format.md §6).
+                 max_workers: int, place: Callable[[int, dict], Any] | None = None
+                 ) -> dict[int, Any]:
+    """Reads index regions of array leaves into host arrays (format.md §6), leaf by leaf.
 
     Only the chunks whose blocks overlap a requested region are fetched, each once, with at
     most ``2 * max_workers`` in flight, and verified (format.md §3.2) before its blocks are
     copied into every region they overlap. A chunk that overlaps in part is read whole.
+    Chunks are fetched in leaf order, and as soon as a leaf's last chunk is in, ``place``
+    turns its regions into the value returned for it (e.g. jax arrays on their devices) and
+    its host buffers are released, so host memory holds the leaves in progress, not the
+    state. Region buffers are 64-byte aligned, so jax's CPU client can adopt them in place.
 
     Args:
       requests: leaf index -> ``(start, stop)`` regions wanted (array leaves only).
+      place: ``(leaf index, {region: host array}) -> value``, called once per leaf from a
+        worker thread; None keeps the host arrays.
 
     Returns:
-      leaf index -> {region: host array of the region's shape, little-endian saved dtype}.
+      leaf index -> ``place``'s value, or {region: host array of the region's shape,
+      little-endian saved dtype} without ``place``.
 
     Raises:
       CorruptChunkError: a chunk is missing or fails its checks; names step, key path, chunk id.
     """
-    out: dict[int, dict[Index, np.ndarray]] = {}
+    out: dict[int, Any] = {}
     users: dict[str, list[tuple[int, ChunkRef]]] = collections.defaultdict(list)
+    pending: dict[int, set[str]] = {}
+    lock = threading.Lock()
     for i, regions in requests.items():
         entry = manifest.leaves[i]
-        out[i] = {r: np.empty([b - a for a, b in zip(*r)], _dtype(entry)) for r in regions}
+        out[i] = {r: _empty_aligned([b - a for a, b in zip(*r)], _dtype(entry))
+                  for r in regions}
         if entry.inline is not None:
             whole = np.frombuffer(entry.inline, _dtype(entry)).reshape(entry.shape)
             for (start, stop), buf in out[i].items():
                 buf[...] = whole[tuple(slice(a, b) for a, b in zip(start, stop))]
-            continue
-        for ref in entry.chunks:
-            if any(_overlap((ref.start, ref.stop), r) for r in regions):
-                users[ref.id].append((i, ref))
+        needed = [ref for ref in entry.chunks if entry.inline is None
+                  and any(_overlap((ref.start, ref.stop), r) for r in regions)]
+        for ref in needed:
+            users[ref.id].append((i, ref))
+        pending[i] = {ref.id for ref in needed}
+
+    def finish(i: int) -> None:
+        if place is not None:
+            out[i] = place(i, out[i])
+
+    buffers = threading.local()  # one read buffer per worker thread, reused chunk after chunk
 
     def fetch(cid: str) -> None:
         blocks = users[cid]
         try:
-            raw = decode_chunk(store.get(chunk_key(cid)), cid, blocks[0][1].raw_bytes)
+            data, buffers.read = store.get_into(chunk_key(cid), getattr(buffers, "read", None))
+            raw = decode_chunk(data, cid, blocks[0][1].raw_bytes)
         except (CorruptChunkError, FileNotFoundError) as e:
             raise CorruptChunkError(f"unusable chunk: {e}", url=store.url, run=manifest.run,
                                     step=manifest.step, key_path=manifest.leaves[blocks[0][0]].path,
                                     chunk_id=cid) from e
         for i, ref in blocks:
-            if ref.raw_bytes != len(raw):  # the first ref's length was checked by decode_chunk
-                raise CorruptChunkError("chunk refs disagree on the chunk's length",
-                                        url=store.url, run=manifest.run, step=manifest.step,
-                                        key_path=manifest.leaves[i].path, chunk_id=cid)
-            dtype = _dtype(manifest.leaves[i])
-            block = np.frombuffer(raw, dtype, math.prod(ref.shape), ref.offset).reshape(ref.shape)
-            for region, buf in out[i].items():
-                if (both := _overlap((ref.start, ref.stop), region)) is not None:
-                    lo, hi = both
-                    buf[_slices(lo, hi, region[0])] = block[_slices(lo, hi, ref.start)]
+            _copy_block(raw, ref, manifest.leaves[i], out[i], store, manifest)
+        done = []
+        with lock:
+            for i in dict.fromkeys(i for i, _ in blocks):
+                pending[i].discard(cid)
+                if not pending[i]:
+                    done.append(i)
+        for i in done:
+            finish(i)
 
+    for i in [i for i, ids in pending.items() if not ids]:
+        finish(i)
     bounded_map(fetch, users, max_workers)
     return out
+
+
+def _copy_block(raw: memoryview, ref: ChunkRef, entry: LeafEntry, regions: dict,
+                store: Store, manifest: Manifest) -> None:
+    """Copies one block of a verified chunk into every region of a leaf it overlaps."""
+    if ref.raw_bytes != len(raw):  # the first ref's length was checked by decode_chunk
+        raise CorruptChunkError("chunk refs disagree on the chunk's length", url=store.url,
+                                run=manifest.run, step=manifest.step, key_path=entry.path,
+                                chunk_id=ref.id)
+    dtype = _dtype(entry)
+    block = np.frombuffer(raw, dtype, math.prod(ref.shape), ref.offset).reshape(ref.shape)
+    for region, buf in regions.items():
+        if (both := _overlap((ref.start, ref.stop), region)) is not None:
+            lo, hi = both
+            buf[_slices(lo, hi, region[0])] = block[_slices(lo, hi, ref.start)]
+
+
+def _empty_aligned(shape: list[int], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on a 64-byte boundary."""
+    n = math.prod(shape) * dtype.itemsize
+    raw = np.empty(n + _ALIGN, np.uint8)
+    offset = -raw.ctypes.data % _ALIGN
+    return raw[offset:offset + n].view(dtype).reshape(shape)
 
 
 def _overlap(a: Index, b: Index) -> Index | None:

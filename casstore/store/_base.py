@@ -13,7 +13,10 @@ import dataclasses
 import re
 from collections.abc import Iterable, Iterator, Mapping
 
+import numpy as np
+
 from .._errors import ObjectNotFoundError, ReadOnlyStoreError
+from .._pool import default_workers
 
 _SEGMENT = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]*")
 
@@ -56,7 +59,10 @@ class Store(abc.ABC):
     Attributes:
       url: where the store lives (a path or URL without credentials).
       read_only: if true, every write raises :class:`~casstore.ReadOnlyStoreError`.
-      max_workers: the concurrency of bulk operations and of saves and restores.
+      max_workers: the concurrency of bulk operations and of saves and restores (a class
+        default derived from the usable cores: 4 threads per core, at most 32, for local disk
+        and memory, where hashing and compression bound a save; set it on an instance, or pass
+        ``max_workers=`` to a call, to change it).
       shuffle: whether saves try the byte-shuffle codec (format.md §3.2) unless told: float
         chunks are stored about 16% smaller for 2.6x the client CPU time of a save (measured
         on S3, benchmarks/README.md). False for local disk and memory, where writing the
@@ -65,12 +71,28 @@ class Store(abc.ABC):
 
     url: str
     read_only: bool = False
-    max_workers: int = 8
+    max_workers: int = default_workers(io_per_core=4, cap=32)
     shuffle: bool = False
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes:
         """Returns the object's bytes. Raises ObjectNotFoundError if ``key`` is absent."""
+
+    def get_into(self, key: str, buffer: np.ndarray | None) -> tuple[memoryview, np.ndarray]:
+        """Reads an object, into ``buffer`` where the backend can (a uint8 array, reused).
+
+        Readers of many large objects (a restore's chunks) pass each thread's buffer back in,
+        so reading allocates no new memory per object; the returned view is valid until the
+        buffer is reused. This default returns a view of :meth:`get`'s bytes.
+
+        Returns:
+          ``(view of the object's bytes, the buffer to pass next time)``.
+
+        Raises:
+          ObjectNotFoundError: ``key`` is absent.
+        """
+        data = self.get(key)
+        return memoryview(data), buffer
 
     @abc.abstractmethod
     def exists(self, key: str) -> bool:

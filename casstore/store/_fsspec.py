@@ -21,6 +21,7 @@ from typing import Any
 import fsspec
 
 from .._errors import ObjectNotFoundError
+from .._pool import default_workers
 from ._base import ObjectInfo, Store, check_key
 
 
@@ -100,12 +101,13 @@ class FsspecStore(Store):
       backoff_s, max_backoff_s: the first retry waits about ``backoff_s`` seconds, doubling
         up to ``max_backoff_s``, each wait jittered by a factor in [0.5, 1.5].
 
-    Saves and restores run 16 requests at once (``max_workers``; 8 for local disk): an object
+    Saves and restores run 8 requests per usable core at once, at least 16 and at most 64
+    (``max_workers``; 4 threads per core for local disk): an object
     store's latency, not its bandwidth, bounds one request. Saves try the byte-shuffle codec
     (``shuffle``), since object storage bills and sends every byte.
     """
 
-    max_workers = 16
+    max_workers = max(16, default_workers(io_per_core=8, cap=64))
     shuffle = True
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, *, read_only: bool = False,

@@ -12,6 +12,8 @@ import stat
 import uuid
 from collections.abc import Iterator
 
+import numpy as np
+
 from .._errors import ObjectNotFoundError
 from ._base import ObjectInfo, Store
 
@@ -52,6 +54,20 @@ class LocalStore(Store):
                 return f.read()
         except (FileNotFoundError, NotADirectoryError):
             raise ObjectNotFoundError("no such object", url=self._path(key)) from None
+
+    def get_into(self, key: str, buffer: np.ndarray | None) -> tuple[memoryview, np.ndarray]:
+        try:
+            with open(self._path(key), "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                if buffer is None or buffer.size < size:
+                    buffer = np.empty(size, np.uint8)
+                view = memoryview(buffer)[:size]
+                got = f.readinto(view)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise ObjectNotFoundError("no such object", url=self._path(key)) from None
+        if got != size:  # the object is immutable: a short read means it changed under us
+            raise OSError(f"short read of {self._path(key)}: {got} of {size} bytes")
+        return view, buffer
 
     def exists(self, key: str) -> bool:
         return os.path.isfile(self._path(key))

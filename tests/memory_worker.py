@@ -1,0 +1,81 @@
+"""Measures the peak extra host memory of one save or restore of a 2 GiB state; launched by
+test_memory.py in a fresh process. RSS is sampled every 5 ms during the operation; the figure
+is its peak minus the RSS just before the operation.
+
+Usage: memory_worker.py save-numpy|save-jax|save-accelerator-path|restore-jax URL
+Prints one JSON line: {"state_bytes", "extra_peak_bytes", "inflight_bytes"}.
+"""
+
+import contextlib
+import json
+import os
+import sys
+import threading
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import casstore  # noqa: E402
+from casstore import _chunking  # noqa: E402
+from casstore._chunking import DEFAULT_CHUNK_SIZE_BYTES  # noqa: E402
+from casstore._save import default_inflight_bytes  # noqa: E402
+
+LEAVES, LEAF_ELEMENTS = 8, 64 * 2**20  # 8 x 256 MiB of float32 = 2 GiB
+
+
+@contextlib.contextmanager
+def peak_extra_rss(out: dict):
+    """Sets ``out["extra_peak_bytes"]``: the peak RSS during the body above the RSS before."""
+    import gc
+
+    import psutil
+    gc.collect()
+    proc = psutil.Process()
+    base = top = proc.memory_info().rss
+    done = threading.Event()
+
+    def sample():
+        nonlocal top
+        while not done.wait(0.005):
+            top = max(top, proc.memory_info().rss)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        yield
+    finally:
+        done.set()
+        sampler.join()
+        out["extra_peak_bytes"] = max(top, proc.memory_info().rss) - base
+
+
+def state(kind: str) -> dict:
+    rng = np.random.default_rng(0)
+    tree = {f"w{i}": rng.random(LEAF_ELEMENTS, dtype=np.float32) for i in range(LEAVES)}
+    if kind != "save-numpy":
+        tree = {k: jax.device_put(v) for k, v in tree.items()}  # host copies are dropped
+    return jax.block_until_ready(tree)
+
+
+if __name__ == "__main__":
+    kind, url = sys.argv[1], sys.argv[2]
+    store = casstore.open_store(url)
+    inflight = default_inflight_bytes(store.max_workers, DEFAULT_CHUNK_SIZE_BYTES)
+    if kind == "restore-jax":
+        target = {f"w{i}": jax.ShapeDtypeStruct((LEAF_ELEMENTS,), np.float32)
+                  for i in range(LEAVES)}
+        with peak_extra_rss(result := {}):
+            restored = casstore.restore(store, 0, target=target)
+            jax.block_until_ready(restored)
+        result["check"] = float(restored["w7"][-1])
+    else:
+        if kind == "save-accelerator-path":  # what a GPU takes: block copies to pinned memory
+            _chunking.on_host = lambda x: False
+        tree = state(kind)
+        with peak_extra_rss(result := {}):
+            casstore.save(store, 0, tree)
+        result["check"] = float(np.asarray(tree["w7"])[-1])
+    print(json.dumps({"state_bytes": LEAVES * LEAF_ELEMENTS * 4, "inflight_bytes": inflight,
+                      **result}))
