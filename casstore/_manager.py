@@ -18,6 +18,7 @@ from typing import Any
 import jax
 
 from ._chunking import host_snapshot
+from ._errors import StoreTimeoutError
 from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, gc
 from ._repository import Url, delete, list_steps, read_manifest
 from ._restore import restore
@@ -140,7 +141,8 @@ class CheckpointManager:
           True if a save was started, False if the step was not due.
 
         Raises:
-          Any error of the previous background save (never only logged).
+          Any error of the previous background save (never only logged); a store that stalls
+            fails it within the store's deadline (StoreTimeoutError naming the step).
           StepAlreadyExistsError: ``force`` with an existing step (from the background save).
           UnsupportedLeafError: a leaf cannot be stored (raised here, before any write).
           RuntimeError: the manager is closed.
@@ -161,7 +163,10 @@ class CheckpointManager:
         return True
 
     def _save_and_retain(self, step: int, tree: Any, metadata: dict, metrics: Any) -> None:
-        self.last_save_info = save(self.store, step, tree, run=self.run, metadata=metadata)
+        try:
+            self.last_save_info = save(self.store, step, tree, run=self.run, metadata=metadata)
+        except StoreTimeoutError as e:  # surfaces on the next save(): name the step
+            raise e.at(run=self.run, step=step) from e
         self._metrics[step] = metrics
         deleted = self._apply_retention()
         if deleted and self.gc_after_retention:

@@ -31,7 +31,7 @@ from ._chunking import (
     shards_of,
 )
 from ._codec import DEFAULT_ZSTD_LEVEL, chunk_id, encode_chunk
-from ._errors import StepAlreadyExistsError, UnsupportedLeafError
+from ._errors import StepAlreadyExistsError, StoreTimeoutError, UnsupportedLeafError
 from ._keypath import flatten
 from ._layout import CHUNKS_PREFIX, check_run, check_step, chunk_id_of_key, chunk_key, manifest_key
 from ._locks import save_lock
@@ -196,6 +196,9 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
       UnsupportedLeafError: a leaf cannot be stored; names its key path. Raised before any write.
       ValueError: invalid ``step``, ``run``, or ``metadata`` that msgpack cannot encode.
       ManifestError: the repository's config object is damaged or of an unknown version.
+      StoreTimeoutError: an object store did not answer within its deadline (``open_store``'s
+        ``operation_timeout_s``); nothing is committed (unless the manifest write was stored
+        and only its answer was lost: then the step is complete).
     """
     t0, created = time.perf_counter(), time.time()
     store = open_store(url)
@@ -373,6 +376,8 @@ def _run_jobs(jobs: list[_Job], writer: _ChunkWriter, max_workers: int,
         try:
             raw = block_bytes(*source) if isinstance(source, tuple) else memoryview(source)
             cid, stored = writer.write(raw, element_size)
+        except StoreTimeoutError as e:
+            raise e.at(key_path=leaves[blocks[0][0]][0]) from e
         except Exception as e:
             if hasattr(e, "add_note"):  # Python >= 3.11
                 e.add_note(f"while saving key path {leaves[blocks[0][0]][0]!r}")
