@@ -10,8 +10,9 @@ requests from then on:
   body (downloads);
 - ``"trickle"``: relay the answer at ``rate_bytes_s`` bytes per second.
 
-``proxy.set(None)`` heals it. ``proxy.faults`` counts the faults injected. Pure asyncio on a
-daemon thread; no pytest here.
+With ``max_in_flight=N`` the fault hits only requests that arrive while N others are in
+flight (a store that throttles above a request rate). ``proxy.set(None)`` heals it.
+``proxy.faults`` counts the faults injected. Pure asyncio on a daemon thread; no pytest here.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class FaultProxy:
         self.fault: str | None = None
         self.fraction = 1.0
         self.rate_bytes_s = 4096
+        self.max_in_flight: int | None = None
+        self.in_flight = 0
         self.faults: Counter = Counter()
         self.requests = 0
         self.loop = asyncio.new_event_loop()
@@ -69,11 +72,14 @@ class FaultProxy:
         self.port = self.server.sockets[0].getsockname()[1]
         self.endpoint_url = f"http://{HOST}:{self.port}"
 
-    def set(self, fault: str | None, fraction: float = 1.0, rate_bytes_s: int = 4096) -> None:
-        """Injects ``fault`` (one of FAULTS, or None to heal) into ``fraction`` of requests."""
+    def set(self, fault: str | None, fraction: float = 1.0, rate_bytes_s: int = 4096,
+            max_in_flight: int | None = None) -> None:
+        """Injects ``fault`` (one of FAULTS, or None to heal) into ``fraction`` of requests
+        (of those beyond ``max_in_flight`` concurrent ones, if given)."""
         if fault is not None and fault not in FAULTS:
             raise ValueError(f"unknown fault {fault!r}")
         self.fault, self.fraction, self.rate_bytes_s = fault, fraction, rate_bytes_s
+        self.max_in_flight = max_in_flight
 
     def close(self) -> None:
         async def stop():
@@ -87,13 +93,15 @@ class FaultProxy:
         self._thread.join(5)
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter):
-        upstream_w = None
+        upstream_w, head = None, b""
         try:
             head = await _read_head(client_r)
             if not head:
                 return
             self.requests += 1
-            fault = self.fault if self.fault and self.rng.random() < self.fraction else None
+            self.in_flight += 1
+            busy = self.max_in_flight is None or self.in_flight > self.max_in_flight
+            fault = self.fault if busy and self.rng.random() < self.fraction else None
             if fault:
                 self.faults[fault] += 1
             if fault == "stall":
@@ -123,6 +131,8 @@ class FaultProxy:
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
             pass
         finally:
+            if head:
+                self.in_flight -= 1
             for w in (client_w, upstream_w):
                 if w is not None:
                     w.close()

@@ -59,6 +59,13 @@ _PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryE
               NotADirectoryError)
 
 
+def _http_status(exc: BaseException) -> object:
+    """The HTTP status of an aiohttp ``ClientResponseError`` (``status``) or gcsfs ``HttpError``
+    (``code``); None for other errors."""
+    status = getattr(exc, "status", None)
+    return status if isinstance(status, int) else getattr(exc, "code", None)
+
+
 def is_transient(exc: BaseException) -> bool:
     """True for errors worth retrying: 5xx, 429/503 SlowDown, timeouts, connection resets.
 
@@ -78,7 +85,7 @@ def is_transient(exc: BaseException) -> bool:
             if response.get("Error", {}).get("Code") in _TRANSIENT_CODES or status >= 500 or (
                     status == 429):
                 return True
-        code = getattr(e, "code", None)  # gcsfs HttpError
+        code = _http_status(e)
         if isinstance(code, int) and (code >= 500 or code == 429):
             return True
         if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
@@ -102,7 +109,7 @@ def is_congestion(exc: BaseException) -> bool:
                 response.get("Error", {}).get("Code") in _CONGESTION_CODES
                 or response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (429, 503)):
             return True
-        if getattr(e, "code", None) in (429, 503):  # gcsfs HttpError
+        if _http_status(e) in (429, 503):
             return True
     return False
 
