@@ -16,6 +16,7 @@ from ._errors import ObjectNotFoundError as ObjectNotFoundError
 from ._errors import ReadOnlyStoreError as ReadOnlyStoreError
 from ._errors import StepAlreadyExistsError as StepAlreadyExistsError
 from ._errors import StepNotFoundError as StepNotFoundError
+from ._errors import StoreTimeoutError as StoreTimeoutError
 from ._errors import TargetMismatchError as TargetMismatchError
 from ._errors import UnsupportedLeafError as UnsupportedLeafError
 from ._gc import GcInfo as GcInfo

@@ -12,7 +12,7 @@ import threading
 import time
 
 from ._codec import decode_chunk
-from ._errors import CorruptChunkError, StepNotFoundError
+from ._errors import CorruptChunkError, StepNotFoundError, StoreTimeoutError
 from ._layout import CHUNKS_PREFIX, chunk_id_of_key, chunk_key, manifest_key
 from ._locks import save_lock
 from ._pool import bounded_map
@@ -64,6 +64,8 @@ def copy(src_url: Url, dst_url: Url, *, steps: list[int] | None = None,
       CorruptChunkError: a source chunk fails its checks (nothing more of that step is written;
         its manifest is not written).
       ManifestError: a source manifest is invalid.
+      StoreTimeoutError: either store did not answer within its deadline (names the object and,
+        for a chunk, run, step, key path and chunk id); the step's manifest is not written.
     """
     t0 = time.perf_counter()
     src, dst = open_store(src_url), open_store(dst_url)
@@ -93,14 +95,17 @@ def copy(src_url: Url, dst_url: Url, *, steps: list[int] | None = None,
                 counts["bytes_skipped"] += sum(present[c] for c in raw_length if c in present)
 
             def transfer(cid: str, run=run, step=step, raw_length=raw_length) -> None:
-                data = src.get(chunk_key(cid))
                 try:
+                    data = src.get(chunk_key(cid))
                     decode_chunk(data, cid, raw_length[cid][0])
+                    dst.put(chunk_key(cid), data)
                 except CorruptChunkError as e:
                     raise CorruptChunkError(f"source chunk unusable: {e}", url=src.url, run=run,
                                             step=step, key_path=raw_length[cid][1],
                                             chunk_id=cid) from e
-                dst.put(chunk_key(cid), data)
+                except StoreTimeoutError as e:
+                    raise e.at(run=run, step=step, key_path=raw_length[cid][1],
+                               chunk_id=cid) from e
                 with lock:
                     present[cid] = len(data)
                     counts["copied"] += 1

@@ -60,3 +60,25 @@ class UnsupportedLeafError(_Located, TypeError):
 
 class ReadOnlyStoreError(_Located, PermissionError):
     """A write was attempted on a store opened with ``read_only=True``."""
+
+
+class StoreTimeoutError(_Located, TimeoutError):
+    """A store operation on one object found no answer within its deadline, retries included.
+
+    Raised by object stores (``open_store``'s ``operation_timeout_s``) when a request stalls,
+    trickles or keeps failing transiently (5xx, 503 SlowDown, 429) until the deadline. Carries
+    ``url`` (the store), ``key`` (the object) and, when raised by a save or restore, the step,
+    key path and chunk id.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None, **where):
+        self.key, self.message = key, message
+        super().__init__(f"{message}; object {key!r}" if key else message, **where)
+
+    def at(self, **where) -> StoreTimeoutError:
+        """A copy of this error placed at a run, step, key path or chunk id (its cause: this)."""
+        now = {"url": self.url, "run": self.run, "step": self.step, "key_path": self.key_path,
+               "chunk_id": self.chunk_id}
+        located = StoreTimeoutError(self.message, key=self.key, **{**now, **where})
+        located.__cause__ = self
+        return located

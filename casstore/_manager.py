@@ -23,6 +23,7 @@ import jax
 
 from ._chunking import DEFAULT_CHUNK_SIZE_BYTES, DEFAULT_PACK_THRESHOLD_BYTES
 from ._codec import DEFAULT_ZSTD_LEVEL
+from ._errors import StoreTimeoutError
 from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, gc
 from ._repository import Url, delete, list_steps, read_manifest
 from ._restore import restore
@@ -177,7 +178,8 @@ class CheckpointManager:
           True if a save was started, False if the step was not due.
 
         Raises:
-          Any error of the previous background save (never only logged).
+          Any error of the previous background save (never only logged); a store that stalls
+            fails it within the store's deadline (StoreTimeoutError naming the step).
           StepAlreadyExistsError: ``force`` with an existing step (from the background save).
           UnsupportedLeafError: a leaf cannot be stored (raised here, before any write).
           RuntimeError: the manager is closed.
@@ -213,6 +215,9 @@ class CheckpointManager:
                 zstd_level=self.zstd_level, shuffle=self.store.shuffle, max_workers=workers,
                 window=default_inflight_bytes(workers, self.chunk_size_bytes)
                 // self.chunk_size_bytes, previous_step=self.latest_step())
+        except StoreTimeoutError as e:  # surfaces on the next save(): name the step
+            stream.abandon()
+            raise e.at(run=self.run, step=step) from e
         except BaseException:
             stream.abandon()
             raise

@@ -19,7 +19,7 @@ import numpy as np
 
 from ._chunking import Index, dtype_from_name
 from ._codec import decode_chunk
-from ._errors import CorruptChunkError, TargetMismatchError
+from ._errors import CorruptChunkError, StoreTimeoutError, TargetMismatchError
 from ._keypath import SCALAR_TYPES, matches, path_str, unflatten_plain
 from ._layout import chunk_key
 from ._manifest import ChunkRef, LeafEntry, Manifest
@@ -65,6 +65,8 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
       ManifestError: the manifest is malformed (names step and key path).
       CorruptChunkError: a chunk is missing, or its bytes fail the checks (names step, key path
         and chunk id).
+      StoreTimeoutError: the store did not answer within its deadline (names the object and,
+        for a chunk, step, key path and chunk id).
       TargetMismatchError: a target leaf is not in the checkpoint, has another shape or kind,
         or (without ``partial``) the checkpoint has leaves the target lacks.
     """
@@ -294,6 +296,9 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
             raise CorruptChunkError(f"unusable chunk: {e}", url=store.url, run=manifest.run,
                                     step=manifest.step, key_path=manifest.leaves[blocks[0][0]].path,
                                     chunk_id=cid) from e
+        except StoreTimeoutError as e:
+            raise e.at(run=manifest.run, step=manifest.step, chunk_id=cid,
+                       key_path=manifest.leaves[blocks[0][0]].path) from e
         for i, ref in blocks:
             _copy_block(raw, ref, manifest.leaves[i], out[i], store, manifest)
         done = []

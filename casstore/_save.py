@@ -38,7 +38,13 @@ from ._chunking import (
     unique_shards,
 )
 from ._codec import DEFAULT_ZSTD_LEVEL, chunk_id, encode_chunk
-from ._errors import ManifestError, StepAlreadyExistsError, StepNotFoundError, UnsupportedLeafError
+from ._errors import (
+    ManifestError,
+    StepAlreadyExistsError,
+    StepNotFoundError,
+    StoreTimeoutError,
+    UnsupportedLeafError,
+)
 from ._keypath import flatten
 from ._layout import check_run, check_step, chunk_key, manifest_key
 from ._locks import save_lock
@@ -338,6 +344,9 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
       UnsupportedLeafError: a leaf cannot be stored; names its key path. Raised before any write.
       ValueError: invalid ``step``, ``run``, or ``metadata`` that msgpack cannot encode.
       ManifestError: the repository's config object is damaged or of an unknown version.
+      StoreTimeoutError: an object store did not answer within its deadline (``open_store``'s
+        ``operation_timeout_s``); nothing is committed (unless the manifest write was stored
+        and only its answer was lost: then the step is complete).
     """
     t0 = time.perf_counter()
     store = open_store(url)
@@ -542,6 +551,8 @@ def _run_jobs(jobs: Iterable[Job], writer: _ChunkWriter, max_workers: int, windo
         try:
             raw = job.read()
             cid, stored = writer.write(raw, job.element_size)
+        except StoreTimeoutError as e:
+            raise e.at(key_path=paths[job.blocks[0][0]]) from e
         except Exception as e:
             if hasattr(e, "add_note"):  # Python >= 3.11
                 e.add_note(f"while saving key path {paths[job.blocks[0][0]]!r}")

@@ -13,6 +13,7 @@ from ._wrappers import CountingStore as CountingStore
 
 
 def open_store(url: str | os.PathLike | Store, *, read_only: bool = False,
+               request_timeout_s: float | None = None, operation_timeout_s: float | None = None,
                **storage_options) -> Store:
     """Opens the store at ``url``.
 
@@ -23,21 +24,29 @@ def open_store(url: str | os.PathLike | Store, *, read_only: bool = False,
     Args:
       url: a path, an fsspec URL or a Store.
       read_only: open for reading only (ignored for a Store instance).
+      request_timeout_s: for object stores, the longest one request waits to connect or for
+        the next bytes of an answer, seconds (default 20).
+      operation_timeout_s: for object stores, the deadline of one operation on one object
+        (get, put, create, list, delete) across its retries, seconds (default 60); on expiry
+        it raises :class:`~casstore.StoreTimeoutError`. See docs/reliability.md, "Deadlines".
       **storage_options: passed to fsspec (e.g. ``endpoint_url``, ``anon``, ``key``).
 
     Returns:
       The Store.
 
     Raises:
-      ValueError: ``storage_options`` given for a local path or a Store instance.
+      ValueError: ``storage_options`` or timeouts given for a local path or a Store instance.
     """
+    timeouts = {name: value for name, value in (("request_timeout_s", request_timeout_s),
+                                                ("operation_timeout_s", operation_timeout_s))
+                if value is not None}
     if isinstance(url, Store):
-        if storage_options:
+        if storage_options or timeouts:
             raise ValueError("storage_options cannot apply to an already opened Store")
         return url
     url = os.fspath(url)
     if "://" not in url or url.startswith("file://"):
-        if storage_options:
+        if storage_options or timeouts:
             raise ValueError(f"storage_options are for fsspec URLs, not the local path {url!r}")
         return LocalStore(url.removeprefix("file://"), read_only=read_only)
-    return FsspecStore.from_url(url, read_only=read_only, **storage_options)
+    return FsspecStore.from_url(url, read_only=read_only, **timeouts, **storage_options)

@@ -1,0 +1,81 @@
+"""Time to failure of ``casstore.save`` on a misbehaving object store, per backend and fault.
+
+Starts SeaweedFS (S3) and fake-gcs-server (GCS) on loopback (tests/servers.py) with a fault proxy
+in front (tests/faultproxy.py), and times one save of a 4 MiB tree (16 chunks of 256 KiB) that
+meets each fault on every request: an endpoint that accepts TCP connections and never answers
+(a bare listening socket), requests that stall after the proxy read them, answers trickled at
+4 kB/s, 503 SlowDown on every request, and connections cut mid-body. Each save must raise
+StoreTimeoutError (anything else is reported as such); its wall time is the figure.
+
+    python benchmarks/deadlines.py                # the defaults (20 s / 60 s): several minutes
+    python benchmarks/deadlines.py --request-timeout-s 0.5 --operation-timeout-s 2   # tests'
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import pathlib
+import socket
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
+
+import numpy as np  # noqa: E402
+import servers  # noqa: E402
+from faultproxy import fault_proxy  # noqa: E402
+
+import casstore  # noqa: E402
+
+FAULTS = ("never answers", "stall", "trickle", "slowdown", "cut")
+
+
+def time_to_failure(server, endpoint_url: str, timeouts: dict) -> str:
+    """Seconds until one save through ``endpoint_url`` raises, as a table cell."""
+    store = casstore.open_store(server.url_for("deadlines"), **{
+        **server.storage_options, "endpoint_url": endpoint_url}, **timeouts)
+    tree = {f"w{i}": np.random.default_rng(i).normal(size=65536).astype(np.float32)
+            for i in range(16)}
+    t0 = time.monotonic()
+    try:
+        casstore.save(store, 1, tree, chunk_size_bytes=1 << 18)
+    except casstore.StoreTimeoutError:
+        return f"{time.monotonic() - t0:.1f}"
+    except Exception as e:  # reported, not hidden: the table says what happened
+        return f"{time.monotonic() - t0:.1f} ({type(e).__name__})"
+    return f"saved in {time.monotonic() - t0:.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--request-timeout-s", type=float, default=None)
+    parser.add_argument("--operation-timeout-s", type=float, default=None)
+    args = parser.parse_args()
+    timeouts = {k: v for k, v in (("request_timeout_s", args.request_timeout_s),
+                                  ("operation_timeout_s", args.operation_timeout_s)) if v}
+    print(f"timeouts: {timeouts or 'defaults'}\n")
+    print("| backend | " + " | ".join(FAULTS) + " |\n|---|" + "---|" * len(FAULTS))
+    with contextlib.ExitStack() as stack:
+        tmp = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        backends = {"S3 (SeaweedFS)": stack.enter_context(servers.seaweedfs_server(tmp)),
+                    "GCS (fake-gcs-server)": stack.enter_context(servers.fake_gcs_server(tmp))}
+        for name, server in backends.items():
+            cells = []
+            with socket.socket() as listener:
+                listener.bind(("127.0.0.1", 0))
+                listener.listen(256)
+                port = listener.getsockname()[1]
+                cells.append(time_to_failure(server, f"http://127.0.0.1:{port}", timeouts))
+            for fault in FAULTS[1:]:
+                with fault_proxy(server.endpoint_url) as proxy:
+                    proxy.set(fault)
+                    cells.append(time_to_failure(server, proxy.endpoint_url, timeouts))
+            print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

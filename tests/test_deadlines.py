@@ -1,0 +1,174 @@
+"""Deadlines: real servers behind a misbehaving network (tests/faultproxy.py) never hang a
+save, restore, copy, gc or the manager; each either succeeds bit-exact or fails with
+StoreTimeoutError within the bound of docs/reliability.md, and no partial step appears."""
+
+import socket
+import time
+
+import numpy as np
+import pytest
+from faultproxy import FAULTS, fault_proxy
+
+import casstore
+from casstore.store import FsspecStore, MemoryStore
+
+# Small deadlines keep the suite fast; the defaults are measured by benchmarks/deadlines.py.
+REQUEST_S, OPERATION_S = 0.5, 2.0
+DEADLINES = {"request_timeout_s": REQUEST_S, "operation_timeout_s": OPERATION_S}
+# The bound of docs/reliability.md: one operation's deadline, then the failed save's lock
+# release and in-flight requests at one request timeout each; 1.5 s of slack for a busy CI.
+BOUND_S = OPERATION_S + 2 * REQUEST_S + 1.5
+CHUNK = 16_384  # bytes: a trickled 16 KiB answer takes 4 s, past one attempt's 1 s
+
+
+def tree_for(step: int) -> dict:
+    rng = np.random.default_rng(step)
+    return {"w": rng.normal(size=6 * CHUNK // 4).astype(np.float32),
+            "b": np.full(4000, step, np.int32), "step": step}
+
+
+def assert_bit_exact(restored, step: int) -> None:
+    expected = tree_for(step)
+    for key in ("w", "b"):
+        assert restored[key].tobytes() == expected[key].tobytes(), (step, key)
+    assert restored["step"] == step
+
+
+def options(server, endpoint_url: str) -> dict:
+    return {**server.storage_options, "endpoint_url": endpoint_url}
+
+
+@pytest.fixture(params=["seaweedfs", "fake-gcs"])
+def proxied(request, object_servers):
+    """``(proxy, store through the proxy, the same store direct)`` on a fresh repository."""
+    server = object_servers[request.param]
+    url = server.url_for("deadlines")
+    with fault_proxy(server.endpoint_url) as proxy:
+        store = FsspecStore.from_url(url, **options(server, proxy.endpoint_url), **DEADLINES)
+        store.backoff_s = 0.05
+        yield proxy, store, FsspecStore.from_url(url, **server.storage_options)
+
+
+def timed(fn, *args, **kwargs):
+    """``(result or StoreTimeoutError, seconds)``; any other error fails the test."""
+    t0 = time.monotonic()
+    try:
+        result = fn(*args, **kwargs)
+    except casstore.StoreTimeoutError as e:
+        result = e
+    return result, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_save_restore_copy_gc_succeed_or_time_out_under(fault, proxied):
+    proxy, store, direct = proxied
+    casstore.save(direct, 0, tree_for(0), chunk_size_bytes=CHUNK)
+    proxy.set(fault, fraction=0.25)
+    saved, seconds = timed(casstore.save, store, 1, tree_for(1), chunk_size_bytes=CHUNK)
+    assert seconds < BOUND_S, (fault, seconds)
+    restored, seconds = timed(casstore.restore, store, 0)
+    assert seconds < BOUND_S, (fault, seconds)
+    if not isinstance(restored, Exception):
+        assert_bit_exact(restored, 0)
+    copy_dst = MemoryStore()
+    copied, seconds = timed(casstore.copy, store, copy_dst, steps=[0])
+    assert seconds < 2 * BOUND_S, (fault, seconds)  # the listing, then the step's chunks
+    collected, seconds = timed(casstore.gc, store, grace_period_s=0, lock_timeout_s=1)
+    assert seconds < 2 * BOUND_S, (fault, seconds)  # the GC lock, then the sweep
+    assert proxy.faults[fault] > 0
+    proxy.set(None)
+    # Whatever happened, what is visible is complete: step 0 survives, and step 1 exists if
+    # its save returned (promise 3), restoring bit-exact; the copy made whole steps only.
+    steps = casstore.list_steps(direct)
+    assert 0 in steps and (isinstance(saved, Exception) or 1 in steps), steps
+    for step in steps:
+        assert_bit_exact(casstore.restore(direct, step), step)
+    assert casstore.list_steps(copy_dst) == ([] if isinstance(copied, Exception) else [0])
+    for step in casstore.list_steps(copy_dst):
+        assert_bit_exact(casstore.restore(copy_dst, step), step)
+    assert casstore.verify(direct).ok
+    print(fault, {"save": saved, "restore": type(restored).__name__, "copy": copied,
+                  "gc": collected, "faults": dict(proxy.faults), "requests": proxy.requests})
+
+
+def test_a_stalled_store_fails_save_restore_copy_and_gc_within_the_bound(proxied):
+    proxy, store, direct = proxied
+    casstore.save(direct, 0, tree_for(0), chunk_size_bytes=CHUNK)
+    proxy.set("stall")
+    for fn, args in ((casstore.save, (store, 1, tree_for(1))), (casstore.restore, (store, 0)),
+                     (casstore.copy, (store, MemoryStore())), (casstore.gc, (store,))):
+        error, seconds = timed(fn, *args)
+        assert isinstance(error, casstore.StoreTimeoutError), (fn.__name__, error)
+        assert seconds < BOUND_S, (fn.__name__, seconds)
+        assert store.url in str(error) and error.key, error
+    proxy.set(None)
+    assert casstore.list_steps(direct) == [0] and casstore.verify(direct).ok
+    assert_bit_exact(casstore.restore(store, 0), 0)  # it answers again: so do we
+
+
+def test_a_restore_that_times_out_names_step_key_path_and_object(proxied):
+    proxy, store, direct = proxied
+    casstore.save(direct, 3, tree_for(3), chunk_size_bytes=CHUNK)
+    proxy.set("trickle")  # the manifest (1 KiB) comes through, the 16 KiB chunks do not
+    with pytest.raises(casstore.StoreTimeoutError) as info:
+        casstore.restore(store, 3)
+    error = info.value
+    assert error.step == 3 and error.key_path == "w", error
+    assert error.key.startswith("chunks/") and error.key[7:].replace("/", "") == error.chunk_id
+    assert f"step {3!r}" in str(error) and error.key in str(error)
+
+
+@pytest.mark.parametrize("protocol", ["s3", "gs"])
+def test_save_to_an_endpoint_that_never_answers_raises_within_the_bound(protocol):
+    """The issue's headline: TCP connections are accepted, nothing is ever answered."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)  # the kernel completes handshakes; nobody reads
+        endpoint = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        creds = {"key": "k", "secret": "s"} if protocol == "s3" else {"token": "anon"}
+        store = casstore.open_store(f"{protocol}://bucket/repo", endpoint_url=endpoint,
+                                    **creds, **DEADLINES)
+        error, seconds = timed(casstore.save, store, 0, {"w": np.ones(1000, np.float32)})
+    assert isinstance(error, casstore.StoreTimeoutError) and isinstance(error, TimeoutError)
+    assert seconds < BOUND_S and f"{protocol}://bucket/repo" in str(error)
+
+
+def test_throttling_slows_a_save_down_instead_of_failing_it(object_servers):
+    server = object_servers["seaweedfs"]
+    url = server.url_for("slowdown")
+    with fault_proxy(server.endpoint_url, seed=1) as proxy:
+        store = FsspecStore.from_url(url, **options(server, proxy.endpoint_url),
+                                     request_timeout_s=REQUEST_S, operation_timeout_s=10.0)
+        store.backoff_s = 0.02
+        proxy.set("slowdown", max_in_flight=4)  # 503 SlowDown above 4 requests at once
+        tree = {f"w{i}": np.full(CHUNK // 4, i, np.float32) for i in range(60)}
+        info = casstore.save(store, 1, tree, chunk_size_bytes=CHUNK, pack_threshold_bytes=0)
+        assert proxy.faults["slowdown"] > 0 and info.new_chunks == 60
+        assert store.limit.limit < store.max_workers  # fewer requests in flight
+        proxy.set(None)
+    restored = casstore.restore(FsspecStore.from_url(url, **server.storage_options), 1)
+    assert all(restored[k].tobytes() == v.tobytes() for k, v in tree.items())
+
+
+def test_manager_surfaces_a_stalled_background_save_and_recovers(object_servers):
+    server = object_servers["seaweedfs"]
+    url = server.url_for("manager")
+    with fault_proxy(server.endpoint_url) as proxy:
+        mngr = casstore.CheckpointManager(url, **options(server, proxy.endpoint_url),
+                                          **DEADLINES)
+        mngr.save(0, tree_for(0))
+        mngr.wait_until_finished()
+        proxy.set("stall")
+        t0 = time.monotonic()
+        assert mngr.save(1, tree_for(1), force=True)  # returns at once: the save is queued
+        assert time.monotonic() - t0 < 1.0
+        with pytest.raises(casstore.StoreTimeoutError) as info:
+            mngr.save(2, tree_for(2))
+        assert time.monotonic() - t0 < BOUND_S
+        assert info.value.step == 1 and "step 1" in str(info.value)
+        proxy.set(None)
+        assert mngr.save(2, tree_for(2))
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [0, 2] and mngr.latest_step() == 2
+        assert_bit_exact(mngr.restore(2), 2)
+        mngr.close()
