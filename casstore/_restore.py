@@ -194,7 +194,7 @@ def _mismatch_report(manifest: Manifest, store: Store, missing: list[tuple[str, 
         ["fill_missing=True returns concrete target leaves the checkpoint lacks"]
         if missing else []) + (["transforms={saved regex: target path} renames saved leaves"]
                                if missing or extra else [])
-    lines += [f"  hint: {h}" for h in hints]
+    lines += [f"  hint: {h}" for h in hints] + ["  first difference at"]  # + the location
     first = (missing or extra or mismatched)[0]
     error = _mismatch("\n".join(lines), manifest, store, first[0])
     error.missing = tuple(p for p, _ in missing)
