@@ -25,6 +25,7 @@ from ._manager import CheckpointManager as CheckpointManager
 from ._manifest import ChunkRef as ChunkRef
 from ._manifest import LeafEntry as LeafEntry
 from ._manifest import Manifest as Manifest
+from ._orbax import import_orbax as import_orbax
 from ._repository import delete as delete
 from ._repository import latest_step as latest_step
 from ._repository import list_runs as list_runs

@@ -51,7 +51,18 @@ class ManifestError(_Located, ValueError):
 
 
 class TargetMismatchError(_Located, ValueError):
-    """The restore target disagrees with the checkpoint (structure, shape or dtype)."""
+    """The restore target disagrees with the checkpoint (structure, shape or kind).
+
+    Attributes:
+      missing: target key paths the checkpoint lacks.
+      extra: saved key paths the target lacks.
+      mismatched: ``(key path, reason)`` pairs of leaves of another shape or kind.
+      key_path: the first of them.
+    """
+
+    missing: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ()
+    mismatched: tuple[tuple[str, str], ...] = ()
 
 
 class UnsupportedLeafError(_Located, TypeError):

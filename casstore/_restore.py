@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import math
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +34,7 @@ _ALIGN = 64  # bytes: jax's CPU client adopts buffers aligned so (DLPack import)
 
 def restore(url: Url, step: int | None = None, *, run: str = "default", target: Any = None,
             paths: list[str] | None = None, partial: bool = False,
+            transforms: dict[str, str | None] | None = None, fill_missing: bool = False,
             max_workers: int | None = None) -> Any:
     """Restores checkpoint ``step`` of ``run``.
 
@@ -53,6 +55,15 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
         Without a target, only the matching subtrees are returned. With a target, target leaves
         outside ``paths`` are returned unchanged.
       partial: with a target, allow the checkpoint to have leaves the target lacks.
+      transforms: with a target, renames of saved key paths: ``{regex: template}``. Each saved
+        key path is matched (``re.fullmatch``) against the regexes in order; the first match
+        gives the target key path ``match.expand(template)`` (``\\1``, ``\\g<name>``), and
+        a template of None drops the saved leaf. Saved paths no regex matches keep their path.
+        Like orbax's ``transforms`` (``Transform(original_key=...)``), written from the saved
+        side: ``{r"layers/(\\d+)/w": r"blocks/\\1/kernel"}``.
+      fill_missing: with a target, return target leaves that the checkpoint lacks (after
+        ``transforms``) unchanged instead of failing: orbax's ``use_fallback``. Only concrete
+        target leaves (jax or numpy arrays, Python scalars) can be filled.
       max_workers: threads fetching and decoding chunks (default the store's).
 
     Returns:
@@ -67,13 +78,19 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
         and chunk id).
       StoreTimeoutError: the store did not answer within its deadline (names the object and,
         for a chunk, step, key path and chunk id).
-      TargetMismatchError: a target leaf is not in the checkpoint, has another shape or kind,
-        or (without ``partial``) the checkpoint has leaves the target lacks.
+      TargetMismatchError: target and checkpoint differ: target leaves missing from the
+        checkpoint (and not filled), saved leaves the target lacks (without ``partial``),
+        leaves of another shape or kind, or two saved leaves renamed to one key path. One
+        error lists every such key path (its ``missing``, ``extra`` and ``mismatched``
+        attributes), before any chunk is read.
+      ValueError: ``transforms`` or ``fill_missing`` without a target.
     """
     store = open_store(url)
     manifest = read_manifest(store, step, run=run)
     workers = max_workers or store.max_workers
     if target is None:
+        if transforms is not None or fill_missing:
+            raise ValueError("transforms and fill_missing need a target")
         selected = [i for i, leaf in enumerate(manifest.leaves) if matches(leaf.path, paths)]
         _check_paths_found(manifest, paths, selected, store)
         arrays = [i for i in selected if manifest.leaves[i].kind == "array"]
@@ -82,19 +99,8 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
         values = {i: _plain_value(manifest.leaves[i], regions.get(i)) for i in selected}
         return unflatten_plain(manifest.tree, values, None if paths is None else set(selected))
     flat, treedef = tu.tree_flatten_with_path(target)
-    by_path = {leaf.path: i for i, leaf in enumerate(manifest.leaves)}
-    plan: list[tuple[Any, int | None]] = []
-    for keys, t in flat:
-        path = path_str(keys)
-        if not matches(path, paths):
-            plan.append((t, None))
-            continue
-        if path not in by_path:
-            raise _mismatch("target leaf is not in the checkpoint", manifest, store, path)
-        _check_compatible(manifest.leaves[by_path[path]], t, manifest, store)
-        plan.append((t, by_path[path]))
-    if not partial:
-        _check_no_extra(manifest, {i for _, i in plan if i is not None}, paths, store)
+    plan = _match_target(manifest, flat, store, paths=paths, partial=partial,
+                         transforms=transforms, fill_missing=fill_missing)
     targets = {i: t for t, i in plan if i is not None}
     placed = read_regions(store, manifest, {i: _regions_for(manifest.leaves[i], t)
                                             for i, t in targets.items()
@@ -124,41 +130,105 @@ def _check_paths_found(manifest: Manifest, paths, selected: list[int], store: St
             raise _mismatch("no leaf matches the requested path", manifest, store, p)
 
 
-def _check_no_extra(manifest: Manifest, used: set[int], paths, store: Store) -> None:
-    extra = [leaf.path for i, leaf in enumerate(manifest.leaves)
-             if i not in used and matches(leaf.path, paths)]
-    if extra:
-        shown = ", ".join(repr(p) for p in extra[:5]) + (", ..." if len(extra) > 5 else "")
-        raise _mismatch(f"the checkpoint has {len(extra)} leaves the target lacks ({shown}); "
-                        "pass partial=True to restore a subtree", manifest, store, extra[0])
-
-
 def _target_shape(t: Any) -> tuple[int, ...] | None:
     return tuple(t.shape) if hasattr(t, "shape") and hasattr(t, "dtype") else None
 
 
-def _check_compatible(entry: LeafEntry, t: Any, manifest: Manifest, store: Store) -> None:
-    """Checks shape and kind of a target leaf against the saved leaf before any chunk is read."""
+def _match_target(manifest: Manifest, flat: list, store: Store, *, paths, partial: bool,
+                  transforms, fill_missing: bool) -> list[tuple[Any, int | None]]:
+    """Pairs each target leaf with its saved leaf index (None: return the target leaf as is).
+
+    Collects every missing, extra and mismatched key path before raising one
+    :class:`TargetMismatchError`; no chunk is read before the whole target matches.
+    """
+    by_path = _saved_by_target_path(manifest, transforms, store)
+    plan: list[tuple[Any, int | None]] = []
+    missing: list[tuple[str, str]] = []
+    mismatched: list[tuple[str, str]] = []
+    for keys, t in flat:
+        path = path_str(keys)
+        i = by_path.get(path)
+        if not matches(path, paths) or (i is None and fill_missing and _is_concrete(t)):
+            plan.append((t, None))
+        elif i is None:
+            missing.append((path, "not in the checkpoint" if not fill_missing else
+                            f"not in the checkpoint, and the target leaf ({type(t).__name__}) "
+                            "is abstract: fill_missing needs a concrete array or scalar"))
+        elif (problem := _compatibility_problem(manifest.leaves[i], t)) is not None:
+            mismatched.append((path, problem))
+        else:
+            plan.append((t, i))
+    used = {i for _, i in plan if i is not None} | {by_path[p] for p, _ in mismatched}
+    extra = [] if partial else [(manifest.leaves[i].path, p) for p, i in by_path.items()
+                                if i not in used and matches(p, paths)]
+    if missing or extra or mismatched:
+        raise _mismatch_report(manifest, store, missing, extra, mismatched)
+    return plan
+
+
+def _saved_by_target_path(manifest: Manifest, transforms, store: Store) -> dict[str, int]:
+    """Target key path -> saved leaf index, after the ``transforms`` renames (None drops)."""
+    rules = [(re.compile(k), v) for k, v in (transforms or {}).items()]
+    out: dict[str, int] = {}
+    for i, leaf in enumerate(manifest.leaves):
+        path = leaf.path
+        for regex, template in rules:
+            if (m := regex.fullmatch(path)) is not None:
+                path = None if template is None else m.expand(template)
+                break
+        if path is None:
+            continue
+        if path in out:
+            raise _mismatch(f"transforms rename saved leaves {manifest.leaves[out[path]].path!r}"
+                            f" and {leaf.path!r} to the same key path", manifest, store, path)
+        out[path] = i
+    return out
+
+
+def _is_concrete(t: Any) -> bool:
+    """True for target leaves that hold values: jax or numpy arrays and Python scalars."""
+    return isinstance(t, (jax.Array, np.ndarray, np.generic, *SCALAR_TYPES))
+
+
+def _mismatch_report(manifest: Manifest, store: Store, missing: list[tuple[str, str]],
+                     extra: list[tuple[str, str]], mismatched: list[tuple[str, str]]):
+    """One TargetMismatchError listing every problem key path, with the opt-ins that help."""
+    lines = [f"target and checkpoint differ: {len(missing)} missing, {len(extra)} extra, "
+             f"{len(mismatched)} mismatched key paths"]
+    lines += [f"  missing {p!r}: {why}" for p, why in missing]
+    lines += [f"  extra {saved!r}: in the checkpoint, not in the target"
+              + (f" (renamed to {p!r})" if p != saved else "") for saved, p in extra]
+    lines += [f"  mismatched {p!r}: {why}" for p, why in mismatched]
+    hints = (["pass partial=True to restore a subtree"] if extra else []) + (
+        ["fill_missing=True returns concrete target leaves the checkpoint lacks"]
+        if missing else []) + (["transforms={saved regex: target path} renames saved leaves"]
+                               if missing or extra else [])
+    lines += [f"  hint: {h}" for h in hints] + ["  first difference at"]  # + the location
+    first = (missing or extra or mismatched)[0]
+    error = _mismatch("\n".join(lines), manifest, store, first[0])
+    error.missing = tuple(p for p, _ in missing)
+    error.extra = tuple(saved for saved, _ in extra)
+    error.mismatched = tuple(mismatched)
+    return error
+
+
+def _compatibility_problem(entry: LeafEntry, t: Any) -> str | None:
+    """Why target leaf ``t`` cannot take the saved leaf (shape or kind), or None if it can."""
     shape = _target_shape(t)
     if shape is None:
         if not isinstance(t, SCALAR_TYPES):
-            raise _mismatch(f"unsupported target leaf of type {type(t).__name__}", manifest,
-                            store, entry.path)
+            return f"unsupported target leaf of type {type(t).__name__}"
         if entry.kind == "array" and entry.shape != ():
-            raise _mismatch(f"target is a Python scalar, saved an array of shape "
-                            f"{entry.shape}", manifest, store, entry.path)
-        return
+            return f"target is a Python scalar, saved an array of shape {entry.shape}"
+        return None
     saved = entry.shape[:-1] if entry.key_impl else entry.shape
     if entry.kind != "array" and shape != ():
-        raise _mismatch(f"target has shape {shape}, saved a {entry.kind}", manifest, store,
-                        entry.path)
+        return f"target has shape {shape}, saved a {entry.kind}"
     if entry.kind == "array" and shape != saved:
-        raise _mismatch(f"target has shape {shape}, saved shape is {saved}", manifest, store,
-                        entry.path)
-    is_key = jax.dtypes.issubdtype(t.dtype, jax.dtypes.prng_key)
-    if is_key != bool(entry.key_impl):
-        raise _mismatch("target and checkpoint disagree on whether this is a PRNG key array",
-                        manifest, store, entry.path)
+        return f"target has shape {shape}, saved shape is {saved}"
+    if jax.dtypes.issubdtype(t.dtype, jax.dtypes.prng_key) != bool(entry.key_impl):
+        return "target and checkpoint disagree on whether this is a PRNG key array"
+    return None
 
 
 def _cast(host: np.ndarray, entry: LeafEntry, dtype: Any) -> Any:

@@ -1,0 +1,79 @@
+"""import_orbax: an orbax checkpoint, read by orbax, becomes a casstore step bit for bit."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import casstore
+
+
+def make_tree():
+    rng = np.random.default_rng(0)
+    return {"params": {"w": jnp.asarray(rng.normal(size=(33, 17)), jnp.bfloat16),
+                       "b": jnp.asarray(rng.normal(size=17), jnp.float32)},
+            "opt": [np.arange(12, dtype=np.int8).reshape(3, 4),
+                    np.array([np.nan, -0.0, np.inf], np.float16)],
+            "step": 12, "lr": 0.25}
+
+
+def assert_bit_exact(restored, tree):
+    """Same structure; every leaf the same shape, dtype and bytes (NaN and -0.0 included).
+
+    orbax stores Python scalars as int64 / float64, the dtype numpy gives them too."""
+    assert jax.tree.structure(restored) == jax.tree.structure(tree)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(tree)):
+        a, b = np.asarray(a), np.asarray(b)
+        assert (a.shape, a.dtype) == (b.shape, b.dtype)
+        assert a.tobytes() == b.tobytes()
+
+
+def test_standard_checkpointer_directory(tmp_path):
+    tree = make_tree()
+    with ocp.StandardCheckpointer() as ck:
+        ck.save(tmp_path / "orbax", tree)
+    url = str(tmp_path / "cas")
+    info = casstore.import_orbax(tmp_path / "orbax", url, 12, run="imported")
+    assert info.written_bytes > 0 and casstore.list_steps(url, run="imported") == [12]
+    restored = casstore.restore(url, run="imported")
+    assert_bit_exact(restored, tree)
+    assert restored["params"]["w"].dtype == ml_dtypes.bfloat16
+    assert int(restored["step"]) == 12 and float(restored["lr"]) == 0.25
+    assert casstore.verify(url).ok
+
+
+def test_checkpoint_manager_steps_with_named_items(tmp_path):
+    tree = make_tree()
+    with ocp.CheckpointManager(tmp_path / "orbax") as mngr:
+        for step in (1, 2):
+            tree["step"] = step
+            mngr.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(tree),
+                extra=ocp.args.StandardSave({"seen": np.arange(step + 1)})))
+        mngr.wait_until_finished()
+    url = str(tmp_path / "cas")
+    with pytest.raises(FileNotFoundError, match="pass item="):
+        casstore.import_orbax(tmp_path / "orbax" / "2", url, 2)
+    for step in (1, 2):
+        casstore.import_orbax(tmp_path / "orbax" / str(step), url, step, item="state")
+    assert casstore.list_steps(url) == [1, 2]
+    assert_bit_exact(casstore.restore(url, 2), tree)
+    # Step 2 shares every array with step 1: only the step scalar differs, and it is inline.
+    manifests = [casstore.read_manifest(url, s) for s in (1, 2)]
+    ids = [{ref.id for leaf in m.leaves for ref in leaf.chunks} for m in manifests]
+    assert ids[0] == ids[1] and ids[0]
+
+
+def test_single_item_is_found_and_missing_checkpoints_are_named(tmp_path):
+    tree = make_tree()
+    with ocp.CheckpointManager(tmp_path / "orbax") as mngr:
+        mngr.save(7, args=ocp.args.StandardSave(tree))
+    url = str(tmp_path / "cas")
+    casstore.import_orbax(tmp_path / "orbax" / "7", url, 7)
+    assert_bit_exact(casstore.restore(url, 7), tree)
+    with pytest.raises(FileNotFoundError, match="not an orbax pytree checkpoint"):
+        casstore.import_orbax(tmp_path / "orbax" / "7", url, 8, item="nope")
+    with pytest.raises(casstore.StepAlreadyExistsError):
+        casstore.import_orbax(tmp_path / "orbax" / "7", url, 7)
