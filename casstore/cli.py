@@ -41,7 +41,7 @@ from .store import CountingStore, Store
 
 EXIT_CHECK_FAILED = 1
 EXIT_USAGE = 2
-console = Console(highlight=False)
+console = Console(highlight=False, markup=False)  # key paths hold "[0]"
 
 
 class _Group(click.Group):
@@ -94,11 +94,15 @@ def _run_option(f):
 
 
 def _open(url: str, options: dict, *, create: bool = False) -> Store:
-    """Opens ``url`` (storage options only for fsspec URLs) and records it for error lines."""
+    """Opens ``url`` with fsspec storage ``options`` and records it for error lines.
+
+    Raises:
+      click.UsageError: not a repository (unless ``create``).
+      ValueError: storage options given for a local path.
+    """
     ctx = click.get_current_context()
     ctx.meta.setdefault("casstore.where", f"url {url!r}")
-    is_local = "://" not in url or url.startswith("file://")
-    store = casstore.open_store(url, **({} if is_local else options))
+    store = casstore.open_store(url, **options)
     if not create and not check_config(store):
         raise click.UsageError(f"no casstore repository at {url!r}", ctx)
     return store
@@ -120,7 +124,9 @@ def _emit_json(obj: Any) -> None:
 
 
 def _table(title: str | None, columns: list[str], rows: list[list[Any]]) -> None:
-    table = Table(title=title, title_justify="left")
+    if title:
+        console.print(title, soft_wrap=True)
+    table = Table()
     for name in columns:
         table.add_column(name, justify="left" if name in ("run", "key path", "status", "dtype",
                                                          "time", "sharding", "shape") else "right",
@@ -506,6 +512,10 @@ def gc_command(url: str, dry_run: bool, grace_period: float, options: dict,
                   f"within the grace period; {info.missing_chunks} missing")
 
 
+def _is_local(url: str) -> bool:
+    return "://" not in url or url.startswith("file://")
+
+
 def _list_option(text: str | None, kind: Callable[[str], Any]) -> list | None:
     return None if text is None else [kind(x) for x in text.split(",") if x.strip()]
 
@@ -517,13 +527,15 @@ def _list_option(text: str | None, kind: Callable[[str], Any]) -> list | None:
 @click.option("--runs", help="Comma-separated runs to copy (default: all).")
 @_storage_options
 @click.option("-O", "--dst-storage-option", "dst_options", multiple=True, metavar="KEY=VALUE",
-              callback=_parse_options, help="Storage option for DST only (default: -o's).")
+              callback=_parse_options,
+              help="Storage option for DST only (default: -o's). Local paths take none.")
 @_json_flag
 def copy_command(src: str, dst: str, steps: str | None, runs: str | None, options: dict,
                  dst_options: dict, as_json: bool) -> None:
     """Copies steps from SRC to DST, sending only the chunks DST lacks."""
-    source = _open(src, options)
-    target = _counted(_open(dst, dst_options or options, create=True))
+    source = _open(src, {} if _is_local(src) else options)
+    dst_options = dst_options or options
+    target = _counted(_open(dst, {} if _is_local(dst) else dst_options, create=True))
     click.get_current_context().meta["casstore.where"] = f"from {src!r} to {dst!r}"
     step_list = _list_option(steps, int)
     run_list = _list_option(runs, str)
@@ -589,7 +601,8 @@ def _export_array(path: str, value: Any, fmt: str) -> np.ndarray:
         import jax
 
         value = jax.random.key_data(value)  # typed PRNG keys: their uint32 key data
-    array = np.ascontiguousarray(np.asarray(value))
+    array = np.asarray(value)
+    array = array if array.flags.c_contiguous else array.copy(order="C")  # keeps 0-d arrays
     allowed = SAFETENSORS_DTYPES if fmt == "safetensors" else NPZ_DTYPES
     if array.dtype.name not in allowed:
         raise click.UsageError(f"key path {path!r} has dtype {array.dtype.name}, which {fmt} "
