@@ -23,7 +23,6 @@ from typing import Any
 
 import click
 import msgpack
-import numpy as np
 from rich.console import Console
 from rich.filesize import decimal as human
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -31,9 +30,8 @@ from rich.table import Table
 
 import casstore
 
-from . import _inspect
-from ._chunking import dtype_from_name
-from ._keypath import escape_name, flatten, is_valid_path, matches
+from . import _inspect, _tensorfile
+from ._keypath import flatten, matches
 from ._layout import CHUNKS_PREFIX, chunk_id_of_key
 from ._manifest import encode_manifest
 from ._repository import check_config
@@ -572,44 +570,6 @@ def rm_command(url: str, steps: tuple[int, ...], run: str, options: dict) -> Non
         console.print(f"deleted run {run!r} step {step}")
 
 
-# safetensors' dtype codes (its format spec) for the format.md §4.5 names it can hold.
-SAFETENSORS_DTYPES = {
-    "bool": "BOOL", "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64",
-    "uint8": "U8", "uint16": "U16", "uint32": "U32", "uint64": "U64", "float16": "F16",
-    "bfloat16": "BF16", "float32": "F32", "float64": "F64", "complex64": "C64",
-    "float8_e4m3fn": "F8_E4M3", "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2": "F8_E5M2",
-    "float8_e5m2fnuz": "F8_E5M2FNUZ", "float8_e8m0fnu": "F8_E8M0",
-}
-NPZ_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-              "float16", "float32", "float64", "complex64", "complex128")  # numpy's own
-
-
-def _file_format(path: str) -> str:
-    suffix = pathlib.Path(path).suffix.lower()
-    if suffix not in (".safetensors", ".npz"):
-        raise click.UsageError(f"{path!r}: use a .safetensors or .npz file")
-    return suffix[1:]
-
-
-def _export_array(path: str, value: Any, fmt: str) -> np.ndarray:
-    """A leaf as an array for ``fmt``; raises UsageError naming the key path if it cannot be."""
-    if isinstance(value, (str, bytes)):
-        raise click.UsageError(f"key path {path!r} is a {type(value).__name__}, which {fmt} "
-                               "files do not hold: select array leaves with --paths")
-    if not isinstance(value, np.ndarray) and hasattr(value, "dtype") and str(
-            value.dtype).startswith("key<"):
-        import jax
-
-        value = jax.random.key_data(value)  # typed PRNG keys: their uint32 key data
-    array = np.asarray(value)
-    array = array if array.flags.c_contiguous else array.copy(order="C")  # keeps 0-d arrays
-    allowed = SAFETENSORS_DTYPES if fmt == "safetensors" else NPZ_DTYPES
-    if array.dtype.name not in allowed:
-        raise click.UsageError(f"key path {path!r} has dtype {array.dtype.name}, which {fmt} "
-                               f"files cannot hold (they hold {', '.join(allowed)})")
-    return array
-
-
 @main.command("export")
 @click.argument("url")
 @click.argument("step", type=int)
@@ -624,7 +584,7 @@ def export_command(url: str, step: int, out: str, run: str, paths: tuple[str, ..
     Tensor names are the key paths (format.md §5, e.g. params/layers/[0]/kernel); Python
     number leaves become 0-d arrays.
     """
-    fmt = _file_format(out)
+    fmt = _tensorfile.file_format(out)
     store = _counted(_open(url, options))
     _where(url, run, step)
     manifest = casstore.read_manifest(store, step, run=run)
@@ -637,69 +597,10 @@ def export_command(url: str, step: int, out: str, run: str, paths: tuple[str, ..
     flat = flatten(tree)[1]
     if [p for p, _ in flat] != [leaf.path for leaf in selected]:
         raise casstore.CasstoreError("restored leaves do not match the manifest's key paths")
-    arrays = {p: _export_array(p, v, fmt) for p, v in flat}
-    if fmt == "safetensors":
-        _optional("safetensors.numpy", "safetensors").save_file(
-            arrays, out, metadata={"casstore": json.dumps({"run": run, "step": step})})
-    else:
-        np.savez(out, **arrays)
+    arrays = {p: _tensorfile.file_array(p, v, fmt) for p, v in flat}
+    _tensorfile.write_tensors(out, arrays, fmt, {"run": run, "step": step})
     console.print(f"wrote {len(arrays)} tensors ({human(sum(a.nbytes for a in arrays.values()))})"
                   f" to {out}")
-
-
-def _read_tensors(path: str, fmt: str) -> dict[str, np.ndarray]:
-    """The tensors of a .safetensors or .npz file by name (numpy or ml_dtypes arrays)."""
-    if fmt == "npz":
-        with np.load(path, allow_pickle=False) as z:
-            return {name: z[name] for name in z.files}
-    safetensors = _optional("safetensors", "safetensors")
-    codes = {code: name for name, code in SAFETENSORS_DTYPES.items()}
-    out = {}
-    for name, t in safetensors.deserialize(pathlib.Path(path).read_bytes()):
-        if t["dtype"] not in codes:
-            raise click.UsageError(f"tensor {name!r} of {path!r} has dtype {t['dtype']}, which "
-                                   "casstore does not store")
-        out[name] = np.frombuffer(t["data"], dtype_from_name(codes[t["dtype"]])).reshape(
-            t["shape"])
-    return out
-
-
-def _tree_of(tensors: dict[str, np.ndarray]) -> dict:
-    """Nests tensors by their names' key paths: ``a/b`` -> ``{"a": {"b": ...}}``.
-
-    A name that is not a valid key path (format.md §5) is one dict key. Elements ``[i]`` become
-    list indices when a node's keys are exactly ``[0] .. [n-1]``; ``[=k]`` int dict keys.
-    """
-    root: dict = {}
-    for name, value in tensors.items():
-        elements = name.split("/") if is_valid_path(name) and name else [escape_name(name)]
-        node = root
-        for element in elements[:-1]:
-            node = node.setdefault(element, {})
-            if not isinstance(node, dict):
-                raise click.UsageError(f"tensor {name!r} lies below another tensor")
-        if elements[-1] in node:
-            raise click.UsageError(f"tensor {name!r} clashes with another tensor's key path")
-        node[elements[-1]] = value
-    return _containers(root)
-
-
-def _containers(node: Any) -> Any:
-    if not isinstance(node, dict):
-        return node
-    keys = list(node)
-    if keys and all(re.fullmatch(r"\[\d+\]", k) for k in keys) and sorted(
-            int(k[1:-1]) for k in keys) == list(range(len(keys))):
-        return [_containers(node[f"[{i}]"]) for i in range(len(keys))]
-    return {_unescape(k): _containers(v) for k, v in node.items()}
-
-
-def _unescape(element: str) -> Any:
-    if m := re.fullmatch(r"\[=?(-?\d+)\]", element):
-        return int(m.group(1))
-    if element == "~3":
-        return ""
-    return element.replace("~2", "[").replace("~1", "/").replace("~0", "~")
 
 
 @main.command("import")
@@ -715,10 +616,11 @@ def import_command(file: str, url: str, step: int, run: str, options: dict,
 
     Names with "/" nest (key paths, format.md §5); others are keys of one flat dict.
     """
-    tensors = _read_tensors(file, _file_format(file))
+    tensors = _tensorfile.read_tensors(file)
     store = _counted(_open(url, options, create=True))
     _where(url, run, step)
-    info = _progress("saving", lambda: casstore.save(store, step, _tree_of(tensors), run=run),
+    info = _progress("saving", lambda: casstore.save(store, step, _tensorfile.tree_of(tensors),
+                                                        run=run),
                      _bytes_written(store))
     if as_json:
         _emit_json({"run": run, "step": step, "tensors": len(tensors),
