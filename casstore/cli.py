@@ -11,12 +11,11 @@ traceback). restic's command line is the model.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import datetime
-import importlib
 import json
 import pathlib
 import re
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +31,7 @@ import casstore
 
 from . import _inspect, _tensorfile
 from ._keypath import flatten, matches
-from ._layout import CHUNKS_PREFIX, chunk_id_of_key
+from ._layout import CHUNKS_PREFIX, RUNS_PREFIX, chunk_id_of_key
 from ._manifest import encode_manifest
 from ._repository import check_config
 from .store import CountingStore, Store
@@ -172,14 +171,6 @@ def _progress(label: str, work: Callable[[], Any], counter: Callable[[], int] | 
     return result["value"]
 
 
-def _optional(module: str, extra: str) -> Any:
-    """Imports an optional dependency, or says which extra installs it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise click.UsageError(f"this needs {module}: pip install 'casstore[{extra}]'") from None
-
-
 def _counted(store: Store) -> Store:
     """The store wrapped for progress counting, on a terminal only."""
     return CountingStore(store) if console.is_terminal else store
@@ -207,19 +198,12 @@ def ls_command(url: str, run: str | None, options: dict, as_json: bool) -> None:
     rows = [u for u in _inspect.step_usage(_inspect.load_manifests(store))
             if run is None or u.run == run]
     if as_json:
-        _emit_json([_usage_dict(u) for u in rows])
+        _emit_json([dataclasses.asdict(u) for u in rows])
         return
     _table(f"{store.url}: {len({u.run for u in rows})} run(s), {len(rows)} step(s)",
            ["run", "step", "time", "leaves", "logical", "added", "shared"],
            [[u.run, u.step, _time(u.created), u.leaves, human(u.logical_bytes),
              human(u.added_bytes), human(u.shared_bytes)] for u in rows])
-
-
-def _usage_dict(u: _inspect.StepUsage) -> dict:
-    return {"run": u.run, "step": u.step, "created": u.created, "leaves": u.leaves,
-            "logical_bytes": u.logical_bytes, "stored_bytes": u.stored_bytes,
-            "added_bytes": u.added_bytes, "shared_bytes": u.shared_bytes,
-            "unique_bytes": u.unique_bytes}
 
 
 def _time(created: float) -> str:
@@ -295,7 +279,7 @@ def du_command(url: str, plot_path: str | None, options: dict, as_json: bool) ->
         cid = chunk_id_of_key(info.key)
         listed["chunks"] += info.size
         listed["unreferenced"] += info.size if cid not in referenced else 0
-    listed["manifests"] = sum(info.size for info in store.list("runs/"))
+    listed["manifests"] = sum(info.size for info in store.list(RUNS_PREFIX))
     logical = sum(m.logical_bytes for m in manifests)
     stored = listed["chunks"] + listed["manifests"]
     if plot_path:
@@ -304,10 +288,8 @@ def du_command(url: str, plot_path: str | None, options: dict, as_json: bool) ->
               "chunk_bytes": listed["chunks"], "manifest_bytes": listed["manifests"],
               "unreferenced_bytes": listed["unreferenced"],
               "dedup_ratio": logical / stored if stored else None,
-              "runs": [{"run": r.run, "steps": r.steps, "logical_bytes": r.logical_bytes,
-                        "stored_bytes": r.stored_bytes, "unique_bytes": r.unique_bytes}
-                       for r in runs],
-              "steps": [_usage_dict(u) for u in steps]}
+              "runs": [dataclasses.asdict(r) for r in runs],
+              "steps": [dataclasses.asdict(u) for u in steps]}
     if as_json:
         _emit_json(report)
         return
@@ -342,7 +324,10 @@ def plot_usage(steps: list[_inspect.StepUsage], path: str, *, title: str = "") -
     suffix = pathlib.Path(path).suffix.lower()
     if suffix not in (".png", ".svg"):
         raise click.UsageError(f"--plot writes .png or .svg files, not {path!r}")
-    matplotlib = _optional("matplotlib", "plot")
+    try:
+        import matplotlib
+    except ImportError:
+        raise click.UsageError("--plot needs matplotlib: pip install 'casstore[plot]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "casstore"}):
@@ -400,9 +385,7 @@ def diff_command(url: str, step_a: int, step_b: int, run: str, run_b: str | None
     if as_json:
         _emit_json({"a": {"run": run, "step": step_a}, "b": {"run": run_b, "step": step_b},
                     "counts": counts, "changed_bytes": changed_bytes,
-                    "leaves": [{"path": d.path, "status": d.status, "bytes_a": d.bytes_a,
-                                "bytes_b": d.bytes_b, "changed_bytes": d.changed_bytes,
-                                "packed": d.packed} for d in shown]})
+                    "leaves": [dataclasses.asdict(d) for d in shown]})
         return
     _table(f"{run}@{step_a} -> {run_b}@{step_b}: " + ", ".join(
         f"{n} {s}" for s, n in counts.items()) + f"; {human(changed_bytes)} differ",
@@ -447,20 +430,15 @@ def verify_command(url: str, step: int | None, run: str | None, read_data: bool,
     report = _progress("verifying", lambda: casstore.verify(
         store, step, run=run, read_data=read_data), _bytes_read(store), total)
     if as_json:
-        _emit_json({"ok": report.ok, "steps_checked": [list(s) for s in report.steps_checked],
-                    "chunks_checked": report.chunks_checked, "bytes_read": report.bytes_read,
-                    "seconds": report.seconds,
-                    "problems": [{"run": p.run, "step": p.step, "key_path": p.key_path,
-                                  "chunk_id": p.chunk_id, "message": p.message}
-                                 for p in report.problems]})
+        _emit_json({"ok": report.ok, **dataclasses.asdict(report)})
     else:
         for p in report.problems:
-            console.print(f"[red]problem:[/red] {p}", markup=True)
+            console.print(f"problem: {p}", style="red")
         console.print(f"{'ok' if report.ok else f'{len(report.problems)} problem(s)'}: "
                       f"{len(report.steps_checked)} step(s), {report.chunks_checked} chunks, "
                       f"{human(report.bytes_read)} read in {report.seconds:.1f} s")
     if not report.ok:
-        sys.exit(EXIT_CHECK_FAILED)
+        click.get_current_context().exit(EXIT_CHECK_FAILED)
 
 
 def _bytes_read(store: Store) -> Callable[[], int] | None:
@@ -496,12 +474,7 @@ def gc_command(url: str, dry_run: bool, grace_period: float, options: dict,
     info = _progress("collecting garbage", lambda: casstore.gc(
         store, grace_period_s=grace_period, dry_run=dry_run))
     if as_json:
-        _emit_json({"manifests": info.manifests, "chunks": info.chunks,
-                    "referenced_chunks": info.referenced_chunks,
-                    "deleted_chunks": info.deleted_chunks, "deleted_bytes": info.deleted_bytes,
-                    "young_unreferenced_chunks": info.young_unreferenced_chunks,
-                    "missing_chunks": info.missing_chunks, "dry_run": info.dry_run,
-                    "seconds": info.seconds})
+        _emit_json(dataclasses.asdict(info))
         return
     verb = "would delete" if dry_run else "deleted"
     console.print(f"{verb} {info.deleted_chunks} chunks ({human(info.deleted_bytes)}); "
@@ -545,11 +518,7 @@ def copy_command(src: str, dst: str, steps: str | None, runs: str | None, option
                                                       runs=run_list),
                      _bytes_written(target), total)
     if as_json:
-        _emit_json({"steps_copied": [list(s) for s in info.steps_copied],
-                    "steps_skipped": [list(s) for s in info.steps_skipped],
-                    "chunks_copied": info.chunks_copied, "bytes_copied": info.bytes_copied,
-                    "chunks_skipped": info.chunks_skipped, "bytes_skipped": info.bytes_skipped,
-                    "seconds": info.seconds})
+        _emit_json(dataclasses.asdict(info))
         return
     console.print(f"copied {len(info.steps_copied)} step(s), {info.chunks_copied} chunks "
                   f"({human(info.bytes_copied)}); {len(info.steps_skipped)} step(s) and "
