@@ -38,7 +38,7 @@ from .store import CountingStore, Store
 
 EXIT_CHECK_FAILED = 1
 EXIT_USAGE = 2
-console = Console(highlight=False, markup=False)  # key paths hold "[0]"
+console = Console(highlight=False, markup=False, soft_wrap=True)  # key paths hold "[0]"
 
 
 class _Group(click.Group):
@@ -200,7 +200,7 @@ def ls_command(url: str, run: str | None, options: dict, as_json: bool) -> None:
     if as_json:
         _emit_json([dataclasses.asdict(u) for u in rows])
         return
-    _table(f"{store.url}: {len({u.run for u in rows})} run(s), {len(rows)} step(s)",
+    _table(f"{url}: {len({u.run for u in rows})} run(s), {len(rows)} step(s)",
            ["run", "step", "time", "leaves", "logical", "added", "shared"],
            [[u.run, u.step, _time(u.created), u.leaves, human(u.logical_bytes),
              human(u.added_bytes), human(u.shared_bytes)] for u in rows])
@@ -242,7 +242,7 @@ def show_command(url: str, step: int, run: str, options: dict, as_json: bool) ->
         _emit_json({"run": run, "step": step, "created": manifest.created,
                     "previous_step": earlier[-1] if earlier else None, "leaves": rows})
         return
-    _table(f"{store.url} run {run!r} step {step}: {len(rows)} leaves, "
+    _table(f"{url} run {run!r} step {step}: {len(rows)} leaves, "
            f"{human(manifest.logical_bytes)} logical",
            ["key path", "shape", "dtype", "sharding", "chunks", "logical", "stored", "shared"],
            [[r["path"], "scalar" if r["kind"] == "scalar" else tuple(r["shape"]), r["dtype"],
@@ -283,7 +283,7 @@ def du_command(url: str, plot_path: str | None, options: dict, as_json: bool) ->
     logical = sum(m.logical_bytes for m in manifests)
     stored = listed["chunks"] + listed["manifests"]
     if plot_path:
-        plot_usage(steps, plot_path, title=store.url)
+        plot_usage(steps, plot_path, title=url)
     report = {"url": store.url, "logical_bytes": logical, "stored_bytes": stored,
               "chunk_bytes": listed["chunks"], "manifest_bytes": listed["manifests"],
               "unreferenced_bytes": listed["unreferenced"],
@@ -293,7 +293,7 @@ def du_command(url: str, plot_path: str | None, options: dict, as_json: bool) ->
     if as_json:
         _emit_json(report)
         return
-    console.print(f"{store.url}: {human(logical)} logical in {human(stored)} stored "
+    console.print(f"{url}: {human(logical)} logical in {human(stored)} stored "
                   f"({_ratio(logical, stored)}); chunks {human(listed['chunks'])}, manifests "
                   f"{human(listed['manifests'])}, unreferenced {human(listed['unreferenced'])}")
     _table(None, ["run", "steps", "logical", "stored", "dedup", "unique"],
@@ -346,11 +346,12 @@ def plot_usage(steps: list[_inspect.StepUsage], path: str, *, title: str = "") -
         axes[1].set_title("stored bytes each step reused from earlier steps", fontsize=10)
         axes[1].set_xlabel("step")
         for ax in axes:
+            ax.xaxis.get_major_locator().set_params(integer=True)
             ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
         axes[0].legend(title="run")
         fig.suptitle(title, fontsize=10)
-        fig.savefig(path, dpi=100)
+        fig.savefig(path, dpi=100, metadata={"Date": None} if suffix == ".svg" else None)
     plt.close(fig)
     return fig
 
@@ -369,7 +370,8 @@ def diff_command(url: str, step_a: int, step_b: int, run: str, run_b: str | None
     """Key paths changed, added and removed from STEP_A to STEP_B, by chunk ids.
 
     No chunk data is read. CHANGED is the logical bytes of B's blocks stored in chunks A does
-    not hold there. Small leaves packed together (marked "pack") change together.
+    not hold there (largest first). Small leaves packed together (marked "pack") change
+    together.
     """
     store = _open(url, options)
     run_b = run_b or run
@@ -391,7 +393,8 @@ def diff_command(url: str, step_a: int, step_b: int, run: str, run_b: str | None
         f"{n} {s}" for s, n in counts.items()) + f"; {human(changed_bytes)} differ",
            ["key path", "status", "A", "B", "changed"],
            [[d.path, d.status + (" (pack)" if d.packed and d.status == "changed" else ""),
-             human(d.bytes_a), human(d.bytes_b), human(d.changed_bytes)] for d in shown])
+             human(d.bytes_a), human(d.bytes_b), human(d.changed_bytes)]
+            for d in sorted(shown, key=lambda d: -d.changed_bytes)])
 
 
 @main.command("cat")
