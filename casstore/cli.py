@@ -56,7 +56,7 @@ class _Group(click.Group):
             message = " ".join(str(e).split()) or type(e).__name__
             if not isinstance(e, casstore.CasstoreError):
                 message = f"{type(e).__name__}: {message}"
-            if where and where not in message:
+            if where and getattr(e, "url", None) is None:  # casstore errors name their place
                 message += f" ({where})"
             click.echo(f"casstore: error: {message}", err=True)
             ctx.exit(EXIT_USAGE)
@@ -158,14 +158,16 @@ def _progress(label: str, work: Callable[[], Any], counter: Callable[[], int] | 
     thread = threading.Thread(target=target, daemon=True)
     columns = [SpinnerColumn(), TextColumn(label), BarColumn(),
                TextColumn("{task.fields[done]}"), TimeElapsedColumn()]
+    start = counter() if counter is not None else 0
+    of_total = "" if total is None else f" of {human(total)}"
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task(label, total=total, done="")
         thread.start()
         while thread.is_alive():
             thread.join(0.1)
             if counter is not None:
-                n = counter()
-                bar.update(task, completed=min(n, total or n), done=human(n))
+                n = counter() - start
+                bar.update(task, completed=min(n, total or n), done=human(n) + of_total)
     if "error" in result:
         raise result["error"]
     return result["value"]
