@@ -105,6 +105,12 @@ def _open(url: str, options: dict, *, create: bool = False) -> Store:
     return store
 
 
+def _check_run(store: Store, url: str, run: str | None) -> None:
+    """UsageError if ``run`` is given and has no committed step (a typo must not pass)."""
+    if run is not None and run not in casstore.list_runs(store):
+        raise click.UsageError(f"run {run!r} has no steps in {url!r}")
+
+
 def _where(url: str, run: str, step: int | None = None) -> None:
     """Names URL, run and step in any error line of this command."""
     where = f"url {url!r}, run {run!r}" + ("" if step is None else f", step {step}")
@@ -197,6 +203,7 @@ def ls_command(url: str, run: str | None, options: dict, as_json: bool) -> None:
     written, across runs); SHARED is the stored bytes of its chunks that earlier steps hold.
     """
     store = _open(url, options)
+    _check_run(store, url, run)
     rows = [u for u in _inspect.step_usage(_inspect.load_manifests(store))
             if run is None or u.run == run]
     if as_json:
@@ -427,6 +434,7 @@ def verify_command(url: str, step: int | None, run: str | None, read_data: bool,
     Exits 1 if a problem is found.
     """
     store = _counted(_open(url, options))
+    _check_run(store, url, run)
     total = None
     if read_data:
         wanted = [m for m in _inspect.load_manifests(store, runs=None if run is None else [run])

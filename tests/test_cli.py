@@ -262,6 +262,8 @@ def test_errors_are_one_line_with_exit_code_2(repo, tmp_path):
     run("show", repo, code=2)  # click's own usage error
     debug = CliRunner().invoke(cli.main, ["--debug", "show", repo, "99"])
     assert isinstance(debug.exception, casstore.StepNotFoundError)
+    for command in ("ls", "verify"):
+        assert "run 'nope' has no steps" in run(command, repo, "--run", "nope", code=2).stderr
     result = run("rm", repo, 7, code=2)
     assert "step 7" in result.stderr
 
