@@ -135,3 +135,19 @@ def test_a_create_that_stored_its_bytes_then_failed_is_not_a_conflict(tmp_path):
     store.put_if_absent("m", b"mine")  # the retry finds its own bytes: success
     with pytest.raises(FileExistsError):
         store.put_if_absent("m", b"other")
+
+
+def test_a_leading_tilde_is_the_home_directory(tmp_path, monkeypatch):
+    import numpy as np
+
+    import casstore
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    for url in ("~/ckpts", "file://~/ckpts2"):
+        assert open_store(url).url == str(tmp_path / "home" / url.split("/")[-1])
+    casstore.save("~/ckpts", 0, {"w": np.arange(3.0)})
+    assert (tmp_path / "home" / "ckpts" / "config").is_file()
+    assert not (tmp_path / "~").exists()
+    assert casstore.list_steps(str(tmp_path / "home" / "ckpts")) == [0]
+    np.testing.assert_array_equal(casstore.restore("~/ckpts", 0)["w"], np.arange(3.0))

@@ -17,7 +17,8 @@ def open_store(url: str | os.PathLike | Store, *, read_only: bool = False,
                **storage_options) -> Store:
     """Opens the store at ``url``.
 
-    A plain path or ``file://`` URL gives a :class:`LocalStore` (fsynced, atomic writes); any
+    A plain path or ``file://`` URL gives a :class:`LocalStore` (fsynced, atomic writes; a
+    leading ``~`` is the home directory, as in fsspec and the shell); any
     other URL (``s3://``, ``gs://``, ``memory://``, ...) gives an :class:`FsspecStore` opened
     with ``storage_options``; a :class:`Store` is returned as it is.
 
@@ -48,5 +49,5 @@ def open_store(url: str | os.PathLike | Store, *, read_only: bool = False,
     if "://" not in url or url.startswith("file://"):
         if storage_options or timeouts:
             raise ValueError(f"storage_options are for fsspec URLs, not the local path {url!r}")
-        return LocalStore(url.removeprefix("file://"), read_only=read_only)
+        return LocalStore(os.path.expanduser(url.removeprefix("file://")), read_only=read_only)
     return FsspecStore.from_url(url, read_only=read_only, **timeouts, **storage_options)

@@ -1,0 +1,146 @@
+"""Checkpoints as flat tensor files (.safetensors, .npz) named by key path, and back.
+
+Tensor names are key-path strings (format.md §5, e.g. ``params/layers/[0]/kernel``), so a file
+holds one tensor per array leaf and tools that do not know casstore can read it. Files follow
+the safetensors format (github.com/huggingface/safetensors, its README's format section) and
+numpy's ``.npz`` (``numpy.savez``, read with ``allow_pickle=False``).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+from typing import Any
+
+import numpy as np
+
+from ._chunking import dtype_from_name
+from ._errors import UnsupportedLeafError
+from ._keypath import escape_name, is_valid_path
+
+# safetensors' dtype codes for the format.md §4.5 names it can hold.
+SAFETENSORS_DTYPES = {
+    "bool": "BOOL", "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64",
+    "uint8": "U8", "uint16": "U16", "uint32": "U32", "uint64": "U64", "float16": "F16",
+    "bfloat16": "BF16", "float32": "F32", "float64": "F64", "complex64": "C64",
+    "float8_e4m3fn": "F8_E4M3", "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2": "F8_E5M2",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ", "float8_e8m0fnu": "F8_E8M0",
+}
+NPZ_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+              "float16", "float32", "float64", "complex64", "complex128")  # numpy's own
+
+
+def file_format(path: str | pathlib.Path) -> str:
+    """``"safetensors"`` or ``"npz"`` from the file name; ValueError for anything else."""
+    suffix = pathlib.Path(path).suffix.lower()
+    if suffix not in (".safetensors", ".npz"):
+        raise ValueError(f"{str(path)!r}: use a .safetensors or .npz file")
+    return suffix[1:]
+
+
+def _safetensors() -> Any:
+    try:
+        import safetensors
+        import safetensors.numpy
+    except ImportError as e:
+        raise ImportError(".safetensors files need safetensors: "
+                          "pip install 'casstore[safetensors]'") from e
+    return safetensors
+
+
+def file_array(path: str, value: Any, fmt: str) -> np.ndarray:
+    """A restored leaf as a C-contiguous array a ``fmt`` file can hold.
+
+    Python numbers become 0-d arrays (int64, float64, bool, complex128); typed PRNG keys their
+    uint32 key data.
+
+    Raises:
+      UnsupportedLeafError: a str or bytes leaf, or a dtype the format cannot hold; names the
+        key path.
+    """
+    if isinstance(value, (str, bytes)):
+        raise UnsupportedLeafError(f"a {type(value).__name__} leaf does not fit a {fmt} file: "
+                                   "select array leaves with --paths", key_path=path)
+    if str(getattr(value, "dtype", "")).startswith("key<"):
+        import jax
+
+        value = jax.random.key_data(value)
+    array = np.asarray(value)
+    array = array if array.flags.c_contiguous else array.copy(order="C")
+    allowed = SAFETENSORS_DTYPES if fmt == "safetensors" else NPZ_DTYPES
+    if array.dtype.name not in allowed:
+        raise UnsupportedLeafError(f"{fmt} files cannot hold dtype {array.dtype.name} (they "
+                                   f"hold {', '.join(allowed)})", key_path=path)
+    return array
+
+
+def write_tensors(out: str, arrays: dict[str, np.ndarray], fmt: str, metadata: dict) -> None:
+    """Writes ``arrays`` by name; ``metadata`` goes to the safetensors header as JSON."""
+    if fmt == "safetensors":
+        _safetensors().numpy.save_file(arrays, out, metadata={"casstore": json.dumps(metadata)})
+    else:
+        np.savez(out, **arrays)
+
+
+def read_tensors(path: str) -> dict[str, np.ndarray]:
+    """The tensors of a .safetensors or .npz file by name (numpy or ml_dtypes arrays).
+
+    Raises:
+      ValueError: not a .safetensors or .npz name, or a tensor of a dtype casstore does not
+        store (names the tensor).
+    """
+    if file_format(path) == "npz":
+        with np.load(path, allow_pickle=False) as z:
+            return {name: z[name] for name in z.files}
+    codes = {code: name for name, code in SAFETENSORS_DTYPES.items()}
+    out = {}
+    for name, t in _safetensors().deserialize(pathlib.Path(path).read_bytes()):
+        if t["dtype"] not in codes:
+            raise ValueError(f"tensor {name!r} of {path!r} has dtype {t['dtype']}, which "
+                             "casstore does not store")
+        out[name] = np.frombuffer(t["data"], dtype_from_name(codes[t["dtype"]])).reshape(
+            t["shape"])
+    return out
+
+
+def tree_of(tensors: dict[str, np.ndarray]) -> dict:
+    """Nests tensors by their names' key paths: ``a/b`` -> ``{"a": {"b": ...}}``.
+
+    A name that is not a valid key path (format.md §5) is one dict key. A node whose elements
+    are exactly ``[0] .. [n-1]`` becomes a list; ``[=k]`` is the int dict key k.
+
+    Raises:
+      ValueError: a name lies below or on another tensor's key path.
+    """
+    root: dict = {}
+    for name, value in tensors.items():
+        elements = name.split("/") if is_valid_path(name) and name else [escape_name(name)]
+        node = root
+        for element in elements[:-1]:
+            node = node.setdefault(element, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"tensor {name!r} lies below another tensor")
+        if elements[-1] in node:
+            raise ValueError(f"tensor {name!r} clashes with another tensor's key path")
+        node[elements[-1]] = value
+    return _containers(root)
+
+
+def _containers(node: Any) -> Any:
+    if not isinstance(node, dict):
+        return node
+    keys = list(node)
+    if keys and all(re.fullmatch(r"\[\d+\]", k) for k in keys) and sorted(
+            int(k[1:-1]) for k in keys) == list(range(len(keys))):
+        return [_containers(node[f"[{i}]"]) for i in range(len(keys))]
+    return {_unescape(k): _containers(v) for k, v in node.items()}
+
+
+def _unescape(element: str) -> Any:
+    """The dict key of a key-path element (format.md §5)."""
+    if m := re.fullmatch(r"\[=?(-?\d+)\]", element):
+        return int(m.group(1))
+    if element == "~3":
+        return ""
+    return element.replace("~2", "[").replace("~1", "/").replace("~0", "~")

@@ -1,0 +1,410 @@
+"""The ``casstore`` command line, run through click's CliRunner (and once as ``python -m``)
+against repositories the library wrote, locally and on a real S3 server."""
+
+import io
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors
+import safetensors.numpy
+from click.testing import CliRunner
+from rich.console import Console
+
+import casstore
+from casstore import cli
+from casstore.store import FsspecStore
+
+CHUNK = 256 * 1024  # small chunks: the frozen leaf spans 4 of them
+
+
+def tree(seed: int, step: int, extra: bool = False) -> dict:
+    """A train-state-like tree: a frozen 1 MiB leaf and a bf16 leaf that never change, a
+    128 KiB leaf that changes every step (all above the pack threshold: exact chunk sizes),
+    and a Python int."""
+    t = {"frozen": np.arange(256 * 1024, dtype=np.float32).reshape(256, 1024),
+         "bf": (np.arange(256 * 256) % 251).astype(ml_dtypes.bfloat16).reshape(256, 256),
+         "w": np.random.default_rng([seed, step]).standard_normal((128, 256), np.float32),
+         "step": step}
+    if extra:
+        t["extra"] = np.full((64, 512), 7, np.int32)
+    return t
+
+
+def write_repo(url) -> None:
+    for step in range(3):
+        casstore.save(url, step, tree(0, step, extra=step == 2), chunk_size_bytes=CHUNK)
+    casstore.save(url, 0, tree(1, 0), run="b", chunk_size_bytes=CHUNK)
+
+
+@pytest.fixture
+def repo(tmp_path) -> str:
+    url = str(tmp_path / "repo")
+    write_repo(url)
+    return url
+
+
+def run(*args: str, code: int = 0):
+    result = CliRunner().invoke(cli.main, [str(a) for a in args])
+    assert result.exit_code == code, (result.output, result.stderr, result.exception)
+    return result
+
+
+def run_json(*args: str, code: int = 0):
+    return json.loads(run(*args, "--json", code=code).stdout)
+
+
+def stored(manifest: casstore.Manifest, path: str) -> int:
+    (leaf,) = [leaf for leaf in manifest.leaves if leaf.path == path]
+    return sum(r.stored_bytes for r in leaf.chunks)
+
+
+def test_ls_reports_each_steps_added_and_shared_bytes(repo):
+    rows = run_json("ls", repo)
+    assert [(r["run"], r["step"]) for r in rows] == [("default", 0), ("default", 1),
+                                                       ("default", 2), ("b", 0)]
+    for r in rows:
+        m = casstore.read_manifest(repo, r["step"], run=r["run"])
+        assert (r["leaves"], r["logical_bytes"], r["created"]) == (
+            len(m.leaves), m.logical_bytes, m.created)
+        assert r["stored_bytes"] == sum({c.id: c.stored_bytes for leaf in m.leaves
+                                         for c in leaf.chunks}.values())
+    m0 = casstore.read_manifest(repo, 0)
+    unchanged = stored(m0, "frozen") + stored(m0, "bf")
+    assert rows[0]["added_bytes"] == unchanged + stored(m0, "w") and rows[0]["shared_bytes"] == 0
+    assert rows[1]["added_bytes"] == stored(casstore.read_manifest(repo, 1), "w")
+    assert rows[1]["shared_bytes"] == unchanged
+    m2 = casstore.read_manifest(repo, 2)
+    assert rows[2]["added_bytes"] == stored(m2, "w") + stored(m2, "extra")
+    b0 = casstore.read_manifest(repo, 0, run="b")  # another run reuses the frozen chunks
+    assert (rows[3]["added_bytes"], rows[3]["shared_bytes"]) == (stored(b0, "w"), unchanged)
+    assert run_json("ls", repo, "--run", "b") == rows[3:]
+    text = run("ls", repo).stdout
+    assert "default" in text and "2 run(s), 4 step(s)" in text and "MB" in text
+
+
+def test_show_lists_leaves_with_chunks_bytes_and_sharing(repo):
+    out = run_json("show", repo, 2)
+    m = casstore.read_manifest(repo, 2)
+    assert [x["path"] for x in out["leaves"]] == [leaf.path for leaf in m.leaves]
+    for x, leaf in zip(out["leaves"], m.leaves):
+        assert x["shape"] == list(leaf.shape) and x["logical_bytes"] == leaf.nbytes
+        assert x["chunks"] == len({c.id for c in leaf.chunks})
+        assert x["stored_bytes"] == sum(c.stored_bytes for c in leaf.chunks)
+    by_path = {x["path"]: x for x in out["leaves"]}
+    assert by_path["frozen"]["chunks"] == 4 and by_path["frozen"]["dtype"] == "float32"
+    assert by_path["bf"]["dtype"] == "bfloat16"
+    assert {p: x["shared_with_previous"] for p, x in by_path.items()} == {
+        "frozen": "yes", "bf": "yes", "w": "no", "extra": "no", "step": "no"}
+    assert out["previous_step"] == 1
+    first = run_json("show", repo, 0)
+    assert first["previous_step"] is None
+    assert {x["shared_with_previous"] for x in first["leaves"]} == {None}
+    assert "frozen" in run("show", repo, 2).stdout
+
+
+def test_du_reports_logical_versus_stored_for_repository_runs_and_steps(repo):
+    out = run_json("du", repo)
+    manifests = [casstore.read_manifest(repo, s, run=r) for r in ("default", "b")
+                 for s in casstore.list_steps(repo, run=r)]
+    assert out["logical_bytes"] == sum(m.logical_bytes for m in manifests)
+    on_disk = sum(p.stat().st_size for d in ("chunks", "runs")
+                  for p in (pathlib.Path(repo) / d).rglob("*") if p.is_file())
+    assert out["stored_bytes"] == on_disk and out["unreferenced_bytes"] == 0
+    assert out["dedup_ratio"] == pytest.approx(out["logical_bytes"] / on_disk)
+    runs = {r["run"]: r for r in out["runs"]}
+    assert runs["b"]["steps"] == 1 and runs["default"]["steps"] == 3
+    b0 = casstore.read_manifest(repo, 0, run="b")
+    assert runs["b"]["unique_bytes"] == stored(b0, "w")  # frozen and bf are shared
+    unique = {(s["run"], s["step"]): s["unique_bytes"] for s in out["steps"]}
+    assert unique[("default", 1)] == stored(casstore.read_manifest(repo, 1), "w")
+    assert "dedup" in run("du", repo).stdout
+
+
+def test_du_plot_draws_one_series_per_run(repo, tmp_path):
+    png = tmp_path / "usage.png"
+    assert "wrote" in run("du", repo, "--plot", png).stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    svg = tmp_path / "usage.svg"
+    run("du", repo, "--plot", svg)
+    text = svg.read_text()
+    for kind in ("added", "shared"):
+        assert text.count(f'id="{kind}-default"') == text.count(f'id="{kind}-b"') == 1
+    usage = casstore._inspect.step_usage(casstore._inspect.load_manifests(repo))
+    fig = cli.plot_usage(usage, str(tmp_path / "again.png"))
+    for ax in fig.axes:
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        assert sorted(lines) == ["b", "default"]
+        assert list(lines["default"].get_xdata()) == [0, 1, 2]
+    added = fig.axes[0].get_lines()
+    default = [line for line in added if line.get_label() == "default"][0]
+    assert default.get_ydata()[1] == pytest.approx(
+        stored(casstore.read_manifest(repo, 1), "w") / 1e6)
+    result = run("du", repo, "--plot", tmp_path / "x.jpg", code=2)
+    assert ".png or .svg" in result.stderr
+
+
+def test_du_plot_without_matplotlib_names_the_extra(repo, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises
+    result = run("du", repo, "--plot", tmp_path / "u.png", code=2)
+    assert "casstore[plot]" in result.stderr and not (tmp_path / "u.png").exists()
+
+
+def test_diff_by_chunk_ids_reads_no_chunk_data(repo, tmp_path):
+    shutil.copytree(repo, tmp_path / "manifests-only")
+    shutil.rmtree(tmp_path / "manifests-only" / "chunks")
+    out = run_json("diff", tmp_path / "manifests-only", 1, 2)
+    assert out["counts"] == {"changed": 2, "added": 1, "removed": 0, "unchanged": 2}
+    leaves = {x["path"]: x for x in out["leaves"]}
+    assert leaves["w"]["status"] == "changed" and leaves["w"]["changed_bytes"] == 128 * 256 * 4
+    assert leaves["step"]["status"] == "changed" and leaves["step"]["changed_bytes"] == 0
+    assert leaves["extra"]["status"] == "added" and leaves["extra"]["bytes_b"] == 64 * 512 * 4
+    assert "frozen" not in leaves
+    assert out["changed_bytes"] == 128 * 256 * 4 + 64 * 512 * 4
+    full = run_json("diff", repo, 2, 1, "--all")
+    assert {x["path"]: x["status"] for x in full["leaves"]} == {
+        "frozen": "unchanged", "bf": "unchanged", "w": "changed", "step": "changed",
+        "extra": "removed"}
+    across = run_json("diff", repo, 0, 0, "--run-b", "b")
+    assert across["b"] == {"run": "b", "step": 0}
+    assert {x["path"] for x in across["leaves"]} == {"w"}
+    assert "1 added" in run("diff", repo, 1, 2).stdout
+
+
+def test_cat_prints_the_manifest(repo):
+    out = json.loads(run("cat", repo, 2).stdout)
+    m = casstore.read_manifest(repo, 2)
+    assert (out["format"], out["run"], out["step"], out["created"]) == (
+        "casstore.manifest", "default", 2, m.created)
+    assert [x["path"] for x in out["leaves"]] == [leaf.path for leaf in m.leaves]
+    assert [[c["id"] for c in x.get("chunks", [])] for x in out["leaves"]] == [
+        [c.id for c in leaf.chunks] for leaf in m.leaves]
+
+
+def chunk_files(repo) -> list[pathlib.Path]:
+    return sorted(p for p in (pathlib.Path(repo) / "chunks").rglob("*") if p.is_file())
+
+
+def test_verify_exit_codes_and_json(repo):
+    out = run_json("verify", repo)
+    report = casstore.verify(repo)
+    assert out["ok"] and out["problems"] == []
+    assert sorted(map(tuple, out["steps_checked"])) == sorted(report.steps_checked)
+    assert (out["chunks_checked"], out["bytes_read"]) == (report.chunks_checked,
+                                                          report.bytes_read)
+    assert run_json("verify", repo, 1, "--run", "default")["steps_checked"] == [["default", 1]]
+    victim = chunk_files(repo)[0]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    bad = run_json("verify", repo, code=1)
+    chunk_id = victim.parent.name + victim.name
+    assert not bad["ok"] and {p["chunk_id"] for p in bad["problems"]} == {chunk_id}
+    assert len(bad["problems"]) == len(casstore.verify(repo).problems)
+    assert run_json("verify", repo, "--no-read-data")["ok"]  # the object exists
+    assert chunk_id in run("verify", repo, code=1).stdout
+    victim.unlink()
+    assert run_json("verify", repo, "--no-read-data", code=1)["problems"][0]["message"] == (
+        "chunk missing")
+
+
+def test_gc_and_rm(repo):
+    result = run("rm", repo, 0, 1)
+    assert "deleted run 'default' step 1" in result.stdout
+    assert casstore.list_steps(repo) == [2]
+    dry = run_json("gc", repo, "--dry-run", "--grace-period", "0")
+    lib = casstore.gc(repo, dry_run=True, grace_period_s=0)
+    assert dry["dry_run"] and dry["deleted_chunks"] == lib.deleted_chunks == 2  # w of 0 and 1
+    assert dry["deleted_bytes"] == lib.deleted_bytes
+    assert run_json("gc", repo)["deleted_chunks"] == 0  # younger than the default 1h grace
+    before = len(chunk_files(repo))
+    done = run_json("gc", repo, "--grace-period", "0s")
+    assert done["deleted_chunks"] == 2 and len(chunk_files(repo)) == before - 2
+    assert casstore.verify(repo).ok
+    assert "would delete 0 chunks" in run("gc", repo, "--dry-run").stdout
+    result = run("gc", repo, "--grace-period", "soon", code=2)
+    assert "duration" in result.stderr
+
+
+def test_copy_between_local_repositories(repo, tmp_path):
+    dst = tmp_path / "copy"
+    out = run_json("copy", repo, dst, "--runs", "default", "--steps", "1,2")
+    assert sorted(map(tuple, out["steps_copied"])) == [("default", 1), ("default", 2)]
+    assert casstore.list_runs(str(dst)) == ["default"] and casstore.list_steps(str(dst)) == [1, 2]
+    again = run_json("copy", repo, dst)
+    assert sorted(map(tuple, again["steps_copied"])) == [("b", 0), ("default", 0)]
+    assert again["chunks_skipped"] > 0
+    restored = casstore.restore(str(dst), 2)
+    np.testing.assert_array_equal(restored["w"], tree(0, 2)["w"])
+    assert "copied 0 step(s)" in run("copy", repo, dst).stdout
+
+
+def test_errors_are_one_line_with_exit_code_2(repo, tmp_path):
+    result = run("show", repo, 99, code=2)
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert "no such step" in result.stderr and "99" in result.stderr and repo in result.stderr
+    result = run("ls", tmp_path / "nowhere", code=2)
+    assert "no casstore repository" in result.stderr and "nowhere" in result.stderr
+    assert not (tmp_path / "nowhere").exists()
+    result = run("ls", "nosuchprotocol://bucket/repo", code=2)
+    assert result.stderr.startswith("casstore: error:") and result.stderr.count("\n") == 1
+    result = run("show", repo, 1, "--run", "no/such", code=2)
+    assert "invalid run name" in result.stderr
+    result = run("ls", repo, "-o", "anon=true", code=2)
+    assert "storage_options are for fsspec URLs" in result.stderr
+    run("ls", repo, "-o", "novalue", code=2)
+    run("show", repo, code=2)  # click's own usage error
+    debug = CliRunner().invoke(cli.main, ["--debug", "show", repo, "99"])
+    assert isinstance(debug.exception, casstore.StepNotFoundError)
+    for command in ("ls", "verify"):
+        assert "run 'nope' has no steps" in run(command, repo, "--run", "nope", code=2).stderr
+    result = run("rm", repo, 7, code=2)
+    assert "step 7" in result.stderr
+
+
+def test_parse_storage_options():
+    assert cli._parse_options(None, None, ("anon=true", "endpoint_url=http://h:1", "n=3",
+                                           "key=a=b")) == {
+        "anon": True, "endpoint_url": "http://h:1", "n": 3, "key": "a=b"}
+
+
+def restored_arrays(url, step, run="default") -> dict:
+    t = casstore.restore(url, step, run=run)
+    return {k: np.asarray(v) for k, v in t.items()}
+
+
+def test_export_safetensors_reads_back_bit_exact(repo, tmp_path):
+    out = tmp_path / "s2.safetensors"
+    assert "wrote 5 tensors" in run("export", repo, 2, out).stdout
+    want = restored_arrays(repo, 2)
+    got = dict(safetensors.deserialize(out.read_bytes()))
+    assert sorted(got) == sorted(want)
+    for name, array in want.items():
+        assert got[name]["shape"] == list(array.shape)
+        assert got[name]["data"] == array.tobytes(), name
+    assert got["bf"]["dtype"] == "BF16" and got["step"]["dtype"] == "I64"
+    part = tmp_path / "part.safetensors"
+    run("export", repo, 2, part, "--paths", "w", "--paths", "frozen")
+    loaded = safetensors.numpy.load_file(str(part))
+    assert sorted(loaded) == ["frozen", "w"]
+    np.testing.assert_array_equal(loaded["w"], want["w"])
+    assert loaded["w"].tobytes() == want["w"].tobytes()
+
+
+def test_export_npz_and_dtypes_it_cannot_hold(repo, tmp_path):
+    out = tmp_path / "w.npz"
+    run("export", repo, 1, out, "--paths", "w", "--paths", "step")
+    with np.load(out, allow_pickle=False) as z:
+        assert z["w"].tobytes() == tree(0, 1)["w"].tobytes() and int(z["step"]) == 1
+    result = run("export", repo, 1, tmp_path / "all.npz", code=2)
+    assert "key path 'bf'" in result.stderr and "bfloat16" in result.stderr
+    url = str(tmp_path / "strings")
+    casstore.save(url, 0, {"note": "hello", "x": np.ones(3)})
+    result = run("export", url, 0, tmp_path / "s.safetensors", code=2)
+    assert "key path 'note'" in result.stderr
+    run("export", url, 0, tmp_path / "x.safetensors", "--paths", "x")
+    result = run("export", repo, 1, tmp_path / "w.pt", code=2)
+    assert ".safetensors or .npz" in result.stderr
+    result = run("export", repo, 1, tmp_path / "n.npz", "--paths", "nothing", code=2)
+    assert "nothing" in result.stderr
+
+
+def test_import_safetensors_and_npz_restore_bit_exact(repo, tmp_path):
+    rng = np.random.default_rng(0)
+    tensors = {"encoder.layer.0.weight": rng.standard_normal((64, 32), np.float32),
+               "head/kernel": rng.standard_normal((32, 2), np.float32),
+               "layers/[0]/b": np.arange(5, dtype=np.int16),
+               "layers/[1]/b": np.arange(6, dtype=np.int16)}
+    path = tmp_path / "model.safetensors"
+    safetensors.numpy.save_file(tensors, str(path))
+    url = str(tmp_path / "imported")
+    out = run_json("import", path, url, 3, "--run", "ft")
+    assert out["tensors"] == 4 and casstore.list_steps(url, run="ft") == [3]
+    got = casstore.restore(url, 3, run="ft")
+    assert got["encoder.layer.0.weight"].tobytes() == tensors["encoder.layer.0.weight"].tobytes()
+    assert got["head"]["kernel"].tobytes() == tensors["head/kernel"].tobytes()
+    assert isinstance(got["layers"], list) and got["layers"][1]["b"].dtype == np.int16
+    assert sorted(leaf.path for leaf in casstore.read_manifest(url, 3, run="ft").leaves) == sorted(
+        tensors)
+    # a round trip through export keeps every key path, dtype (bfloat16 too) and bit
+    exported = tmp_path / "s2.safetensors"
+    run("export", repo, 2, exported)
+    run("import", exported, url, 0)
+    want, back = restored_arrays(repo, 2), restored_arrays(url, 0)
+    assert sorted(back) == sorted(want)
+    for name in want:
+        assert back[name].dtype == want[name].dtype or name == "step"
+        assert back[name].tobytes() == want[name].tobytes(), name
+    npz = tmp_path / "t.npz"
+    np.savez(npz, a=np.arange(4.0), **{"n/[0]": np.ones(2, np.uint8)})
+    run("import", npz, url, 1)
+    got = casstore.restore(url, 1)
+    assert got["a"].tobytes() == np.arange(4.0).tobytes() and got["n"][0].dtype == np.uint8
+    result = run("import", npz, url, 1, code=2)
+    assert "step already exists" in result.stderr
+
+
+def test_progress_bars_only_on_a_terminal(repo, tmp_path, monkeypatch):
+    buffer = io.StringIO()
+    monkeypatch.setattr(cli, "console", Console(file=buffer, force_terminal=True, width=100,
+                                                     highlight=False, markup=False))
+    assert run("verify", repo).exit_code == 0
+    run("export", repo, 2, tmp_path / "t.safetensors")
+    run("copy", repo, tmp_path / "c")
+    assert "ok: 4 step(s)" in buffer.getvalue() and "wrote 5 tensors" in buffer.getvalue()
+    assert casstore.list_steps(str(tmp_path / "c")) == [0, 1, 2]
+    plain = run("verify", repo).stdout
+    assert "\x1b[" not in plain and "verifying" not in plain
+
+
+def test_tilde_urls_and_python_dash_m(repo, tmp_path):
+    env = {**os.environ, "HOME": str(tmp_path), "PYTHONPATH": str(pathlib.Path(
+        cli.__file__).parents[1])}
+    proc = subprocess.run([sys.executable, "-m", "casstore", "ls", "~/repo", "--json"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert len(json.loads(proc.stdout)) == 4
+    proc = subprocess.run([sys.executable, "-m", "casstore", "show", "~/repo", "9"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("casstore: error: no such step")
+
+
+def test_commands_on_s3(object_servers, tmp_path):
+    server = object_servers["seaweedfs"]
+    url = server.url_for("cli")
+    write_repo(FsspecStore.from_url(url, **server.storage_options))
+    opts = [a for k, v in server.storage_options.items() for a in ("-o", f"{k}={json.dumps(v)}"
+                                                                   if not isinstance(v, str)
+                                                                   else f"{k}={v}")]
+    store = FsspecStore.from_url(url, **server.storage_options)
+    rows = run_json("ls", url, *opts)
+    assert [(r["run"], r["step"]) for r in rows] == [("default", 0), ("default", 1),
+                                                       ("default", 2), ("b", 0)]
+    assert rows[1]["shared_bytes"] > 0 and rows[1]["added_bytes"] == stored(
+        casstore.read_manifest(store, 1), "w")
+    shown = run_json("show", url, 1, *opts)
+    assert [x["path"] for x in shown["leaves"]] == [
+        leaf.path for leaf in casstore.read_manifest(store, 1).leaves]
+    checked = run_json("verify", url, *opts)
+    assert checked["ok"] and checked["chunks_checked"] == casstore.verify(store).chunks_checked
+    local = tmp_path / "from-s3"
+    copied = run_json("copy", url, local, *opts)
+    assert len(copied["steps_copied"]) == 4 and casstore.verify(str(local)).ok
+    back = server.url_for("back")
+    run_json("copy", local, back, *opts)
+    assert casstore.list_runs(FsspecStore.from_url(back, **server.storage_options)) == [
+        "b", "default"]
+    run("rm", url, 0, 1, *opts)
+    dry = run_json("gc", url, "--dry-run", "--grace-period", "0", *opts)
+    assert dry["deleted_chunks"] == 2 == casstore.gc(store, dry_run=True,
+                                                      grace_period_s=0).deleted_chunks
+    assert run_json("gc", url, "--grace-period", "0", *opts)["deleted_chunks"] == 2
+    assert run_json("verify", url, *opts)["ok"]
+    result = run("ls", url, code=2)  # no endpoint: the error is one line naming the URL
+    assert result.stderr.count("\n") == 1 and url in result.stderr
