@@ -29,7 +29,7 @@ tu = jax.tree_util
 
 
 def restore(url: Url, step: int | None = None, *, run: str = "default", target: Any = None,
-            paths: list[str] | None = None, partial: bool = False,
+            paths: list[str] | None = None, partial: bool = False, strict: bool = True,
             max_workers: int | None = None) -> Any:
     """Restores checkpoint ``step`` of ``run``.
 
@@ -50,6 +50,11 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
         Without a target, only the matching subtrees are returned. With a target, target leaves
         outside ``paths`` are returned unchanged.
       partial: with a target, allow the checkpoint to have leaves the target lacks.
+      strict: with a target, require each array leaf's shape to equal the saved shape. False
+        truncates or zero-pads every axis to the target's shape instead, as orbax's
+        ``strict=False`` does (e.g. an embedding table whose vocabulary grew): only the chunks
+        overlapping the kept region are read, and sharded targets work as usual. The number
+        of axes must still match.
       max_workers: threads fetching and decoding chunks (default the store's).
 
     Returns:
@@ -62,8 +67,9 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
       ManifestError: the manifest is malformed (names step and key path).
       CorruptChunkError: a chunk is missing, or its bytes fail the checks (names step, key path
         and chunk id).
-      TargetMismatchError: a target leaf is not in the checkpoint, has another shape or kind,
-        or (without ``partial``) the checkpoint has leaves the target lacks.
+      TargetMismatchError: a target leaf is not in the checkpoint, has another shape (with
+        ``strict``; another number of axes in any case) or kind, or (without ``partial``) the
+        checkpoint has leaves the target lacks.
     """
     store = open_store(url)
     manifest = read_manifest(store, step, run=run)
@@ -86,11 +92,12 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
             continue
         if path not in by_path:
             raise _mismatch("target leaf is not in the checkpoint", manifest, store, path)
-        _check_compatible(manifest.leaves[by_path[path]], t, manifest, store)
+        _check_compatible(manifest.leaves[by_path[path]], t, manifest, store, strict)
         plan.append((t, by_path[path]))
     if not partial:
         _check_no_extra(manifest, {i for _, i in plan if i is not None}, paths, store)
-    regions = read_regions(store, manifest, {i: _regions_for(manifest.leaves[i], t)
+    regions = (read_regions if strict else _read_fitted)(
+        store, manifest, {i: _regions_for(manifest.leaves[i], t)
                                              for t, i in plan if i is not None
                                              and manifest.leaves[i].kind == "array"}, workers)
     return tu.tree_unflatten(treedef, [
@@ -128,8 +135,12 @@ def _target_shape(t: Any) -> tuple[int, ...] | None:
     return tuple(t.shape) if hasattr(t, "shape") and hasattr(t, "dtype") else None
 
 
-def _check_compatible(entry: LeafEntry, t: Any, manifest: Manifest, store: Store) -> None:
-    """Checks shape and kind of a target leaf against the saved leaf before any chunk is read."""
+def _check_compatible(entry: LeafEntry, t: Any, manifest: Manifest, store: Store,
+                      strict: bool = True) -> None:
+    """Checks shape and kind of a target leaf against the saved leaf before any chunk is read.
+
+    Without ``strict`` an array target may differ from the saved shape in the axes' sizes.
+    """
     shape = _target_shape(t)
     if shape is None:
         if not isinstance(t, SCALAR_TYPES):
@@ -143,7 +154,7 @@ def _check_compatible(entry: LeafEntry, t: Any, manifest: Manifest, store: Store
     if entry.kind != "array" and shape != ():
         raise _mismatch(f"target has shape {shape}, saved a {entry.kind}", manifest, store,
                         entry.path)
-    if entry.kind == "array" and shape != saved:
+    if entry.kind == "array" and shape != saved and (strict or len(shape) != len(saved)):
         raise _mismatch(f"target has shape {shape}, saved shape is {saved}", manifest, store,
                         entry.path)
     is_key = jax.dtypes.issubdtype(t.dtype, jax.dtypes.prng_key)
@@ -165,7 +176,9 @@ def _regions_for(entry: LeafEntry, t: Any) -> list[Index]:
     One region per distinct addressable shard for a jax target with a sharding (format.md §6),
     else the whole array.
     """
-    whole = ((0,) * len(entry.shape), entry.shape)
+    shape = _target_shape(t)  # differs from the saved shape only for strict=False
+    whole = ((0,) * len(entry.shape), entry.shape if shape is None or entry.kind != "array"
+             else shape + entry.shape[len(shape):])
     sharding = getattr(t, "sharding", None)
     if entry.kind != "array" or not isinstance(sharding, jax.sharding.Sharding) or isinstance(
             t, np.ndarray):
@@ -256,6 +269,36 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
 
     bounded_map(fetch, users, max_workers)
     return out
+
+
+def _read_fitted(store: Store, manifest: Manifest, requests: dict[int, list[Index]],
+                 max_workers: int) -> dict[int, dict[Index, np.ndarray]]:
+    """:func:`read_regions` for regions that may reach past the saved shape (``strict=False``).
+
+    Each region is clipped to the saved array, the clipped part is read (so only chunks that
+    overlap the kept region are fetched), and the result is zero-padded back to the region's
+    shape, as orbax pads.
+    """
+    clipped = {i: {r: _clip(r, manifest.leaves[i].shape) for r in regions}
+               for i, regions in requests.items()}
+    got = read_regions(store, manifest, {i: list(dict.fromkeys(c.values()))
+                                         for i, c in clipped.items()}, max_workers)
+    out: dict[int, dict[Index, np.ndarray]] = {}
+    for i, regions in clipped.items():
+        out[i] = {}
+        for region, kept in regions.items():
+            buf = got[i][kept]
+            if kept != region:
+                buf = np.zeros([b - a for a, b in zip(*region)], buf.dtype)
+                buf[_slices(*kept, region[0])] = got[i][kept]
+            out[i][region] = buf
+    return out
+
+
+def _clip(region: Index, shape: tuple[int, ...]) -> Index:
+    """``region`` clipped to an array of ``shape`` (possibly empty, never inverted)."""
+    start = tuple(min(a, d) for a, d in zip(region[0], shape))
+    return start, tuple(max(s, min(b, d)) for s, b, d in zip(start, region[1], shape))
 
 
 def _overlap(a: Index, b: Index) -> Index | None:
