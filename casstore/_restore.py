@@ -23,6 +23,7 @@ from ._layout import chunk_key
 from ._manifest import ChunkRef, LeafEntry, Manifest
 from ._pool import bounded_map
 from ._repository import Url, read_manifest
+from ._saved_sharding import saved_target
 from .store import Store, open_store
 
 tu = jax.tree_util
@@ -30,7 +31,7 @@ tu = jax.tree_util
 
 def restore(url: Url, step: int | None = None, *, run: str = "default", target: Any = None,
             paths: list[str] | None = None, partial: bool = False, strict: bool = True,
-            max_workers: int | None = None) -> Any:
+            sharding: str | None = None, max_workers: int | None = None) -> Any:
     """Restores checkpoint ``step`` of ``run``.
 
     Reads the manifest, then only the chunks of the selected leaves, each verified against its
@@ -55,25 +56,37 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
         ``strict=False`` does (e.g. an embedding table whose vocabulary grew): only the chunks
         overlapping the kept region are read, and sharded targets work as usual. The number
         of axes must still match.
+      sharding: None, or ``"saved"`` (without a target) to return jax.Arrays laid out as saved,
+        as orbax does without a target: each leaf saved as a jax.Array with a NamedSharding is
+        placed on a mesh of the saved axis names and sizes over the first devices here, with
+        the saved PartitionSpec, each device reading only its chunks; other jax.Arrays go to
+        the default device, numpy leaves stay numpy. The containers are those returned
+        without a target.
       max_workers: threads fetching and decoding chunks (default the store's).
 
     Returns:
       Without a target: the saved tree as plain dict / list / tuple containers (namedtuples and
       dataclass-like nodes as dicts) with numpy arrays, Python scalars, None, and typed PRNG key
-      arrays as jax arrays. With a target: the target's tree structure with restored leaves.
+      arrays as jax arrays (jax.Arrays as saved with ``sharding="saved"``). With a target: the
+      target's tree structure with restored leaves.
 
     Raises:
       StepNotFoundError: the step (or any step, for None) does not exist.
-      ManifestError: the manifest is malformed (names step and key path).
+      ManifestError: the manifest is malformed (names step and key path), or for
+        ``sharding="saved"`` a leaf's saved sharding is.
       CorruptChunkError: a chunk is missing, or its bytes fail the checks (names step, key path
         and chunk id).
       TargetMismatchError: a target leaf is not in the checkpoint, has another shape (with
         ``strict``; another number of axes in any case) or kind, or (without ``partial``) the
-        checkpoint has leaves the target lacks.
+        checkpoint has leaves the target lacks; for ``sharding="saved"``, the devices here
+        cannot host a saved mesh (names the key path, the saved mesh and the devices).
+      ValueError: ``sharding`` is neither None nor ``"saved"``, or is given with a target.
     """
     store = open_store(url)
     manifest = read_manifest(store, step, run=run)
     workers = max_workers or store.max_workers
+    if sharding is not None:
+        target = _saved_sharding_target(manifest, paths, store, sharding, target)
     if target is None:
         selected = [i for i, leaf in enumerate(manifest.leaves) if matches(leaf.path, paths)]
         _check_paths_found(manifest, paths, selected, store)
@@ -102,6 +115,17 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
                                              and manifest.leaves[i].kind == "array"}, workers)
     return tu.tree_unflatten(treedef, [
         t if i is None else _place(manifest.leaves[i], regions.get(i), t) for t, i in plan])
+
+
+def _saved_sharding_target(manifest: Manifest, paths, store: Store, sharding: Any,
+                           target: Any) -> Any:
+    """The abstract target for ``sharding="saved"``, pruned to ``paths`` (format.md §6)."""
+    if sharding != "saved" or target is not None:
+        raise ValueError(f"sharding must be None or 'saved' without a target, got {sharding!r}"
+                         + (" with a target" if target is not None else ""))
+    selected = [i for i, leaf in enumerate(manifest.leaves) if matches(leaf.path, paths)]
+    _check_paths_found(manifest, paths, selected, store)
+    return saved_target(manifest, None if paths is None else set(selected), store)
 
 
 def _plain_value(entry: LeafEntry, regions: dict[Index, np.ndarray] | None) -> Any:
