@@ -3,7 +3,9 @@
 Reads the manifest (validated), then fetches every needed chunk concurrently, verifies its
 length and chunk id, and copies its blocks into the leaves' host arrays; a chunk shared by
 several leaves (a pack) is fetched once. With a target, leaves are matched by key path, cast to
-the target dtype and placed with the target's sharding.
+the target dtype and placed with the target's sharding; with ``strict=False`` each axis is
+truncated or zero-padded to the target's shape. ``sharding="saved"`` builds the target from
+the manifest's saved shardings (``_saved_sharding``).
 """
 
 from __future__ import annotations
@@ -198,7 +200,8 @@ def _regions_for(entry: LeafEntry, t: Any) -> list[Index]:
     """The index regions of the saved array that target leaf ``t`` needs on this process.
 
     One region per distinct addressable shard for a jax target with a sharding (format.md §6),
-    else the whole array.
+    else the whole array. Regions are in the target's shape, which may reach past the saved
+    shape with ``strict=False`` (:func:`_read_fitted` clips them).
     """
     shape = _target_shape(t)  # differs from the saved shape only for strict=False
     whole = ((0,) * len(entry.shape), entry.shape if shape is None or entry.kind != "array"

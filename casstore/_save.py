@@ -187,14 +187,14 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
         bytes on trained float32 for 2.6x the client CPU time. None: the store's ``shuffle``
         (True for S3, GCS and other fsspec stores; False for local disk and memory).
       dtypes: key-path prefix (format.md §5, e.g. ``"params"``; ``""`` is the whole tree) ->
-        the dtype its array leaves are stored in, as orbax's ``SaveArgs(dtype=...)``; the
-        longest matching prefix wins. Each block is cast as its chunk is written (no full-size
-        copy), chunks are cut and named by the stored bytes (so they dedup with any save of
-        the same stored values), the manifest records the stored dtype, and restore returns it
-        unless the target asks for another. E.g. ``{"params": jnp.bfloat16}`` halves a
-        float32 model's bytes. Casts stay within a kind (bool, integer, floating, complex); a
-        leaf under a prefix keeps its dtype through a longer prefix naming it. None stores
-        every leaf in its own dtype.
+        the dtype (or its format.md §4.5 name) its array leaves are stored in, as orbax's
+        ``SaveArgs(dtype=...)``; the longest matching prefix wins. Each block is cast as its
+        chunk is written (no full-size copy), chunks are cut and named by the stored bytes (so
+        they dedup with any save of the same stored values), the manifest records the stored
+        dtype (format.md §4.6), and restore returns it unless the target asks for another.
+        E.g. ``{"params": jnp.bfloat16}`` halves a float32 model's bytes. Casts stay within a
+        kind (bool, integer, floating, complex); a leaf under a prefix keeps its dtype through
+        a longer prefix naming it. None stores every leaf in its own dtype.
       max_workers: threads for hashing, compression and upload (default the store's).
 
     Returns:
