@@ -253,12 +253,14 @@ class CheckpointManager:
         return pick(scored, key=lambda s: self.best_fn(self._metrics_of(s)))
 
     def restore(self, step: int | None = None, *, target: Any = None,
-                paths: list[str] | None = None, partial: bool = False) -> Any:
+                paths: list[str] | None = None, partial: bool = False, strict: bool = True,
+                sharding: str | None = None) -> Any:
         """Restores ``step`` (None: the latest), after any save in flight; see
-        :func:`casstore.restore` for ``target``, ``paths`` and ``partial``."""
+        :func:`casstore.restore` for ``target``, ``paths``, ``partial``, ``strict`` and
+        ``sharding``."""
         self.wait_until_finished()
         return restore(self.store, step, run=self.run, target=target, paths=paths,
-                       partial=partial)
+                       partial=partial, strict=strict, sharding=sharding)
 
     def metadata(self, step: int | None = None) -> Any:
         """The user metadata saved with ``step`` (None: the latest).

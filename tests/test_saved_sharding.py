@@ -84,6 +84,15 @@ def test_paths_prune_the_saved_sharding_restore():
         casstore.restore(store, 0, sharding="saved", paths=["nope"])
 
 
+def test_the_manager_restores_onto_the_saved_sharding(tmp_path):
+    tree = saved_tree()
+    with casstore.CheckpointManager(tmp_path / "repo") as manager:
+        manager.save(3, tree)
+        got = manager.restore(sharding="saved")
+    assert got["params"]["w"].sharding == tree["params"]["w"].sharding
+    np.testing.assert_array_equal(got["params"]["w"], tree["params"]["w"])
+
+
 def test_sharding_argument_is_checked():
     store = MemoryStore()
     casstore.save(store, 0, {"w": np.ones(3)})
