@@ -1,19 +1,20 @@
 """Cutting array leaves into chunks along shard boundaries (format.md §3.3 and §3.4).
 
-:func:`shards_of` gives the unique shards of a leaf (``replica_id == 0``) as host numpy views,
-:func:`grid` cuts a shard into blocks of at most ``chunk_size_bytes`` on stable boundaries, and
-:func:`block_bytes` gives a block's raw little-endian bytes, copying only when the input is not
-C-contiguous little-endian.
+:func:`unique_shards` gives the unique shards of a leaf (``replica_id == 0``), as host numpy
+views where numpy can read them in place; :func:`start_host_copy` copies a block of an
+accelerator's shard to host memory; :func:`grid` cuts a shard into blocks of at most
+``chunk_size_bytes`` on stable boundaries, and :func:`block_bytes` gives a block's raw
+little-endian bytes, copying only when the input is not C-contiguous little-endian.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -51,82 +52,98 @@ def is_key_array(x: Any) -> bool:
     return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class HostArray:
-    """A host copy of a jax.Array's unique addressable shards, taken for an asynchronous save.
+def on_host(x: jax.Array) -> bool:
+    """True if every device of ``x`` is a CPU device, whose buffers numpy can view in place."""
+    return all(d.platform == "cpu" for d in x.devices())
 
-    It stands in for the jax.Array when saving: same shape, dtype, shard boundaries and
-    sharding, so an asynchronous save writes exactly the chunks a synchronous one would.
+
+class CastView:
+    """An array seen in another dtype (a stored dtype, format.md §4.6), cast block by block.
+
+    Slicing casts only the slice: on the host for a numpy source, on the device for a jax
+    source (a lazily dispatched op, so :func:`start_host_copy` copies the cast block). The save
+    path treats it as the array it wraps: :func:`unique_shards` gives a CastView per shard.
 
     Attributes:
-      shape, dtype: of the global array (key data for typed PRNG keys).
-      shards: ``((start, stop), host copy)`` of each addressable ``replica_id == 0`` shard.
-      sharding: the jax sharding, for the manifest's display field.
-      is_fully_addressable: whether this process held every shard.
-      key_impl: the PRNG implementation name for typed key arrays, else None.
+      source: a numpy array, or a jax.Array (a whole leaf, or one single-device shard).
+      dtype: the stored dtype.
     """
 
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    shards: tuple[tuple[Index, np.ndarray], ...]
-    sharding: Any
-    is_fully_addressable: bool
-    key_impl: str | None = None
+    def __init__(self, source: np.ndarray | jax.Array, dtype: np.dtype):
+        self.source, self.dtype = source, np.dtype(dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.source.shape)
 
     @property
     def ndim(self) -> int:
-        return len(self.shape)
+        return len(self.source.shape)
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        return math.prod(self.source.shape) * self.dtype.itemsize
+
+    def devices(self) -> set:
+        """The source's devices (a jax source only)."""
+        return self.source.devices()
+
+    def __getitem__(self, index: Any) -> np.ndarray | jax.Array:
+        """``source[index]`` cast to ``dtype``; only that slice is copied."""
+        return self.source[index].astype(self.dtype)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        """The whole array (only for fully addressable arrays)."""
-        out = np.empty(self.shape, self.dtype)
-        for (start, stop), data in self.shards:
-            out[tuple(slice(a, b) for a, b in zip(start, stop))] = data
+        """The whole array cast (used only for small leaves, which are packed or inlined)."""
+        out = np.asarray(self.source).astype(self.dtype)
         return out if dtype is None else out.astype(dtype)
 
 
-def host_snapshot(x: jax.Array) -> HostArray:
-    """Host arrays of the unique addressable shards of ``x`` (typed keys as key data).
+def is_host_data(data: Any) -> bool:
+    """True for shard data numpy reads in place: a numpy array, or a CastView of one."""
+    return isinstance(data.source if isinstance(data, CastView) else data, np.ndarray)
 
-    After it returns, the caller may overwrite or donate ``x``. An accelerator's shards are
-    copied to host memory (all transfers are started before any is awaited). A CPU device's
-    shard is taken as a zero-copy view, as orbax does: the view holds the buffer, so jax copies
-    instead of reusing it if the caller donates ``x`` while the save runs.
+
+def unique_shards(leaf: np.ndarray | jax.Array | CastView) -> list[tuple[tuple[int, ...], Any]]:
+    """The unique addressable shards of a leaf as ``(origin, data)`` pairs, by origin.
+
+    ``origin`` is the shard's first index in the global array. ``data`` is a numpy array for a
+    numpy leaf (the leaf itself) and for a CPU device's shard (a read-only zero-copy view), and
+    the shard's single-device jax.Array on an accelerator, to be copied block by block with
+    :func:`start_host_copy`. Only ``replica_id == 0`` shards are returned; shards held only by
+    other processes are not. A CastView gives a CastView of each of its source's shards.
     """
-    key_impl = None
-    if is_key_array(x):
-        key_impl, x = str(jax.random.key_impl(x)), jax.random.key_data(x)
-    unique = [s for s in x.addressable_shards if s.replica_id == 0]
-    for s in unique:
-        s.data.copy_to_host_async()  # start every transfer before waiting on any
-    # np.asarray gives a host copy of an accelerator buffer, a read-only view of a CPU one.
-    shards = tuple((index, host) for index, host in shards_of(x))
-    return HostArray(tuple(x.shape), np.dtype(x.dtype), shards, x.sharding,
-                     x.is_fully_addressable, key_impl)
-
-
-def shards_of(leaf: np.ndarray | jax.Array | HostArray) -> list[tuple[Index, np.ndarray]]:
-    """The unique shards of an array as ``((start, stop), host array)`` pairs.
-
-    A jax.Array yields one entry per addressable shard with ``replica_id == 0`` (on CPU the
-    host array is a view of the device buffer); a numpy array is one shard covering all of it.
-    Shards held only by other processes are not returned.
-    """
-    if isinstance(leaf, HostArray):
-        return list(leaf.shards)
+    if isinstance(leaf, CastView):
+        return [(o, CastView(data, leaf.dtype)) for o, data in unique_shards(leaf.source)]
     if not isinstance(leaf, jax.Array):
-        return [(((0,) * leaf.ndim, tuple(leaf.shape)), leaf)]
+        return [((0,) * leaf.ndim, leaf)]
     out = []
     for shard in leaf.addressable_shards:
         if shard.replica_id == 0:
-            index = tuple(s.indices(d)[:2] for s, d in zip(shard.index, leaf.shape))
-            out.append(((tuple(a for a, _ in index), tuple(b for _, b in index)),
-                        np.asarray(shard.data)))
+            origin = tuple(s.indices(d)[0] for s, d in zip(shard.index, leaf.shape))
+            data = shard.data
+            out.append((origin, np.asarray(data) if on_host(data) else data))
     return sorted(out, key=lambda item: item[0])
+
+
+def start_host_copy(x: jax.Array, start: tuple[int, ...], stop: tuple[int, ...]) -> jax.Array:
+    """Dispatches the copy of ``x[start:stop]`` (one accelerator shard) to host memory.
+
+    Returns at once with a new array; ``np.asarray`` of it waits for the copy. Where the device
+    offers pinned host memory (``memory_kind="pinned_host"``: GPUs and TPUs) the block goes
+    there by DMA and ``np.asarray`` of the result is zero-copy; jax's pinned-host allocator
+    keeps and reuses that memory across saves. Elsewhere the block is copied on the device and
+    its host transfer started. Either way the host copy belongs to the new array, never to
+    ``x`` (``np.asarray(x)`` would cache a host copy of all of ``x`` on ``x`` for as long as it
+    lives), and a later donation of ``x`` does not change it.
+    """
+    piece = x[tuple(slice(a, b) for a, b in zip(start, stop))] if x.ndim else x
+    device = next(iter(x.devices()))
+    if "pinned_host" in {m.kind for m in device.addressable_memories()}:
+        return jax.device_put(piece, jax.sharding.SingleDeviceSharding(
+            device, memory_kind="pinned_host"))
+    piece = jnp.copy(piece) if piece is x else piece
+    piece.copy_to_host_async()
+    return piece
 
 
 def grid(shape: tuple[int, ...], itemsize: int, chunk_size_bytes: int) -> list[Index]:

@@ -14,7 +14,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._chunking import HostArray
 from ._errors import UnsupportedLeafError
 
 tu = jax.tree_util
@@ -90,7 +89,7 @@ def matches(path: str, prefixes: list[str] | None) -> bool:
 
 def is_leaf_value(x: Any) -> bool:
     """True for what casstore stores as a leaf: arrays and plain Python scalars."""
-    return isinstance(x, (np.ndarray, np.generic, jax.Array, HostArray, *SCALAR_TYPES))
+    return isinstance(x, (np.ndarray, np.generic, jax.Array, *SCALAR_TYPES))
 
 
 def _type_name(x: Any) -> str:

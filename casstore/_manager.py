@@ -1,13 +1,17 @@
 """CheckpointManager: periodic, asynchronous saves with retention (orbax's names and semantics).
 
-``save`` copies the device arrays to host memory and returns; hashing, compression, upload,
-the manifest commit, retention and (optionally) garbage collection run on one background thread.
+``save`` stages the arrays (``_staging``: numpy blocks copied, accelerator blocks dispatched to
+pinned host memory, CPU-device arrays viewed in place) and returns; hashing, compression,
+upload, the manifest commit, retention and (optionally) garbage collection run on one
+background thread. The manager keeps the list of its run's steps and reads it from the store
+only on construction and :meth:`CheckpointManager.reload`.
 """
 
 from __future__ import annotations
 
 import atexit
 import concurrent.futures as cf
+import contextlib
 import functools
 import threading
 import time
@@ -17,11 +21,13 @@ from typing import Any
 
 import jax
 
-from ._chunking import host_snapshot
+from ._chunking import DEFAULT_CHUNK_SIZE_BYTES, DEFAULT_PACK_THRESHOLD_BYTES
+from ._codec import DEFAULT_ZSTD_LEVEL
 from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, gc
 from ._repository import Url, delete, list_steps, read_manifest
 from ._restore import restore
-from ._save import SaveInfo, save
+from ._save import SaveInfo, default_inflight_bytes, plan_jobs, prepare, write
+from ._staging import StagingStream
 from .store import Store, open_store
 
 
@@ -39,13 +45,23 @@ def _register_exit_hook(manager: CheckpointManager) -> None:
     register(functools.partial(_finish_at_exit, weakref.ref(manager)))
 
 
-def _snapshot(tree: Any) -> Any:
-    """The tree with every jax.Array replaced by a host copy of its unique shards."""
-    return jax.tree.map(lambda x: host_snapshot(x) if isinstance(x, jax.Array) else x, tree)
-
-
 class CheckpointManager:
     """Saves a run's steps periodically and keeps only what the retention policy says.
+
+    Host memory of an asynchronous save: ``save`` returns once every array is staged, and the
+    staged copies live until their chunks are stored. Numpy leaves are copied (their bytes
+    once more in host memory); accelerator arrays are copied block by block to pinned host
+    memory (their bytes once, in memory jax's pinned allocator keeps and reuses for the next
+    save, as torch.distributed.checkpoint's pinned staging does); CPU-device jax arrays cost
+    nothing (zero-copy views; jax copies a buffer donated while the save runs). Python scalars,
+    str and bytes are immutable and read at ``save``. With ``max_staging_bytes`` the copies held
+    at once never exceed that many bytes: ``save`` then stages what fits and waits for the
+    background save to store chunks before staging more.
+
+    The list of the run's steps is read from the store on construction and on :meth:`reload`
+    only; saves and deletes through this manager keep it current, so :meth:`should_save` and
+    :meth:`latest_step` make no request. Call :meth:`reload` when another process may have
+    written or deleted steps of this run.
 
     Thread-safety: NOT thread-safe (call it from one training loop). At interpreter exit an
     in-flight background save is finished first; a save killed with the process leaves no
@@ -72,7 +88,13 @@ class CheckpointManager:
         makes ``save`` return once the step is committed.
       gc_after_retention: run garbage collection after retention deleted steps.
       grace_period_s: the GC grace period, seconds.
+      max_staging_bytes: the most host memory, bytes, that staged copies of an asynchronous
+        save hold at once (None: no limit); at least ``chunk_size_bytes``.
+      chunk_size_bytes, zstd_level: as for :func:`casstore.save`.
       **storage_options: passed to fsspec for URLs.
+
+    Raises:
+      ValueError: a retention or staging argument is out of range.
 
     Example:
       >>> import numpy as np, casstore
@@ -89,13 +111,19 @@ class CheckpointManager:
                  best_fn: Callable[[dict], float] | None = None, best_mode: str = "max",
                  keep_checkpoints_without_metrics: bool = True, save_interval_steps: int = 1,
                  enable_async_checkpointing: bool = True, gc_after_retention: bool = False,
-                 grace_period_s: float = DEFAULT_GRACE_PERIOD_S, **storage_options):
+                 grace_period_s: float = DEFAULT_GRACE_PERIOD_S,
+                 max_staging_bytes: int | None = None,
+                 chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES,
+                 zstd_level: int = DEFAULT_ZSTD_LEVEL, **storage_options):
         if best_mode not in ("max", "min"):
             raise ValueError(f"best_mode must be 'max' or 'min', not {best_mode!r}")
         for name, value in (("max_to_keep", max_to_keep), ("keep_period", keep_period),
                             ("save_interval_steps", save_interval_steps)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, not {value!r}")
+        if max_staging_bytes is not None and max_staging_bytes < chunk_size_bytes:
+            raise ValueError(f"max_staging_bytes={max_staging_bytes} is smaller than one chunk "
+                             f"(chunk_size_bytes={chunk_size_bytes})")
         self.store: Store = open_store(url, **storage_options)
         self.run = run
         self.max_to_keep, self.keep_period = max_to_keep, keep_period
@@ -104,6 +132,8 @@ class CheckpointManager:
         self.save_interval_steps = save_interval_steps
         self.enable_async_checkpointing = enable_async_checkpointing
         self.gc_after_retention, self.grace_period_s = gc_after_retention, grace_period_s
+        self.max_staging_bytes = max_staging_bytes
+        self.chunk_size_bytes, self.zstd_level = chunk_size_bytes, zstd_level
         self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix="casstore-save")
         self._pending: cf.Future | None = None
         self._metrics: dict[int, Any] = {}
@@ -111,12 +141,18 @@ class CheckpointManager:
         self.last_save_blocking_s: float | None = None
         self.last_save_info: SaveInfo | None = None
         self.last_gc_info: GcInfo | None = None
+        self.last_staging_peak_bytes: int | None = None
+        self._steps: list[int] = list_steps(self.store, run=self.run)
         _register_exit_hook(self)
 
     # -- saving ------------------------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
-        """True if ``step`` is due (every ``save_interval_steps``) and newer than the latest."""
+        """True if ``step`` is due (every ``save_interval_steps``) and newer than the latest.
+
+        Makes no request: the latest step is the one this manager knows (see the class
+        docstring).
+        """
         latest = self.latest_step()
         return (latest is None or step > latest) and step % self.save_interval_steps == 0
 
@@ -124,10 +160,11 @@ class CheckpointManager:
              force: bool = False) -> bool:
         """Saves ``tree`` as ``step`` if it is due (or ``force``).
 
-        Waits for the previous save, copies every jax.Array to host memory (so the caller may
-        overwrite or donate its buffers as soon as this returns), then saves in the background
-        (or right away without async checkpointing). ``last_save_blocking_s`` records how long
-        this call blocked, in seconds.
+        Waits for the previous save, stages the arrays (see the class docstring for what is
+        copied and what it costs in host memory), then saves in the background, or right away
+        without async checkpointing. Once this returns the caller may overwrite its numpy
+        arrays and donate or delete its jax arrays: the step holds the values at this call.
+        ``last_save_blocking_s`` records how long this call blocked, in seconds.
 
         Args:
           step: the step number.
@@ -151,20 +188,38 @@ class CheckpointManager:
         self.wait_until_finished()
         if not force and not self.should_save(step):
             return False
-        snapshot = _snapshot(tree)
-        wrapped = {"metrics": metrics, "user": metadata}
-        self._pending = self._executor.submit(self._save_and_retain, step, snapshot, wrapped,
-                                              metrics)
-        self.last_save_blocking_s = time.perf_counter() - t0
+        prepared, arrays = prepare(tree, {"metrics": metrics, "user": metadata})
+        inline, jobs = plan_jobs(prepared, arrays, self.chunk_size_bytes,
+                                 DEFAULT_PACK_THRESHOLD_BYTES)
+        del arrays
+        stream = StagingStream(jobs, self.max_staging_bytes, self.chunk_size_bytes)
+        self._pending = self._executor.submit(self._save_and_retain, step, prepared, inline,
+                                              stream, metrics)
+        try:
+            stream.fill()
+        finally:
+            self.last_staging_peak_bytes = stream.peak_bytes
+            self.last_save_blocking_s = time.perf_counter() - t0
         if not self.enable_async_checkpointing:
             self.wait_until_finished()
         return True
 
-    def _save_and_retain(self, step: int, tree: Any, metadata: dict, metrics: Any) -> None:
-        self.last_save_info = save(self.store, step, tree, run=self.run, metadata=metadata)
+    def _save_and_retain(self, step: int, prepared: Any, inline: dict, stream: StagingStream,
+                         metrics: Any) -> None:
+        workers = self.store.max_workers
+        try:
+            self.last_save_info = write(
+                self.store, step, prepared, inline, stream, run=self.run,
+                zstd_level=self.zstd_level, shuffle=self.store.shuffle, max_workers=workers,
+                window=default_inflight_bytes(workers, self.chunk_size_bytes)
+                // self.chunk_size_bytes, previous_step=self.latest_step())
+        except BaseException:
+            stream.abandon()
+            raise
+        self._steps = sorted({*self._steps, step})
         self._metrics[step] = metrics
         deleted = self._apply_retention()
-        if deleted and self.gc_after_retention:
+        if deleted and self.gc_after_retention and jax.process_index() == 0:
             self.last_gc_info = gc(self.store, grace_period_s=self.grace_period_s)
 
     def wait_until_finished(self) -> None:
@@ -223,23 +278,41 @@ class CheckpointManager:
         return keep
 
     def _apply_retention(self) -> list[int]:
+        """Deletes the steps the policy drops (process 0 only; every process forgets them)."""
         steps = self.all_steps()
         doomed = [s for s in steps if s not in self._steps_to_keep(steps)]
         for step in doomed:
-            delete(self.store, step, run=self.run)
+            if jax.process_index() == 0:
+                with contextlib.suppress(FileNotFoundError):  # already gone: the same outcome
+                    delete(self.store, step, run=self.run)
             self._metrics.pop(step, None)
+        self._steps = [s for s in self._steps if s not in doomed]
         return doomed
 
     # -- reading -----------------------------------------------------------------------------
 
-    def all_steps(self) -> list[int]:
-        """The run's committed steps, ascending."""
-        return list_steps(self.store, run=self.run)
+    def all_steps(self, read: bool = False) -> list[int]:
+        """The run's committed steps, ascending, as this manager knows them.
+
+        Args:
+          read: list the store first (as :meth:`reload` does) instead of answering from memory.
+        """
+        if read:
+            self.reload()
+        return list(self._steps)
 
     def latest_step(self) -> int | None:
-        """The run's latest committed step, or None."""
-        steps = self.all_steps()
+        """The run's latest committed step as this manager knows it, or None; no request."""
+        steps = self._steps
         return steps[-1] if steps else None
+
+    def reload(self) -> None:
+        """Re-reads the run's steps from the store (one listing), after any save in flight.
+
+        Use it when another process may have saved or deleted steps of this run.
+        """
+        self.wait_until_finished()
+        self._steps = list_steps(self.store, run=self.run)
 
     def best_step(self) -> int | None:
         """The committed step whose metrics score best by ``best_fn``; the latest without one."""
@@ -281,6 +354,7 @@ class CheckpointManager:
         self.wait_until_finished()
         delete(self.store, step, run=self.run)
         self._metrics.pop(step, None)
+        self._steps = [s for s in self._steps if s != step]
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.store!r}, run={self.run!r})"

@@ -1,27 +1,46 @@
-"""Bounded concurrency for the chunk pipelines of save and restore."""
+"""Bounded concurrency for the chunk pipelines of save and restore, sized by the machine."""
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
 
-def bounded_map(fn: Callable[[Any], Any], items: Iterable, max_workers: int) -> list:
-    """``[fn(x) for x in items]`` in a thread pool, with at most ``2 * max_workers`` in flight.
+def default_workers(io_per_core: int, cap: int) -> int:
+    """Worker threads for a pipeline: ``io_per_core`` per usable core, at most ``cap``.
 
-    Items are submitted lazily, so the memory a task holds (a chunk or two) stays bounded by the
-    window, not by the number of items. The first exception cancels what is still pending and is
-    re-raised once the running tasks have finished.
+    Hashing, compression and numpy copies release the GIL, so CPU-bound stages scale with the
+    cores; requests to an object store wait on latency, so they take several threads per core.
     """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(2, min(cap, io_per_core * (cores or 1)))
+
+
+def bounded_map(fn: Callable[[Any], Any], items: Iterable, max_workers: int,
+                window: int | None = None) -> list:
+    """``[fn(x) for x in items]`` in a thread pool, with at most ``window`` items in flight.
+
+    Items are pulled from ``items`` lazily, only when the window has room, so the memory they
+    hold (a chunk or two each) stays bounded by the window, not by the number of items, and a
+    generator's side effects (starting a device-to-host copy) run just ahead of the workers.
+    The first exception cancels what is still pending and is re-raised once the running tasks
+    have finished.
+
+    Args:
+      max_workers: threads.
+      window: items submitted and not yet collected (default ``2 * max_workers``; at least 1).
+    """
+    window = max(1, window or 2 * max_workers)
     out: list = []
     pending: collections.deque[cf.Future] = collections.deque()
-    with cf.ThreadPoolExecutor(max_workers) as pool:
+    with cf.ThreadPoolExecutor(max(1, min(max_workers, window))) as pool:
         try:
             for item in items:
                 pending.append(pool.submit(fn, item))
-                if len(pending) >= 2 * max_workers:
+                if len(pending) >= window:
                     out.append(pending.popleft().result())
             while pending:
                 out.append(pending.popleft().result())

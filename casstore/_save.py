@@ -1,8 +1,12 @@
 """Saving a pytree as a content-addressed checkpoint (format.md §3, §4 and §7).
 
-The write path: flatten and check the tree, refuse an existing step, list the chunk ids the
-repository already has, then hash, compress and upload only the new chunks in a bounded thread
-pool (straight from the arrays' buffers), and finally write the manifest create-only.
+The write path is a stream. :func:`prepare` flattens and checks the tree; :func:`plan_jobs`
+turns it into chunk jobs, yielded lazily: host views of numpy and CPU-device arrays, and for
+accelerator shards a device-to-host copy of each block started only as the block enters the
+pipeline. :func:`write` refuses an existing step, takes the save lock, learns which chunks exist
+from the run's latest manifest (never from a listing of ``chunks/``, whose size grows with the
+repository), hashes, compresses and uploads the new chunks with a bounded number of bytes in
+flight, and finally writes the manifest create-only.
 """
 
 from __future__ import annotations
@@ -10,9 +14,11 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import dataclasses
+import functools
 import math
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -23,22 +29,24 @@ from ._chunking import (
     DEFAULT_CHUNK_SIZE_BYTES,
     DEFAULT_PACK_THRESHOLD_BYTES,
     INLINE_LIMIT_BYTES,
-    HostArray,
     block_bytes,
     dtype_name,
     grid,
+    is_host_data,
     is_key_array,
-    shards_of,
+    on_host,
+    start_host_copy,
+    unique_shards,
 )
 from ._codec import DEFAULT_ZSTD_LEVEL, chunk_id, encode_chunk
-from ._errors import StepAlreadyExistsError, UnsupportedLeafError
+from ._errors import ManifestError, StepAlreadyExistsError, StepNotFoundError, UnsupportedLeafError
 from ._keypath import flatten
-from ._layout import CHUNKS_PREFIX, check_run, check_step, chunk_id_of_key, chunk_key, manifest_key
+from ._layout import check_run, check_step, chunk_key, manifest_key
 from ._locks import save_lock
 from ._manifest import ChunkRef, LeafEntry, Manifest, decode_manifest, encode_manifest
 from ._multihost import SaveAgreement
 from ._pool import bounded_map
-from ._repository import Url, ensure_config
+from ._repository import Url, ensure_config, read_manifest
 from ._stored_dtype import stored_as
 from .store import Store, open_store
 
@@ -75,15 +83,79 @@ class SaveInfo:
         return self.logical_bytes / max(self.written_bytes, 1)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ArrayInfo:
+    """What the manifest records of an array leaf; the array itself is not kept.
+
+    Attributes:
+      shape, dtype: of the stored array (the key data, for typed PRNG keys).
+      key_impl: the PRNG implementation name for typed key arrays, else None.
+      sharding: the NamedSharding as ``{"mesh": {axis: size}, "spec": [...]}``, or None.
+      is_jax: whether the leaf was a jax.Array.
+      spread: whether other processes hold some of its shards (multi-process saves).
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    key_impl: str | None
+    sharding: dict | None
+    is_jax: bool
+    spread: bool
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Prepared:
+    """A checked pytree: its structure, scalar entries and array descriptions, by leaf index."""
+
+    node: dict
+    paths: list[str]
+    scalars: dict[int, LeafEntry]
+    arrays: dict[int, ArrayInfo]
+    metadata: Any
+
+    @property
+    def logical_bytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+@dataclasses.dataclass(slots=True)
+class Job:
+    """One chunk to store.
+
+    Attributes:
+      read: returns the chunk's raw bytes (waiting for a device-to-host copy if one runs).
+      blocks: ``(leaf index, start, stop, byte offset)`` of every block the chunk holds.
+      element_size: bytes per element (1 for a pack of mixed dtypes).
+      nbytes: raw length, bytes.
+      caller_memory: ``read`` views memory the caller may overwrite (a numpy leaf's buffer).
+      holds_copy: ``read`` reads a copy made for this job (a pack, a device-to-host copy).
+      release: called once the chunk is stored or has failed (frees a staging budget).
+    """
+
+    read: Callable[[], memoryview]
+    blocks: list[tuple[int, tuple[int, ...], tuple[int, ...], int]]
+    element_size: int
+    nbytes: int
+    caller_memory: bool = False
+    holds_copy: bool = False
+    release: Callable[[], None] | None = None
+
+
 class _ChunkWriter:
     """Uploads chunks that the repository does not have yet; thread-safe.
 
-    A chunk id seen in the listing, or already uploaded (or being uploaded) by this save, is
-    reused; a second block with the same id waits for the first upload to finish.
+    ``known`` maps chunk ids to stored sizes: the chunks the run's latest manifest references
+    (stored, format.md §8) and those this save has stored. Any other id is looked up with one
+    ``stat`` of its key and uploaded only if absent. A second block with the same id waits for
+    the first lookup or upload to finish.
     """
 
-    def __init__(self, store: Store, existing: dict[str, int], zstd_level: int, shuffle: bool):
-        self.store, self.existing = store, existing
+    def __init__(self, store: Store, known: dict[str, int], zstd_level: int, shuffle: bool):
+        self.store, self.known = store, known
         self.zstd_level, self.shuffle = zstd_level, shuffle
         self.inflight: dict[str, cf.Future] = {}
         self.lock = threading.Lock()
@@ -94,7 +166,7 @@ class _ChunkWriter:
         ``(chunk id, stored bytes)``."""
         cid = chunk_id(raw)
         with self.lock:
-            size = self.existing.get(cid)
+            size = self.known.get(cid)
             future = self.inflight.get(cid) if size is None else None
             owner = size is None and future is None
             if owner:
@@ -106,18 +178,48 @@ class _ChunkWriter:
         if not owner:
             return cid, future.result()
         try:
-            data = encode_chunk(raw, level=self.zstd_level, element_size=element_size,
-                                shuffle=self.shuffle)
-            self.store.put(chunk_key(cid), data)
+            size, new = self._store_if_absent(cid, raw, element_size)
         except BaseException as e:
             future.set_exception(e)
             raise
         with self.lock:
-            self.existing[cid] = len(data)
-            self.new += 1
-            self.written += len(data)
-        future.set_result(len(data))
-        return cid, len(data)
+            self.known[cid] = size
+            self.new += new
+            self.reused += not new
+            self.written += size if new else 0
+        future.set_result(size)
+        return cid, size
+
+    def _store_if_absent(self, cid: str, raw: memoryview, element_size: int) -> tuple[int, bool]:
+        """``(stored bytes, whether uploaded now)``; a chunk already stored is not re-encoded."""
+        key = chunk_key(cid)
+        try:
+            return self.store.stat(key).size, False
+        except FileNotFoundError:
+            pass
+        data = encode_chunk(raw, level=self.zstd_level, element_size=element_size,
+                            shuffle=self.shuffle)
+        self.store.put(key, data)
+        return len(data), True
+
+
+def known_chunks(store: Store, run: str, step: int | None = None) -> dict[str, int]:
+    """Chunk id -> stored bytes for every chunk that a committed step of ``run`` references.
+
+    Reads one manifest: ``step``'s if given and still there, else the run's latest. Its chunks
+    are stored (format.md §7) and stay stored while the caller holds a save lock (§8), so a
+    save may reuse them without looking. A run without steps, or a manifest that fails
+    validation, gives an empty dict: every chunk is then looked up on its own.
+    """
+    for candidate in dict.fromkeys((step, None)):
+        try:
+            manifest = read_manifest(store, candidate, run=run)
+        except StepNotFoundError:
+            continue
+        except ManifestError:
+            return {}
+        return {ref.id: ref.stored_bytes for leaf in manifest.leaves for ref in leaf.chunks}
+    return {}
 
 
 def _sharding_info(x: Any) -> dict | None:
@@ -140,12 +242,10 @@ def _scalar_entry(path: str, value: Any) -> LeafEntry:
     return LeafEntry(path, "scalar", scalar_type=kind.__name__, value=stored)
 
 
-def _as_array(path: str, value: Any) -> tuple[Any, str | None]:
-    """The array to store for a leaf, and the PRNG key implementation for typed keys."""
+def _as_array(path: str, value: Any) -> tuple[Any, ArrayInfo]:
+    """The array to store for a leaf (key data for typed keys) and what the manifest says."""
     key_impl = None
-    if isinstance(value, HostArray):
-        key_impl = value.key_impl
-    elif is_key_array(value):
+    if is_key_array(value):
         key_impl = str(jax.random.key_impl(value))
         value = jax.random.key_data(value)
     elif isinstance(value, np.generic):
@@ -153,23 +253,63 @@ def _as_array(path: str, value: Any) -> tuple[Any, str | None]:
     if dtype_name(value.dtype) is None:
         raise UnsupportedLeafError(f"arrays of dtype {value.dtype} cannot be stored",
                                    key_path=path)
-    return value, key_impl
+    is_jax = isinstance(value, jax.Array)
+    return value, ArrayInfo(tuple(value.shape), np.dtype(value.dtype), key_impl,
+                            _sharding_info(value), is_jax,
+                            is_jax and not value.is_fully_addressable)
+
+
+def prepare(tree: Any, metadata: Any = None) -> tuple[Prepared, dict[int, Any]]:
+    """Flattens and checks ``tree`` before anything is written.
+
+    Returns:
+      ``(prepared, arrays)``: the checked description, and the array to store for each array
+      leaf (numpy or jax; key data for typed PRNG keys), by leaf index.
+
+    Raises:
+      UnsupportedLeafError: a leaf cannot be stored; names its key path.
+      ValueError: ``metadata`` that msgpack cannot encode, or over 1 MiB encoded.
+    """
+    node, leaves = flatten(tree)
+    _check_metadata(metadata)
+    scalars: dict[int, LeafEntry] = {}
+    values: dict[int, Any] = {}
+    infos: dict[int, ArrayInfo] = {}
+    for i, (path, value) in enumerate(leaves):
+        if isinstance(value, (np.ndarray, np.generic, jax.Array)):
+            values[i], infos[i] = _as_array(path, value)
+        else:
+            scalars[i] = _scalar_entry(path, value)
+    return Prepared(node, [p for p, _ in leaves], scalars, infos, metadata), values
+
+
+def default_inflight_bytes(max_workers: int, chunk_size_bytes: int) -> int:
+    """Raw bytes a save keeps in flight by default: two chunks per worker thread."""
+    return 2 * max_workers * chunk_size_bytes
 
 
 def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any = None,
          chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES,
          pack_threshold_bytes: int = DEFAULT_PACK_THRESHOLD_BYTES,
          zstd_level: int = DEFAULT_ZSTD_LEVEL, shuffle: bool | None = None,
-         dtypes: dict[str, Any] | None = None, max_workers: int | None = None) -> SaveInfo:
+         dtypes: dict[str, Any] | None = None, max_workers: int | None = None,
+         max_inflight_bytes: int | None = None) -> SaveInfo:
     """Saves ``tree`` as checkpoint ``step`` of ``run``.
 
     Writes, in this order (format.md §7): the config object if the repository is new; every
-    chunk the repository lacks (found by one listing of ``chunks/``); then the manifest,
-    create-only. Arrays are cut along shard boundaries into chunks of at most
-    ``chunk_size_bytes`` (format.md §3.3); leaves of at most ``pack_threshold_bytes`` are packed
-    together and leaves of at most 64 bytes are stored inline in the manifest (§3.4). Hashing,
-    compression and upload run in a pool of ``max_workers`` threads with at most two blocks per
-    worker in flight, reading straight from the arrays' buffers.
+    chunk the repository lacks; then the manifest, create-only. Which chunks exist is learned
+    from the run's latest manifest and, for any other chunk, one ``stat`` of its key, so the
+    cost of a save follows the size of the state, not of the repository. Arrays are cut along
+    shard boundaries into chunks of at most ``chunk_size_bytes`` (format.md §3.3); leaves of at
+    most ``pack_threshold_bytes`` are packed together and leaves of at most 64 bytes are stored
+    inline in the manifest (§3.4).
+
+    The chunks stream through a pool of ``max_workers`` threads with at most
+    ``max_inflight_bytes`` of raw blocks in flight, so host memory does not grow with the state:
+    numpy and CPU-device arrays are read in place (no copy), and an accelerator's shards are
+    copied to host memory one block at a time, each copy started as its block enters the
+    window, so device-to-host copies of later blocks overlap hashing and writing of earlier
+    ones. The caller's arrays must not change until this returns.
 
     Args:
       url: a path, an fsspec URL or a Store.
@@ -189,13 +329,18 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
       dtypes: key-path prefix (format.md §5, e.g. ``"params"``; ``""`` is the whole tree) ->
         the dtype (or its format.md §4.5 name) its array leaves are stored in, as orbax's
         ``SaveArgs(dtype=...)``; the longest matching prefix wins. Each block is cast as its
-        chunk is written (no full-size copy), chunks are cut and named by the stored bytes (so
-        they dedup with any save of the same stored values), the manifest records the stored
-        dtype (format.md §4.6), and restore returns it unless the target asks for another.
-        E.g. ``{"params": jnp.bfloat16}`` halves a float32 model's bytes. Casts stay within a
-        kind (bool, integer, floating, complex); a leaf under a prefix keeps its dtype through
-        a longer prefix naming it. None stores every leaf in its own dtype.
-      max_workers: threads for hashing, compression and upload (default the store's).
+        chunk is written (no full-size copy; on an accelerator, on the device before its host
+        copy), chunks are cut and named by the stored bytes (so they dedup with any save of
+        the same stored values), the manifest records the stored dtype (format.md §4.6), and
+        restore returns it unless the target asks for another. E.g. ``{"params":
+        jnp.bfloat16}`` halves a float32 model's bytes. Casts stay within a kind (bool,
+        integer, floating, complex); a leaf under a prefix keeps its dtype through a longer
+        prefix naming it. None stores every leaf in its own dtype.
+      max_workers: threads for hashing, compression and upload (default the store's, which
+        follows the number of cores).
+      max_inflight_bytes: raw bytes of blocks read but not yet stored, at most (default two
+        chunks per worker: 512 MiB with 16 workers and 16 MiB chunks); the encoded copies
+        add at most as much again.
 
     Returns:
       A :class:`SaveInfo`; its ``logical_bytes`` count the stored dtypes.
@@ -210,13 +355,36 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
         ``dtypes`` prefix that matches no array leaf.
       ManifestError: the repository's config object is damaged or of an unknown version.
     """
-    t0, created = time.perf_counter(), time.time()
+    t0 = time.perf_counter()
     store = open_store(url)
-    key = manifest_key(check_run(run), check_step(step))
-    node, leaves = flatten(tree)
-    scalars, arrays = _split_leaves(leaves)
-    arrays = stored_as(arrays, leaves, dtypes)
-    _check_metadata(metadata)
+    manifest_key(check_run(run), check_step(step))
+    prepared, arrays = stored_as(*prepare(tree, metadata), dtypes)
+    workers = max_workers or store.max_workers
+    inline, jobs = plan_jobs(prepared, arrays, chunk_size_bytes, pack_threshold_bytes)
+    del arrays  # the jobs hold what they still need
+    window = (max_inflight_bytes or default_inflight_bytes(workers, chunk_size_bytes)
+              ) // chunk_size_bytes
+    return write(store, step, prepared, inline, jobs, run=run, zstd_level=zstd_level,
+                 shuffle=store.shuffle if shuffle is None else shuffle, max_workers=workers,
+                 window=window, t0=t0)
+
+
+def write(store: Store, step: int, prepared: Prepared, inline: dict[int, bytes],
+          jobs: Iterable[Job], *, run: str, zstd_level: int, shuffle: bool, max_workers: int,
+          window: int, previous_step: int | None = None, t0: float | None = None) -> SaveInfo:
+    """Stores the chunks of ``jobs`` and commits the step (the second half of :func:`save`).
+
+    Args:
+      jobs: the chunks, consumed lazily with at most ``window`` in flight.
+      previous_step: a step of ``run`` known to be committed (the manager's latest), whose
+        manifest tells which chunks exist; None reads the run's latest.
+
+    Raises:
+      As :func:`save`.
+    """
+    t0 = time.perf_counter() if t0 is None else t0
+    created = time.time()
+    key = manifest_key(run, step)
     if store.exists(key):
         raise StepAlreadyExistsError("step already exists", url=store.url, run=run, step=step)
     agreement = SaveAgreement()
@@ -225,19 +393,17 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
         with agreement.reporting_errors():
             if agreement.is_primary:
                 ensure_config(store)
-            existing = {cid: info.size for info in store.list(CHUNKS_PREFIX)
-                        if (cid := chunk_id_of_key(info.key)) is not None}
-            writer = _ChunkWriter(store, existing, zstd_level,
-                                  store.shuffle if shuffle is None else shuffle)
-            refs, inline = _write_chunks(arrays, leaves, writer, chunk_size_bytes,
-                                         pack_threshold_bytes, max_workers or store.max_workers,
-                                         agreement.is_primary)
+            writer = _ChunkWriter(store, known_chunks(store, run, previous_step), zstd_level,
+                                  shuffle)
+            refs: dict[int, list[ChunkRef]] = collections.defaultdict(list)
+            for i, ref in _run_jobs(jobs, writer, max_workers, window, prepared.paths):
+                refs[i].append(ref)
             if agreement.is_primary:
                 for posted in agreement.gather([], None)[1:]:
                     for i, *ref in posted:
                         refs[i].append(ChunkRef(ref[0], tuple(ref[1]), tuple(ref[2]), *ref[3:]))
-                manifest = Manifest(run, step, created, metadata, node,
-                                    _entries(leaves, scalars, arrays, refs, inline))
+                manifest = Manifest(run, step, created, prepared.metadata, prepared.node,
+                                    _entries(prepared, refs, inline))
                 manifest_bytes = _commit(store, key, manifest)
         if agreement.is_primary:
             agreement.publish_outcome(None)
@@ -245,9 +411,8 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
             agreement.gather([[i, r.id, r.start, r.stop, r.offset, r.raw_bytes, r.stored_bytes]
                               for i, rs in refs.items() for r in rs], None)
             agreement.wait_outcome()
-    logical = sum(math.prod(a.shape) * a.dtype.itemsize for a, _ in arrays.values())
-    return SaveInfo(step, run, logical, writer.written + manifest_bytes, writer.new,
-                    writer.reused, manifest_bytes, time.perf_counter() - t0)
+    return SaveInfo(step, run, prepared.logical_bytes, writer.written + manifest_bytes,
+                    writer.new, writer.reused, manifest_bytes, time.perf_counter() - t0)
 
 
 def _commit(store: Store, key: str, manifest: Manifest) -> int:
@@ -280,117 +445,126 @@ def _check_metadata(metadata: Any) -> None:
         raise ValueError(f"metadata is {size} bytes encoded; the limit is 1 MiB")
 
 
-def _split_leaves(leaves: list[tuple[str, Any]]) -> tuple[dict, dict]:
-    """Scalar entries and ``(array, key_impl)`` for array leaves, by leaf index."""
-    scalars: dict[int, LeafEntry] = {}
-    arrays: dict[int, tuple[Any, str | None]] = {}
-    for i, (path, value) in enumerate(leaves):
-        if isinstance(value, (np.ndarray, np.generic, jax.Array, HostArray)):
-            arrays[i] = _as_array(path, value)
-        else:
-            scalars[i] = _scalar_entry(path, value)
-    return scalars, arrays
+def plan_jobs(prepared: Prepared, arrays: dict[int, Any], chunk_size_bytes: int,
+              pack_threshold_bytes: int) -> tuple[dict[int, bytes], Iterator[Job]]:
+    """This process's chunk jobs; returns ``(inline bytes by leaf index, jobs)``.
 
-
-def _write_chunks(arrays: dict, leaves: list, writer: _ChunkWriter, chunk_size_bytes: int,
-                  pack_threshold_bytes: int, max_workers: int,
-                  primary: bool) -> tuple[dict[int, list[ChunkRef]], dict[int, bytes]]:
-    """Stores this process's chunks; returns chunk refs and inline bytes by leaf index.
-
-    Arrays that span several processes are written by every process for its own
-    ``replica_id == 0`` shards; everything else (numpy, fully addressable jax arrays) only by
-    the primary process.
+    Small leaves are read now: inline bytes and packs are copies. Larger leaves become a lazy
+    stream of one job per block of every unique shard; an accelerator block's host copy is
+    started when the stream yields its job. Arrays that span several processes are written by
+    every process for its own ``replica_id == 0`` shards; everything else (numpy, fully
+    addressable jax arrays) only by process 0.
     """
-    spread = {i for i, (a, _) in arrays.items() if not getattr(a, "is_fully_addressable", True)}
-    mine = {i: a for i, (a, _) in arrays.items() if i in spread or primary}
-    small = {i: a for i, a in mine.items() if i not in spread
-             and a.nbytes <= min(pack_threshold_bytes, chunk_size_bytes)}
-    inline = {i: bytes(block_bytes(np.asarray(a), (0,) * a.ndim, a.shape))
-              for i, a in small.items() if a.nbytes <= INLINE_LIMIT_BYTES}
-    jobs = _pack_jobs({i: a for i, a in small.items() if i not in inline}, leaves,
-                      chunk_size_bytes)
-    jobs += [job for i, a in mine.items() if i not in small
-             for job in _block_jobs(i, a, chunk_size_bytes)]
-    refs: dict[int, list[ChunkRef]] = collections.defaultdict(list)
-    for i, ref in _run_jobs(jobs, writer, max_workers, leaves):
-        refs[i].append(ref)
-    return refs, inline
+    primary = jax.process_index() == 0
+    infos = prepared.arrays
+    mine = {i: a for i, a in arrays.items() if infos[i].spread or primary}
+    small = {i: a for i, a in mine.items() if not infos[i].spread
+             and infos[i].nbytes <= min(pack_threshold_bytes, chunk_size_bytes)}
+    small_raw = _small_bytes(small)
+    inline = {i: raw for i, raw in small_raw.items() if len(raw) <= INLINE_LIMIT_BYTES}
+    packs = _pack_jobs({i: raw for i, raw in small_raw.items() if i not in inline},
+                       prepared.paths, infos, chunk_size_bytes)
+    large = [(i, a) for i, a in mine.items() if i not in small]
+    blocks = (job for i, a in large for job in _block_jobs(i, a, chunk_size_bytes))
+    return inline, _chain(packs, blocks)
 
 
-def _entries(leaves: list, scalars: dict, arrays: dict, refs: dict,
-             inline: dict) -> tuple[LeafEntry, ...]:
+def _chain(first: list[Job], rest: Iterator[Job]) -> Iterator[Job]:
+    yield from first
+    yield from rest
+
+
+def _small_bytes(small: dict[int, Any]) -> dict[int, bytes]:
+    """The raw bytes of small leaves, copied; accelerator copies all start before any waits."""
+    host = {i: a if not isinstance(a, jax.Array) else np.asarray(a) if on_host(a)
+            else start_host_copy(a, (0,) * a.ndim, a.shape) for i, a in small.items()}
+    return {i: bytes(block_bytes(np.asarray(h), (0,) * h.ndim, h.shape))
+            for i, h in host.items()}
+
+
+def _entries(prepared: Prepared, refs: dict, inline: dict) -> tuple[LeafEntry, ...]:
     """The manifest's leaf entries, in leaf order (format.md §4.3)."""
-    entries = dict(scalars)
-    for i, (a, key_impl) in arrays.items():
+    entries = dict(prepared.scalars)
+    for i, a in prepared.arrays.items():
         entries[i] = LeafEntry(
-            leaves[i][0], "array", tuple(a.shape), dtype_name(a.dtype),
-            isinstance(a, jax.Array | HostArray),
-            key_impl, _sharding_info(a), inline.get(i),
-            tuple(sorted(refs.get(i, ()), key=lambda r: r.start)))
-    return tuple(entries[i] for i in range(len(leaves)))
+            prepared.paths[i], "array", a.shape, dtype_name(a.dtype), a.is_jax, a.key_impl,
+            a.sharding, inline.get(i), tuple(sorted(refs.get(i, ()), key=lambda r: r.start)))
+    return tuple(entries[i] for i in range(len(prepared.paths)))
 
 
-# A job yields the raw bytes of one chunk, the (leaf, start, stop, offset) blocks it holds and
-# the size of its elements in bytes (1 for a pack of mixed dtypes).
-_Job = tuple[Any, list[tuple[int, tuple[int, ...], tuple[int, ...], int]], int]
-
-
-def _block_jobs(i: int, array: Any, chunk_size_bytes: int) -> list[_Job]:
-    """One job per block of every unique shard of a large array (format.md §3.3)."""
-    jobs = []
-    for (origin, _), host in shards_of(array):
-        for start, stop in grid(host.shape, host.dtype.itemsize, chunk_size_bytes):
+def _block_jobs(i: int, array: Any, chunk_size_bytes: int) -> Iterator[Job]:
+    """One job per block of every unique shard of a large array (format.md §3.3), lazily."""
+    caller_memory = not isinstance(array, jax.Array)
+    for origin, shard in unique_shards(array):
+        itemsize = shard.dtype.itemsize
+        for start, stop in grid(tuple(shard.shape), itemsize, chunk_size_bytes):
             g_start = tuple(o + a for o, a in zip(origin, start))
             g_stop = tuple(o + b for o, b in zip(origin, stop))
-            jobs.append(((host, start, stop), [(i, g_start, g_stop, 0)], host.dtype.itemsize))
-    return jobs
+            nbytes = math.prod(b - a for a, b in zip(start, stop)) * itemsize
+            blocks = [(i, g_start, g_stop, 0)]
+            if is_host_data(shard):
+                read = functools.partial(block_bytes, shard, start, stop)
+                yield Job(read, blocks, itemsize, nbytes, caller_memory)
+            else:
+                copy = start_host_copy(shard, start, stop)
+                yield Job(functools.partial(_read_copy, copy), blocks, itemsize, nbytes,
+                          holds_copy=True)
 
 
-def _pack_jobs(small: dict[int, Any], leaves: list, chunk_size_bytes: int) -> list[_Job]:
+def _read_copy(copy: jax.Array) -> memoryview:
+    """The raw bytes of a block whose host copy :func:`start_host_copy` started."""
+    host = np.asarray(copy)
+    return block_bytes(host, (0,) * host.ndim, host.shape)
+
+
+def _pack_jobs(raws: dict[int, bytes], paths: list[str], infos: dict[int, ArrayInfo],
+               chunk_size_bytes: int) -> list[Job]:
     """Packs the small leaves of each parent node, in leaf order, into chunks (format.md §3.4).
 
     Grouping by parent keeps a changed small leaf from rewriting unrelated frozen ones.
     """
     groups: dict[str, list[int]] = collections.defaultdict(list)
-    for i in small:
-        groups[leaves[i][0].rpartition("/")[0]].append(i)
-    jobs: list[_Job] = []
+    for i in raws:
+        groups[paths[i].rpartition("/")[0]].append(i)
+    jobs: list[Job] = []
     for members in groups.values():
         parts: list[bytes] = []
         blocks: list = []
         size = 0
         for i in members:
-            a = small[i]
-            raw = bytes(block_bytes(np.asarray(a), (0,) * a.ndim, a.shape))
-            if parts and size + len(raw) > chunk_size_bytes:
-                jobs.append(_pack_job(parts, blocks, small))
+            if parts and size + len(raws[i]) > chunk_size_bytes:
+                jobs.append(_pack_job(parts, blocks, infos))
                 parts, blocks, size = [], [], 0
-            blocks.append((i, (0,) * a.ndim, tuple(a.shape), size))
-            parts.append(raw)
-            size += len(raw)
-        jobs.append(_pack_job(parts, blocks, small))
+            blocks.append((i, (0,) * len(infos[i].shape), infos[i].shape, size))
+            parts.append(raws[i])
+            size += len(raws[i])
+        jobs.append(_pack_job(parts, blocks, infos))
     return jobs
 
 
-def _pack_job(parts: list[bytes], blocks: list, small: dict[int, Any]) -> _Job:
+def _pack_job(parts: list[bytes], blocks: list, infos: dict[int, ArrayInfo]) -> Job:
     """A pack's job; its element size is the leaves' itemsize if they all share one, else 1."""
-    sizes = {small[i].dtype.itemsize for i, *_ in blocks}
-    return b"".join(parts), blocks, sizes.pop() if len(sizes) == 1 else 1
+    sizes = {infos[i].dtype.itemsize for i, *_ in blocks}
+    data = b"".join(parts)
+    return Job(functools.partial(memoryview, data), blocks,
+               sizes.pop() if len(sizes) == 1 else 1, len(data), holds_copy=True)
 
 
-def _run_jobs(jobs: list[_Job], writer: _ChunkWriter, max_workers: int,
-              leaves: list) -> list[tuple[int, ChunkRef]]:
+def _run_jobs(jobs: Iterable[Job], writer: _ChunkWriter, max_workers: int, window: int,
+              paths: list[str]) -> list[tuple[int, ChunkRef]]:
     """Runs the jobs in a bounded thread pool; returns (leaf index, chunk ref) pairs."""
 
-    def run(job: _Job) -> list[tuple[int, ChunkRef]]:
-        source, blocks, element_size = job
+    def run(job: Job) -> list[tuple[int, ChunkRef]]:
         try:
-            raw = block_bytes(*source) if isinstance(source, tuple) else memoryview(source)
-            cid, stored = writer.write(raw, element_size)
+            raw = job.read()
+            cid, stored = writer.write(raw, job.element_size)
         except Exception as e:
             if hasattr(e, "add_note"):  # Python >= 3.11
-                e.add_note(f"while saving key path {leaves[blocks[0][0]][0]!r}")
+                e.add_note(f"while saving key path {paths[job.blocks[0][0]]!r}")
             raise
-        return [(i, ChunkRef(cid, a, b, off, len(raw), stored)) for i, a, b, off in blocks]
+        finally:
+            if job.release is not None:
+                job.release()
+        return [(i, ChunkRef(cid, a, b, off, job.nbytes, stored)) for i, a, b, off in job.blocks]
 
-    return [pair for pairs in bounded_map(run, jobs, max_workers) for pair in pairs]
+    return [pair for pairs in bounded_map(run, jobs, max_workers, window) for pair in pairs]

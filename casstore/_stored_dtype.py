@@ -1,73 +1,42 @@
-"""Storing array leaves in another dtype, chosen per key-path prefix (format.md §3.3, §4.3).
+"""Storing array leaves in another dtype, chosen per key-path prefix (format.md §3.3, §4.6).
 
-:func:`stored_as` replaces each selected array leaf of a save by a stand-in of the stored dtype
-whose host shards are :class:`CastView` objects: the save path cuts them on the stored dtype's
-grid (format.md §3.3) and :func:`~casstore._chunking.block_bytes` slices them one block at a
-time, so each block is cast as its chunk is written and no full-size copy is made. This is
-orbax's ``SaveArgs(dtype=...)``.
+:func:`stored_as` replaces each selected array leaf of a save by a
+:class:`~casstore._chunking.CastView` of the stored dtype and records that dtype in the leaf's
+:class:`~casstore._save.ArrayInfo`. The save path then cuts the leaf on the stored dtype's grid
+(format.md §3.3) and slices it one block at a time (``block_bytes`` on the host,
+``start_host_copy`` on an accelerator), so each block is cast as its chunk is written and no
+full-size copy is made. This is orbax's ``SaveArgs(dtype=...)``.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
-from ._chunking import HostArray, dtype_from_name, dtype_name, shards_of
+from ._chunking import CastView, dtype_from_name, dtype_name
 from ._errors import UnsupportedLeafError
 from ._keypath import matches
 
-
-class CastView:
-    """A host array seen in another dtype; each slice taken is cast on its own.
-
-    Attributes:
-      source: the host (numpy) array, any dtype.
-      dtype: the dtype slices are cast to.
-    """
-
-    def __init__(self, source: np.ndarray, dtype: np.dtype):
-        self.source, self.dtype = source, dtype
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.source.shape)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.source.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.source.shape) * self.dtype.itemsize
-
-    def __getitem__(self, index: Any) -> np.ndarray:
-        """``source[index]`` cast to ``dtype`` (a copy of that slice only)."""
-        return np.asarray(self.source[index]).astype(self.dtype)
-
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        """The whole array cast (used only for small leaves, which are packed or inlined)."""
-        out = np.asarray(self.source).astype(self.dtype)
-        return out if dtype is None else out.astype(dtype)
+if TYPE_CHECKING:
+    from ._save import Prepared
 
 
-def stored_as(arrays: dict[int, tuple[Any, str | None]], leaves: list[tuple[str, Any]],
-              dtypes: dict[str, Any] | None) -> dict[int, tuple[Any, str | None]]:
-    """The save's ``(array, key_impl)`` by leaf index, with selected leaves cast lazily.
+def stored_as(prepared: Prepared, arrays: dict[int, Any],
+              dtypes: dict[str, Any] | None) -> tuple[Prepared, dict[int, Any]]:
+    """A save's prepared tree and arrays, with the leaves ``dtypes`` selects cast lazily.
 
     Args:
-      arrays: ``(array, key_impl)`` of each array leaf by leaf index (numpy, jax.Array or
-        HostArray).
-      leaves: ``(key path, value)`` of every leaf, by leaf index.
+      prepared: the checked tree (:func:`casstore._save.prepare`).
+      arrays: the array to store for each array leaf (numpy or jax), by leaf index.
       dtypes: key-path prefix (format.md §5) -> dtype its array leaves are stored in; where
         several prefixes match a leaf, the longest wins. None or empty stores every leaf as is.
 
     Returns:
-      ``arrays`` with each leaf under a prefix replaced by a stand-in of the stored dtype: a
-      :class:`CastView` for numpy, a :class:`HostArray` of ``CastView`` shards (same sharding)
-      for jax arrays.
+      ``(prepared, arrays)`` where each leaf under a prefix records the stored dtype and is a
+      :class:`~casstore._chunking.CastView` of its array (same shape and sharding).
 
     Raises:
       UnsupportedLeafError: a cast that changes the kind of dtype (bool, integer, floating,
@@ -77,24 +46,25 @@ def stored_as(arrays: dict[int, tuple[Any, str | None]], leaves: list[tuple[str,
       ValueError: a prefix that is not a string, or that matches no array leaf.
     """
     if not dtypes:
-        return arrays
+        return prepared, arrays
     for prefix in dtypes:
         if not isinstance(prefix, str):
             raise ValueError(f"dtypes keys are key-path prefixes (str), got {prefix!r}")
-    out = dict(arrays)
+    infos, arrays = dict(prepared.arrays), dict(arrays)
     used: set[str] = set()
-    for i, (array, key_impl) in arrays.items():
-        path = leaves[i][0]
+    for i, info in prepared.arrays.items():
+        path = prepared.paths[i]
         prefix = max((p for p in dtypes if matches(path, [p])), key=len, default=None)
         if prefix is None:
             continue
         used.add(prefix)
-        stored = _check_cast(path, array.dtype, key_impl, dtypes[prefix])
-        if stored != array.dtype:
-            out[i] = (_view(array, stored), None)
+        stored = _check_cast(path, info.dtype, info.key_impl, dtypes[prefix])
+        if stored != info.dtype:
+            infos[i] = dataclasses.replace(info, dtype=stored)
+            arrays[i] = CastView(arrays[i], stored)
     if unused := [p for p in dtypes if p not in used]:
         raise ValueError(f"dtypes prefix {unused[0]!r} matches no array leaf")
-    return out
+    return dataclasses.replace(prepared, arrays=infos), arrays
 
 
 def _check_cast(path: str, source: np.dtype, key_impl: str | None, wanted: Any) -> np.dtype:
@@ -126,11 +96,3 @@ def _kind(dtype: np.dtype) -> str:
     kinds = {"bool": np.bool_, "integer": np.integer, "floating": np.floating,
              "complex": np.complexfloating}
     return next((k for k, t in kinds.items() if jax.dtypes.issubdtype(dtype, t)), "other")
-
-
-def _view(array: Any, stored: np.dtype) -> CastView | HostArray:
-    if not isinstance(array, jax.Array | HostArray):
-        return CastView(array, stored)
-    shards = tuple((index, CastView(host, stored)) for index, host in shards_of(array))
-    return HostArray(tuple(array.shape), stored, shards, array.sharding,
-                     array.is_fully_addressable)

@@ -59,6 +59,18 @@ class StoreContract:
         with pytest.raises(ObjectNotFoundError):
             store.get("x/y")
 
+    def test_stat_gives_size_and_mtime_of_one_object(self, store: Store):
+        before = time.time() - 5
+        store.put("chunks/ab/1", b"12345")
+        store.put("chunks/ab/12", b"1")  # a key the first is a prefix of
+        info = store.stat("chunks/ab/1")
+        assert (info.key, info.size) == ("chunks/ab/1", 5)
+        assert before <= info.mtime <= time.time() + 5
+        with pytest.raises(ObjectNotFoundError):
+            store.stat("chunks/ab/2")
+        with pytest.raises(ObjectNotFoundError):
+            store.stat("chunks/ab")  # a directory-like prefix is no object
+
     def test_list_gives_keys_sizes_and_mtimes(self, store: Store):
         before = time.time() - 5
         store.put("chunks/ab/1", b"12345")
@@ -115,7 +127,7 @@ class FaultyStore(Store):
       seed: seeds the fault decisions, so a failing run can be replayed.
       rate: probability of a fault per call, in [0, 1].
       ops: the operations that may fail (``get``, ``put``, ``put_if_absent``, ``exists``,
-        ``delete``, ``list``).
+        ``stat``, ``delete``, ``list``).
       kinds: the kinds of faults to choose from.
       delay_s: the delay of ``slow`` faults, seconds.
       recent_s: what ``list_misses_recent`` counts as recent, seconds.
@@ -127,8 +139,8 @@ class FaultyStore(Store):
     KINDS = ("error", "timeout", "stored_then_error", "slow", "list_misses_recent")
 
     def __init__(self, inner: Store, *, seed: int, rate: float = 0.1,
-                 ops: tuple[str, ...] = ("get", "put", "put_if_absent", "exists", "delete",
-                                         "list"),
+                 ops: tuple[str, ...] = ("get", "put", "put_if_absent", "exists", "stat",
+                                         "delete", "list"),
                  kinds: tuple[str, ...] = KINDS, delay_s: float = 0.01, recent_s: float = 5.0):
         import random
         import threading
@@ -164,6 +176,10 @@ class FaultyStore(Store):
     def exists(self, key: str) -> bool:
         self._fault("exists", key, ("error", "timeout", "slow"))
         return self.inner.exists(key)
+
+    def stat(self, key: str):
+        self._fault("stat", key, ("error", "timeout", "slow"))
+        return self.inner.stat(key)
 
     def list(self, prefix: str = ""):
         kind = self._fault("list", prefix, ("error", "timeout", "slow", "list_misses_recent"))

@@ -56,7 +56,8 @@ def run_trials(store, url: str, trials: int, seed: int, options=None) -> None:
         seen += new
     for step in seen:
         assert_restores(store, step)
-    assert casstore.verify(store).ok
+    if seen:  # every kill may have come before the first commit: then nothing exists
+        assert casstore.verify(store).ok
 
 
 @pytest.mark.parametrize("trials", [12])

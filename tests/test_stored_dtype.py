@@ -9,7 +9,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import casstore
-from casstore._stored_dtype import CastView
+import casstore._chunking
+import casstore._save
+from casstore._chunking import CastView
 from casstore.store import CountingStore, MemoryStore
 
 MESH = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
@@ -109,6 +111,30 @@ def test_large_leaves_are_cast_one_block_at_a_time(monkeypatch):
     # 24 KiB stored) and the embedding shards were sliced per block.
     assert sorted(whole) == [(4,), (96,)]
     assert len(blocks) == 2 + 8  # two kernel blocks, one per embedding shard
+
+
+def test_the_accelerator_path_casts_each_block_on_its_device(monkeypatch):
+    """With on_host() false (as on a GPU), shards are copied block by block by
+    start_host_copy; the cast then runs on the device before the copy, and the chunks are the
+    ones the host path writes."""
+    tree = float32_tree()
+    host = MemoryStore()
+    casstore.save(host, 0, tree, chunk_size_bytes=CHUNK, dtypes={"params": jnp.bfloat16})
+    copies = []
+    start_host_copy = casstore._save.start_host_copy
+
+    def recording(x, start, stop):
+        copies.append(type(x).__name__)
+        return start_host_copy(x, start, stop)
+
+    for module in (casstore._chunking, casstore._save):
+        monkeypatch.setattr(module, "on_host", lambda x: False)
+    monkeypatch.setattr(casstore._save, "start_host_copy", recording)
+    device = MemoryStore()
+    casstore.save(device, 0, tree, chunk_size_bytes=CHUNK, dtypes={"params": jnp.bfloat16})
+    assert copies.count("CastView") == 8  # one block per embedding shard
+    assert ([leaf.chunks for leaf in casstore.read_manifest(host, 0).leaves]
+            == [leaf.chunks for leaf in casstore.read_manifest(device, 0).leaves])
 
 
 def test_a_longer_prefix_keeps_a_leaf_in_its_own_dtype():

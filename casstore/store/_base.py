@@ -13,7 +13,7 @@ import dataclasses
 import re
 from collections.abc import Iterable, Iterator, Mapping
 
-from .._errors import ReadOnlyStoreError
+from .._errors import ObjectNotFoundError, ReadOnlyStoreError
 
 _SEGMENT = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]*")
 
@@ -79,6 +79,20 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Yields every object whose key starts with ``prefix`` (a plain string prefix)."""
+
+    def stat(self, key: str) -> ObjectInfo:
+        """The size and modification time of one object, without listing a whole prefix.
+
+        Backends override this with one metadata request (``os.stat``, a HEAD); this default
+        filters a listing of the key's prefix.
+
+        Raises:
+          ObjectNotFoundError: ``key`` is absent.
+        """
+        for info in self.list(check_key(key)):
+            if info.key == key:
+                return info
+        raise ObjectNotFoundError("no such object", url=f"{self.url}/{key}")
 
     @abc.abstractmethod
     def _put(self, key: str, data: bytes, *, exclusive: bool) -> None:

@@ -175,6 +175,28 @@ class FsspecStore(Store):
             return False
         return info.get("type") != "directory"
 
+    def stat(self, key: str) -> ObjectInfo:
+        """One object's size and mtime: a single HEAD on S3 (s3fs's ``info`` follows a missing
+        key with a LIST, to look for a directory), ``fs.info`` elsewhere."""
+        path = self._path(check_key(key))
+        if hasattr(self.fs, "call_s3"):  # s3fs
+            bucket, name, _ = self.fs.split_path(path)
+            info = self._retry(key, lambda: self._head(bucket, name, key))
+            return ObjectInfo(key, int(info["ContentLength"]), info["LastModified"].timestamp())
+        try:
+            info = self._retry(key, lambda: self.fs.info(path))
+        except FileNotFoundError:
+            raise self._missing(key) from None
+        if info.get("type") == "directory":
+            raise self._missing(key)
+        return ObjectInfo(key, int(info.get("size") or 0), _mtime(info))
+
+    def _head(self, bucket: str, name: str, key: str) -> dict:
+        try:
+            return self.fs.call_s3("head_object", Bucket=bucket, Key=name)
+        except FileNotFoundError:
+            raise self._missing(key) from None
+
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         base = posixpath.dirname(prefix)
         top = f"{self.root}/{base}" if base else self.root

@@ -8,6 +8,7 @@ returns the object survives a crash and readers never see a partial object.
 from __future__ import annotations
 
 import os
+import stat
 import uuid
 from collections.abc import Iterator
 
@@ -54,6 +55,15 @@ class LocalStore(Store):
 
     def exists(self, key: str) -> bool:
         return os.path.isfile(self._path(key))
+
+    def stat(self, key: str) -> ObjectInfo:
+        try:
+            st = os.stat(self._path(key))
+        except (FileNotFoundError, NotADirectoryError):
+            st = None
+        if st is None or not stat.S_ISREG(st.st_mode):
+            raise ObjectNotFoundError("no such object", url=self._path(key))
+        return ObjectInfo(key, st.st_size, st.st_mtime)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""

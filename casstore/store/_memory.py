@@ -32,6 +32,13 @@ class MemoryStore(Store):
     def exists(self, key: str) -> bool:
         return key in self._objects
 
+    def stat(self, key: str) -> ObjectInfo:
+        try:
+            data, mtime = self._objects[key]
+        except KeyError:
+            raise ObjectNotFoundError("no such object", url=f"{self.url}/{key}") from None
+        return ObjectInfo(key, len(data), mtime)
+
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         with self._lock:
             items = sorted(self._objects.items())

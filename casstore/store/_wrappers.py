@@ -13,7 +13,7 @@ class CountingStore(Store):
     """Wraps a store and counts every operation and the bytes moved.
 
     ``counts[op]`` is the number of calls of ``get``, ``put``, ``put_if_absent``, ``exists``,
-    ``delete`` and ``list`` (bulk calls count once per key), ``bytes_read`` and
+    ``stat``, ``delete`` and ``list`` (bulk calls count once per key), ``bytes_read`` and
     ``bytes_written`` sum the object sizes, and ``keys_written`` / ``keys_read`` record the keys.
 
     Args:
@@ -54,6 +54,10 @@ class CountingStore(Store):
     def exists(self, key: str) -> bool:
         self._count("exists")
         return self.inner.exists(key)
+
+    def stat(self, key: str) -> ObjectInfo:
+        self._count("stat")
+        return self.inner.stat(key)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         self._count("list")

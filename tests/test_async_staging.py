@@ -1,0 +1,339 @@
+"""Asynchronous saves record the values at save() time, for every leaf kind and store kind;
+staging stays within its cap; the manager does not list the store on every step."""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import casstore
+from casstore import _chunking
+from casstore.store import CountingStore, MemoryStore, Store
+
+from conftest import object_store
+
+
+class Gated(Store):
+    """Wraps a store and holds every chunk write until ``gate`` is set."""
+
+    def __init__(self, inner: Store):
+        self.inner, self.url, self.shuffle = inner, inner.url, inner.shuffle
+        self.max_workers = inner.max_workers
+        self.gate = threading.Event()
+
+    def get(self, key):
+        return self.inner.get(key)
+
+    def exists(self, key):
+        return self.inner.exists(key)
+
+    def stat(self, key):
+        return self.inner.stat(key)
+
+    def list(self, prefix=""):
+        return self.inner.list(prefix)
+
+    def _put(self, key, data, *, exclusive):
+        if key.startswith("chunks/"):
+            assert self.gate.wait(60)
+        (self.inner.put_if_absent if exclusive else self.inner.put)(key, data)
+
+    def _delete(self, key):
+        self.inner.delete(key)
+
+
+def mesh():
+    return jax.make_mesh((4, 2), ("data", "model"), devices=jax.devices()[:8])
+
+
+def leaf_kinds():
+    """(name, make, spoil): ``make()`` builds the leaf; ``spoil(leaf)`` returns what the caller
+    has after overwriting (numpy, in place) or donating (jax, through a jitted step) it."""
+    donate = jax.jit(lambda x: x * 0 - 7, donate_argnums=0)
+
+    def overwrite(a):
+        a[...] = -7
+        return a
+
+    big = np.arange(300_000, dtype=np.float32)
+    return [
+        ("numpy contiguous", lambda: np.arange(200_000, dtype=np.float32), overwrite),
+        ("numpy strided", lambda: np.arange(400_000, dtype=np.float64)[::2], overwrite),
+        ("numpy view of a larger buffer", lambda: big.copy()[1000:250_000], overwrite),
+        ("numpy big-endian", lambda: np.arange(70_000, dtype=">i4"), overwrite),
+        ("numpy 0-d", lambda: np.array(3.5, np.float32), overwrite),
+        ("numpy small (packed)", lambda: np.arange(1000, dtype=np.int16), overwrite),
+        ("numpy scalar", lambda: np.float32(2.5), lambda a: np.float32(-7)),
+        ("jax cpu", lambda: jnp.arange(200_000, dtype=jnp.float32), donate),
+        ("jax sharded", lambda: jax.device_put(
+            jnp.arange(64 * 1024, dtype=jnp.float32).reshape(256, 256),
+            NamedSharding(mesh(), P("data", "model"))), donate),
+        ("typed prng keys", lambda: jax.random.split(jax.random.key(0), 4096),
+         lambda k: jax.jit(lambda k: jax.random.split(k[0], k.shape[0]),
+                           donate_argnums=0)(k)),
+        ("python scalars, str, bytes", lambda: (3, 2.5, True, "text", b"\x00\x01"),
+         lambda t: None),
+    ]
+
+
+def as_numpy(leaf):
+    if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        return np.asarray(jax.random.key_data(leaf))
+    if isinstance(leaf, tuple):
+        return leaf
+    return np.asarray(leaf)
+
+
+@pytest.fixture(params=["local", "seaweedfs"])
+def gated(request, tmp_path):
+    inner = (object_store(request.getfixturevalue("object_servers")["seaweedfs"])
+             if request.param == "seaweedfs" else casstore.LocalStore(tmp_path / "repo"))
+    return Gated(inner)
+
+
+@pytest.mark.parametrize("name,make,spoil", leaf_kinds(), ids=[k[0] for k in leaf_kinds()])
+def test_overwrite_or_donate_after_save_returns_keeps_the_saved_values(gated, name, make,
+                                                                       spoil):
+    leaf = make()
+    expected = as_numpy(leaf)
+    expected = expected.copy() if isinstance(expected, np.ndarray) else expected
+    with casstore.CheckpointManager(gated) as mngr:
+        mngr.save(4, {"leaf": leaf, "other": np.ones(3)})
+        spoiled = spoil(leaf)  # the chunk writes are still held: the save is in flight
+        del leaf
+        jax.block_until_ready(spoiled)
+        gated.gate.set()
+        mngr.wait_until_finished()
+        restored = as_numpy(mngr.restore(4)["leaf"])
+    if isinstance(expected, tuple):
+        assert tuple(restored) == expected
+    else:
+        assert restored.dtype.str[1:] == expected.dtype.str[1:], name  # restored little-endian
+        assert restored.astype(expected.dtype).tobytes() == expected.tobytes(), name
+
+
+@pytest.fixture
+def accelerator_path(monkeypatch):
+    """Treats CPU devices as accelerators: jax arrays are then copied block by block into
+    pinned host memory (the path a GPU takes), which CPU devices of jax also offer."""
+    monkeypatch.setattr(_chunking, "on_host", lambda x: False)
+
+
+def test_staging_cap_smaller_than_the_state_streams_it_bit_exact(accelerator_path):
+    chunk = 64 * 1024
+    rng = np.random.default_rng(0)
+    state = {f"layer{i}": jnp.asarray(rng.standard_normal((256, 256)).astype(np.float32))
+             for i in range(6)}  # 6 x 256 KiB of accelerator arrays
+    state["np"] = rng.standard_normal((512, 256)).astype(np.float32)  # 512 KiB, copied
+    store = Gated(MemoryStore())
+    cap = 4 * chunk
+    with casstore.CheckpointManager(store, max_staging_bytes=cap,
+                                    chunk_size_bytes=chunk) as mngr:
+        done = threading.Event()
+        saver = threading.Thread(target=lambda: (mngr.save(1, state), done.set()))
+        saver.start()
+        # save() cannot return while the writes are held: the state does not fit the cap.
+        assert not done.wait(1.0)
+        store.gate.set()
+        saver.join(60)
+        assert done.is_set()
+        assert 0 < mngr.last_staging_peak_bytes <= cap
+        mngr.wait_until_finished()
+        restored = mngr.restore(1)
+    for key, value in state.items():
+        assert restored[key].tobytes() == np.asarray(value).tobytes(), key
+
+
+def test_without_a_cap_save_returns_before_any_chunk_is_written(accelerator_path):
+    store = Gated(MemoryStore())
+    x = jnp.arange(1_000_000, dtype=jnp.float32)
+    donate = jax.jit(lambda v: v + 1, donate_argnums=0)
+    with casstore.CheckpointManager(store) as mngr:
+        mngr.save(1, {"x": x})  # returns although every chunk write is held
+        assert mngr.last_staging_peak_bytes == x.nbytes
+        x = donate(x)
+        jax.block_until_ready(x)
+        store.gate.set()
+        mngr.wait_until_finished()
+        np.testing.assert_array_equal(mngr.restore(1)["x"], np.arange(1_000_000,
+                                                                      dtype=np.float32))
+
+
+def test_the_accelerator_path_leaves_no_host_copy_on_the_saved_array(accelerator_path,
+                                                                     tmp_path):
+    x = jnp.arange(100_000, dtype=jnp.float32)
+    casstore.save(tmp_path, 0, {"x": x}, chunk_size_bytes=64 * 1024)
+    assert getattr(x, "_npy_value", None) is None  # np.asarray(x) would have cached one
+    assert all(getattr(s.data, "_npy_value", None) is None for s in x.addressable_shards)
+    np.testing.assert_array_equal(casstore.restore(tmp_path, 0)["x"], np.asarray(x))
+
+
+def test_a_staging_cap_below_one_chunk_is_refused():
+    with pytest.raises(ValueError, match="smaller than one chunk"):
+        casstore.CheckpointManager(MemoryStore(), max_staging_bytes=1024,
+                                   chunk_size_bytes=4096)
+
+
+def test_a_failing_background_save_does_not_leave_save_blocked():
+    class Broken(MemoryStore):
+        def _put(self, key, data, *, exclusive):
+            if key.startswith("chunks/"):
+                raise PermissionError("denied")
+            super()._put(key, data, exclusive=exclusive)
+
+    big = {f"a{i}": np.full(64 * 1024, i, np.float32) for i in range(16)}  # 4 MiB, cap 1 MiB
+    mngr = casstore.CheckpointManager(Broken(), max_staging_bytes=2**20,
+                                      chunk_size_bytes=256 * 1024)
+    mngr.save(1, big)  # returns: the background save failed and abandoned the stream
+    with pytest.raises(PermissionError):
+        mngr.wait_until_finished()
+    assert mngr.latest_step() is None and casstore.list_steps(mngr.store) == []
+    mngr.close()
+
+
+def test_a_thousand_should_save_calls_make_no_listing():
+    store = CountingStore(MemoryStore())
+    with casstore.CheckpointManager(store, save_interval_steps=100, max_to_keep=2) as mngr:
+        lists_after_construction = store.counts["list"]
+        store.reset()
+        due = [s for s in range(1000) if mngr.should_save(s)]
+        assert store.counts["list"] == 0 and sum(store.counts.values()) == 0
+        assert due == list(range(0, 1000, 100))
+        for step in due[:3]:
+            mngr.save(step, {"w": np.full(10, step)})
+        mngr.wait_until_finished()
+        saving_requests = store.counts["list"]
+        store.reset()
+        assert [s for s in range(1000) if mngr.should_save(s)] == list(range(300, 1000, 100))
+        assert store.counts["list"] == 0
+        assert mngr.all_steps() == [100, 200] and mngr.latest_step() == 200
+    assert lists_after_construction <= 1  # none at all in a repository not created yet
+    # each save lists the locks (save lock) and nothing that grows with the steps or chunks
+    assert saving_requests <= 3 * 3
+
+
+def test_reload_sees_steps_written_by_another_writer():
+    store = MemoryStore()
+    with casstore.CheckpointManager(store) as mngr:
+        casstore.save(store, 7, {"w": np.ones(3)})
+        assert mngr.latest_step() is None and mngr.should_save(5)
+        mngr.reload()
+        assert mngr.latest_step() == 7 and not mngr.should_save(5)
+        assert mngr.all_steps(read=True) == [7]
+
+
+def fill_with_chunks(store: Store, n: int) -> None:
+    """Stores ``n`` distinct valid chunk objects that no manifest references."""
+    from casstore._codec import chunk_id, encode_chunk
+    from casstore._layout import chunk_key
+    for i in range(n):
+        raw = memoryview(i.to_bytes(8, "little") * 4)
+        store.put(chunk_key(chunk_id(raw)), encode_chunk(raw))
+
+
+@pytest.mark.parametrize("backend", ["local", "seaweedfs"])
+def test_save_requests_do_not_grow_with_the_chunks_in_the_repository(backend, tmp_path,
+                                                                     request):
+    def open_repo(name):
+        if backend == "local":
+            return CountingStore(casstore.LocalStore(tmp_path / name))
+        return CountingStore(object_store(request.getfixturevalue("object_servers")[backend]))
+
+    rng = np.random.default_rng(1)
+    tree = {"a": rng.standard_normal(300_000).astype(np.float32), "b": np.arange(10)}
+    counts, written = [], []
+    for name, extra in (("fresh", 0), ("full", 3000)):
+        store = open_repo(name)
+        casstore.save(store, 0, {"w": np.zeros(5)})
+        fill_with_chunks(store, extra)
+        store.reset()
+        info = casstore.save(store, 1, tree, chunk_size_bytes=256 * 1024)
+        counts.append(dict(store.counts))
+        written.append(info.written_bytes)
+        np.testing.assert_array_equal(casstore.restore(store, 1)["a"], tree["a"])
+    assert counts[0] == counts[1]  # the same requests, one by one, whatever the repository holds
+    assert written[0] == written[1]
+
+
+def test_chunks_of_the_latest_step_are_reused_without_a_request():
+    store = CountingStore(MemoryStore())
+    tree = {"frozen": np.arange(1_000_000, dtype=np.float32), "head": np.zeros(10)}
+    casstore.save(store, 0, tree, chunk_size_bytes=2**20)
+    store.reset()
+    info = casstore.save(store, 1, tree | {"head": np.ones(10)}, chunk_size_bytes=2**20)
+    # the 4 frozen chunks come from step 0's manifest; only the changed head's pack is looked up
+    assert store.counts["stat"] == 1 and store.counts["put"] == 2  # the save lock, the pack
+    assert info.new_chunks == 1 and info.reused_chunks == 4
+
+
+def gc_when(store: Store, key: str, locks: bool, monkeypatch, before=lambda: None) -> Store:
+    """A store that, right after a save first reads ``key``, calls ``before()`` and then runs a
+    whole garbage collection (grace period 0), with casstore's locks on or off."""
+    from casstore import _gc, _save
+    if not locks:
+        import contextlib
+        monkeypatch.setattr(_save, "save_lock", lambda store: contextlib.nullcontext())
+        monkeypatch.setattr(_gc, "gc_lock", lambda store, timeout: contextlib.nullcontext())
+    outcome = []
+
+    def collect():
+        try:
+            outcome.append(casstore.gc(store, grace_period_s=0, lock_timeout_s=1))
+        except casstore.CasstoreError as e:
+            outcome.append(e)
+
+    class Racing(CountingStore):
+        def _race(self, touched):
+            if touched == key and not outcome:
+                before()
+                t = threading.Thread(target=collect)
+                t.start()
+                t.join()
+
+        def stat(self, k):
+            info = super().stat(k)
+            self._race(k)
+            return info
+
+        def get(self, k):
+            data = super().get(k)
+            self._race(k)
+            return data
+
+    racing = Racing(store)
+    racing.outcome = outcome
+    return racing
+
+
+@pytest.mark.parametrize("locks", [True, False], ids=["locks", "no-locks"])
+@pytest.mark.parametrize("path", ["looked-up chunk", "latest manifest"])
+def test_gc_racing_a_save_breaks_the_step_only_without_locks(tmp_path, monkeypatch, locks,
+                                                             path):
+    from casstore._layout import chunk_key, manifest_key
+    store = casstore.LocalStore(tmp_path / "repo")
+    w = np.arange(50_000, dtype=np.float32)
+    casstore.save(store, 0, {"w": w}, run="a")
+    cid = casstore.read_manifest(store, 0, run="a").leaves[0].chunks[0].id
+    if path == "looked-up chunk":
+        casstore.delete(store, 0, run="a")  # w's chunk is now unreferenced
+        racing, run = gc_when(store, chunk_key(cid), locks, monkeypatch), "b"
+    else:  # retention deletes the step whose manifest the save just read, then GC runs
+        racing = gc_when(store, manifest_key("a", 0), locks, monkeypatch,
+                         before=lambda: casstore.delete(store, 0, run="a"))
+        run = "a"
+    casstore.save(racing, 1, {"w": w}, run=run)
+    assert racing.outcome, "the race did not happen"
+    report = casstore.verify(store)
+    if locks:
+        assert isinstance(racing.outcome[0], casstore.CasstoreError)  # GC gave way to the save
+        assert report.ok
+        np.testing.assert_array_equal(casstore.restore(store, 1, run=run)["w"], w)
+    else:
+        assert racing.outcome[0].deleted_chunks >= 1
+        assert not report.ok  # the committed step references a chunk GC deleted
+        with pytest.raises(casstore.CorruptChunkError):
+            casstore.restore(store, 1, run=run)
