@@ -57,15 +57,63 @@ def on_host(x: jax.Array) -> bool:
     return all(d.platform == "cpu" for d in x.devices())
 
 
-def unique_shards(leaf: np.ndarray | jax.Array) -> list[tuple[tuple[int, ...], Any]]:
+class CastView:
+    """An array seen in another dtype (a stored dtype, format.md §4.6), cast block by block.
+
+    Slicing casts only the slice: on the host for a numpy source, on the device for a jax
+    source (a lazily dispatched op, so :func:`start_host_copy` copies the cast block). The save
+    path treats it as the array it wraps: :func:`unique_shards` gives a CastView per shard.
+
+    Attributes:
+      source: a numpy array, or a jax.Array (a whole leaf, or one single-device shard).
+      dtype: the stored dtype.
+    """
+
+    def __init__(self, source: np.ndarray | jax.Array, dtype: np.dtype):
+        self.source, self.dtype = source, np.dtype(dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.source.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.source.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.source.shape) * self.dtype.itemsize
+
+    def devices(self) -> set:
+        """The source's devices (a jax source only)."""
+        return self.source.devices()
+
+    def __getitem__(self, index: Any) -> np.ndarray | jax.Array:
+        """``source[index]`` cast to ``dtype``; only that slice is copied."""
+        return self.source[index].astype(self.dtype)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        """The whole array cast (used only for small leaves, which are packed or inlined)."""
+        out = np.asarray(self.source).astype(self.dtype)
+        return out if dtype is None else out.astype(dtype)
+
+
+def is_host_data(data: Any) -> bool:
+    """True for shard data numpy reads in place: a numpy array, or a CastView of one."""
+    return isinstance(data.source if isinstance(data, CastView) else data, np.ndarray)
+
+
+def unique_shards(leaf: np.ndarray | jax.Array | CastView) -> list[tuple[tuple[int, ...], Any]]:
     """The unique addressable shards of a leaf as ``(origin, data)`` pairs, by origin.
 
     ``origin`` is the shard's first index in the global array. ``data`` is a numpy array for a
     numpy leaf (the leaf itself) and for a CPU device's shard (a read-only zero-copy view), and
     the shard's single-device jax.Array on an accelerator, to be copied block by block with
     :func:`start_host_copy`. Only ``replica_id == 0`` shards are returned; shards held only by
-    other processes are not.
+    other processes are not. A CastView gives a CastView of each of its source's shards.
     """
+    if isinstance(leaf, CastView):
+        return [(o, CastView(data, leaf.dtype)) for o, data in unique_shards(leaf.source)]
     if not isinstance(leaf, jax.Array):
         return [((0,) * leaf.ndim, leaf)]
     out = []

@@ -331,15 +331,16 @@ class CheckpointManager:
         return pick(scored, key=lambda s: self.best_fn(self._metrics_of(s)))
 
     def restore(self, step: int | None = None, *, target: Any = None,
-                paths: list[str] | None = None, partial: bool = False,
-                transforms: dict[str, str | None] | None = None,
+                paths: list[str] | None = None, partial: bool = False, strict: bool = True,
+                sharding: str | None = None, transforms: dict[str, str | None] | None = None,
                 fill_missing: bool = False) -> Any:
         """Restores ``step`` (None: the latest), after any save in flight; see
-        :func:`casstore.restore` for ``target``, ``paths``, ``partial``, ``transforms`` and
-        ``fill_missing``."""
+        :func:`casstore.restore` for ``target``, ``paths``, ``partial``, ``strict``,
+        ``sharding``, ``transforms`` and ``fill_missing``."""
         self.wait_until_finished()
         return restore(self.store, step, run=self.run, target=target, paths=paths,
-                       partial=partial, transforms=transforms, fill_missing=fill_missing)
+                       partial=partial, strict=strict, sharding=sharding,
+                       transforms=transforms, fill_missing=fill_missing)
 
     def metadata(self, step: int | None = None) -> Any:
         """The user metadata saved with ``step`` (None: the latest).

@@ -66,7 +66,8 @@ class LeafEntry:
       shape, dtype: global shape and dtype name of an array (key data for PRNG keys).
       jax: the leaf was a jax.Array.
       key_impl: PRNG implementation name for typed key arrays, else None.
-      sharding: the sharding used at save, for display only.
+      sharding: the NamedSharding used at save as ``{"mesh": {axis: size}, "spec": [...]}``
+        (format.md §6.1), unvalidated here; ``restore(..., sharding="saved")`` checks it.
       inline: raw bytes of a tiny array stored in the manifest, else None.
       chunks: the chunk refs that tile the array.
       scalar_type, value: a Python scalar's type name and value.

@@ -3,7 +3,9 @@
 Reads the manifest (validated), then fetches every needed chunk concurrently, verifies its
 length and chunk id, and copies its blocks into the leaves' host arrays; a chunk shared by
 several leaves (a pack) is fetched once. With a target, leaves are matched by key path, cast to
-the target dtype and placed with the target's sharding.
+the target dtype and placed with the target's sharding; with ``strict=False`` each axis is
+truncated or zero-padded to the target's shape. ``sharding="saved"`` builds the target from
+the manifest's saved shardings (``_saved_sharding``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ._layout import chunk_key
 from ._manifest import ChunkRef, LeafEntry, Manifest
 from ._pool import bounded_map
 from ._repository import Url, read_manifest
+from ._saved_sharding import saved_target
 from .store import Store, open_store
 
 tu = jax.tree_util
@@ -33,9 +36,9 @@ _ALIGN = 64  # bytes: jax's CPU client adopts buffers aligned so (DLPack import)
 
 
 def restore(url: Url, step: int | None = None, *, run: str = "default", target: Any = None,
-            paths: list[str] | None = None, partial: bool = False,
-            transforms: dict[str, str | None] | None = None, fill_missing: bool = False,
-            max_workers: int | None = None) -> Any:
+            paths: list[str] | None = None, partial: bool = False, strict: bool = True,
+            sharding: str | None = None, transforms: dict[str, str | None] | None = None,
+            fill_missing: bool = False, max_workers: int | None = None) -> Any:
     """Restores checkpoint ``step`` of ``run``.
 
     Reads the manifest, then only the chunks of the selected leaves, each verified against its
@@ -55,6 +58,17 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
         Without a target, only the matching subtrees are returned. With a target, target leaves
         outside ``paths`` are returned unchanged.
       partial: with a target, allow the checkpoint to have leaves the target lacks.
+      strict: with a target, require each array leaf's shape to equal the saved shape. False
+        truncates or zero-pads every axis to the target's shape instead, as orbax's
+        ``strict=False`` does (e.g. an embedding table whose vocabulary grew): only the chunks
+        overlapping the kept region are read, and sharded targets work as usual. The number
+        of axes must still match.
+      sharding: None, or ``"saved"`` (without a target) to return jax.Arrays laid out as saved,
+        as orbax does without a target: each leaf saved as a jax.Array with a NamedSharding is
+        placed on a mesh of the saved axis names and sizes over the first devices here, with
+        the saved PartitionSpec, each device reading only its chunks; other jax.Arrays go to
+        the default device, numpy leaves stay numpy. The containers are those returned
+        without a target.
       transforms: with a target, renames of saved key paths: ``{regex: template}``. Each saved
         key path is matched (``re.fullmatch``) against the regexes in order; the first match
         gives the target key path ``match.expand(template)`` (``\\1``, ``\\g<name>``), and
@@ -69,11 +83,13 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
     Returns:
       Without a target: the saved tree as plain dict / list / tuple containers (namedtuples and
       dataclass-like nodes as dicts) with numpy arrays, Python scalars, None, and typed PRNG key
-      arrays as jax arrays. With a target: the target's tree structure with restored leaves.
+      arrays as jax arrays (jax.Arrays as saved with ``sharding="saved"``). With a target: the
+      target's tree structure with restored leaves.
 
     Raises:
       StepNotFoundError: the step (or any step, for None) does not exist.
-      ManifestError: the manifest is malformed (names step and key path).
+      ManifestError: the manifest is malformed (names step and key path), or for
+        ``sharding="saved"`` a leaf's saved sharding is.
       CorruptChunkError: a chunk is missing, or its bytes fail the checks (names step, key path
         and chunk id).
       StoreTimeoutError: the store did not answer within its deadline (names the object and,
@@ -82,12 +98,17 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
         checkpoint (and not filled), saved leaves the target lacks (without ``partial``),
         leaves of another shape or kind, or two saved leaves renamed to one key path. One
         error lists every such key path (its ``missing``, ``extra`` and ``mismatched``
-        attributes), before any chunk is read.
-      ValueError: ``transforms`` or ``fill_missing`` without a target.
+        attributes), before any chunk is read. With ``strict=False`` only the number of axes
+        must match. For ``sharding="saved"``: the devices here cannot host a saved mesh (names
+        the key path, the saved mesh and the devices).
+      ValueError: ``transforms`` or ``fill_missing`` without a target; ``sharding`` neither
+        None nor ``"saved"``, or given with a target.
     """
     store = open_store(url)
     manifest = read_manifest(store, step, run=run)
     workers = max_workers or store.max_workers
+    if sharding is not None:
+        target = _saved_sharding_target(manifest, paths, store, sharding, target)
     if target is None:
         if transforms is not None or fill_missing:
             raise ValueError("transforms and fill_missing need a target")
@@ -99,17 +120,33 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
         values = {i: _plain_value(manifest.leaves[i], regions.get(i)) for i in selected}
         return unflatten_plain(manifest.tree, values, None if paths is None else set(selected))
     flat, treedef = tu.tree_flatten_with_path(target)
-    plan = _match_target(manifest, flat, store, paths=paths, partial=partial,
+    plan = _match_target(manifest, flat, store, paths=paths, partial=partial, strict=strict,
                          transforms=transforms, fill_missing=fill_missing)
     targets = {i: t for t, i in plan if i is not None}
-    placed = read_regions(store, manifest, {i: _regions_for(manifest.leaves[i], t)
-                                            for i, t in targets.items()
-                                            if manifest.leaves[i].kind == "array"}, workers,
-                          place=lambda i, regions: _place(manifest.leaves[i], regions,
-                                                          targets[i]))
+    requests = {i: _regions_for(manifest.leaves[i], t) for i, t in targets.items()
+                if manifest.leaves[i].kind == "array"}
+    if strict:  # each leaf placed as soon as its chunks are in
+        placed = read_regions(store, manifest, requests, workers,
+                              place=lambda i, regions: _place(manifest.leaves[i], regions,
+                                                              targets[i]))
+    else:
+        fitted = _read_fitted(store, manifest, requests, workers)
+        placed = {i: _place(manifest.leaves[i], regions, targets[i])
+                  for i, regions in fitted.items()}
     return tu.tree_unflatten(treedef, [
         t if i is None else placed[i] if i in placed else _place(manifest.leaves[i], None, t)
         for t, i in plan])
+
+
+def _saved_sharding_target(manifest: Manifest, paths, store: Store, sharding: Any,
+                           target: Any) -> Any:
+    """The abstract target for ``sharding="saved"``, pruned to ``paths`` (format.md §6)."""
+    if sharding != "saved" or target is not None:
+        raise ValueError(f"sharding must be None or 'saved' without a target, got {sharding!r}"
+                         + (" with a target" if target is not None else ""))
+    selected = [i for i, leaf in enumerate(manifest.leaves) if matches(leaf.path, paths)]
+    _check_paths_found(manifest, paths, selected, store)
+    return saved_target(manifest, None if paths is None else set(selected), store)
 
 
 def _plain_value(entry: LeafEntry, regions: dict[Index, np.ndarray] | None) -> Any:
@@ -135,7 +172,7 @@ def _target_shape(t: Any) -> tuple[int, ...] | None:
 
 
 def _match_target(manifest: Manifest, flat: list, store: Store, *, paths, partial: bool,
-                  transforms, fill_missing: bool) -> list[tuple[Any, int | None]]:
+                  strict: bool, transforms, fill_missing: bool) -> list[tuple[Any, int | None]]:
     """Pairs each target leaf with its saved leaf index (None: return the target leaf as is).
 
     Collects every missing, extra and mismatched key path before raising one
@@ -154,7 +191,7 @@ def _match_target(manifest: Manifest, flat: list, store: Store, *, paths, partia
             missing.append((path, "not in the checkpoint" if not fill_missing else
                             f"not in the checkpoint, and the target leaf ({type(t).__name__}) "
                             "is abstract: fill_missing needs a concrete array or scalar"))
-        elif (problem := _compatibility_problem(manifest.leaves[i], t)) is not None:
+        elif (problem := _compatibility_problem(manifest.leaves[i], t, strict)) is not None:
             mismatched.append((path, problem))
         else:
             plan.append((t, i))
@@ -212,8 +249,11 @@ def _mismatch_report(manifest: Manifest, store: Store, missing: list[tuple[str, 
     return error
 
 
-def _compatibility_problem(entry: LeafEntry, t: Any) -> str | None:
-    """Why target leaf ``t`` cannot take the saved leaf (shape or kind), or None if it can."""
+def _compatibility_problem(entry: LeafEntry, t: Any, strict: bool) -> str | None:
+    """Why target leaf ``t`` cannot take the saved leaf (shape or kind), or None if it can.
+
+    Without ``strict`` an array target may differ from the saved shape in the axes' sizes.
+    """
     shape = _target_shape(t)
     if shape is None:
         if not isinstance(t, SCALAR_TYPES):
@@ -224,7 +264,7 @@ def _compatibility_problem(entry: LeafEntry, t: Any) -> str | None:
     saved = entry.shape[:-1] if entry.key_impl else entry.shape
     if entry.kind != "array" and shape != ():
         return f"target has shape {shape}, saved a {entry.kind}"
-    if entry.kind == "array" and shape != saved:
+    if entry.kind == "array" and shape != saved and (strict or len(shape) != len(saved)):
         return f"target has shape {shape}, saved shape is {saved}"
     if jax.dtypes.issubdtype(t.dtype, jax.dtypes.prng_key) != bool(entry.key_impl):
         return "target and checkpoint disagree on whether this is a PRNG key array"
@@ -242,9 +282,12 @@ def _regions_for(entry: LeafEntry, t: Any) -> list[Index]:
     """The index regions of the saved array that target leaf ``t`` needs on this process.
 
     One region per distinct addressable shard for a jax target with a sharding (format.md §6),
-    else the whole array.
+    else the whole array. Regions are in the target's shape, which may reach past the saved
+    shape with ``strict=False`` (:func:`_read_fitted` clips them).
     """
-    whole = ((0,) * len(entry.shape), entry.shape)
+    shape = _target_shape(t)  # differs from the saved shape only for strict=False
+    whole = ((0,) * len(entry.shape), entry.shape if shape is None or entry.kind != "array"
+             else shape + entry.shape[len(shape):])
     sharding = getattr(t, "sharding", None)
     if entry.kind != "array" or not isinstance(sharding, jax.sharding.Sharding) or isinstance(
             t, np.ndarray):
@@ -407,6 +450,36 @@ def _empty_aligned(shape: list[int], dtype: np.dtype) -> np.ndarray:
     raw = np.empty(n + _ALIGN, np.uint8)
     offset = -raw.ctypes.data % _ALIGN
     return raw[offset:offset + n].view(dtype).reshape(shape)
+
+
+def _read_fitted(store: Store, manifest: Manifest, requests: dict[int, list[Index]],
+                 max_workers: int) -> dict[int, dict[Index, np.ndarray]]:
+    """:func:`read_regions` for regions that may reach past the saved shape (``strict=False``).
+
+    Each region is clipped to the saved array, the clipped part is read (so only chunks that
+    overlap the kept region are fetched), and the result is zero-padded back to the region's
+    shape, as orbax pads.
+    """
+    clipped = {i: {r: _clip(r, manifest.leaves[i].shape) for r in regions}
+               for i, regions in requests.items()}
+    got = read_regions(store, manifest, {i: list(dict.fromkeys(c.values()))
+                                         for i, c in clipped.items()}, max_workers)
+    out: dict[int, dict[Index, np.ndarray]] = {}
+    for i, regions in clipped.items():
+        out[i] = {}
+        for region, kept in regions.items():
+            buf = got[i][kept]
+            if kept != region:
+                buf = np.zeros([b - a for a, b in zip(*region)], buf.dtype)
+                buf[_slices(*kept, region[0])] = got[i][kept]
+            out[i][region] = buf
+    return out
+
+
+def _clip(region: Index, shape: tuple[int, ...]) -> Index:
+    """``region`` clipped to an array of ``shape`` (possibly empty, never inverted)."""
+    start = tuple(min(a, d) for a, d in zip(region[0], shape))
+    return start, tuple(max(s, min(b, d)) for s, b, d in zip(start, region[1], shape))
 
 
 def _overlap(a: Index, b: Index) -> Index | None:

@@ -1,0 +1,98 @@
+"""Storing array leaves in another dtype, chosen per key-path prefix (format.md §3.3, §4.6).
+
+:func:`stored_as` replaces each selected array leaf of a save by a
+:class:`~casstore._chunking.CastView` of the stored dtype and records that dtype in the leaf's
+:class:`~casstore._save.ArrayInfo`. The save path then cuts the leaf on the stored dtype's grid
+(format.md §3.3) and slices it one block at a time (``block_bytes`` on the host,
+``start_host_copy`` on an accelerator), so each block is cast as its chunk is written and no
+full-size copy is made. This is orbax's ``SaveArgs(dtype=...)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from ._chunking import CastView, dtype_from_name, dtype_name
+from ._errors import UnsupportedLeafError
+from ._keypath import matches
+
+if TYPE_CHECKING:
+    from ._save import Prepared
+
+
+def stored_as(prepared: Prepared, arrays: dict[int, Any],
+              dtypes: dict[str, Any] | None) -> tuple[Prepared, dict[int, Any]]:
+    """A save's prepared tree and arrays, with the leaves ``dtypes`` selects cast lazily.
+
+    Args:
+      prepared: the checked tree (:func:`casstore._save.prepare`).
+      arrays: the array to store for each array leaf (numpy or jax), by leaf index.
+      dtypes: key-path prefix (format.md §5) -> dtype its array leaves are stored in; where
+        several prefixes match a leaf, the longest wins. None or empty stores every leaf as is.
+
+    Returns:
+      ``(prepared, arrays)`` where each leaf under a prefix records the stored dtype and is a
+      :class:`~casstore._chunking.CastView` of its array (same shape and sharding).
+
+    Raises:
+      UnsupportedLeafError: a cast that changes the kind of dtype (bool, integer, floating,
+        complex; e.g. float to int), of a PRNG key array, to a PRNG key dtype, or to a dtype
+        format.md §4.5 does not allow; names the key path. A leaf under a prefix can keep its
+        dtype through a longer prefix: ``{"params": bf16, "params/step": np.int32}``.
+      ValueError: a prefix that is not a string, or that matches no array leaf.
+    """
+    if not dtypes:
+        return prepared, arrays
+    for prefix in dtypes:
+        if not isinstance(prefix, str):
+            raise ValueError(f"dtypes keys are key-path prefixes (str), got {prefix!r}")
+    infos, arrays = dict(prepared.arrays), dict(arrays)
+    used: set[str] = set()
+    for i, info in prepared.arrays.items():
+        path = prepared.paths[i]
+        prefix = max((p for p in dtypes if matches(path, [p])), key=len, default=None)
+        if prefix is None:
+            continue
+        used.add(prefix)
+        stored = _check_cast(path, info.dtype, info.key_impl, dtypes[prefix])
+        if stored != info.dtype:
+            infos[i] = dataclasses.replace(info, dtype=stored)
+            arrays[i] = CastView(arrays[i], stored)
+    if unused := [p for p in dtypes if p not in used]:
+        raise ValueError(f"dtypes prefix {unused[0]!r} matches no array leaf")
+    return dataclasses.replace(prepared, arrays=infos), arrays
+
+
+def _check_cast(path: str, source: np.dtype, key_impl: str | None, wanted: Any) -> np.dtype:
+    """The stored dtype for a leaf of dtype ``source``; raises if the cast is refused."""
+    def refuse(why: str) -> UnsupportedLeafError:
+        name = getattr(wanted, "__name__", wanted)
+        return UnsupportedLeafError(f"cannot store this leaf as {name}: {why}", key_path=path)
+
+    try:
+        if isinstance(wanted, str):
+            wanted = dtype_from_name(wanted) or wanted
+        if jax.dtypes.issubdtype(wanted, jax.dtypes.prng_key):
+            raise refuse("PRNG key dtypes are kept only by typed key arrays")
+        stored = np.dtype(wanted)
+    except TypeError as e:
+        raise refuse(str(e)) from e
+    if key_impl is not None:
+        raise refuse("it is a PRNG key array, stored as its key data")
+    if dtype_name(stored) is None:
+        raise refuse("not a dtype of format.md §4.5")
+    if _kind(stored) != _kind(source):
+        raise refuse(f"casting {source} ({_kind(source)}) to {_kind(stored)} would change "
+                     f"what the values mean; map this key path to {source.name} to keep it")
+    return stored
+
+
+def _kind(dtype: np.dtype) -> str:
+    """bool, integer, floating or complex (jax's view, which knows the ml_dtypes types)."""
+    kinds = {"bool": np.bool_, "integer": np.integer, "floating": np.floating,
+             "complex": np.complexfloating}
+    return next((k for k, t in kinds.items() if jax.dtypes.issubdtype(dtype, t)), "other")

@@ -1,0 +1,170 @@
+"""save(..., dtypes=...): array leaves stored in another dtype per key-path prefix (orbax's
+SaveArgs(dtype=...))."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import casstore
+import casstore._chunking
+import casstore._save
+from casstore._chunking import CastView
+from casstore.store import CountingStore, MemoryStore
+
+MESH = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+SHARDED = NamedSharding(MESH, P("data", "model"))
+CHUNK = 1 << 14  # 16 KiB: the large leaves span several chunks
+
+
+def float32_tree():
+    rng = np.random.default_rng(0)
+    normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    return {"params": {"dense": {"kernel": normal(128, 96), "bias": normal(96)},
+                       "embed": jax.device_put(normal(256, 64), SHARDED),
+                       "scale": normal(4)},  # 16 bytes: inline in the manifest
+            "opt": {"mu": normal(128, 96)}}
+
+
+def chunk_bytes(store, step):
+    """(raw bytes, stored bytes, chunk count) of the distinct chunks of ``params``."""
+    refs = {r.id: r for leaf in casstore.read_manifest(store, step).leaves
+            if leaf.path.startswith("params/") for r in leaf.chunks}
+    return (sum(r.raw_bytes for r in refs.values()), sum(r.stored_bytes for r in refs.values()),
+            len(refs))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_float32_params_stored_in_half_precision(dtype):
+    tree = float32_tree()
+    store = CountingStore(MemoryStore())
+    casstore.save(store, 0, tree, chunk_size_bytes=CHUNK)
+    info = casstore.save(store, 1, tree, chunk_size_bytes=CHUNK, dtypes={"params": dtype})
+    manifest = casstore.read_manifest(store, 1)
+    stored = {leaf.path: leaf.dtype for leaf in manifest.leaves}
+    assert stored == {"params/dense/kernel": np.dtype(dtype).name,
+                      "params/dense/bias": np.dtype(dtype).name,
+                      "params/embed": np.dtype(dtype).name,
+                      "params/scale": np.dtype(dtype).name, "opt/mu": "float32"}
+    embed = next(leaf for leaf in manifest.leaves if leaf.path == "params/embed")
+    assert embed.sharding == {"mesh": {"data": 4, "model": 2}, "spec": ["data", "model"]}
+    # Bytes halved: the raw bytes exactly, the stored ones up to each chunk's 16-byte header.
+    raw32, stored32, _ = chunk_bytes(store, 0)
+    raw16, stored16, n = chunk_bytes(store, 1)
+    assert raw16 * 2 == raw32
+    assert stored16 <= stored32 / 2 + 16 * n
+    assert info.new_chunks == n  # "opt" deduplicated against step 0
+    # Restore without a target returns the stored dtype, equal to a whole-array cast.
+    plain = casstore.restore(store, 1)
+    for name, value in [("kernel", tree["params"]["dense"]["kernel"]),
+                        ("embed", np.asarray(tree["params"]["embed"]))]:
+        got = plain["params"]["dense"][name] if name == "kernel" else plain["params"][name]
+        assert got.dtype == dtype
+        assert got.tobytes() == value.astype(dtype).tobytes()
+    np.testing.assert_array_equal(plain["opt"]["mu"], tree["opt"]["mu"])
+    # A target asking for float32 gets float32 (the stored values, widened), on its sharding.
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SHARDED)
+                          if isinstance(x, jax.Array) else x, tree)
+    back = casstore.restore(store, 1, target=target)
+    assert back["params"]["embed"].dtype == np.float32
+    assert back["params"]["embed"].sharding == SHARDED
+    np.testing.assert_array_equal(np.asarray(back["params"]["embed"]),
+                                  np.asarray(tree["params"]["embed"]).astype(dtype)
+                                  .astype(np.float32))
+
+
+def test_stored_bytes_dedup_with_themselves_and_with_a_native_save():
+    tree = float32_tree()
+    store = MemoryStore()
+    casstore.save(store, 0, tree, chunk_size_bytes=CHUNK, dtypes={"params": jnp.bfloat16})
+    again = casstore.save(store, 1, tree, chunk_size_bytes=CHUNK,
+                          dtypes={"params": jnp.bfloat16})
+    assert again.new_chunks == 0
+    # The same values saved as bfloat16 arrays are cut and named the same way.
+    native = {"params": jax.tree.map(lambda x: x.astype(jnp.bfloat16), tree["params"]),
+              "opt": tree["opt"]}
+    info = casstore.save(store, 2, native, chunk_size_bytes=CHUNK)
+    assert info.new_chunks == 0
+    assert ([leaf.chunks for leaf in casstore.read_manifest(store, 0).leaves]
+            == [leaf.chunks for leaf in casstore.read_manifest(store, 2).leaves])
+
+
+def test_large_leaves_are_cast_one_block_at_a_time(monkeypatch):
+    whole: list[tuple[int, ...]] = []
+    original = CastView.__array__
+
+    def record(self, *args, **kwargs):
+        whole.append(self.shape)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(CastView, "__array__", record)
+    tree = float32_tree()
+    blocks: list[int] = []
+    original_getitem = CastView.__getitem__
+    monkeypatch.setattr(CastView, "__getitem__",
+                        lambda self, i: blocks.append(1) or original_getitem(self, i))
+    casstore.save(MemoryStore(), 0, tree, chunk_size_bytes=CHUNK,
+                  dtypes={"params": jnp.float16})
+    # Only the small leaves (packed or inline) were cast whole; the kernel (48 KiB as float32,
+    # 24 KiB stored) and the embedding shards were sliced per block.
+    assert sorted(whole) == [(4,), (96,)]
+    assert len(blocks) == 2 + 8  # two kernel blocks, one per embedding shard
+
+
+def test_the_accelerator_path_casts_each_block_on_its_device(monkeypatch):
+    """With on_host() false (as on a GPU), shards are copied block by block by
+    start_host_copy; the cast then runs on the device before the copy, and the chunks are the
+    ones the host path writes."""
+    tree = float32_tree()
+    host = MemoryStore()
+    casstore.save(host, 0, tree, chunk_size_bytes=CHUNK, dtypes={"params": jnp.bfloat16})
+    copies = []
+    start_host_copy = casstore._save.start_host_copy
+
+    def recording(x, start, stop):
+        copies.append(type(x).__name__)
+        return start_host_copy(x, start, stop)
+
+    for module in (casstore._chunking, casstore._save):
+        monkeypatch.setattr(module, "on_host", lambda x: False)
+    monkeypatch.setattr(casstore._save, "start_host_copy", recording)
+    device = MemoryStore()
+    casstore.save(device, 0, tree, chunk_size_bytes=CHUNK, dtypes={"params": jnp.bfloat16})
+    assert copies.count("CastView") == 8  # one block per embedding shard
+    assert ([leaf.chunks for leaf in casstore.read_manifest(host, 0).leaves]
+            == [leaf.chunks for leaf in casstore.read_manifest(device, 0).leaves])
+
+
+def test_a_longer_prefix_keeps_a_leaf_in_its_own_dtype():
+    tree = {"params": {"w": np.ones((4, 4), np.float32), "step": np.arange(20, dtype=np.int32)}}
+    store = MemoryStore()
+    casstore.save(store, 0, tree, dtypes={"params": "bfloat16", "params/step": np.int32})
+    assert {leaf.path: leaf.dtype for leaf in casstore.read_manifest(store, 0).leaves} == {
+        "params/w": "bfloat16", "params/step": "int32"}
+
+
+@pytest.mark.parametrize("dtypes, path, message", [
+    ({"params/w": np.int8}, "params/w", "as int8: casting float32 .floating. to integer"),
+    ({"": jnp.bfloat16}, "count", "int32 .integer. to floating"),
+    ({"params/w": np.float32, "params/c": np.float32}, "params/c", "complex. to floating"),
+    ({"rng": jnp.float32}, "rng", "PRNG key array"),
+    ({"params/w": jax.random.key(0).dtype}, "params/w", "PRNG key dtypes"),
+    ({"params": "float128"}, "params/c", "as float128: not a dtype of format.md"),
+])
+def test_refused_casts_name_the_key_path_and_write_nothing(dtypes, path, message):
+    tree = {"params": {"w": np.ones((8, 8), np.float32), "c": np.ones(3, np.complex64)},
+            "count": np.int32(3), "rng": jax.random.key(0)}
+    store = CountingStore(MemoryStore())
+    with pytest.raises(casstore.UnsupportedLeafError, match=message) as e:
+        casstore.save(store, 0, tree, dtypes=dtypes)
+    assert e.value.key_path == path and repr(path) in str(e.value)
+    assert store.keys_written == []
+
+
+def test_a_prefix_matching_no_array_leaf_is_an_error():
+    store = CountingStore(MemoryStore())
+    with pytest.raises(ValueError, match="'parms' matches no array leaf"):
+        casstore.save(store, 0, {"params": np.ones(3)}, dtypes={"parms": jnp.bfloat16})
+    assert store.keys_written == []
