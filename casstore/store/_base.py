@@ -60,9 +60,10 @@ class Store(abc.ABC):
       url: where the store lives (a path or URL without credentials).
       read_only: if true, every write raises :class:`~casstore.ReadOnlyStoreError`.
       max_workers: the concurrency of bulk operations and of saves and restores (a class
-        default derived from the usable cores: 4 threads per core, at most 32, for local disk
-        and memory, where hashing and compression bound a save; set it on an instance, or pass
-        ``max_workers=`` to a call, to change it).
+        default derived from the usable cores: 2 threads per core, at most 32, for local disk
+        and memory, where hashing and compression bound a save and each thread of a restore
+        holds one chunk's read buffer; set it on an instance, or pass ``max_workers=`` to a
+        call, to change it).
       shuffle: whether saves try the byte-shuffle codec (format.md §3.2) unless told: float
         chunks are stored about 16% smaller for 2.6x the client CPU time of a save (measured
         on S3, benchmarks/README.md). False for local disk and memory, where writing the
@@ -71,7 +72,7 @@ class Store(abc.ABC):
 
     url: str
     read_only: bool = False
-    max_workers: int = default_workers(io_per_core=4, cap=32)
+    max_workers: int = default_workers(io_per_core=2, cap=32)
     shuffle: bool = False
 
     @abc.abstractmethod

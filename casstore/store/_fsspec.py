@@ -186,7 +186,7 @@ class FsspecStore(Store):
         releases its lock quickly.
 
     Saves and restores run 8 requests per usable core at once, at least 16 and at most 64
-    (``max_workers``; 4 threads per core for local disk): an object store's latency, not its
+    (``max_workers``; 2 threads per core for local disk): an object store's latency, not its
     bandwidth, bounds one request. Requests in flight are capped by an
     :class:`AdaptiveLimit`: a store answering 503 SlowDown, 429 or timing out gets fewer at once.
     Saves try the byte-shuffle codec (``shuffle``), since object storage bills and sends every
