@@ -37,10 +37,11 @@ def assert_restores(store, step: int) -> None:
         assert restored[key].tobytes() == expected[key].tobytes(), (step, key)
 
 
-def run_trials(store, url: str, trials: int, seed: int, options=None) -> None:
+def run_trials(store, url: str, trials: int, seed: int, options=None) -> list[int]:
     """Kills a saving process ``trials`` times. After each kill, every new step and a sample of
     the earlier ones restore bit-exact, no earlier step is missing, and every chunk of every
-    step exists; at the end every step restores and verify reads all data."""
+    step exists; at the end every step restores and verify reads all data. Returns the steps
+    committed."""
     rng = random.Random(seed)
     seen: list[int] = []
     for trial in range(trials):
@@ -57,6 +58,14 @@ def run_trials(store, url: str, trials: int, seed: int, options=None) -> None:
     for step in seen:
         assert_restores(store, step)
     assert casstore.verify(store).ok
+    return seen
+
+
+def report_trials(where: str, trials: int, steps: list[int], t0: float) -> None:
+    """Prints a campaign's figures to the terminal, past pytest's capture."""
+    sys.__stdout__.write(f"\n[campaign] SIGKILL {where}: {trials} trials, {len(steps)} steps "
+                         f"committed and restored, {time.perf_counter() - t0:.0f} s\n")
+    sys.__stdout__.flush()
 
 
 @pytest.mark.parametrize("trials", [12])
@@ -73,12 +82,13 @@ def test_sigkill_during_s3_saves(object_servers):
 
 @pytest.mark.slow
 def test_sigkill_during_local_saves_full_count(tmp_path):
-    url = str(tmp_path / "repo")
-    run_trials(LocalStore(url), url, 300, seed=3)
+    url, t0 = str(tmp_path / "repo"), time.perf_counter()
+    report_trials("local", 500, run_trials(LocalStore(url), url, 500, seed=3), t0)
 
 
 @pytest.mark.slow
 def test_sigkill_during_s3_saves_full_count(object_servers):
     server = object_servers["seaweedfs"]
-    store = object_store(server)
-    run_trials(store, store.url, 100, seed=4, options=server.storage_options)
+    store, t0 = object_store(server), time.perf_counter()
+    steps = run_trials(store, store.url, 100, seed=4, options=server.storage_options)
+    report_trials("S3 (SeaweedFS)", 100, steps, t0)
