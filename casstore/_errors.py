@@ -60,3 +60,8 @@ class UnsupportedLeafError(_Located, TypeError):
 
 class ReadOnlyStoreError(_Located, PermissionError):
     """A write was attempted on a store opened with ``read_only=True``."""
+
+
+class AccessDeniedError(_Located, PermissionError):
+    """The storage server refused a request: the credentials lack the permission (HTTP 403,
+    S3 ``AccessDenied``), e.g. a write with read-only keys. Not retried."""

@@ -19,6 +19,7 @@ import jax
 
 from ._chunking import host_snapshot
 from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, gc
+from ._locks import check_write_access
 from ._repository import Url, delete, list_steps, read_manifest
 from ._restore import restore
 from ._save import SaveInfo, save
@@ -108,6 +109,7 @@ class CheckpointManager:
         self._pending: cf.Future | None = None
         self._metrics: dict[int, Any] = {}
         self._closed = False
+        self._writable = False  # write access checked by the first save
         self.last_save_blocking_s: float | None = None
         self.last_save_info: SaveInfo | None = None
         self.last_gc_info: GcInfo | None = None
@@ -143,6 +145,8 @@ class CheckpointManager:
           Any error of the previous background save (never only logged).
           StepAlreadyExistsError: ``force`` with an existing step (from the background save).
           UnsupportedLeafError: a leaf cannot be stored (raised here, before any write).
+          PermissionError: the first save found the store not writable (a read-only store or
+            credentials, checked by writing and deleting one lock object); nothing was stored.
           RuntimeError: the manager is closed.
         """
         t0 = time.perf_counter()
@@ -151,6 +155,9 @@ class CheckpointManager:
         self.wait_until_finished()
         if not force and not self.should_save(step):
             return False
+        if not self._writable:  # fail here, not at the next call, without write access
+            check_write_access(self.store)
+            self._writable = True
         snapshot = _snapshot(tree)
         wrapped = {"metrics": metrics, "user": metadata}
         self._pending = self._executor.submit(self._save_and_retain, step, snapshot, wrapped,

@@ -20,7 +20,7 @@ from typing import Any
 
 import fsspec
 
-from .._errors import ObjectNotFoundError
+from .._errors import AccessDeniedError, CasstoreError, ObjectNotFoundError
 from ._base import ObjectInfo, Store, check_key
 
 
@@ -122,11 +122,18 @@ class FsspecStore(Store):
     def _retry(self, key: str, fn: Callable[[], Any]) -> Any:
         """``fn()``, retried on transient errors with bounded exponential backoff and jitter.
 
-        A permanent error (or the last transient one) is raised with the object's URL added.
+        A permanent error (or the last transient one) is raised with the object's URL added;
+        a refused request (s3fs maps 403 AccessDenied and bad keys to PermissionError) becomes
+        :class:`~casstore.AccessDeniedError`, whose message names that URL.
         """
         for attempt in itertools.count():
             try:
                 return fn()
+            except PermissionError as e:
+                if isinstance(e, CasstoreError):
+                    raise
+                raise AccessDeniedError(f"the server refused access: {e}",
+                                        url=f"{self.url}/{key}") from e
             except Exception as e:  # classified by is_transient; anything else is re-raised
                 if attempt >= self.retries or not is_transient(e):
                     if not isinstance(e, FileNotFoundError) and hasattr(e, "add_note"):
@@ -226,7 +233,8 @@ class FsspecStore(Store):
                 [self._path(k) for k in b], on_error="return"))
             for key in batch:
                 value = got.get(self._path(key), FileNotFoundError())
-                if isinstance(value, BaseException) and is_transient(value):
+                if isinstance(value, BaseException) and not isinstance(value, FileNotFoundError):
+                    # once more alone: retried if transient, else raised naming its URL
                     value = self._retry(key, lambda k=key: self.fs.cat_file(self._path(k)))
                 if isinstance(value, FileNotFoundError):
                     raise self._missing(key) from value
