@@ -38,11 +38,12 @@ def assert_restores(store, step: int) -> None:
 
 
 def run_trials(store, url: str, trials: int, seed: int, options=None,
-               where: str | None = None) -> list[int]:
+               where: str | None = None, capsys=None) -> list[int]:
     """Kills a saving process ``trials`` times. After each kill, every new step and a sample of
     the earlier ones restore bit-exact, no earlier step is missing, and every chunk of every
     step exists; at the end every step restores and verify reads all data. Returns the steps
-    committed. With ``where``, prints the figures every 50 trials and at the end."""
+    committed. With ``where`` (and pytest's ``capsys``), prints the figures every 50 trials
+    and at the end."""
     rng, t0 = random.Random(seed), time.perf_counter()
     seen: list[int] = []
     for trial in range(trials):
@@ -57,22 +58,22 @@ def run_trials(store, url: str, trials: int, seed: int, options=None,
             assert report.ok, report.problems
         seen += new
         if where and (trial + 1) % 50 == 0 and trial + 1 < trials:
-            report_trials(where, trial + 1, seen, t0)
+            report_trials(capsys, where, trial + 1, seen, t0)
     for step in seen:
         assert_restores(store, step)
     assert casstore.verify(store).ok
     if where:
-        report_trials(where, trials, seen, t0, final=True)
+        report_trials(capsys, where, trials, seen, t0, final=True)
     return seen
 
 
-def report_trials(where: str, trials: int, steps: list[int], t0: float,
+def report_trials(capsys, where: str, trials: int, steps: list[int], t0: float,
                   final: bool = False) -> None:
     """Prints a campaign's figures to the terminal, past pytest's capture."""
     checked = "all restored and verified" if final else "each restored after its trial"
-    sys.__stdout__.write(f"\n[campaign] SIGKILL {where}: {trials} trials, {len(steps)} steps "
-                         f"committed, {checked}, {time.perf_counter() - t0:.0f} s\n")
-    sys.__stdout__.flush()
+    with capsys.disabled():
+        print(f"\n[campaign] SIGKILL {where}: {trials} trials, {len(steps)} steps committed, "
+              f"{checked}, {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 @pytest.mark.parametrize("trials", [12])
@@ -88,15 +89,16 @@ def test_sigkill_during_s3_saves(object_servers):
 
 
 @pytest.mark.slow
-def test_sigkill_during_local_saves_full_count(tmp_path):
+def test_sigkill_during_local_saves_full_count(tmp_path, capsys):
     url = str(tmp_path / "repo")
-    assert len(run_trials(LocalStore(url), url, 500, seed=3, where="local")) > 0
+    assert len(run_trials(LocalStore(url), url, 500, seed=3, where="local",
+                                capsys=capsys)) > 0
 
 
 @pytest.mark.slow
-def test_sigkill_during_s3_saves_full_count(object_servers):
+def test_sigkill_during_s3_saves_full_count(object_servers, capsys):
     server = object_servers["seaweedfs"]
     store = object_store(server)
     steps = run_trials(store, store.url, 100, seed=4, options=server.storage_options,
-                       where="S3 (SeaweedFS)")
+                       where="S3 (SeaweedFS)", capsys=capsys)
     assert len(steps) > 0

@@ -3,7 +3,6 @@
 import collections
 import functools
 import random
-import sys
 import time
 
 import msgpack
@@ -21,10 +20,10 @@ from casstore.testing import FaultyStore
 FAULT_SEEDS = range(40)
 
 
-def report(line: str) -> None:
+def report(capsys, line: str) -> None:
     """Prints a campaign's figures to the terminal, past pytest's capture."""
-    sys.__stdout__.write(f"\n[campaign] {line}\n")
-    sys.__stdout__.flush()
+    with capsys.disabled():
+        print(f"\n[campaign] {line}", flush=True)
 
 
 def tree_for(step: int) -> dict:
@@ -90,7 +89,7 @@ def test_save_restore_gc_copy_under_random_faults(seed):
 
 
 @pytest.mark.slow
-def test_fault_campaign_full_count():
+def test_fault_campaign_full_count(capsys):
     """The campaign of docs/reliability.md: 500 seeds x 20 operations."""
     t0, operations, calls, kinds = time.perf_counter(), 0, 0, collections.Counter()
     for seed in range(1000, 1500):
@@ -99,7 +98,7 @@ def test_fault_campaign_full_count():
         calls += sum(faulty.calls.values())
         kinds.update(kind for _, kind, _ in faulty.injected)
     assert operations >= 10_000 and kinds["error"] and kinds["stored_then_error"]
-    report(f"faults: {operations} operations, {calls} store calls, "
+    report(capsys, f"faults: {operations} operations, {calls} store calls, "
            f"{sum(kinds.values())} faults {dict(kinds)}, {time.perf_counter() - t0:.0f} s")
 
 
@@ -271,7 +270,7 @@ test_hostile_chunk_objects_are_rejected_or_exact = hostile_chunk_objects(300)
 
 
 @pytest.mark.slow
-def test_fuzz_campaign_full_count():
+def test_fuzz_campaign_full_count(capsys):
     """The campaign of docs/reliability.md: 100,000 hostile manifests and chunk objects."""
     t0 = time.perf_counter()
     FUZZED.clear()
@@ -279,7 +278,7 @@ def test_fuzz_campaign_full_count():
     random_manifests(20_000)()
     hostile_chunk_objects(40_000)()
     assert sum(FUZZED.values()) >= 100_000, FUZZED
-    report(f"fuzzing: {sum(FUZZED.values())} inputs {dict(FUZZED)}, "
+    report(capsys, f"fuzzing: {sum(FUZZED.values())} inputs {dict(FUZZED)}, "
            f"{time.perf_counter() - t0:.0f} s")
 
 
