@@ -9,6 +9,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ._copy import CopyInfo as CopyInfo
 from ._copy import copy as copy
+from ._errors import AccessDeniedError as AccessDeniedError
 from ._errors import CasstoreError as CasstoreError
 from ._errors import CorruptChunkError as CorruptChunkError
 from ._errors import ManifestError as ManifestError

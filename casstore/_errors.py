@@ -93,3 +93,8 @@ class StoreTimeoutError(_Located, TimeoutError):
         located = StoreTimeoutError(self.message, key=self.key, **{**now, **where})
         located.__cause__ = self
         return located
+
+
+class AccessDeniedError(_Located, PermissionError):
+    """The storage server refused a request: the credentials lack the permission (HTTP 403,
+    S3 ``AccessDenied``), e.g. a write with read-only keys. Not retried."""

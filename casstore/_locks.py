@@ -41,6 +41,17 @@ def _put_lock(store: Store, kind: str) -> str:
     return key
 
 
+def check_write_access(store: Store) -> None:
+    """Puts and deletes a save lock, so that missing write access shows now, before anything
+    else is written (a CheckpointManager's first save, which then runs in the background).
+
+    Raises:
+      PermissionError: the store is read-only (ReadOnlyStoreError) or the server refused the
+        write (AccessDeniedError); nothing was stored.
+    """
+    store.delete(_put_lock(store, "save"))
+
+
 @contextlib.contextmanager
 def save_lock(store: Store) -> Iterator[None]:
     """Holds a save lock for the body, after any GC that holds its lock has finished."""

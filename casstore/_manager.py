@@ -25,6 +25,7 @@ from ._chunking import DEFAULT_CHUNK_SIZE_BYTES, DEFAULT_PACK_THRESHOLD_BYTES
 from ._codec import DEFAULT_ZSTD_LEVEL
 from ._errors import StoreTimeoutError
 from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, gc
+from ._locks import check_write_access
 from ._repository import Url, delete, list_steps, read_manifest
 from ._restore import restore
 from ._save import SaveInfo, default_inflight_bytes, plan_jobs, prepare, write
@@ -139,6 +140,7 @@ class CheckpointManager:
         self._pending: cf.Future | None = None
         self._metrics: dict[int, Any] = {}
         self._closed = False
+        self._writable = False  # write access checked by the first save
         self.last_save_blocking_s: float | None = None
         self.last_save_info: SaveInfo | None = None
         self.last_gc_info: GcInfo | None = None
@@ -182,6 +184,8 @@ class CheckpointManager:
             fails it within the store's deadline (StoreTimeoutError naming the step).
           StepAlreadyExistsError: ``force`` with an existing step (from the background save).
           UnsupportedLeafError: a leaf cannot be stored (raised here, before any write).
+          PermissionError: the first save found the store not writable (a read-only store or
+            credentials, checked by writing and deleting one lock object); nothing was stored.
           RuntimeError: the manager is closed.
         """
         t0 = time.perf_counter()
@@ -190,6 +194,9 @@ class CheckpointManager:
         self.wait_until_finished()
         if not force and not self.should_save(step):
             return False
+        if not self._writable:  # fail here, not at the next call, without write access
+            check_write_access(self.store)
+            self._writable = True
         prepared, arrays = prepare(tree, {"metrics": metrics, "user": metadata})
         inline, jobs = plan_jobs(prepared, arrays, self.chunk_size_bytes,
                                  DEFAULT_PACK_THRESHOLD_BYTES)

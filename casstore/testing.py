@@ -134,6 +134,7 @@ class FaultyStore(Store):
 
     Attributes:
       injected: a list of ``(operation, kind, key)`` of every fault injected.
+      calls: a ``collections.Counter`` of the calls per operation, faulty ones included.
     """
 
     KINDS = ("error", "timeout", "stored_then_error", "slow", "list_misses_recent")
@@ -142,6 +143,7 @@ class FaultyStore(Store):
                  ops: tuple[str, ...] = ("get", "put", "put_if_absent", "exists", "stat",
                                          "delete", "list"),
                  kinds: tuple[str, ...] = KINDS, delay_s: float = 0.01, recent_s: float = 5.0):
+        import collections
         import random
         import threading
         self.inner, self.url, self.read_only = inner, inner.url, inner.read_only
@@ -152,10 +154,12 @@ class FaultyStore(Store):
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self.injected: list[tuple[str, str, str]] = []
+        self.calls: collections.Counter[str] = collections.Counter()
 
     def _fault(self, op: str, key: str, allowed: tuple[str, ...]) -> str | None:
         kinds = [k for k in self.kinds if k in allowed]
         with self._lock:
+            self.calls[op] += 1
             if op not in self.ops or not kinds or self._rng.random() >= self.rate:
                 return None
             kind = self._rng.choice(kinds)

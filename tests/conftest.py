@@ -62,3 +62,7 @@ def repo_store(request, tmp_path):
     if request.param in OBJECT_BACKENDS:
         return object_store(request.getfixturevalue("object_servers")[request.param])
     return make_store(request.param, tmp_path)
+
+
+# SeaweedFS enforcing an ``admin`` and a read-only ``reader`` identity (servers.py).
+seaweedfs_identities = pytest.fixture(scope="session")(servers.s3_seaweedfs_identities)

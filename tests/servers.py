@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import pathlib
 import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -59,6 +61,11 @@ class ObjectServer:
     storage_options: dict
     startup_s: float = 0.0
     bucket: str | None = None  # the test bucket, created by the first url_for()
+    credentials: dict[str, dict] = dataclasses.field(default_factory=dict)  # identity -> keys
+
+    def options_for(self, identity: str) -> dict:
+        """``storage_options`` with the keys of ``identity`` (see ``seaweedfs_server``)."""
+        return {"endpoint_url": self.endpoint_url, **self.credentials[identity]}
 
     @property
     def endpoint_url(self) -> str:
@@ -153,16 +160,17 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _spawn(cmd: list[str], log: pathlib.Path, probe_url: str, timeout_s: float,
-           min_alive_s: float = 0.0, env: dict | None = None) -> subprocess.Popen:
-    """Starts ``cmd`` with its output in ``log``; returns once ``probe_url`` answers and the child
-    is still alive 0.1 s later and ``min_alive_s`` after its start. On failure stops it and
-    raises with the log tail."""
+           min_alive_s: float = 0.0, env: dict | None = None,
+           any_status: bool = False) -> subprocess.Popen:
+    """Starts ``cmd`` with its output in ``log``; returns once ``probe_url`` answers (200, or
+    any HTTP status with ``any_status``) and the child is still alive 0.1 s later and
+    ``min_alive_s`` after its start. On failure stops it and raises with the log tail."""
     t0 = time.monotonic()
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=env)
     try:
-        _wait_ready(probe_url, timeout_s, lambda: proc.poll() is None)
+        _wait_ready(probe_url, timeout_s, lambda: proc.poll() is None, any_status)
         time.sleep(max(0.1, t0 + min_alive_s - time.monotonic()))
         if proc.poll() is not None:  # another listener on the port answered the probe
             raise ServerError(f"{probe_url} answered, but the server exited", exited=True)
@@ -188,15 +196,36 @@ def _retrying(attempts: int, start: Callable[[int], object]):
 
 
 SEAWEED_COMPONENTS = ("s3", "master", "volume", "filer", "admin")
+ADMIN_ACTIONS = ["Admin", "Read", "List", "Tagging", "Write"]
+READER_ACTIONS = ["Read", "List"]
+
+
+def _s3_config(identities: dict[str, list[str]]) -> tuple[dict, dict[str, dict]]:
+    """SeaweedFS's ``-s3.config`` document giving each identity (name -> allowed actions) fresh
+    random keys, and name -> ``{"key", "secret"}`` for fsspec."""
+    credentials = {name: {"key": f"{name.upper()}{secrets.token_hex(8)}",
+                          "secret": secrets.token_hex(20)} for name in identities}
+    config = {"identities": [
+        {"name": name, "actions": actions, "credentials": [
+            {"accessKey": credentials[name]["key"], "secretKey": credentials[name]["secret"]}]}
+        for name, actions in identities.items()]}
+    return config, credentials
 
 
 @contextlib.contextmanager
 def seaweedfs_server(tmpdir: pathlib.Path, attempts: int = 3, ports: dict | None = None,
-                     timeout_s: float = 30.0) -> Iterator[ObjectServer]:
+                     timeout_s: float = 30.0,
+                     identities: dict[str, list[str]] | None = None) -> Iterator[ObjectServer]:
     """``weed mini`` (master, volume, filer, S3 gateway, admin) on loopback ports only.
 
     ``ports`` (every component in SEAWEED_COMPONENTS -> port) fixes the ports instead of
     choosing free ones, for one attempt.
+
+    ``identities`` (name -> S3 actions, e.g. ``{"admin": ADMIN_ACTIONS, "reader":
+    READER_ACTIONS}``) turns S3 authentication on (``-s3.config``): each identity gets random
+    keys in ``credentials``, anonymous requests are refused, and the server enforces the
+    actions. ``storage_options`` then carry the first identity's keys (it should be allowed
+    everything: the fixtures create buckets with it).
     """
     binary = pathlib.Path(sys.executable).parent / "weed"
     if not binary.exists():
@@ -208,26 +237,34 @@ def seaweedfs_server(tmpdir: pathlib.Path, attempts: int = 3, ports: dict | None
         chosen = ports or {c: _free_port(taken, plus_10000=True) for c in SEAWEED_COMPONENTS}
         data = pathlib.Path(tmpdir) / f"weed-{attempt}"
         (data / "logs").mkdir(parents=True)
+        auth = []
+        if identities:
+            (data / "s3.json").write_text(json.dumps(config))
+            auth = [f"-s3.config={data / 's3.json'}"]
         cmd = [str(binary), f"-logdir={data / 'logs'}", "mini", f"-dir={data}", f"-ip={HOST}",
                f"-ip.bind={HOST}", *(f"-{c}.port={p}" for c, p in chosen.items()),
                "-master.telemetry=false", "-webdav=false", "-admin.ui=false",
                "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.localSocket={data}/s3.sock",
-               f"-filer.localSocket={data}/filer.sock", "-idleTimeout=2"]
+               f"-filer.localSocket={data}/filer.sock", "-idleTimeout=2", *auth]
         try:
             # A taken port makes weed exit within ~0.2 s, maybe after another listener on
             # the S3 port answered the probe: it must still be alive 0.6 s after its start.
+            # With authentication on, the anonymous probe is answered 403: ready.
             proc = _spawn(cmd, data / "weed.log", f"http://{HOST}:{chosen['s3']}/", timeout_s,
-                          min_alive_s=0.6, env=env)
+                          min_alive_s=0.6, env=env, any_status=bool(identities))
         except ServerError:
             _remove_weed_sockets(chosen.values())
             raise
         return proc, chosen
 
+    config, credentials = _s3_config(identities) if identities else ({}, {})
     t0 = time.monotonic()
     proc, chosen = _retrying(1 if ports else attempts, start)
+    endpoint = {"endpoint_url": f"http://{HOST}:{chosen['s3']}"}
+    first = next(iter(credentials.values()), {"anon": True})
     try:
-        yield ObjectServer("seaweedfs", "s3", {"endpoint_url": f"http://{HOST}:{chosen['s3']}",
-                                                "anon": True}, time.monotonic() - t0)
+        yield ObjectServer("seaweedfs", "s3", {**endpoint, **first}, time.monotonic() - t0,
+                           credentials=credentials)
     finally:
         _stop(proc)
         _remove_weed_sockets(chosen.values())
@@ -337,6 +374,15 @@ def s3_seaweedfs(tmp_path_factory) -> Iterator[ObjectServer]:
     """SeaweedFS, or the server named by CASSTORE_TEST_S3_ENDPOINT."""
     with (external_s3() if os.environ.get("CASSTORE_TEST_S3_ENDPOINT")
           else seaweedfs_server(tmp_path_factory.mktemp("seaweedfs"))) as server:
+        yield server
+
+
+def s3_seaweedfs_identities(tmp_path_factory) -> Iterator[ObjectServer]:
+    """SeaweedFS enforcing two identities: ``admin`` (every action; the server's own
+    ``storage_options``) and ``reader`` (Read and List only). Always a local server: the
+    external endpoints have no identities to configure."""
+    with seaweedfs_server(tmp_path_factory.mktemp("seaweedfs-auth"),
+                          identities={"admin": ADMIN_ACTIONS, "reader": READER_ACTIONS}) as server:
         yield server
 
 

@@ -37,11 +37,14 @@ def assert_restores(store, step: int) -> None:
         assert restored[key].tobytes() == expected[key].tobytes(), (step, key)
 
 
-def run_trials(store, url: str, trials: int, seed: int, options=None) -> None:
+def run_trials(store, url: str, trials: int, seed: int, options=None,
+               where: str | None = None, capsys=None) -> list[int]:
     """Kills a saving process ``trials`` times. After each kill, every new step and a sample of
     the earlier ones restore bit-exact, no earlier step is missing, and every chunk of every
-    step exists; at the end every step restores and verify reads all data."""
-    rng = random.Random(seed)
+    step exists; at the end every step restores and verify reads all data. Returns the steps
+    committed. With ``where`` (and pytest's ``capsys``), prints the figures every 50 trials
+    and at the end."""
+    rng, t0 = random.Random(seed), time.perf_counter()
     seen: list[int] = []
     for trial in range(trials):
         kill_during_saves(url, 1000 * trial, rng, options)
@@ -54,10 +57,24 @@ def run_trials(store, url: str, trials: int, seed: int, options=None) -> None:
             report = casstore.verify(store, read_data=False)
             assert report.ok, report.problems
         seen += new
+        if where and (trial + 1) % 50 == 0 and trial + 1 < trials:
+            report_trials(capsys, where, trial + 1, seen, t0)
     for step in seen:
         assert_restores(store, step)
     if seen:  # every kill may have come before the first commit: then nothing exists
         assert casstore.verify(store).ok
+    if where:
+        report_trials(capsys, where, trials, seen, t0, final=True)
+    return seen
+
+
+def report_trials(capsys, where: str, trials: int, steps: list[int], t0: float,
+                  final: bool = False) -> None:
+    """Prints a campaign's figures to the terminal, past pytest's capture."""
+    checked = "all restored and verified" if final else "each restored after its trial"
+    with capsys.disabled():
+        print(f"\n[campaign] SIGKILL {where}: {trials} trials, {len(steps)} steps committed, "
+              f"{checked}, {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 @pytest.mark.parametrize("trials", [12])
@@ -73,13 +90,16 @@ def test_sigkill_during_s3_saves(object_servers):
 
 
 @pytest.mark.slow
-def test_sigkill_during_local_saves_full_count(tmp_path):
+def test_sigkill_during_local_saves_full_count(tmp_path, capsys):
     url = str(tmp_path / "repo")
-    run_trials(LocalStore(url), url, 300, seed=3)
+    assert len(run_trials(LocalStore(url), url, 500, seed=3, where="local",
+                                capsys=capsys)) > 0
 
 
 @pytest.mark.slow
-def test_sigkill_during_s3_saves_full_count(object_servers):
+def test_sigkill_during_s3_saves_full_count(object_servers, capsys):
     server = object_servers["seaweedfs"]
     store = object_store(server)
-    run_trials(store, store.url, 100, seed=4, options=server.storage_options)
+    steps = run_trials(store, store.url, 100, seed=4, options=server.storage_options,
+                       where="S3 (SeaweedFS)", capsys=capsys)
+    assert len(steps) > 0

@@ -1,6 +1,9 @@
 """Reliability: random faults, corrupt and hostile input, secrets, read-only access."""
 
+import collections
+import functools
 import random
+import time
 
 import msgpack
 import numpy as np
@@ -9,11 +12,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import casstore
+from casstore._codec import HEADER, MAGIC, chunk_id, decode_chunk, encode_chunk
 from casstore._manifest import decode_manifest
 from casstore.store import CountingStore, MemoryStore
 from casstore.testing import FaultyStore
 
 FAULT_SEEDS = range(40)
+
+
+def report(capsys, line: str) -> None:
+    """Prints a campaign's figures to the terminal, past pytest's capture."""
+    with capsys.disabled():
+        print(f"\n[campaign] {line}", flush=True)
 
 
 def tree_for(step: int) -> dict:
@@ -31,10 +41,13 @@ def assert_restores(store, step: int) -> None:
     assert restored["step"] == step
 
 
-@pytest.mark.parametrize("seed", FAULT_SEEDS)
-def test_save_restore_gc_copy_under_random_faults(seed):
-    """Every operation either succeeds (and its step restores) or raises; a visible step always
-    restores bit-exact, and earlier steps are never harmed."""
+def fault_campaign(seed: int, operations: int) -> FaultyStore:
+    """Runs ``operations`` random saves, restores, GCs, deletes and copies through a
+    ``FaultyStore`` seeded with ``seed``; returns it (its ``calls`` and ``injected``).
+
+    Every operation either succeeds (and its step restores) or raises; after each one, a save
+    that returned is visible, every visible step restores bit-exact, and step 0 survives.
+    """
     inner = MemoryStore()
     casstore.save(inner, 0, tree_for(0), chunk_size_bytes=8192)
     rng = random.Random(seed)
@@ -42,7 +55,7 @@ def test_save_restore_gc_copy_under_random_faults(seed):
     faulty = FaultyStore(inner, seed=seed, rate=0.1, delay_s=0.001,
                          kinds=("error", "timeout", "stored_then_error", "slow"))
     saved, deleting = {0}, set()
-    for step in range(1, 8):
+    for step in range(1, operations + 1):
         op = rng.choice(["save", "save", "restore", "gc", "delete", "copy"])
         try:
             if op == "save":
@@ -50,8 +63,8 @@ def test_save_restore_gc_copy_under_random_faults(seed):
                 saved.add(step)
             elif op == "restore" and saved:
                 assert_restores(faulty, max(saved))
-            elif op == "gc":
-                casstore.gc(faulty, grace_period_s=0, lock_timeout_s=2)
+            elif op == "gc":  # a lock left behind by a failed delete makes GC give up
+                casstore.gc(faulty, grace_period_s=0, lock_timeout_s=0.3)
             elif op == "delete" and len(saved) > 1:
                 victim = min(saved - {0})
                 deleting.add(victim)
@@ -62,12 +75,31 @@ def test_save_restore_gc_copy_under_random_faults(seed):
         except (OSError, casstore.CasstoreError):
             pass  # the operation failed; the invariants below must hold anyway
         visible = set(casstore.list_steps(inner))
-        assert saved - deleting <= visible  # a save that returned is committed
+        assert saved - deleting <= visible, (seed, step)  # a save that returned is committed
         for step_seen in visible:  # and whatever is visible restores, failed calls or not
             assert_restores(inner, step_seen)
         assert 0 in visible
     assert casstore.verify(inner).ok
-    assert faulty.injected  # the run did meet faults
+    return faulty
+
+
+@pytest.mark.parametrize("seed", FAULT_SEEDS)
+def test_save_restore_gc_copy_under_random_faults(seed):
+    assert fault_campaign(seed, 7).injected  # the run did meet faults
+
+
+@pytest.mark.slow
+def test_fault_campaign_full_count(capsys):
+    """The campaign of docs/reliability.md: 500 seeds x 20 operations."""
+    t0, operations, calls, kinds = time.perf_counter(), 0, 0, collections.Counter()
+    for seed in range(1000, 1500):
+        faulty = fault_campaign(seed, 20)
+        operations += 20
+        calls += sum(faulty.calls.values())
+        kinds.update(kind for _, kind, _ in faulty.injected)
+    assert operations >= 10_000 and kinds["error"] and kinds["stored_then_error"]
+    report(capsys, f"faults: {operations} operations, {calls} store calls, "
+           f"{sum(kinds.values())} faults {dict(kinds)}, {time.perf_counter() - t0:.0f} s")
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -83,12 +115,17 @@ def test_saves_survive_listings_that_miss_recent_objects(seed):
 
 # -- hostile manifests -----------------------------------------------------------------------
 
-def valid_manifest() -> dict:
+@functools.cache
+def _valid_manifest_bytes() -> bytes:
     store = MemoryStore()
     casstore.save(store, 1, {"a": {"w": np.arange(4096, dtype=np.float32)}, "b": [1, "x"]},
                   chunk_size_bytes=4096)
-    return msgpack.unpackb(store.get("runs/default/steps/0000000000000001.manifest"),
-                           strict_map_key=False)
+    return store.get("runs/default/steps/0000000000000001.manifest")
+
+
+def valid_manifest() -> dict:
+    """A fresh copy of a real manifest document, to mutate."""
+    return msgpack.unpackb(_valid_manifest_bytes(), strict_map_key=False)
 
 
 HOSTILE = st.one_of(
@@ -127,9 +164,18 @@ def field_paths(doc, prefix=()) -> list:
 PATHS = field_paths(valid_manifest())
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(where=st.sampled_from(PATHS), value=HOSTILE)
-def test_mutated_manifests_are_rejected_or_safe(where, value):
+FUZZED: collections.Counter[str] = collections.Counter()  # inputs checked, by kind
+
+
+def fuzzing(n: int):
+    """Hypothesis settings for ``n`` examples (no database: campaigns are not replayed)."""
+    return settings(max_examples=n, deadline=None, database=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+def check_mutated_manifest(where, value) -> None:
+    """A mutated manifest gets ManifestError, or is consistent and restores or fails cleanly."""
+    FUZZED["mutated manifests"] += 1
     doc = mutate(valid_manifest(), list(where), value)
     data = msgpack.packb(doc, use_bin_type=True)
     try:
@@ -148,11 +194,92 @@ def test_mutated_manifests_are_rejected_or_safe(where, value):
         pass
 
 
-@settings(max_examples=300, deadline=None)
-@given(data=st.binary(max_size=2000))
-def test_random_bytes_are_never_a_manifest(data):
+def check_random_bytes(data: bytes) -> None:
+    FUZZED["random manifests"] += 1
     with pytest.raises(casstore.ManifestError):
         decode_manifest(data, run="default", step=1, url="mem")
+
+
+def mutated_manifests(n: int):
+    return fuzzing(n)(given(where=st.sampled_from(PATHS), value=HOSTILE)(
+        check_mutated_manifest))
+
+
+def random_manifests(n: int):
+    return fuzzing(n)(given(data=st.binary(max_size=2000))(check_random_bytes))
+
+
+test_mutated_manifests_are_rejected_or_safe = mutated_manifests(400)
+test_random_bytes_are_never_a_manifest = random_manifests(300)
+
+
+# -- hostile chunk objects -------------------------------------------------------------------
+
+def _chunk_samples() -> list[tuple[bytes, bytes]]:
+    """``(object, raw)`` for a raw, a zstd and a shuffle + zstd chunk."""
+    rng = np.random.default_rng(0)
+    raws = [rng.integers(0, 256, 3000, np.uint8).tobytes(), b"the quick brown fox " * 150,
+            (rng.standard_normal(1000) * 0.02).astype(np.float32).tobytes()]
+    samples = [(encode_chunk(memoryview(r), element_size=4), r) for r in raws]
+    assert sorted(HEADER.unpack_from(d)[2] for d, _ in samples) == [0, 1, 2]  # every codec
+    return samples
+
+
+CHUNK_SAMPLES = _chunk_samples()
+HEADER_FIELDS = [  # magic, version, codec, element size, raw length (format.md §3.2)
+    st.binary(min_size=4, max_size=4) | st.just(MAGIC),
+    st.integers(0, 255), st.integers(0, 255),
+    st.integers(0, 2**16 - 1) | st.sampled_from([0, 1, 2, 3, 4, 8, 16, 17]),
+    st.integers(0, 2**64 - 1) | st.sampled_from([0, 1, 2**31, 2**63, 3000, 2999, 4000, 4001]),
+]
+
+
+@st.composite
+def hostile_chunks(draw) -> tuple[bytes, bytes, int]:
+    """A valid chunk object with header fields replaced, payload bytes flipped and the object
+    cut short at random; returns ``(object, raw bytes, raw length the manifest claims)``."""
+    data, raw = draw(st.sampled_from(CHUNK_SAMPLES))
+    fields = list(HEADER.unpack_from(data))
+    for i in draw(st.sets(st.integers(0, len(fields) - 1), max_size=len(fields))):
+        fields[i] = draw(HEADER_FIELDS[i])
+    body = bytearray(data[HEADER.size:])
+    for _ in range(draw(st.integers(0, 3))):
+        body[draw(st.integers(0, len(body) - 1))] ^= draw(st.integers(1, 255))
+    obj = (HEADER.pack(*fields) + bytes(body))[:draw(st.none() | st.integers(0, len(data)))]
+    # The manifest is hostile too: it may claim the header's length.
+    claimed = draw(st.sampled_from([len(raw), min(fields[4], 2**31)]))
+    return obj, raw, claimed
+
+
+def check_hostile_chunk(case: tuple[bytes, bytes, int]) -> None:
+    """A damaged chunk object gets CorruptChunkError, or decodes to exactly its raw bytes."""
+    FUZZED["chunk objects"] += 1
+    obj, raw, claimed = case
+    try:
+        decoded = decode_chunk(obj, chunk_id(raw), claimed)
+    except casstore.CorruptChunkError:
+        return
+    assert bytes(decoded) == raw
+
+
+def hostile_chunk_objects(n: int):
+    return fuzzing(n)(given(case=hostile_chunks())(check_hostile_chunk))
+
+
+test_hostile_chunk_objects_are_rejected_or_exact = hostile_chunk_objects(300)
+
+
+@pytest.mark.slow
+def test_fuzz_campaign_full_count(capsys):
+    """The campaign of docs/reliability.md: 100,000 hostile manifests and chunk objects."""
+    t0 = time.perf_counter()
+    FUZZED.clear()
+    mutated_manifests(40_000)()
+    random_manifests(20_000)()
+    hostile_chunk_objects(40_000)()
+    assert sum(FUZZED.values()) >= 100_000, FUZZED
+    report(capsys, f"fuzzing: {sum(FUZZED.values())} inputs {dict(FUZZED)}, "
+           f"{time.perf_counter() - t0:.0f} s")
 
 
 @pytest.mark.parametrize("hostile", [

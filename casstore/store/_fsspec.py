@@ -30,7 +30,7 @@ from typing import Any
 import fsspec
 from fsspec.asyn import AsyncFileSystem
 
-from .._errors import ObjectNotFoundError, StoreTimeoutError
+from .._errors import AccessDeniedError, CasstoreError, ObjectNotFoundError, StoreTimeoutError
 from .._pool import default_workers
 from ._adaptive import AdaptiveLimit
 from ._base import ObjectInfo, Store, check_key
@@ -241,7 +241,9 @@ class FsspecStore(Store):
         jitter until the operation's deadline (see the class docstring).
 
         A permanent error (or the last transient one, when ``retries`` ran out) is raised with
-        the object's URL added; a deadline that passed raises StoreTimeoutError.
+        the object's URL added; a deadline that passed raises StoreTimeoutError. A refused
+        request (s3fs maps 403 AccessDenied and bad keys to PermissionError) becomes
+        :class:`~casstore.AccessDeniedError`, whose message names that URL.
         """
         budget = self.operation_timeout_s
         if self._unanswered:
@@ -250,6 +252,11 @@ class FsspecStore(Store):
         for attempt in itertools.count():
             try:  # one attempt gets at most half the deadline: a trickle leaves time to retry
                 result = self._attempt(fn, min(deadline, time.monotonic() + budget / 2))
+            except PermissionError as e:
+                if isinstance(e, CasstoreError):
+                    raise
+                raise AccessDeniedError(f"the server refused access: {e}",
+                                        url=f"{self.url}/{key}") from e
             except Exception as e:  # classified by is_transient; anything else is re-raised
                 last = e
                 if not is_transient(e) or (self.retries is not None and attempt >= self.retries):
@@ -400,7 +407,8 @@ class FsspecStore(Store):
                 "cat", [self._path(k) for k in b], on_error="return", timeout=t))
             for key in batch:
                 value = got.get(self._path(key), FileNotFoundError())
-                if isinstance(value, BaseException) and is_transient(value):
+                if isinstance(value, BaseException) and not isinstance(value, FileNotFoundError):
+                    # once more alone: retried if transient, else raised naming its URL
                     value = self._retry(key, lambda t, k=key: self._call(
                         "cat_file", self._path(k), timeout=t))
                 if isinstance(value, FileNotFoundError):
