@@ -13,7 +13,7 @@ import dataclasses
 import time
 
 from ._layout import CHUNKS_PREFIX, RUNS_PREFIX, chunk_id_of_key, chunk_key, parse_manifest_key
-from ._locks import gc_lock
+from ._locks import GcLease, gc_lock
 from ._manifest import decode_manifest
 from ._pool import bounded_map
 from ._repository import Url, check_config
@@ -71,7 +71,9 @@ def gc(url: Url, *, grace_period_s: float = DEFAULT_GRACE_PERIOD_S, dry_run: boo
     Raises:
       ManifestError: a manifest does not parse; GC refuses to delete anything, since it cannot
         know what that step references.
-      CasstoreError: saves still in flight after ``lock_timeout_s``.
+      CasstoreError: saves still in flight after ``lock_timeout_s``; or the GC lock could not
+        be refreshed in time (its lease, format.md §8), so GC stopped deleting midway (what it
+        deleted was garbage; running it again finishes).
       ReadOnlyStoreError: not a dry run on a read-only store.
     """
     t0 = time.perf_counter()
@@ -79,13 +81,15 @@ def gc(url: Url, *, grace_period_s: float = DEFAULT_GRACE_PERIOD_S, dry_run: boo
     if not check_config(store):
         return GcInfo(0, 0, 0, 0, 0, 0, 0, dry_run, time.perf_counter() - t0)
     if dry_run:
-        return _collect(store, grace_period_s, True, max_workers, t0)
-    with gc_lock(store, lock_timeout_s):
-        return _collect(store, grace_period_s, False, max_workers, t0)
+        return _collect(store, grace_period_s, None, max_workers, t0)
+    with gc_lock(store, lock_timeout_s) as lease:
+        return _collect(store, grace_period_s, lease, max_workers, t0)
 
 
-def _collect(store: Store, grace_period_s: float, dry_run: bool, max_workers: int | None,
-             t0: float) -> GcInfo:
+def _collect(store: Store, grace_period_s: float, lease: GcLease | None,
+             max_workers: int | None, t0: float) -> GcInfo:
+    """Marks and sweeps; ``lease`` None is a dry run (nothing deleted)."""
+    dry_run = lease is None
     now = time.time()
     chunks = {cid: info for info in store.list(CHUNKS_PREFIX)
               if (cid := chunk_id_of_key(info.key)) is not None}
@@ -106,8 +110,11 @@ def _collect(store: Store, grace_period_s: float, dry_run: bool, max_workers: in
                if cid not in referenced and now - info.mtime >= grace_period_s]
     young = sum(1 for cid in chunks if cid not in referenced) - len(garbage)
     if not dry_run:
-        bounded_map(lambda cid: store.delete(chunk_key(cid)), garbage,
-                    max_workers or store.max_workers)
+        def sweep(cid: str) -> None:
+            lease.check()  # never delete once saves may have taken the lock for stale
+            store.delete(chunk_key(cid))
+
+        bounded_map(sweep, garbage, max_workers or store.max_workers)
     return GcInfo(manifests, len(chunks), len(referenced), len(garbage),
                   sum(chunks[cid].size for cid in garbage), young,
                   len(referenced - chunks.keys()), dry_run, time.perf_counter() - t0)

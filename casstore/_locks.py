@@ -4,8 +4,11 @@ A save puts a ``locks/save-*`` object, then looks for ``locks/gc-*``; GC puts ``
 then looks for ``locks/save-*``. On a store with read-after-write listings (local disk, S3,
 GCS), at least one of two racing parties sees the other. GC that sees a save withdraws its lock
 and retries later; a save that sees GC keeps its lock and waits for GC to finish its sweep.
-Locks older than ``STALE_LOCK_S`` belong to dead processes and are ignored (restic's
-stale-lock rule).
+Save locks older than ``STALE_LOCK_S`` belong to dead processes and are ignored (restic's
+stale-lock rule). The GC lock is a lease, as restic refreshes its locks: GC re-puts it every
+``GC_LOCK_REFRESH_S``, saves ignore a GC lock not refreshed for ``GC_LOCK_STALE_S`` (so a
+killed GC holds saves up for minutes, not hours), and GC deletes only while every refresh came
+within half that time, so its lock never looked stale while it swept.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,21 +28,65 @@ from ._layout import LOCKS_PREFIX, lock_key, lock_kind
 from .store import Store
 
 STALE_LOCK_S = 6 * 3600.0
+GC_LOCK_REFRESH_S = 60.0
+GC_LOCK_STALE_S = 600.0  # seconds; leaves room for clock skew between hosts and the store
 POLL_S = 0.1
 
 
 def _live(store: Store, kind: str) -> list[str]:
-    """Keys of the locks of ``kind`` younger than STALE_LOCK_S."""
-    now = time.time()
+    """Keys of the locks of ``kind`` that are not stale (see the module docstring)."""
+    now, stale = time.time(), GC_LOCK_STALE_S if kind == "gc" else STALE_LOCK_S
     return [info.key for info in store.list(LOCKS_PREFIX)
-            if lock_kind(info.key) == kind and now - info.mtime < STALE_LOCK_S]
+            if lock_kind(info.key) == kind and now - info.mtime < stale]
 
 
-def _put_lock(store: Store, kind: str) -> str:
-    key = lock_key(kind, uuid.uuid4().hex)
+def _put_lock(store: Store, kind: str, key: str | None = None) -> str:
+    key = key or lock_key(kind, uuid.uuid4().hex)
     store.put(key, msgpack.packb({"kind": kind, "created": time.time(),
                                   "host": socket.gethostname(), "pid": os.getpid()}))
     return key
+
+
+class GcLease:
+    """Keeps a GC lock fresh from a background thread while GC runs.
+
+    Attributes:
+      key: the lock object.
+    """
+
+    def __init__(self, store: Store, key: str):
+        self.store, self.key = store, key
+        self._last, self._broken = time.monotonic(), False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._refresh, daemon=True,
+                                        name="casstore-gc-lease")
+        self._thread.start()
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(GC_LOCK_REFRESH_S):
+            try:
+                _put_lock(self.store, "gc", self.key)
+            except Exception:  # noqa: BLE001 - the lease runs out unless a later refresh lands
+                continue
+            now = time.monotonic()
+            self._broken |= now - self._last > GC_LOCK_STALE_S / 2
+            self._last = now
+
+    def check(self) -> None:
+        """Raises unless the lock was refreshed in time ever since it was taken.
+
+        Raises:
+          CasstoreError: a refresh came late or not at all: saves may have ignored the lock,
+            so GC must not delete anything more.
+        """
+        if self._broken or time.monotonic() - self._last > GC_LOCK_STALE_S / 2:
+            raise CasstoreError(f"garbage collection could not keep its lock {self.key!r} "
+                                f"fresh (url {self.store.url!r}); it stopped deleting, and "
+                                "running it again finishes the work")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def check_write_access(store: Store) -> None:
@@ -65,8 +113,9 @@ def save_lock(store: Store) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def gc_lock(store: Store, timeout_s: float) -> Iterator[None]:
-    """Holds the GC lock for the body, taken at a moment no save is in flight.
+def gc_lock(store: Store, timeout_s: float) -> Iterator[GcLease]:
+    """Holds the GC lock for the body, taken at a moment no save is in flight; yields its
+    lease, whose ``check()`` GC calls before each delete.
 
     GC yields to saves: if it finds a save lock after putting its own, it withdraws and tries
     again, so saves never wait for a GC that has not started sweeping.
@@ -85,7 +134,9 @@ def gc_lock(store: Store, timeout_s: float) -> Iterator[None]:
             raise CasstoreError(f"saves kept running for {timeout_s:g} s; garbage collection "
                                 f"did nothing (url {store.url!r})")
         time.sleep(POLL_S)
+    lease = GcLease(store, key)
     try:
-        yield
+        yield lease
     finally:
+        lease.stop()
         store.delete(key)

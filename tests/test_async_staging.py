@@ -277,7 +277,9 @@ def gc_when(store: Store, key: str, locks: bool, monkeypatch, before=lambda: Non
     if not locks:
         import contextlib
         monkeypatch.setattr(_save, "save_lock", lambda store: contextlib.nullcontext())
-        monkeypatch.setattr(_gc, "gc_lock", lambda store, timeout: contextlib.nullcontext())
+        unlocked = type("Unlocked", (), {"check": lambda self: None})()
+        monkeypatch.setattr(_gc, "gc_lock",
+                            lambda store, timeout: contextlib.nullcontext(unlocked))
     outcome = []
 
     def collect():

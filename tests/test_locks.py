@@ -1,0 +1,72 @@
+"""The GC lock is a lease: a dead GC's lock stops holding saves up once it is stale, and a GC
+that cannot keep its lock fresh stops deleting."""
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import casstore
+from casstore import _locks
+from casstore._layout import CHUNKS_PREFIX, chunk_id_of_key
+from casstore.store import LocalStore
+
+
+def test_a_live_gc_lock_holds_a_save_and_a_stale_one_does_not(tmp_path):
+    store = LocalStore(tmp_path / "repo")
+    casstore.save(store, 0, {"w": np.zeros(3)})
+    key = _locks._put_lock(store, "gc")  # as a GC that was SIGKILLed while sweeping left it
+    done = threading.Event()
+    saver = threading.Thread(target=lambda: (casstore.save(store, 1, {"w": np.ones(3)}),
+                                             done.set()))
+    saver.start()
+    assert not done.wait(1.0)  # a fresh GC lock: the save waits for GC
+    old = time.time() - _locks.GC_LOCK_STALE_S - 5
+    os.utime(store._path(key), (old, old))  # ten minutes without a refresh: a dead GC
+    assert done.wait(10)
+    saver.join()
+    assert casstore.list_steps(store) == [0, 1]
+
+
+def test_gc_refreshes_its_lock_while_it_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(_locks, "GC_LOCK_REFRESH_S", 0.05)
+    store = LocalStore(tmp_path / "repo")
+    casstore.save(store, 0, {"w": np.zeros(3)})
+    with _locks.gc_lock(store, 5) as lease:
+        first = store.stat(lease.key).mtime
+        time.sleep(0.3)
+        assert store.stat(lease.key).mtime > first
+        lease.check()
+    assert not list(store.list("locks/"))
+
+
+def test_gc_that_cannot_refresh_its_lock_stops_deleting(tmp_path, monkeypatch):
+    monkeypatch.setattr(_locks, "GC_LOCK_REFRESH_S", 0.02)
+    monkeypatch.setattr(_locks, "GC_LOCK_STALE_S", 0.4)  # lease: refreshes within 0.2 s
+
+    class Stalling(LocalStore):
+        """Refreshes of the GC lock fail once GC starts deleting; deletes take 50 ms."""
+        deleting = False
+
+        def _put(self, key, data, *, exclusive):
+            if self.deleting and key.startswith("locks/gc-"):
+                raise ConnectionResetError("store unreachable")
+            super()._put(key, data, exclusive=exclusive)
+
+        def _delete(self, key):
+            if key.startswith(CHUNKS_PREFIX):
+                type(self).deleting = True
+                time.sleep(0.05)
+            super()._delete(key)
+
+    store = Stalling(tmp_path / "repo")
+    for step in range(20):
+        casstore.save(store, step, {"w": np.full(1000, step)})
+        casstore.delete(store, step)
+    garbage = [i for i in store.list(CHUNKS_PREFIX) if chunk_id_of_key(i.key)]
+    with pytest.raises(casstore.CasstoreError, match="could not keep its lock"):
+        casstore.gc(store, grace_period_s=0, max_workers=1)
+    left = [i for i in store.list(CHUNKS_PREFIX) if chunk_id_of_key(i.key)]
+    assert 0 < len(left) < len(garbage)  # it stopped midway, not before and not after
