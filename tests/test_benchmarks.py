@@ -43,7 +43,7 @@ def test_save_restore_benchmark_reports_every_figure_for_every_system(tmp_path, 
 
 
 def test_restore_check_raises_on_a_flipped_bit():
-    bench = load("save_restore")
+    bench = load("harness")
     state = bench.train_state("tiny")
     restored = {k: v.copy() for k, v in bench.flatten(state).items()}
     restored["params/wpe"].view("uint32")[3, 5] ^= 1
