@@ -104,6 +104,19 @@ def _phase(out: dict, key: str, fn: Callable[[], Any], *, warm: int, drop: bool,
     return result
 
 
+def _rewriting_saves(out: dict, phase: Callable, save: Callable[[int, Any], None],
+                     states: list, root: pathlib.Path,
+                     step_path: Callable[[int], pathlib.Path]) -> None:
+    """The three saves of a system that writes a whole new checkpoint (``step_path(step)``)
+    per step: its size is the bytes written."""
+    phase("first_save_s", lambda: save(1, states[0]), rss="save_rss_extra_bytes")
+    out["first_save_disk_bytes"] = h.du(root)[1]
+    for name, step in (("changed_save", 2), ("unchanged_save", 3)):
+        phase(f"{name}_s", lambda s=step: save(s, states[1]))
+        out[f"{name}_written_bytes"] = h.du(step_path(step))[1]
+    out["repo_bytes"] = h.du(root)[1]
+
+
 def bench_casstore(root: pathlib.Path, states: list[dict], abstract: Any, drop: bool,
                    warm: int) -> dict:
     repo, out = root / "repo", {}
@@ -137,13 +150,7 @@ def bench_orbax(root: pathlib.Path, states: list[dict], abstract: Any, drop: boo
             ckptr.save(root / str(step), state)
             ckptr.wait_until_finished()
 
-        phase("first_save_s", lambda: save(1, states[0]), rss="save_rss_extra_bytes")
-        out["first_save_disk_bytes"] = h.du(root)[1]
-        phase("changed_save_s", lambda: save(2, states[1]))
-        out["changed_save_written_bytes"] = h.du(root / "2")[1]
-        phase("unchanged_save_s", lambda: save(3, states[1]))
-        out["unchanged_save_written_bytes"] = h.du(root / "3")[1]
-        out["repo_bytes"] = h.du(root)[1]
+        _rewriting_saves(out, phase, save, states, root, lambda step: root / str(step))
         restored = phase("restore_s", lambda: jax.block_until_ready(
             ckptr.restore(root / "3", abstract)), rss="restore_rss_extra_bytes")
     out["verified_leaves"] = h.verify_equal(states[1], h.flatten(restored), "orbax", True)
@@ -164,13 +171,7 @@ def bench_safetensors(root: pathlib.Path, states: list[dict], abstract: Any, dro
         h.fsync_path(path)
         h.fsync_path(root)
 
-    phase("first_save_s", lambda: save(1, flat[0]), rss="save_rss_extra_bytes")
-    out["first_save_disk_bytes"] = h.du(root)[1]
-    phase("changed_save_s", lambda: save(2, flat[1]))
-    out["changed_save_written_bytes"] = h.du(root / "2.safetensors")[1]
-    phase("unchanged_save_s", lambda: save(3, flat[1]))
-    out["unchanged_save_written_bytes"] = h.du(root / "3.safetensors")[1]
-    out["repo_bytes"] = h.du(root)[1]
+    _rewriting_saves(out, phase, save, flat, root, lambda step: root / f"{step}.safetensors")
     restored = phase("restore_s", lambda: load_file(str(root / "3.safetensors")),
                      rss="restore_rss_extra_bytes")
     out["verified_leaves"] = h.verify_equal(states[1], restored, "safetensors", False)
