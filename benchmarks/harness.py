@@ -107,6 +107,7 @@ def _numpy_filler(rng: np.random.Generator, kind: str) -> Callable[[tuple[int, .
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _jax_leaf(key: jax.Array, shape: tuple[int, ...], nu: bool) -> jax.Array:
+    """One float32 leaf: N(0, 0.02), or |N(0, 1e-3)| for ``nu``. Compiled once per shape."""
     x = jax.random.normal(key, shape, jnp.float32)
     return jnp.abs(x) * jnp.float32(1e-3) if nu else x * jnp.float32(0.02)
 
@@ -217,6 +218,7 @@ def flat_name(path: tuple) -> str:
 
 
 def flatten(tree: Any) -> dict[str, Any]:
+    """``{flat_name(key path): leaf}`` for every leaf of ``tree``."""
     return {flat_name(p): v for p, v in jax.tree_util.tree_leaves_with_path(tree)}
 
 
@@ -414,6 +416,7 @@ def du(path: pathlib.Path) -> tuple[int, int]:
 
 
 def fsync_path(path: pathlib.Path) -> None:
+    """fsyncs a file or a directory (after writing into it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -515,6 +518,7 @@ def fmt(value: float, unit: str) -> str:
 
 
 def ratio(a: float, b: float) -> float:
+    """``a / b``, NaN if ``b`` is 0 or either is NaN."""
     return a / b if b and not math.isnan(a) and not math.isnan(b) else float("nan")
 
 
@@ -552,6 +556,7 @@ def parser(doc: str, *names: str, **helps: str) -> argparse.ArgumentParser:
 
 
 def parse(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parses ``argv``; exits with a usage error if ``--repeat`` is below 1."""
     args = ap.parse_args(argv)
     if getattr(args, "repeat", 1) < 1:
         ap.error("--repeat must be >= 1")
