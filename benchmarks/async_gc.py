@@ -1,9 +1,11 @@
 """casstore vs orbax-checkpoint: blocking time of an asynchronous save; casstore GC of 50 steps.
 
-Part 1, asynchronous save. The GPT-2-small train state of ``save_restore.py`` (124M float32
-parameters plus adam ``mu`` and ``nu`` and an int32 ``count``, about 1.49 GB of random values),
-as jax arrays on the CPU device, is saved to local disk several times (steps 1..3; from step 2
-on the last 2 blocks, ``ln_f`` and ``count`` have new values) by
+Part 1, asynchronous save. The GPT-2-small train state of ``harness.train_state`` (124M float32
+parameters plus adam ``mu`` and ``nu`` and an int32 ``count``, about 1.49 GB of random values;
+``--size gpt2-xl``: 18.7 GB made with ``jax.random`` on the device), as jax arrays on
+``--device`` (default: jax's default device, a GPU when there is one; ``cpu``: the CPU device),
+is saved to local disk several times (steps 1..3; from step 2 on the last 2 blocks, ``ln_f``
+and ``count`` have new values) by
 
 - casstore: ``CheckpointManager(dir, enable_async_checkpointing=True)``: ``mngr.save(step,
   state)`` is the blocking part (``mngr.last_save_blocking_s`` is recorded too), then
@@ -14,11 +16,13 @@ on the last 2 blocks, ``ln_f`` and ``count`` have new values) by
 
 As soon as ``save`` returns, the caller's arrays are deleted (``jax.Array.delete``); the total is
 the wall time from the ``save`` call until ``wait_until_finished`` returns. Medians over all saves
-are reported. Outside the timed region every step is restored and compared bit for bit with the
-numpy state it was made from; then one more save (the proof step) is followed, while the save runs
-in the background, by a jitted update that donates the caller's buffers and overwrites them
-(``x + 1``), and is then restored and compared bit for bit too. These checks raise
-``AssertionError`` on any difference.
+are reported, and the blocking time of step 1 (everything new) apart from the later steps'; the
+peak extra host RSS from the ``save`` call until the save finished is sampled too. With
+``--drop-caches`` the page cache is dropped before each save (needs root). Outside the timed
+region every step is restored and compared bit for bit with the state it was made from; then one
+more save (the proof step) is followed, while the save runs in the background, by a jitted update
+that donates the caller's buffers and overwrites them (``x + 1``), and is then restored and
+compared bit for bit too. These checks raise ``AssertionError`` on any difference.
 
 Part 2, garbage collection (casstore only). A repository gets 50 steps of a state of 64 float32
 matrices of 512 KiB plus 64 small biases (32 MiB); each step gives 16 matrices and their biases
@@ -33,51 +37,27 @@ steps must restore bit-exact.
 
 Usage::
 
-    python benchmarks/async_gc.py [--dir DIR] [--repeat N] [--tiny] [--json PATH]
+    python benchmarks/async_gc.py [--dir DIR] [--repeat N] [--tiny] [--size gpt2|gpt2-xl|tiny]
+                                  [--device default|cpu] [--drop-caches] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import datetime
-import importlib.metadata
-import importlib.util
 import inspect
-import json
-import math
 import os
 import pathlib
-import platform
-import shutil
 import statistics
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import numpy as np
-import psutil
 
 import casstore
 
-
-def _load_save_restore():
-    """``benchmarks/save_restore.py`` as a module (its state generator and checks are reused)."""
-    name = "casstore_bench_save_restore"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(
-        name, pathlib.Path(__file__).with_name("save_restore.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-sr = _load_save_restore()
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import harness as h  # noqa: E402
 
 SYSTEMS = ("casstore", "orbax")
 ASYNC_SAVES = 3  # steps 1..3; the proof step is ASYNC_SAVES + 1
@@ -89,14 +69,17 @@ GC_SIZES = {  # matrices per step, float32 elements per matrix, bias elements, c
 # How far back chunk mtimes are set: twice casstore.gc's default grace period.
 AGE_S = 2 * inspect.signature(casstore.gc).parameters["grace_period_s"].default
 
-# Per-system figures of part 1: (key, label, unit). "s" seconds, "B" bytes.
+# Per-system figures of part 1: (key, label, unit). "s" seconds, "MB" bytes in MB.
 ASYNC_FIGURES = [
     ("blocking_s", "`save()` blocking, median", "s"),
+    ("first_blocking_s", "`save()` blocking, step 1 (everything new)", "s"),
+    ("later_blocking_s", "`save()` blocking, steps 2.., median", "s"),
     ("reported_blocking_s", "`mngr.last_save_blocking_s`, median", "s"),
     ("wait_s", "`wait_until_finished()`, median", "s"),
     ("total_s", "total, `save()` call to finished, median", "s"),
     ("first_total_s", "total of step 1 (everything new)", "s"),
-    ("written_bytes", "written per save, median", "B"),
+    ("written_bytes", "written per save, median", "MB"),
+    ("rss_extra_bytes", "peak extra RSS, `save()` call to finished, median", "MB"),
 ]
 # Figures of part 2, each for the dry run and the real GC: (GcInfo attribute, label).
 GC_FIGURES = [
@@ -111,28 +94,9 @@ GC_FIGURES = [
 
 # -- helpers -----------------------------------------------------------------------------------
 
-def check(condition: bool, detail: Any) -> None:
-    """Raises AssertionError with ``detail`` unless ``condition`` (also under ``python -O``)."""
-    if not condition:
-        raise AssertionError(str(detail))
-
-
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    t0 = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - t0, result
-
-
-def du(path: pathlib.Path) -> tuple[int, int]:
-    """(files, bytes) under ``path``."""
-    files = [p for p in path.rglob("*") if p.is_file()]
-    return len(files), sum(p.stat().st_size for p in files)
-
-
-def to_device(np_state: Any) -> Any:
-    """Fresh jax arrays on the CPU device for every leaf (the caller's buffers, owned by jax)."""
-    device = jax.devices("cpu")[0]
-    return jax.block_until_ready(jax.tree.map(lambda x: jax.device_put(x, device), np_state))
+def to_device(state: Any, dev: jax.Device) -> Any:
+    """Fresh jax arrays on ``dev`` for every leaf (the caller's buffers, owned by jax)."""
+    return h.to_jax([state], dev, copy=True)[0]
 
 
 def delete_arrays(state: Any) -> None:
@@ -149,25 +113,6 @@ def _plus_one(state: Any) -> Any:
 _plus_one_donated = jax.jit(_plus_one, donate_argnums=0)
 
 
-def abstract_of(np_state: Any) -> Any:
-    """``jax.ShapeDtypeStruct`` leaves on the CPU device, the restore target."""
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype,
-                                                       sharding=sharding), np_state)
-
-
-@contextlib.contextmanager
-def scratch(base_dir: str | None, name: str) -> Iterator[pathlib.Path]:
-    """A fresh temporary directory (inside ``base_dir`` if given), removed afterwards."""
-    if base_dir is not None:
-        os.makedirs(base_dir, exist_ok=True)
-    root = pathlib.Path(tempfile.mkdtemp(prefix=f"casstore-bench-{name}-", dir=base_dir))
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
 # -- part 1: asynchronous save -----------------------------------------------------------------
 
 class _Casstore:
@@ -178,7 +123,7 @@ class _Casstore:
                                                enable_async_checkpointing=True)
 
     def save(self, step: int, state: Any) -> None:
-        check(self.mngr.save(step, state), f"casstore did not save step {step}")
+        h.check(self.mngr.save(step, state), f"casstore did not save step {step}")
 
     def wait(self) -> None:
         self.mngr.wait_until_finished()
@@ -215,7 +160,7 @@ class _Orbax:
         return float("nan")
 
     def written_bytes(self, step: int) -> int:
-        return du(self.root / str(step))[1]  # orbax rewrites the whole state every step
+        return h.du(self.root / str(step))[1]  # orbax rewrites the whole state every step
 
     def restore(self, step: int, abstract: Any) -> Any:
         return self.ckptr.restore(self.root / str(step),
@@ -229,8 +174,9 @@ CHECKPOINTERS = {"casstore": _Casstore, "orbax": _Orbax}
 
 
 def bench_async(system: str, root: pathlib.Path, np_states: list[Any], proof_state: Any,
-                abstract: Any) -> dict:
-    """Times ``len(np_states)`` asynchronous saves of ``system``, then checks every step.
+                abstract: Any, dev: jax.Device, drop: bool) -> dict:
+    """Times ``len(np_states)`` asynchronous saves of ``system`` of states put on ``dev``, then
+    checks every step. With ``drop`` the page cache is dropped before each save.
 
     Returns the per-save figures (``saves``), their medians, the steps verified bit-exact and
     the proof step's outcome.
@@ -239,67 +185,81 @@ def bench_async(system: str, root: pathlib.Path, np_states: list[Any], proof_sta
     saves = []
     try:
         for step, np_state in enumerate(np_states, start=1):
-            state = to_device(np_state)
-            sr.settle()
-            t0 = time.perf_counter()
-            ckpt.save(step, state)
-            t1 = time.perf_counter()
-            delete_arrays(state)  # the caller moves on: its buffers are gone
-            del state
-            t2 = time.perf_counter()
-            ckpt.wait()
-            t3 = time.perf_counter()
+            state = to_device(np_state, dev)
+            h.settle(drop=drop)
+            with h.PeakRss() as rss:
+                t0 = time.perf_counter()
+                ckpt.save(step, state)
+                t1 = time.perf_counter()
+                delete_arrays(state)  # the caller moves on: its buffers are gone
+                del state
+                t2 = time.perf_counter()
+                ckpt.wait()
+                t3 = time.perf_counter()
             saves.append({"step": step, "blocking_s": t1 - t0,
                           "reported_blocking_s": ckpt.reported_blocking_s(),
                           "wait_s": t3 - t2, "total_s": t3 - t0,
-                          "written_bytes": ckpt.written_bytes(step)})
+                          "written_bytes": ckpt.written_bytes(step),
+                          "rss_extra_bytes": rss.extra})
         for step, np_state in enumerate(np_states, start=1):
             restored = jax.block_until_ready(ckpt.restore(step, abstract))
-            sr.verify_equal(np_state, sr.flatten(restored), f"{system} step {step}", True)
+            h.verify_equal(np_state, h.flatten(restored), f"{system} step {step}", True)
             del restored
-        proof = _proof_step(ckpt, len(np_states) + 1, proof_state, abstract, system)
+        proof = _proof_step(ckpt, len(np_states) + 1, proof_state, abstract, system, dev)
     finally:
         ckpt.close()
-    out: dict[str, Any] = {key: statistics.median(s[key] for s in saves)
-                           for key in saves[0] if key != "step"}
-    out["first_total_s"] = saves[0]["total_s"]
+    out = _save_medians(saves)
     out["verified_steps"] = len(np_states)
     out["saves"], out["proof"] = saves, proof
     return out
 
 
-def _proof_step(ckpt: Any, step: int, np_state: Any, abstract: Any, system: str) -> dict:
+def _save_medians(saves: list[dict]) -> dict:
+    """Medians of the per-save figures over ``saves`` (in step order, runs concatenated), and
+    the first save's total and blocking time apart from the later saves' blocking time."""
+    out: dict[str, Any] = {key: statistics.median(s[key] for s in saves)
+                           for key in saves[0] if key != "step"}
+    first, later = ([s for s in saves if s["step"] == 1], [s for s in saves if s["step"] > 1])
+    out["first_total_s"] = statistics.median(s["total_s"] for s in first)
+    out["first_blocking_s"] = statistics.median(s["blocking_s"] for s in first)
+    out["later_blocking_s"] = statistics.median(s["blocking_s"] for s in later or first)
+    return out
+
+
+def _proof_step(ckpt: Any, step: int, np_state: Any, abstract: Any, system: str,
+                dev: jax.Device) -> dict:
     """Saves, overwrites the caller's buffers in place while the save runs, checks the restore.
 
     The update ``x + 1`` donates the saved arrays, so XLA writes the new values into their
     buffers whenever nothing else holds them. Raises AssertionError if the restored step is not
     bit-exact ``np_state``.
     """
-    delete_arrays(_plus_one_donated(to_device(np_state)))  # compile outside the proof
-    state = to_device(np_state)
+    delete_arrays(_plus_one_donated(to_device(np_state, dev)))  # compile outside the proof
+    state = to_device(np_state, dev)
     ckpt.save(step, state)
     updated = jax.block_until_ready(_plus_one_donated(state))
     donated = all(x.is_deleted() for x in jax.tree.leaves(state))
     if not donated:  # jax copied instead (the buffers were still referenced): free them now
         delete_arrays(state)
     del state
-    garbage = to_device(jax.tree.map(np.zeros_like, np_state))  # reuse any freed memory
+    zeros = jax.tree.map(lambda x: np.zeros(np.shape(x), x.dtype), np_state)
+    garbage = to_device(zeros, dev)  # reuse any freed memory
     delete_arrays(updated)
     ckpt.wait()
     restored = jax.block_until_ready(ckpt.restore(step, abstract))
-    sr.verify_equal(np_state, sr.flatten(restored), f"{system} proof step {step}", True)
+    h.verify_equal(np_state, h.flatten(restored), f"{system} proof step {step}", True)
     delete_arrays(garbage)
     return {"step": step, "verified": True, "buffers_donated_in_place": donated}
 
 
-def host_copy_s(np_state: Any) -> float:
+def host_copy_s(np_state: Any, dev: jax.Device) -> float:
     """Seconds to copy a fresh device state to new host memory (np.array(copy=True) per leaf).
 
     The floor for any snapshot that copies the caller's arrays, measured for comparison.
     """
-    state = to_device(np_state)
-    sr.settle()
-    seconds, copies = timed(lambda: [np.array(x, copy=True) for x in jax.tree.leaves(state)])
+    state = to_device(np_state, dev)
+    h.settle()
+    seconds, copies = h.seconds(lambda: [np.array(x, copy=True) for x in jax.tree.leaves(state)])
     delete_arrays(state)
     del copies
     return seconds
@@ -329,13 +289,15 @@ def gc_states(size: str, steps: int = GC_STEPS, seed: int = 0) -> list[dict]:
     return states
 
 
-def bench_gc(root: pathlib.Path, size: str) -> dict:
-    """Builds the 50-step repository, deletes 40 steps, times GC, then checks the repository."""
+def bench_gc(root: pathlib.Path, size: str, drop: bool = False) -> dict:
+    """Builds the 50-step repository, deletes 40 steps, times GC, then checks the repository.
+
+    With ``drop`` the page cache is dropped before the timed GCs."""
     repo = root / "gc-repo"
     states = gc_states(size)
     build_s = 0.0
     for step, state in enumerate(states):
-        seconds, _ = timed(lambda: casstore.save(str(repo), step, state))  # noqa: B023
+        seconds, _ = h.seconds(lambda: casstore.save(str(repo), step, state))  # noqa: B023
         build_s += seconds
     refs = {s: casstore.read_manifest(str(repo), s).chunk_ids() for s in range(len(states))}
     keep, doomed = list(refs)[-GC_KEEP:], list(refs)[:-GC_KEEP]
@@ -343,37 +305,37 @@ def bench_gc(root: pathlib.Path, size: str) -> dict:
     garbage = set().union(*(refs[s] for s in doomed)) - live
     chunk_dir = repo / "chunks"
     garbage_bytes = sum((chunk_dir / c[:2] / c[2:]).stat().st_size for c in garbage)
-    chunks_before, bytes_before = du(chunk_dir)
+    chunks_before, bytes_before = h.du(chunk_dir)
     for step in doomed:
         casstore.delete(str(repo), step)
 
     young = casstore.gc(str(repo), dry_run=True)  # default grace period: nothing is old enough
-    check(young.deleted_chunks == 0 and young.young_unreferenced_chunks == len(garbage), young)
+    h.check(young.deleted_chunks == 0 and young.young_unreferenced_chunks == len(garbage), young)
     past = time.time() - AGE_S
     for path in chunk_dir.rglob("*"):
         if path.is_file():
             os.utime(path, (past, past))
-    sr.settle()
+    h.settle(drop=drop)
     load = os.getloadavg()
     dry = casstore.gc(str(repo), grace_period_s=0, dry_run=True)
     real = casstore.gc(str(repo), grace_period_s=0)
     for info in (dry, real):
-        check((info.deleted_chunks, info.deleted_bytes) == (len(garbage), garbage_bytes), info)
-        check(info.manifests == GC_KEEP and info.chunks == chunks_before, info)
-        check(info.referenced_chunks == len(live) and info.missing_chunks == 0, info)
-    chunks_after, bytes_after = du(chunk_dir)
-    check((chunks_after, bytes_after) == (chunks_before - len(garbage),
+        h.check((info.deleted_chunks, info.deleted_bytes) == (len(garbage), garbage_bytes), info)
+        h.check(info.manifests == GC_KEEP and info.chunks == chunks_before, info)
+        h.check(info.referenced_chunks == len(live) and info.missing_chunks == 0, info)
+    chunks_after, bytes_after = h.du(chunk_dir)
+    h.check((chunks_after, bytes_after) == (chunks_before - len(garbage),
                                           bytes_before - garbage_bytes),
           f"chunks/ holds {chunks_after} files, {bytes_after} bytes after GC")
     again = casstore.gc(str(repo), grace_period_s=0)
-    check(again.deleted_chunks == 0, again)
+    h.check(again.deleted_chunks == 0, again)
 
     report = casstore.verify(str(repo))
-    check(report.ok, [str(p) for p in report.problems])
-    check(sorted(s for _, s in report.steps_checked) == keep, report.steps_checked)
+    h.check(report.ok, [str(p) for p in report.problems])
+    h.check(sorted(s for _, s in report.steps_checked) == keep, report.steps_checked)
     for step in keep:
         restored = casstore.restore(str(repo), step)
-        sr.verify_equal(states[step], sr.flatten(restored), f"gc step {step}", False)
+        h.verify_equal(states[step], h.flatten(restored), f"gc step {step}", False)
     return {"steps": len(states), "kept_steps": keep, "deleted_steps": len(doomed),
             "state_bytes": sum(np.asarray(x).nbytes for x in jax.tree.leaves(states[0])),
             "build_s": build_s, "chunks_before": chunks_before, "bytes_before": bytes_before,
@@ -394,76 +356,62 @@ def _gc_dict(info: casstore.GcInfo) -> dict:
 
 # -- running -----------------------------------------------------------------------------------
 
-def _environment() -> dict:
-    versions = {}
-    for dist in ("casstore", "jax", "jaxlib", "numpy", "orbax-checkpoint", "tensorstore"):
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            versions[dist] = importlib.metadata.version(dist)
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "cpus": os.cpu_count(), "memory_bytes": psutil.virtual_memory().total,
-            "platform": platform.platform(), "python": platform.python_version(),
-            "versions": versions}
-
-
-def _median_dicts(runs: list[dict]) -> dict:
-    """Medians of the numeric top-level figures of ``runs`` (other keys from the first run)."""
-    out = dict(runs[0])
-    for key, value in runs[0].items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[key] = statistics.median(r[key] for r in runs)
-    return out
-
-
-def run(size: str = "gpt2", base_dir: str | None = None, repeat: int = 1) -> dict:
+def run(size: str = "gpt2", base_dir: str | None = None, repeat: int = 1,
+        device: str = "default", drop: bool = False) -> dict:
     """Runs part 1 for both systems and part 2, ``repeat`` times each; returns all figures.
+
+    Part 1's states live on ``device`` (``"default"`` or ``"cpu"``, see ``harness.device``);
+    part 2 saves numpy states (its ``gpt2`` size for every size but ``tiny``). With ``drop`` the
+    page cache is dropped before each save and each GC.
 
     Raises:
       AssertionError: a restore was not bit-exact or GC did not do exactly what it should.
     """
-    env, load_before = _environment(), os.getloadavg()
+    env, load_before = h.environment("orbax-checkpoint", "tensorstore"), os.getloadavg()
+    dev = h.device(device)
     t0 = time.perf_counter()
-    np_states = [sr.train_state(size)]
+    np_states = [h.train_state(size, device=dev)]
     for step in range(2, ASYNC_SAVES + 1):
-        np_states.append(sr.changed_state(np_states[-1], seed=step))
-    proof_state = sr.changed_state(np_states[-1], seed=ASYNC_SAVES + 1)
+        np_states.append(h.changed_state(np_states[-1], seed=step))
+    proof_state = h.changed_state(np_states[-1], seed=ASYNC_SAVES + 1)
+    jax.block_until_ready((np_states, proof_state))
     generate_s = time.perf_counter() - t0
-    abstract = abstract_of(np_states[0])
-    logical_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(np_states[0]))
+    abstract = h.abstract_of(np_states[0], dev)
+    logical_bytes = h.state_bytes(np_states[0])
     runs: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
     copy_s = []
     for r in range(repeat):
-        copy_s.append(host_copy_s(np_states[0]))
-        for system in SYSTEMS[r % 2:] + SYSTEMS[:r % 2]:
-            with scratch(base_dir, system) as root:
+        copy_s.append(host_copy_s(np_states[0], dev))
+        for system in h.rotated(SYSTEMS, r):
+            with h.scratch(base_dir, system) as root:
                 load = os.getloadavg()
-                figures = bench_async(system, root, np_states, proof_state, abstract)
+                figures = bench_async(system, root, np_states, proof_state, abstract, dev,
+                                      drop)
             figures["load_before"] = load
             runs[system].append(figures)
-            sr.settle()
+            h.settle()
     async_results = {}
     for system, rs in runs.items():
-        all_saves = [s for r in rs for s in r["saves"]]
-        med = {key: statistics.median(s[key] for s in all_saves)
-               for key in all_saves[0] if key != "step"}
-        med["first_total_s"] = statistics.median(r["first_total_s"] for r in rs)
+        med = _save_medians([s for r in rs for s in r["saves"]])
         med["verified_steps"] = sum(r["verified_steps"] for r in rs)
         med["proof_verified"] = all(r["proof"]["verified"] for r in rs)
         med["buffers_donated_in_place"] = all(r["proof"]["buffers_donated_in_place"]
                                               for r in rs)
-        med["saves_measured"] = len(all_saves)
+        med["saves_measured"] = sum(len(r["saves"]) for r in rs)
         async_results[system] = med
     del np_states, proof_state, abstract
-    sr.settle()
+    h.settle()
     gc_runs = []
     for _ in range(repeat):
-        with scratch(base_dir, "gc") as root:
-            gc_runs.append(bench_gc(root, size))
-        sr.settle()
-    gc_result = _median_dicts(gc_runs)
+        with h.scratch(base_dir, "gc") as root:
+            gc_runs.append(bench_gc(root, "tiny" if size == "tiny" else "gpt2", drop))
+        h.settle()
+    gc_result = h.medians(gc_runs)
     for part in ("dry_run", "gc"):
-        gc_result[part] = _median_dicts([g[part] for g in gc_runs])
-    return {"size": size, "logical_bytes": logical_bytes,
+        gc_result[part] = h.medians([g[part] for g in gc_runs])
+    return {"size": size, "device": str(dev), "logical_bytes": logical_bytes,
             "async_saves_per_run": ASYNC_SAVES, "repeat": repeat, "generate_s": generate_s,
+            "drop_caches_requested": drop,
             "load_before": load_before, "load_after": os.getloadavg(), "environment": env,
             "host_copy_s": statistics.median(copy_s), "host_copy_runs_s": copy_s,
             "async": async_results, "async_runs": runs, "gc": gc_result, "gc_runs": gc_runs}
@@ -471,35 +419,20 @@ def run(size: str = "gpt2", base_dir: str | None = None, repeat: int = 1) -> dic
 
 # -- reporting ---------------------------------------------------------------------------------
 
-def _fmt(value: float, unit: str) -> str:
-    if isinstance(value, float) and math.isnan(value):
-        return "n/a"
-    if unit == "s":
-        return f"{value:.3f}"
-    if unit == "x":
-        return f"{value:.3f}"
-    if unit == "B":
-        return f"{value / 1e6:.2f}"
-    return f"{value:.0f}"
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if b and not math.isnan(a) and not math.isnan(b) else float("nan")
-
-
 def table(result: dict) -> str:
     """Part 1 as a markdown table (figure, casstore, orbax, ratio), then part 2, then notes."""
     a, g = result["async"], result["gc"]
-    lines = ["| figure | casstore | orbax | casstore / orbax |", "|---|---:|---:|---:|"]
+    rows = []
     for key, label, unit in ASYNC_FIGURES:
         c, o = a["casstore"][key], a["orbax"][key]
-        unit_label = "MB" if unit == "B" else unit
-        lines.append(f"| {label} ({unit_label}) | {_fmt(c, unit)} | {_fmt(o, unit)} "
-                     f"| {_fmt(_ratio(c, o), 'x')} |")
-    ratio = _ratio(a["casstore"]["blocking_s"], a["orbax"]["blocking_s"])
+        rows.append([f"{label} ({unit})", h.fmt(c, unit), h.fmt(o, unit),
+                     h.fmt(h.ratio(c, o), "x")])
+    lines = h.md_table(["figure", "casstore", "orbax", "casstore / orbax"], rows)
+    ratio = h.ratio(a["casstore"]["blocking_s"], a["orbax"]["blocking_s"])
     lines += [
         "",
-        f"- state: {result['logical_bytes'] / 1e6:.1f} MB ({result['size']}); "
+        f"- state: {result['logical_bytes'] / 1e6:.1f} MB ({result['size']}, on "
+        f"{result['device']}); "
         f"{a['casstore']['saves_measured']} saves per system ({result['async_saves_per_run']} "
         f"per run x {result['repeat']}); every step and the proof step restored bit-exact "
         f"(casstore: {a['casstore']['verified_steps']} + proof "
@@ -519,12 +452,12 @@ def table(result: dict) -> str:
         f"({g['deleted_steps']} deleted, {len(g['kept_steps'])} kept; built in "
         f"{g['build_s']:.1f} s):",
         "",
-        "| GC figure | dry run | gc |",
-        "|---|---:|---:|",
     ]
-    for key, label in GC_FIGURES:
-        unit = "s" if key == "seconds" else "B" if key == "deleted_bytes" else "n"
-        lines.append(f"| {label} | {_fmt(g['dry_run'][key], unit)} | {_fmt(g['gc'][key], unit)} |")
+    units = {"seconds": "s", "deleted_bytes": "MB"}
+    lines += h.md_table(["GC figure", "dry run", "gc"],
+                        [[label, h.fmt(g["dry_run"][key], units.get(key, "n")),
+                          h.fmt(g["gc"][key], units.get(key, "n"))]
+                         for key, label in GC_FIGURES])
     env = result["environment"]
     lines += [
         "",
@@ -545,22 +478,16 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dir", default=None,
-                    help="where to write (a fresh temp dir inside it; default: under /tmp)")
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="runs of each part; medians over all saves and runs are shown")
-    ap.add_argument("--tiny", action="store_true",
-                    help="tiny states (smoke test): 3 blocks of width 64, 50 GC steps of 1 MiB")
-    ap.add_argument("--json", default=None, help="also write all figures as JSON here")
-    args = ap.parse_args(argv)
-    if args.repeat < 1:
-        ap.error("--repeat must be >= 1")
-    result = run("tiny" if args.tiny else "gpt2", args.dir, args.repeat)
-    print(table(result))
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    ap = h.parser(__doc__, "dir", "repeat", "tiny", "drop-caches", "device", "json",
+                  repeat="runs of each part; medians over all saves and runs are shown",
+                  tiny="tiny states (smoke test): 3 blocks of width 64, 50 GC steps of 1 MiB")
+    ap.add_argument("--size", choices=("gpt2", "gpt2-xl", "tiny"), default="gpt2",
+                    help="part 1's state: gpt2 (1.49 GB), gpt2-xl (18.7 GB, made on the "
+                         "device) or tiny")
+    args = h.parse(ap, argv)
+    result = run("tiny" if args.tiny else args.size, args.dir, args.repeat, args.device,
+                 args.drop_caches)
+    return h.report(result, table(result), args.json)
 
 
 if __name__ == "__main__":

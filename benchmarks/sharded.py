@@ -34,20 +34,8 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import ctypes  # noqa: E402
-import datetime  # noqa: E402
-import gc  # noqa: E402
-import importlib.metadata  # noqa: E402
-import json  # noqa: E402
 import pathlib  # noqa: E402
-import shutil  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
 from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
@@ -56,12 +44,11 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import casstore  # noqa: E402
-
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from save_restore import PeakRss  # noqa: E402  (one RSS sampler for every benchmark)
-
 from casstore._restore import read_regions  # noqa: E402
 from casstore.store import CountingStore, LocalStore  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import harness as h  # noqa: E402
 
 # name -> (shape, spec on the save mesh). Shapes are divided by TINY_DIV with --tiny.
 LEAVES: dict[str, tuple[tuple[int, int], P]] = {
@@ -78,35 +65,6 @@ SYSTEMS = ("casstore", "orbax")
 TIMED = (("save_s", "save (s)"),
          ("restore_same_s", "restore, same mesh (s)"),
          ("restore_other_s", "restore, other mesh (8,) P('x') (s)"))
-
-
-# ---------------------------------------------------------------------------------- helpers
-
-
-def settle(warm_bytes: int, drop: bool) -> None:
-    """Before a timed phase: collect garbage, trim the heap, write back dirty pages, optionally
-    drop the page cache (needs root), and touch ``warm_bytes`` of memory and free it again.
-
-    The warming matters on these VMs: memory left free for a few seconds goes back to the host
-    and touching it again is slow, which would be charged to whichever phase came first.
-    """
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    os.sync()
-    if drop:
-        with contextlib.suppress(OSError), open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    if warm_bytes:
-        touched = np.ones(warm_bytes, np.uint8)
-        del touched
-
-
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    """Runs ``fn`` and returns (wall seconds, its result)."""
-    t0 = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - t0, result
 
 
 # ---------------------------------------------------------------------------- state, checks
@@ -164,16 +122,16 @@ def bench_casstore(root: pathlib.Path, state: dict, source: dict, same: dict, ot
                    warm: int, drop: bool) -> dict:
     """casstore: save step 1, restore it onto the same sharding and onto the other mesh."""
     out: dict[str, Any] = {}
-    settle(warm, False)
-    out["save_s"], _ = timed(lambda: casstore.save(root, 1, state))
-    settle(warm, drop)
-    out["restore_same_s"], r = timed(
+    h.settle(warm)
+    out["save_s"], _ = h.seconds(lambda: casstore.save(root, 1, state))
+    h.settle(warm, drop)
+    out["restore_same_s"], r = h.seconds(
         lambda: jax.block_until_ready(casstore.restore(root, 1, target=same)))
     out["checked_same"] = check(r, source, same, "casstore same mesh")
     del r
-    settle(warm, drop)
-    with PeakRss() as rss:
-        out["restore_other_s"], r = timed(
+    h.settle(warm, drop)
+    with h.PeakRss() as rss:
+        out["restore_other_s"], r = h.seconds(
             lambda: jax.block_until_ready(casstore.restore(root, 1, target=other)))
     out["restore_other_rss_extra_bytes"] = rss.extra
     out["checked_other"] = check(r, source, other, "casstore other mesh")
@@ -219,16 +177,16 @@ def bench_orbax(root: pathlib.Path, state: dict, source: dict, same: dict, other
             ckptr.save(path, state)
             ckptr.wait_until_finished()
 
-        settle(warm, False)
-        out["save_s"], _ = timed(save)
-        settle(warm, drop)
-        out["restore_same_s"], r = timed(
+        h.settle(warm)
+        out["save_s"], _ = h.seconds(save)
+        h.settle(warm, drop)
+        out["restore_same_s"], r = h.seconds(
             lambda: jax.block_until_ready(ckptr.restore(path, same)))
         out["checked_same"] = check(r, source, same, "orbax same mesh")
         del r
-        settle(warm, drop)
-        with PeakRss() as rss:
-            out["restore_other_s"], r = timed(
+        h.settle(warm, drop)
+        with h.PeakRss() as rss:
+            out["restore_other_s"], r = h.seconds(
                 lambda: jax.block_until_ready(ckptr.restore(path, other)))
         out["restore_other_rss_extra_bytes"] = rss.extra
         out["checked_other"] = check(r, source, other, "orbax other mesh")
@@ -254,76 +212,54 @@ def run(base_dir: str | None, repeat: int, tiny: bool, drop: bool) -> dict:
     benches = {"casstore": bench_casstore, "orbax": bench_orbax}
     load_before = _load()
     for rep in range(repeat):
-        order = SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]
-        for system in order:
-            root = pathlib.Path(tempfile.mkdtemp(prefix=f"sharded-{system}-", dir=base_dir))
-            try:
+        for system in h.rotated(SYSTEMS, rep):
+            with h.scratch(base_dir, f"sharded-{system}") as root:
                 res = benches[system](root, state, source, same, other, warm, drop)
-            finally:
-                shutil.rmtree(root, ignore_errors=True)
             res["load_after_run"] = _load()
             runs[system].append(res)
-    figures = {s: {k: statistics.median(r[k] for r in runs[s])
-                   for k in runs[s][0] if isinstance(runs[s][0][k], int | float)}
-               for s in SYSTEMS}
+    figures = {s: h.medians(runs[s]) for s in SYSTEMS}
     checks_passed = all(r["checked_same"] == r["checked_other"] == len(LEAVES)
                         for s in SYSTEMS for r in runs[s])
+    env = h.environment("orbax-checkpoint")
     return {
-        "date": datetime.date.today().isoformat(),
+        "date": env["date"], "environment": env, "versions": env["versions"],
         "tiny": tiny, "repeat": repeat, "drop_caches": drop,
         "state_bytes": state_bytes,
         "leaves": {k: {"shape": list(v.shape), "spec": str(LEAVES[k][1])}
                    for k, v in source.items()},
         "load_before": load_before, "load_after": _load(),
-        "versions": {p: importlib.metadata.version(p)
-                     for p in ("casstore", "jax", "orbax-checkpoint", "numpy")},
         "figures": figures, "runs": runs, "checks_passed": checks_passed,
     }
-
-
-def _mb(n: float) -> str:
-    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
 
 
 def table(result: dict) -> str:
     """The markdown table of the medians."""
     c, o = result["figures"]["casstore"], result["figures"]["orbax"]
-    lines = ["| figure | casstore | orbax | casstore / orbax |", "|---|---:|---:|---:|"]
-    for key, label in TIMED:
-        lines.append(f"| {label} | {c[key]:.3f} | {o[key]:.3f} | {c[key] / o[key]:.3f} |")
-    lines.append(f"| peak extra RSS, restore onto other mesh | "
-                 f"{_mb(c['restore_other_rss_extra_bytes'])} | "
-                 f"{_mb(o['restore_other_rss_extra_bytes'])} | "
-                 f"{c['restore_other_rss_extra_bytes'] / o['restore_other_rss_extra_bytes']:.3f} |")
-    lines += ["", "| casstore bytes read, leaf `a` | stored bytes | chunks | raw bytes |",
-              "|---|---:|---:|---:|"]
-    for name in ("single", "whole"):
-        lines.append(f"| {name} {'shard (1 of 8 devices)' if name == 'single' else 'array'} | "
-                     f"{_mb(c[f'{name}_bytes_read'])} | {c[f'{name}_chunks_read']:.0f} | "
-                     f"{_mb(c[f'{name}_raw_bytes'])} |")
-    lines.append(f"| single / whole | {c['single_over_whole']:.4f} | | |")
+    rss = "restore_other_rss_extra_bytes"
+    rows = [[label, h.fmt(c[key], "s"), h.fmt(o[key], "s"), h.fmt(h.ratio(c[key], o[key]), "x")]
+            for key, label in TIMED]
+    rows.append(["peak extra RSS, restore onto other mesh", h.fmt(c[rss], "B"),
+                 h.fmt(o[rss], "B"), h.fmt(h.ratio(c[rss], o[rss]), "x")])
+    lines = h.md_table(["figure", "casstore", "orbax", "casstore / orbax"], rows) + [""]
+    rows = [[f"{name} {'shard (1 of 8 devices)' if name == 'single' else 'array'}",
+             h.fmt(c[f"{name}_bytes_read"], "B"), h.fmt(c[f"{name}_chunks_read"], "n"),
+             h.fmt(c[f"{name}_raw_bytes"], "B")] for name in ("single", "whole")]
+    rows.append(["single / whole", f"{c['single_over_whole']:.4f}", "", ""])
+    lines += h.md_table(["casstore bytes read, leaf `a`", "stored bytes", "chunks", "raw bytes"],
+                        rows)
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--dir", help="parent of the scratch directories (default: system temp)")
-    ap.add_argument("--repeat", type=int, default=1, help="runs per system; medians reported")
-    ap.add_argument("--tiny", action="store_true", help=f"arrays {TINY_DIV}x smaller per axis")
-    ap.add_argument("--drop-caches", action="store_true",
-                    help="drop the page cache before each restore (needs root)")
-    ap.add_argument("--json", help="write every figure to this file")
-    args = ap.parse_args(argv)
-    if args.dir:
-        os.makedirs(args.dir, exist_ok=True)
+    ap = h.parser(__doc__, "dir", "repeat", "tiny", "drop-caches", "json",
+                  tiny=f"arrays {TINY_DIV}x smaller per axis",
+                  drop_caches="drop the page cache before each restore (needs root)")
+    args = h.parse(ap, argv)
     result = run(args.dir, args.repeat, args.tiny, args.drop_caches)
     print(f"state: {result['state_bytes'] / 1e9:.3f} GB in {len(LEAVES)} leaves on "
           f"{jax.device_count()} devices; load {result['load_before']} -> "
           f"{result['load_after']}; checks passed: {result['checks_passed']}")
-    print(table(result))
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(result, indent=2))
-    return result
+    return h.report(result, table(result), args.json)
 
 
 if __name__ == "__main__":

@@ -400,6 +400,6 @@ def gcs_fake(tmp_path_factory) -> Iterator[ObjectServer]:
         yield server
 
 
-# Older names, used by conftest.py and benchmarks/object_store.py until they move over.
+# Older names, used by conftest.py until it moves over.
 seaweedfs = seaweedfs_server
 fake_gcs = fake_gcs_server

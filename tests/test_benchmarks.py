@@ -43,9 +43,46 @@ def test_save_restore_benchmark_reports_every_figure_for_every_system(tmp_path, 
 
 
 def test_restore_check_raises_on_a_flipped_bit():
-    bench = load("save_restore")
+    bench = load("harness")
     state = bench.train_state("tiny")
     restored = {k: v.copy() for k, v in bench.flatten(state).items()}
     restored["params/wpe"].view("uint32")[3, 5] ^= 1
     with pytest.raises(AssertionError, match="params/wpe differs"):
         bench.verify_equal(state, restored, "test", want_jax=False)
+
+
+def test_gpt2_xl_state_has_the_issue_12_shape_without_being_built():
+    """1.56B float32 params + adam mu and nu = 18.7 GB in 1741 leaves (jax.eval_shape only)."""
+    import jax
+
+    harness = load("harness")
+    shapes = jax.eval_shape(lambda: harness.train_state("gpt2-xl", device=jax.devices()[0]))
+    leaves = jax.tree.leaves(shapes)
+    params = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes["params"]))
+    assert len(leaves) == 1741
+    assert params == 1_557_611_200
+    assert sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves) == 3 * 4 * params + 4
+    assert {str(x.dtype) for x in jax.tree.leaves(shapes["params"])} == {"float32"}
+
+
+def test_jax_built_state_is_reproducible_and_changed_state_keeps_unchanged_leaves():
+    """The jax.random builder (used for gpt2-xl), run on the tiny shapes."""
+    import jax
+    import numpy as np
+
+    harness = load("harness")
+    harness.JAX_SIZES = ("tiny",)
+    try:
+        dev = jax.devices("cpu")[0]
+        a, b = harness.train_state("tiny", device=dev), harness.train_state("tiny", device=dev)
+    finally:
+        harness.JAX_SIZES = ("gpt2-xl",)
+    flat_a = harness.flatten(a)
+    assert all(isinstance(x, jax.Array) for k, x in flat_a.items() if k != "opt_state/count")
+    assert harness.verify_equal(a, harness.flatten(b), "same seed", want_jax=False) == 121
+    assert np.all(np.asarray(a["opt_state"]["nu"]["wte"]) >= 0)
+    assert not harness.same_bytes(a["params"]["wte"], a["opt_state"]["mu"]["wte"])
+    changed = harness.changed_state(a)
+    same = [k for k, x in harness.flatten(changed).items() if x is flat_a[k]]
+    n_changed, _, _ = harness.changed_zstd_bytes(a, changed)
+    assert n_changed == 121 - len(same) == 79

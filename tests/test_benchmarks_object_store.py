@@ -8,6 +8,8 @@ import pathlib
 import shutil
 import tempfile
 
+import servers
+
 BENCH = pathlib.Path(__file__).parents[1] / "benchmarks" / "object_store.py"
 
 
@@ -69,7 +71,7 @@ def test_object_store_diagnosis_on_an_existing_endpoint(capsys):
     bench = load()
     work = pathlib.Path(tempfile.mkdtemp(prefix="osb-"))
     try:
-        with bench._seaweedfs(work) as server:
+        with servers.seaweedfs_server(work) as server:
             endpoint = server.storage_options["endpoint_url"]
             result = bench.main(["--tiny", "--diagnose", "--endpoint", endpoint])
             fs = server.fs()
