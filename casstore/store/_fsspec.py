@@ -353,17 +353,40 @@ class FsspecStore(Store):
             raise self._missing(key) from None
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Lists the prefix's directory, then each matching subdirectory in full.
+
+        Each subdirectory is one operation with its own deadline, so a listing of ``chunks/``
+        is 256 bounded operations of about 1/256 of the chunks each, not one that grows with
+        the repository until it runs past ``operation_timeout_s``.
+        """
         base = posixpath.dirname(prefix)
         top = f"{self.root}/{base}" if base else self.root
         self.fs.invalidate_cache(top)  # a listing must show what other processes just wrote
         try:
-            found = self._retry(prefix, lambda t: self._call("find", top, detail=True, timeout=t))
+            entries = self._retry(prefix, lambda t: self._call("ls", top, detail=True,
+                                                               timeout=t))
         except FileNotFoundError:
             return
-        start = len(self.root.lstrip("/")) + 1  # some filesystems add or drop a leading "/"
+        for entry in sorted(entries, key=lambda e: e["name"]):
+            key = self._key(entry["name"])
+            if entry.get("type") != "directory":
+                yield from self._matching({entry["name"]: entry}, prefix)
+            elif (key + "/").startswith(prefix) or prefix.startswith(key + "/"):
+                self.fs.invalidate_cache(entry["name"])
+                try:
+                    found = self._retry(key, lambda t, d=entry["name"]: self._call(
+                        "find", d, detail=True, timeout=t))
+                except FileNotFoundError:  # emptied since the directory was listed
+                    continue
+                yield from self._matching(found, prefix)
+
+    def _key(self, path: str) -> str:
+        """The store key of a path the filesystem returned (with or without a leading "/")."""
+        return path.lstrip("/")[len(self.root.lstrip("/")) + 1:]
+
+    def _matching(self, found: dict, prefix: str) -> Iterator[ObjectInfo]:
         for path in sorted(found):
-            info = found[path]
-            key = path.lstrip("/")[start:]
+            info, key = found[path], self._key(path)
             if key.startswith(prefix) and info.get("type") != "directory":
                 yield ObjectInfo(key, int(info.get("size") or 0), _mtime(info))
 
