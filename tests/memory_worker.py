@@ -2,7 +2,7 @@
 test_memory.py in a fresh process. RSS is sampled every 5 ms during the operation; the figure
 is its peak minus the RSS just before the operation.
 
-Usage: memory_worker.py save-numpy|save-jax|save-accelerator-path|restore-jax URL
+Usage: memory_worker.py save-numpy|save-jax|save-accelerator-path|restore-jax URL [LEAVES]
 Prints one JSON line: {"state_bytes", "extra_peak_bytes", "inflight_bytes"}.
 """
 
@@ -22,7 +22,8 @@ from casstore import _chunking  # noqa: E402
 from casstore._chunking import DEFAULT_CHUNK_SIZE_BYTES  # noqa: E402
 from casstore._save import default_inflight_bytes  # noqa: E402
 
-LEAVES, LEAF_ELEMENTS = 8, 64 * 2**20  # 8 x 256 MiB of float32 = 2 GiB
+LEAVES = int(sys.argv[3]) if len(sys.argv) > 3 else 8  # of 256 MiB: 2 GiB by default
+LEAF_ELEMENTS = 64 * 2**20
 
 
 @contextlib.contextmanager
@@ -69,13 +70,13 @@ if __name__ == "__main__":
         with peak_extra_rss(result := {}):
             restored = casstore.restore(store, 0, target=target)
             jax.block_until_ready(restored)
-        result["check"] = float(restored["w7"][-1])
+        result["check"] = float(restored[f"w{LEAVES - 1}"][-1])
     else:
         if kind == "save-accelerator-path":  # what a GPU takes: block copies to pinned memory
             _chunking.on_host = lambda x: False
         tree = state(kind)
         with peak_extra_rss(result := {}):
             casstore.save(store, 0, tree)
-        result["check"] = float(np.asarray(tree["w7"])[-1])
+        result["check"] = float(np.asarray(tree[f"w{LEAVES - 1}"])[-1])
     print(json.dumps({"state_bytes": LEAVES * LEAF_ELEMENTS * 4, "inflight_bytes": inflight,
                       **result}))
