@@ -348,7 +348,12 @@ def _to_device(host: np.ndarray, device: Any) -> jax.Array:
 
 
 def _default_device() -> Any:
-    return jax.config.jax_default_device or jax.local_devices()[0]
+    """Where ``jax.device_put`` puts an array by default (``jax_default_device`` may name a
+    platform, e.g. ``"cpu"``, or a device)."""
+    default = jax.config.jax_default_device
+    if default is None or isinstance(default, str):
+        return jax.local_devices(backend=default)[0]
+    return default
 
 
 def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Index]],
