@@ -1,0 +1,59 @@
+"""The accelerator path on a real GPU (issue 12). Every test carries the ``gpu`` marker and is
+skipped where jax has no GPU (CI, and these 2-core machines); run on a GPU machine with
+``JAX_PLATFORMS=cuda,cpu python -m pytest -m gpu tests/test_gpu.py``."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import casstore
+from casstore import _chunking
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def gpu():
+    return jax.devices("gpu")[0]
+
+
+def test_gpu_shards_are_copied_block_by_block_and_leave_no_host_copy(tmp_path, gpu):
+    assert not _chunking.on_host(jax.device_put(jnp.zeros(1), gpu))
+    x = jax.device_put(jnp.arange(3_000_000, dtype=jnp.float32), gpu)
+    info = casstore.save(tmp_path, 0, {"x": x}, chunk_size_bytes=2**20)
+    assert info.new_chunks == 12
+    assert getattr(x, "_npy_value", None) is None
+    target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                        sharding=jax.sharding.SingleDeviceSharding(gpu))}
+    restored = casstore.restore(tmp_path, 0, target=target)["x"]
+    assert restored.devices() == {gpu}
+    assert bool(jnp.all(restored == x))
+
+
+def test_async_save_with_pinned_staging_survives_donation(tmp_path, gpu):
+    step = jax.jit(lambda w: w * 0 - 1, donate_argnums=0)
+    w = jax.device_put(jnp.arange(4_000_000, dtype=jnp.float32), gpu)
+    expected = np.asarray(jax.device_get(w * 1))
+    with casstore.CheckpointManager(tmp_path, max_staging_bytes=4 * 2**20,
+                                    chunk_size_bytes=2**20) as mngr:
+        mngr.save(1, {"w": w})
+        w = step(w)  # donated right after save() returned
+        jax.block_until_ready(w)
+        mngr.wait_until_finished()
+        assert 0 < mngr.last_staging_peak_bytes <= 4 * 2**20
+        np.testing.assert_array_equal(mngr.restore(1)["w"], expected)
+
+
+def test_gpu_saved_state_restores_onto_the_cpu_and_back(tmp_path, gpu):
+    tree = {"a": jax.device_put(jnp.ones((512, 512), jnp.bfloat16), gpu),
+            "k": jax.device_put(jax.random.key(3), gpu)}
+    casstore.save(tmp_path, 0, tree)
+    plain = casstore.restore(tmp_path, 0)
+    assert plain["a"].dtype == np.dtype(jnp.bfloat16)
+    assert plain["a"].astype(np.float32).sum() == 512 * 512
+    on_gpu = casstore.restore(tmp_path, 0, target=jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                       sharding=jax.sharding.SingleDeviceSharding(gpu)), tree))
+    assert on_gpu["a"].devices() == {gpu}
+    assert bool(jnp.all(jax.random.key_data(on_gpu["k"]) == jax.random.key_data(tree["k"])))
