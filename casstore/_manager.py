@@ -28,7 +28,7 @@ from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, gc
 from ._locks import check_write_access
 from ._repository import Url, delete, list_steps, read_manifest
 from ._restore import restore
-from ._save import SaveInfo, default_inflight_bytes, plan_jobs, prepare, write
+from ._save import SaveInfo, inflight_window, plan_jobs, prepare, write
 from ._staging import StagingStream
 from .store import Store, open_store
 
@@ -220,8 +220,8 @@ class CheckpointManager:
             self.last_save_info = write(
                 self.store, step, prepared, inline, stream, run=self.run,
                 zstd_level=self.zstd_level, shuffle=self.store.shuffle, max_workers=workers,
-                window=default_inflight_bytes(workers, self.chunk_size_bytes)
-                // self.chunk_size_bytes, previous_step=self.latest_step())
+                window=inflight_window(workers, self.chunk_size_bytes),
+                previous_step=self.latest_step())
         except StoreTimeoutError as e:  # surfaces on the next save(): name the step
             stream.abandon()
             raise e.at(run=self.run, step=step) from e

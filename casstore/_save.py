@@ -294,6 +294,14 @@ def default_inflight_bytes(max_workers: int, chunk_size_bytes: int) -> int:
     return 2 * max_workers * chunk_size_bytes
 
 
+def inflight_window(max_workers: int, chunk_size_bytes: int,
+                    max_inflight_bytes: int | None = None) -> int:
+    """Chunk jobs a save keeps in flight: ``max_inflight_bytes`` (default two chunks per
+    worker) in chunks of at most ``chunk_size_bytes``."""
+    inflight = max_inflight_bytes or default_inflight_bytes(max_workers, chunk_size_bytes)
+    return inflight // chunk_size_bytes
+
+
 def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any = None,
          chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES,
          pack_threshold_bytes: int = DEFAULT_PACK_THRESHOLD_BYTES,
@@ -371,8 +379,7 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
     workers = max_workers or store.max_workers
     inline, jobs = plan_jobs(prepared, arrays, chunk_size_bytes, pack_threshold_bytes)
     del arrays  # the jobs hold what they still need
-    window = (max_inflight_bytes or default_inflight_bytes(workers, chunk_size_bytes)
-              ) // chunk_size_bytes
+    window = inflight_window(workers, chunk_size_bytes, max_inflight_bytes)
     return write(store, step, prepared, inline, jobs, run=run, zstd_level=zstd_level,
                  shuffle=store.shuffle if shuffle is None else shuffle, max_workers=workers,
                  window=window, t0=t0)

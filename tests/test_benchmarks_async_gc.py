@@ -48,7 +48,7 @@ def test_async_gc_benchmark_reports_every_figure_and_its_checks_pass(tmp_path, c
     casstore = result["async"]["casstore"]
     assert casstore["reported_blocking_s"] <= casstore["blocking_s"]
     # casstore, like orbax, holds zero-copy views of CPU buffers while the save runs, so jax
-    # copies instead of donating them in place (host_snapshot in casstore/_chunking.py).
+    # copies instead of donating them in place (unique_shards in casstore/_chunking.py).
     assert not casstore["buffers_donated_in_place"]
 
     gc = result["gc"]
