@@ -146,7 +146,7 @@ def decode_delta(data: bytes | memoryview, base: bytes | memoryview, expected_id
     try:
         raw = _xor_unshuffle(x, base_planes(base, base_id, raw_length, k), k)
     except CorruptChunkError as e:
-        raise CorruptChunkError(f"its base chunk {base_id} is unusable: {e}",
+        raise CorruptChunkError(f"its base chunk {base_id} is corrupt: {e}",
                                 chunk_id=expected_id) from e
     if chunk_id(raw) != expected_id:
         try:
