@@ -66,15 +66,15 @@ class Store(abc.ABC):
         call, to change it).
       shuffle: whether saves try the byte-plane codec (codec 4, format.md §3.2) unless told:
         trained float32 chunks are stored about 16% smaller (0.835 of raw, where plain zstd
-        keeps 0.92), at about 630 MB/s per core, since only the sign and exponent planes go
-        through zstd. True for every store; ``save(..., shuffle=False)`` or a False on an
-        instance stores such chunks raw instead.
+        keeps 0.92), for about 2x the CPU time of a save and of a restore on local disk
+        (benchmarks/README.md, issue 15). False for local disk and memory, where writing and
+        reading the bytes is cheaper than shuffling them.
     """
 
     url: str
     read_only: bool = False
     max_workers: int = default_workers(io_per_core=2, cap=32)
-    shuffle: bool = True
+    shuffle: bool = False
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes:
