@@ -11,11 +11,13 @@ from hypothesis import strategies as st
 from casstore import CorruptChunkError
 from casstore._chunking import block_bytes, grid
 from casstore._codec import (
+    CODEC_PLANES,
     CODEC_RAW,
     CODEC_SHUFFLE_ZSTD,
     CODEC_ZSTD,
     HEADER,
     MAGIC,
+    _encode,
     chunk_id,
     decode_chunk,
     encode_chunk,
@@ -90,12 +92,12 @@ def test_shuffle_is_the_hdf5_byte_shuffle_and_unshuffle_inverts_it(data, element
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
 @pytest.mark.parametrize("n", [4000, 2**20])  # judged whole / judged on samples
-def test_float_chunks_use_the_shuffle_codec_and_store_fewer_bytes(dtype, n):
+def test_float_chunks_use_the_byte_plane_codec_and_store_fewer_bytes(dtype, n):
     raw = memoryview(_trained_like(n, dtype).view(np.uint8))
     element_size = np.dtype(dtype).itemsize
     data = encode_chunk(raw, element_size=element_size)
     _, _, codec, stored_size, length = HEADER.unpack_from(data)
-    assert (codec, stored_size, length) == (CODEC_SHUFFLE_ZSTD, element_size, len(raw))
+    assert (codec, stored_size, length) == (CODEC_PLANES, element_size, len(raw))
     assert len(data) <= 0.875 * len(raw)
     assert len(data) < len(encode_chunk(raw))  # plain zstd, or raw, is larger
     assert len(encode_chunk(raw, element_size=element_size, shuffle=False)) == len(
@@ -117,6 +119,8 @@ def test_shuffle_is_not_used_when_plain_zstd_is_smaller_or_sizes_do_not_divide()
 
 @pytest.mark.parametrize("codec,element_size", [(CODEC_SHUFFLE_ZSTD, 0), (CODEC_SHUFFLE_ZSTD, 1),
                                                 (CODEC_SHUFFLE_ZSTD, 3), (CODEC_SHUFFLE_ZSTD, 17),
+                                                (CODEC_PLANES, 0), (CODEC_PLANES, 1),
+                                                (CODEC_PLANES, 3), (CODEC_PLANES, 17),
                                                 (CODEC_ZSTD, 4), (CODEC_RAW, 4)])
 def test_decode_rejects_an_element_size_that_does_not_fit_the_codec(codec, element_size):
     raw = memoryview(_trained_like(1000)).cast("B")
@@ -126,12 +130,151 @@ def test_decode_rejects_an_element_size_that_does_not_fit_the_codec(codec, eleme
         decode_chunk(data, chunk_id(raw), len(raw))
 
 
+def _shuffle_zstd(raw: memoryview, element_size: int = 4) -> bytes:
+    """A codec-2 chunk object, as writers before codec 4 stored them."""
+    return _encode(shuffle(raw, element_size), CODEC_SHUFFLE_ZSTD, 1, element_size)
+
+
 def test_a_shuffled_chunk_with_the_wrong_element_size_fails_its_hash_check():
     raw = memoryview(_trained_like(1000)).cast("B")
-    data = bytearray(encode_chunk(raw, element_size=4))
+    data = bytearray(_shuffle_zstd(raw))
     data[6] = 2  # the element size: the frame decodes, but unshuffles into other bytes
     with pytest.raises(CorruptChunkError, match="chunk id"):
         decode_chunk(bytes(data), chunk_id(raw), len(raw))
+
+
+def test_shuffle_zstd_chunks_of_earlier_writers_still_decode():
+    raw = memoryview(_trained_like(2**16)).cast("B")
+    data = _shuffle_zstd(raw)
+    assert HEADER.unpack_from(data)[2:4] == (CODEC_SHUFFLE_ZSTD, 4)
+    assert bytes(decode_chunk(data, chunk_id(raw), len(raw))) == bytes(raw)
+
+
+# -- codec 4: byte planes (format.md §3.2) ----------------------------------------------------
+
+def _planes_of(data: bytes) -> tuple[int, list[int]]:
+    """``(n, plane lengths)`` of a codec-4 object."""
+    _, _, codec, k, length = HEADER.unpack_from(data)
+    assert codec == CODEC_PLANES
+    return length // k, [int(x) for x in np.frombuffer(data, "<u4", k, HEADER.size)]
+
+
+_rng = np.random.default_rng(7)
+PLANE_CASES = {  # name -> (array, codec encode_chunk picks)
+    "float32": (_trained_like(2**18), CODEC_PLANES),
+    "float32 nu": (np.abs(_trained_like(2**18)) * 0.05, CODEC_PLANES),
+    "bfloat16": (_trained_like(2**18, ml_dtypes.bfloat16), CODEC_PLANES),
+    "float16": (_trained_like(5000, np.float16), CODEC_PLANES),
+    "int8": (_rng.integers(-3, 4, 2**18).astype(np.int8), CODEC_ZSTD),  # element size 1
+    "float64": (_rng.standard_normal(2**15) * 0.02, CODEC_RAW),  # saves under 1/8
+    "float64 in [1, 2)": (1 + _rng.random(2**15) / 1024, CODEC_PLANES),
+    "random": (_rng.integers(0, 2**32, 2**16, np.uint32), CODEC_RAW),
+    "zeros": (np.zeros(2**18, np.float32), CODEC_ZSTD),
+    "one element": (np.float32([0.25]), CODEC_RAW),
+    "small": (_trained_like(7), CODEC_RAW),
+}
+
+
+@pytest.mark.parametrize("name", PLANE_CASES)
+def test_chunks_round_trip_under_the_codec_they_pick(name):
+    array, expected = PLANE_CASES[name]
+    raw = memoryview(np.ascontiguousarray(array).view(np.uint8))
+    data = encode_chunk(raw, element_size=array.dtype.itemsize)
+    assert HEADER.unpack_from(data)[2] == expected
+    assert bytes(decode_chunk(data, chunk_id(raw), len(raw))) == bytes(raw)
+    plain = encode_chunk(raw, element_size=array.dtype.itemsize, shuffle=False)
+    assert HEADER.unpack_from(plain)[2] != CODEC_PLANES
+    assert len(data) <= len(plain)
+    assert bytes(decode_chunk(plain, chunk_id(raw), len(raw))) == bytes(raw)
+
+
+@pytest.mark.parametrize("n", [4000, 2**20])  # judged whole / planes judged on samples
+def test_only_the_sign_and_exponent_plane_of_float32_is_compressed(n):
+    raw = memoryview(_trained_like(n).view(np.uint8))
+    data = encode_chunk(raw, element_size=4)
+    plane_bytes, lengths = _planes_of(data)
+    assert plane_bytes == n
+    assert lengths[:3] == [n, n, n]  # the mantissa planes, as is
+    assert lengths[3] < 0.45 * n  # sign and top exponent bits: one zstd frame
+    assert len(data) == HEADER.size + 16 + sum(lengths)
+    planes = shuffle(raw, 4).reshape(4, n)
+    assert data[HEADER.size + 16:HEADER.size + 16 + 3 * n] == planes[:3].tobytes()
+    assert 0.8 < len(data) / len(raw) < 0.85
+
+
+def test_bfloat16_compresses_its_high_plane_and_keeps_the_low_one():
+    raw = memoryview(_trained_like(2**19, ml_dtypes.bfloat16).view(np.uint8))
+    n, lengths = _planes_of(encode_chunk(raw, element_size=2))
+    assert lengths[0] == n and lengths[1] < 0.45 * n
+
+
+def test_a_plane_whose_samples_do_not_compress_is_stored_as_is():
+    # Low planes random, the top plane zeros except where the samples do not look:
+    # the chosen planes follow the samples, and the chunk still round-trips.
+    n = 2**20
+    words = _rng.integers(0, 2**24, n, np.uint32)
+    raw = memoryview(words.view(np.uint8))
+    plane_n, lengths = _planes_of(encode_chunk(raw, element_size=4))
+    assert lengths[:3] == [plane_n] * 3 and lengths[3] < 100
+
+
+def _planes_object(raw: memoryview, element_size: int = 4) -> bytes:
+    data = encode_chunk(raw, element_size=element_size)
+    assert HEADER.unpack_from(data)[2] == CODEC_PLANES
+    return data
+
+
+def _with_lengths(data: bytes, lengths: list[int]) -> bytes:
+    k = len(lengths)
+    return (data[:HEADER.size] + np.asarray(lengths, "<u4").tobytes()
+            + data[HEADER.size + 4 * k:])
+
+
+PLANES_RAW = memoryview(_trained_like(4000).view(np.uint8))
+PLANES_DATA = _planes_object(PLANES_RAW)
+PLANES_N, PLANES_LENGTHS = _planes_of(PLANES_DATA)
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda d: d[:HEADER.size + 10], "shorter than its plane table"),
+    (lambda d: _with_lengths(d, [PLANES_N + 1, *PLANES_LENGTHS[1:]]), "plane lengths"),
+    (lambda d: _with_lengths(d, [PLANES_N - 1, *PLANES_LENGTHS[1:]]), "plane lengths"),
+    (lambda d: d + b"\0", "plane lengths"),  # bytes after the last plane
+    (lambda d: d[:-1], "plane lengths"),  # the last plane cut short
+    (lambda d: _with_lengths(d, [*PLANES_LENGTHS[:3], 2**32 - 1]), "plane lengths"),
+    # a raw plane and the zstd plane swap lengths: the frame is read where raw bytes lie
+    (lambda d: _with_lengths(d[:HEADER.size + 16] + d[-PLANES_LENGTHS[3]:]
+                             + d[HEADER.size + 16:-PLANES_LENGTHS[3]],
+                             [PLANES_LENGTHS[3], *PLANES_LENGTHS[:3]]), "chunk id"),
+    (lambda d: d[:-PLANES_LENGTHS[3] + 10] + b"\xff" + d[-PLANES_LENGTHS[3] + 11:],
+     "zstd|chunk id"),  # a damaged zstd plane
+    (lambda d: d[:HEADER.size + 20] + bytes([d[HEADER.size + 20] ^ 1]) + d[HEADER.size + 21:],
+     "chunk id"),  # a flipped byte in a raw plane
+])
+def test_decode_rejects_malformed_byte_plane_payloads(damage, message):
+    with pytest.raises(CorruptChunkError, match=message):
+        decode_chunk(damage(PLANES_DATA), chunk_id(PLANES_RAW), len(PLANES_RAW))
+
+
+def test_a_zstd_plane_that_declares_another_size_is_rejected_before_decoding():
+    import zstandard
+
+    planes = shuffle(PLANES_RAW, 4).reshape(4, -1)
+    # A frame of the right plane followed by more: it declares 2n bytes, not n.
+    frame = zstandard.ZstdCompressor().compress(planes[3].tobytes() * 2)
+    assert len(frame) < PLANES_N
+    data = (HEADER.pack(MAGIC, 1, CODEC_PLANES, 4, len(PLANES_RAW))
+            + np.asarray([PLANES_N] * 3 + [len(frame)], "<u4").tobytes()
+            + planes[:3].tobytes() + frame)
+    with pytest.raises(CorruptChunkError, match=f"declares {2 * PLANES_N} bytes"):
+        decode_chunk(data, chunk_id(PLANES_RAW), len(PLANES_RAW))
+
+
+def test_a_byte_plane_chunk_with_the_wrong_element_size_fails_a_check():
+    data = bytearray(PLANES_DATA)
+    data[6] = 2  # k = 2: the table is read from other bytes
+    with pytest.raises(CorruptChunkError):
+        decode_chunk(bytes(data), chunk_id(PLANES_RAW), len(PLANES_RAW))
 
 
 @pytest.mark.parametrize("mutate", [

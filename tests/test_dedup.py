@@ -129,14 +129,14 @@ def _codecs(store) -> set[int]:
 
 
 def test_the_codec_follows_the_store_default_or_the_shuffle_argument_and_dedup_ignores_it():
-    from casstore._codec import CODEC_RAW, CODEC_SHUFFLE_ZSTD
+    from casstore._codec import CODEC_PLANES, CODEC_RAW
     from casstore.store import FsspecStore
     state = {"w": (np.random.default_rng(0).standard_normal((512, 512)) * 0.02).astype(
         np.float32)}  # 1 MiB of values like trained weights
     local, remote = MemoryStore(), FsspecStore.from_url("memory://casstore-codec-default")
     assert (local.shuffle, remote.shuffle) == (False, True)
     small = casstore.save(remote, 1, state).written_bytes
-    assert _codecs(remote) == {CODEC_SHUFFLE_ZSTD}
+    assert _codecs(remote) == {CODEC_PLANES}
     large = casstore.save(local, 1, state).written_bytes
     assert _codecs(local) == {CODEC_RAW} and small < 0.875 * large
     # Chunk ids cover the raw bytes: the other codec finds every chunk already stored.
@@ -144,6 +144,6 @@ def test_the_codec_follows_the_store_default_or_the_shuffle_argument_and_dedup_i
     assert casstore.save(CountingStore(remote), 2, state).new_chunks == 0
     fresh = MemoryStore()
     casstore.save(fresh, 1, state, shuffle=True)
-    assert _codecs(fresh) == {CODEC_SHUFFLE_ZSTD}
+    assert _codecs(fresh) == {CODEC_PLANES}
     for store in (local, remote, fresh):
         np.testing.assert_array_equal(casstore.restore(store, 1)["w"], state["w"])

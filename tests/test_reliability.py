@@ -12,7 +12,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import casstore
-from casstore._codec import HEADER, MAGIC, chunk_id, decode_chunk, encode_chunk
+from casstore._codec import (
+    CODEC_SHUFFLE_ZSTD,
+    HEADER,
+    MAGIC,
+    _encode,
+    chunk_id,
+    decode_chunk,
+    encode_chunk,
+    shuffle,
+)
 from casstore._manifest import decode_manifest
 from casstore.store import CountingStore, MemoryStore
 from casstore.testing import FaultyStore
@@ -216,19 +225,21 @@ test_random_bytes_are_never_a_manifest = random_manifests(300)
 # -- hostile chunk objects -------------------------------------------------------------------
 
 def _chunk_samples() -> list[tuple[bytes, bytes]]:
-    """``(object, raw)`` for a raw, a zstd and a shuffle + zstd chunk."""
+    """``(object, raw)`` for a raw, a zstd, a shuffle + zstd and a byte-plane chunk."""
     rng = np.random.default_rng(0)
     raws = [rng.integers(0, 256, 3000, np.uint8).tobytes(), b"the quick brown fox " * 150,
             (rng.standard_normal(1000) * 0.02).astype(np.float32).tobytes()]
     samples = [(encode_chunk(memoryview(r), element_size=4), r) for r in raws]
-    assert sorted(HEADER.unpack_from(d)[2] for d, _ in samples) == [0, 1, 2]  # every codec
+    shuffled = _encode(shuffle(raws[2], 4), CODEC_SHUFFLE_ZSTD, 1, 4)  # earlier writers' codec
+    samples.append((shuffled, raws[2]))
+    assert sorted(HEADER.unpack_from(d)[2] for d, _ in samples) == [0, 1, 2, 4]  # every codec
     return samples
 
 
 CHUNK_SAMPLES = _chunk_samples()
 HEADER_FIELDS = [  # magic, version, codec, element size, raw length (format.md §3.2)
     st.binary(min_size=4, max_size=4) | st.just(MAGIC),
-    st.integers(0, 255), st.integers(0, 255),
+    st.integers(0, 255), st.integers(0, 255) | st.sampled_from([0, 1, 2, 4]),
     st.integers(0, 2**16 - 1) | st.sampled_from([0, 1, 2, 3, 4, 8, 16, 17]),
     st.integers(0, 2**64 - 1) | st.sampled_from([0, 1, 2**31, 2**63, 3000, 2999, 4000, 4001]),
 ]

@@ -189,7 +189,7 @@ class FsspecStore(Store):
     (``max_workers``; 2 threads per core for local disk): an object store's latency, not its
     bandwidth, bounds one request. Requests in flight are capped by an
     :class:`AdaptiveLimit`: a store answering 503 SlowDown, 429 or timing out gets fewer at once.
-    Saves try the byte-shuffle codec (``shuffle``), since object storage bills and sends every
+    Saves try the byte-plane codec (``shuffle``), since object storage bills and sends every
     byte.
     """
 
