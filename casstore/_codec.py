@@ -162,9 +162,10 @@ def _verify_planes(data: bytes, planes: np.ndarray) -> None:
         position += length
 
 
-def _unplanes(payload: memoryview, element_size: int, raw_length: int,
-              expected_id: str) -> np.ndarray:
-    """The raw bytes of a codec-4 payload, after checking its plane table (format.md §3.2)."""
+def planes_of(payload: memoryview, element_size: int, raw_length: int,
+              expected_id: str) -> list[np.ndarray]:
+    """The ``element_size`` byte planes of a codec-4 payload (format.md §3.2), after checking
+    its plane table; a plane stored as is is a view of ``payload``, not a copy."""
     k, n = element_size, raw_length // element_size
     table = 4 * k
     if len(payload) < table:
@@ -181,11 +182,21 @@ def _unplanes(payload: memoryview, element_size: int, raw_length: int,
         position += length
         planes.append(np.frombuffer(stored if length == n else _unzstd(stored, n, expected_id),
                                     np.uint8))
+    return planes
+
+
+def interleave(planes: list[np.ndarray], xor: list[np.ndarray] | None = None) -> np.ndarray:
+    """The raw bytes whose byte planes are ``planes`` (each XORed with ``xor``'s if given).
+
+    Written in blocks of rows, so the rows stay in cache across all planes.
+    """
+    n, k = len(planes[0]), len(planes)
     out = np.empty((n, k), np.uint8)
-    for start in range(0, n, _UNPLANE_BLOCK):  # the rows written stay in cache for all k planes
+    for start in range(0, n, _UNPLANE_BLOCK):
         rows = out[start:start + _UNPLANE_BLOCK]
         for j, plane in enumerate(planes):
-            rows[:, j] = plane[start:start + _UNPLANE_BLOCK]
+            block = plane[start:start + _UNPLANE_BLOCK]
+            rows[:, j] = block if xor is None else block ^ xor[j][start:start + _UNPLANE_BLOCK]
     return out.reshape(-1)
 
 
@@ -331,7 +342,7 @@ def decode_chunk(data: bytes | memoryview, expected_id: str, raw_length: int) ->
     elif codec == CODEC_SHUFFLE_ZSTD:
         raw = memoryview(unshuffle(_unzstd(payload, raw_length, expected_id), element_size))
     elif codec == CODEC_PLANES:
-        raw = memoryview(_unplanes(payload, element_size, raw_length, expected_id))
+        raw = memoryview(interleave(planes_of(payload, element_size, raw_length, expected_id)))
     else:
         raise CorruptChunkError(f"unknown chunk codec {codec}", chunk_id=expected_id)
     if len(raw) != raw_length:

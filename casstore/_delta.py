@@ -1,118 +1,135 @@
 """Delta chunks: a chunk stored as the XOR of its bytes with a base chunk's (format.md §3.5).
 
 Between two steps of training a float's sign, exponent and high mantissa bits rarely change,
-so the XOR of a block with the same block one step earlier is mostly zero bytes in the
-high byte planes. Byte-shuffled (as codec 2) and zstd-compressed, it takes 0.29 of the raw
-size on fully fine-tuned float32 weights, where the block alone takes 0.83 (the XOR delta of
-ZipLLM and ZipNN; figures in ../shared/CODECS.md and benchmarks/README.md). The chunk id stays
-the hash of the raw bytes, so every reader checks the bytes it rebuilds against it.
+so the XOR of a block with the same block one step earlier is mostly zero bytes in the high
+byte planes. In byte planes (codec 4's layout: each plane stored as is or as a zstd frame) it
+takes about 0.29 of the raw size on fully fine-tuned float32 weights, where the block alone
+takes 0.83 (the XOR delta of ZipLLM and ZipNN; ../shared/CODECS.md). The chunk id stays the
+hash of the raw bytes, so every reader checks the bytes it rebuilds against it.
 
 The base of a delta is always a chunk stored whole (chains have depth 1), so a restore reads
-at most two objects per chunk. XOR commutes with the byte shuffle, so both sides work on
-shuffled planes: a codec-2 base is decompressed straight into its planes, and the result is
-unshuffled once.
+at most two objects per chunk. XOR commutes with the byte shuffle, so both sides work on byte
+planes: a codec-4 or codec-2 base is only decompressed into its planes, and the rebuilt
+planes are interleaved once, XORed on the way.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import xxhash
 
 from ._codec import (
+    CODEC_PLANES,
     CODEC_SHUFFLE_ZSTD,
     HEADER,
     MAGIC,
     MAX_ELEMENT_SIZE,
     SAMPLE_BYTES,
     VERSION,
-    _decompressor,
-    _encode,
+    _compressor,
+    _encode_planes,
     _unzstd,
+    _verify_planes,
     chunk_id,
     decode_chunk,
+    interleave,
+    planes_of,
     shuffle,
-    unshuffle,
 )
+from ._codec import MIN_SAVING as WHOLE_MIN_SAVING
 from ._errors import CorruptChunkError
 
 CODEC_DELTA = 3
-MIN_SAVING = 1 / 4  # store a delta only if it is at most 3/4 of the chunk's own encoding
+MIN_SAVING = 1 / 4  # store a delta only if it is at most 3/4 of the size of the chunk stored whole
 
 
 def base_planes(data: bytes | memoryview, base_id: str, raw_length: int,
-                element_size: int) -> np.ndarray:
-    """``shuffle(raw, element_size)`` of a whole chunk object, as a uint8 array.
+                element_size: int) -> list[np.ndarray]:
+    """The ``element_size`` byte planes of a whole chunk object (``shuffle``'s rows).
 
-    A codec-2 object of the same element size is only decompressed; any other is decoded
-    (and checked against ``base_id``) and shuffled. The fast path does not hash the base:
-    the chunk rebuilt on top of it is checked against its own id.
+    A codec-4 or codec-2 object of the same element size is only decompressed (planes stored
+    as is are views of ``data``); any other is decoded (and checked against ``base_id``) and
+    shuffled. The fast paths do not hash the base: the chunk rebuilt on top of it is checked
+    against its own id.
 
     Raises:
-      CorruptChunkError: the object's header or zstd frame is invalid, or its length is not
-        ``raw_length``.
+      CorruptChunkError: the object's header, plane table or zstd frames are invalid, or its
+        length is not ``raw_length``.
     """
+    k = element_size
     if len(data) >= HEADER.size:
         magic, version, codec, size, length = HEADER.unpack_from(data)
-        if (magic, version, codec, size, length) == (MAGIC, VERSION, CODEC_SHUFFLE_ZSTD,
-                                                      element_size, raw_length):
+        if (magic, version, size, length) == (MAGIC, VERSION, k, raw_length):
             payload = memoryview(data)[HEADER.size:]
-            return np.frombuffer(_unzstd(payload, raw_length, base_id), np.uint8)
+            if codec == CODEC_PLANES:
+                return planes_of(payload, k, raw_length, base_id)
+            if codec == CODEC_SHUFFLE_ZSTD:
+                return list(np.frombuffer(_unzstd(payload, raw_length, base_id),
+                                          np.uint8).reshape(k, -1))
     raw = decode_chunk(data, base_id, raw_length)
-    return shuffle(raw, element_size).reshape(-1) if element_size > 1 else np.frombuffer(
-        raw, np.uint8)
+    return list(shuffle(raw, k)) if k > 1 else [np.frombuffer(raw, np.uint8)]
 
 
-def _sampled_size(planes: np.ndarray, level: int) -> float:
-    """Estimated codec-2 size of shuffled ``planes`` (k, n), from two slices of every plane
-    (the start and the middle, 64 KiB in all) when the chunk is 256 KiB or more."""
+def _samples(planes: np.ndarray) -> np.ndarray:
+    """Two slices of every plane of ``planes`` (k, n), the start and the middle, 64 KiB in all
+    (the whole planes below 256 KiB): what the choice between delta and whole is made on."""
     k, n = planes.shape
-    m = SAMPLE_BYTES // k
     if k * n < 4 * SAMPLE_BYTES:
-        sample = planes
-    else:
-        sample = np.concatenate([planes[:, :m], planes[:, n // 2:n // 2 + m]], axis=1)
-    size = len(_encode(np.ascontiguousarray(sample).reshape(-1), CODEC_SHUFFLE_ZSTD, level, k))
-    return min(size - HEADER.size, sample.size) * (k * n) / sample.size
+        return planes
+    m = SAMPLE_BYTES // k
+    return np.concatenate([planes[:, :m], planes[:, n // 2:n // 2 + m]], axis=1)
 
 
-def encode_delta(raw: memoryview, base: np.ndarray, element_size: int,
-                 level: int) -> tuple[bytes, int] | None:
+def _planes_size(planes: np.ndarray, level: int) -> int:
+    """Payload bytes of ``planes`` in the codec-4 layout."""
+    return len(_encode_planes(np.ascontiguousarray(planes), level)) - HEADER.size
+
+
+def _whole_size(raw_sample: np.ndarray, planes_sample: np.ndarray, level: int,
+                shuffle: bool) -> int:
+    """Estimated payload bytes of the sampled chunk stored whole, as encode_chunk would: the
+    smaller of zstd and (with ``shuffle``) codec 4, if it saves 1/8, else raw."""
+    n = raw_sample.size
+    sizes = [len(_compressor(level).compress(raw_sample))]
+    if shuffle and planes_sample.shape[0] > 1:
+        sizes.append(_planes_size(planes_sample, level))
+    best = min(sizes)
+    return best if best <= n * (1 - WHOLE_MIN_SAVING) else n
+
+
+def encode_delta(raw: memoryview, base: list[np.ndarray], element_size: int, level: int,
+                 shuffle_whole: bool) -> tuple[bytes, int] | None:
     """Encodes ``raw`` as a delta object against a base chunk (format.md §3.5), if that pays.
 
     Args:
       raw: the chunk's raw bytes.
-      base: the base chunk's bytes as :func:`base_planes` returns them (same length as raw).
-      element_size: bytes per element, 1 to 16, dividing ``len(raw)`` (1: no shuffle).
+      base: the base chunk's byte planes, as :func:`base_planes` returns them.
+      element_size: bytes per element, 1 to 16, dividing ``len(raw)`` (1: one plane).
       level: zstd level.
+      shuffle_whole: whether the chunk stored whole would be tried with codec 4 (the
+        save's ``shuffle``); the delta is compared with that.
 
     Returns:
       ``(delta object, estimated bytes saved)``, or None when the delta would not be at most
-      3/4 of the chunk's own codec-2 encoding. Both sizes are estimated on the same samples
-      as :func:`~casstore._codec.encode_chunk`'s codec choice.
+      3/4 of the chunk stored whole. Both sizes are estimated on the same two samples of every
+      plane (:func:`_samples`).
 
     Raises:
-      CorruptChunkError: the compressed delta does not decode back to its input.
+      CorruptChunkError: a compressed plane does not decode back to its input.
     """
     n, k = len(raw), element_size
-    new = (shuffle(raw, k) if k > 1 else np.frombuffer(raw, np.uint8)).reshape(k, -1)
-    x = np.bitwise_xor(new, base.reshape(k, -1))
-    whole, delta = _sampled_size(new, level), _sampled_size(x, level)
+    new = shuffle(raw, k) if k > 1 else np.frombuffer(raw, np.uint8).reshape(1, -1)
+    x = np.empty_like(new)
+    for j in range(k):
+        np.bitwise_xor(new[j], base[j], out=x[j])
+    samples = _samples(new)
+    whole = _whole_size(interleave(list(samples)), samples, level, shuffle_whole)
+    delta = _planes_size(_samples(x), level)
     if delta > (1 - MIN_SAVING) * whole:
         return None
-    body = _encode(x.reshape(-1), CODEC_SHUFFLE_ZSTD, level, k)
-    payload = memoryview(body)[HEADER.size:]
-    decoded = _decompressor().decompress(payload, max_output_size=n)
-    if xxhash.xxh3_128_digest(decoded) != xxhash.xxh3_128_digest(x):
-        raise CorruptChunkError("zstd output does not decode back to its input")
-    data = HEADER.pack(MAGIC, VERSION, CODEC_DELTA, k, n) + payload
-    return data, max(0, round(whole) + HEADER.size - len(data))
-
-
-def _xor_unshuffle(a: np.ndarray, b: np.ndarray, k: int) -> np.ndarray:
-    """``unshuffle(a ^ b, k)``; the XOR runs on 8-byte words where the length allows."""
-    word = np.uint64 if len(a) % 8 == 0 else np.uint8
-    x = np.bitwise_xor(a.view(word), b.view(word)).view(np.uint8)
-    return unshuffle(x, k) if k > 1 else x
+    body = _encode_planes(x, level)
+    _verify_planes(body, x)
+    data = HEADER.pack(MAGIC, VERSION, CODEC_DELTA, k, n) + memoryview(body)[HEADER.size:]
+    return data, max(0, round((whole - delta) * n / samples.size))
 
 
 def decode_delta(data: bytes | memoryview, base: bytes | memoryview, expected_id: str,
@@ -129,9 +146,9 @@ def decode_delta(data: bytes | memoryview, base: bytes | memoryview, expected_id
       The chunk's raw bytes, checked against ``expected_id``.
 
     Raises:
-      CorruptChunkError: the delta's header or frame is invalid, the base is unusable, or the
-        rebuilt bytes do not hash to ``expected_id`` (the message says whether the base alone
-        still decodes to its own id).
+      CorruptChunkError: the delta's header, plane table or frames are invalid, the base is
+        unusable, or the rebuilt bytes do not hash to ``expected_id`` (the message says
+        whether the base alone still decodes to its own id).
     """
     if len(data) < HEADER.size:
         raise CorruptChunkError(f"delta object of {len(data)} bytes is shorter than its header",
@@ -142,9 +159,9 @@ def decode_delta(data: bytes | memoryview, base: bytes | memoryview, expected_id
     if not 1 <= k <= MAX_ELEMENT_SIZE or length % k or length != raw_length:
         raise CorruptChunkError(f"delta header says element size {k} and {length} raw bytes, "
                                 f"manifest says {raw_length} raw bytes", chunk_id=expected_id)
-    x = np.frombuffer(_unzstd(memoryview(data)[HEADER.size:], raw_length, expected_id), np.uint8)
+    x = planes_of(memoryview(data)[HEADER.size:], k, raw_length, expected_id)
     try:
-        raw = _xor_unshuffle(x, base_planes(base, base_id, raw_length, k), k)
+        raw = interleave(x, xor=base_planes(base, base_id, raw_length, k))
     except CorruptChunkError as e:
         raise CorruptChunkError(f"its base chunk {base_id} is corrupt: {e}",
                                 chunk_id=expected_id) from e

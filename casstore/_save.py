@@ -224,7 +224,8 @@ class _ChunkWriter:
             base = previous.base or previous.id
             data = self.store.get(chunk_key(base))
             k = element_size if len(raw) % element_size == 0 else 1
-            encoded = encode_delta(raw, base_planes(data, base, len(raw), k), k, self.zstd_level)
+            encoded = encode_delta(raw, base_planes(data, base, len(raw), k), k, self.zstd_level,
+                                   self.shuffle)
             if encoded is not None:
                 self.store.put(delta_key(cid, base), encoded[0])
                 with self.lock:
