@@ -12,11 +12,20 @@ import threading
 import time
 
 from ._codec import decode_chunk
+from ._delta import decode_delta
 from ._errors import CorruptChunkError, StepNotFoundError, StoreTimeoutError
-from ._layout import CHUNKS_PREFIX, chunk_id_of_key, chunk_key, manifest_key
+from ._layout import chunk_key, manifest_key
 from ._locks import save_lock
+from ._manifest import Manifest
 from ._pool import bounded_map
-from ._repository import Url, ensure_config, list_runs, list_steps, read_manifest
+from ._repository import (
+    Url,
+    ensure_config,
+    list_chunk_objects,
+    list_runs,
+    list_steps,
+    read_manifest,
+)
 from .store import open_store
 
 
@@ -46,8 +55,9 @@ def copy(src_url: Url, dst_url: Url, *, steps: list[int] | None = None,
     """Copies checkpoints from one repository to another.
 
     Lists the destination's chunks once, then for each selected step: reads and validates the
-    source manifest, copies the chunks the destination lacks (reading each from the source,
-    checking its length and chunk id, writing it), and writes the manifest last, create-only.
+    source manifest, copies the chunk objects the destination lacks, delta objects and their
+    bases included (reading each from the source, checking its length and chunk id, a delta
+    rebuilt on its base, and writing it as read), and writes the manifest last, create-only.
     The destination holds a save lock meanwhile, so its garbage collection cannot interfere.
 
     Args:
@@ -79,35 +89,35 @@ def copy(src_url: Url, dst_url: Url, *, steps: list[int] | None = None,
     counts = {"copied": 0, "bytes_copied": 0, "skipped": 0, "bytes_skipped": 0}
     lock = threading.Lock()
     with save_lock(dst):
-        present = {cid: info.size for info in dst.list(CHUNKS_PREFIX)
-                   if (cid := chunk_id_of_key(info.key)) is not None}
+        present = {info.key: info.size for info in list_chunk_objects(dst)}
         for run, step in selected:
             key = manifest_key(run, step)
             if dst.exists(key):
                 skipped_steps.append((run, step))
                 continue
             manifest = read_manifest(src, step, run=run)
-            raw_length = {r.id: (r.raw_bytes, leaf.path) for leaf in manifest.leaves
-                          for r in leaf.chunks}
-            missing = [cid for cid in raw_length if cid not in present]
+            needed = _needed_objects(manifest)
+            missing = [k for k in needed if k not in present]
             with lock:
-                counts["skipped"] += len(raw_length) - len(missing)
-                counts["bytes_skipped"] += sum(present[c] for c in raw_length if c in present)
+                counts["skipped"] += len(needed) - len(missing)
+                counts["bytes_skipped"] += sum(present[k] for k in needed if k in present)
 
-            def transfer(cid: str, run=run, step=step, raw_length=raw_length) -> None:
+            def transfer(obj: str, run=run, step=step, needed=needed) -> None:
+                cid, base, raw_length, path = needed[obj]
                 try:
-                    data = src.get(chunk_key(cid))
-                    decode_chunk(data, cid, raw_length[cid][0])
-                    dst.put(chunk_key(cid), data)
+                    data = src.get(obj)
+                    if base is None:
+                        decode_chunk(data, cid, raw_length)
+                    else:
+                        decode_delta(data, src.get(chunk_key(base)), cid, base, raw_length)
+                    dst.put(obj, data)
                 except CorruptChunkError as e:
                     raise CorruptChunkError(f"source chunk unusable: {e}", url=src.url, run=run,
-                                            step=step, key_path=raw_length[cid][1],
-                                            chunk_id=cid) from e
+                                            step=step, key_path=path, chunk_id=cid) from e
                 except StoreTimeoutError as e:
-                    raise e.at(run=run, step=step, key_path=raw_length[cid][1],
-                               chunk_id=cid) from e
+                    raise e.at(run=run, step=step, key_path=path, chunk_id=cid) from e
                 with lock:
-                    present[cid] = len(data)
+                    present[obj] = len(data)
                     counts["copied"] += 1
                     counts["bytes_copied"] += len(data)
 
@@ -119,3 +129,16 @@ def copy(src_url: Url, dst_url: Url, *, steps: list[int] | None = None,
                 skipped_steps.append((run, step))
     return CopyInfo(tuple(copied), tuple(skipped_steps), counts["copied"], counts["bytes_copied"],
                     counts["skipped"], counts["bytes_skipped"], time.perf_counter() - t0)
+
+
+def _needed_objects(manifest: Manifest) -> dict[str, tuple[str, str | None, int, str]]:
+    """Object key -> ``(chunk id, base or None, raw bytes, key path)`` for every object a
+    restore of ``manifest`` reads: chunk objects, delta objects and their bases (format.md
+    §3.5)."""
+    needed = {}
+    for leaf in manifest.leaves:
+        for r in leaf.chunks:
+            needed[r.key] = (r.id, r.base, r.raw_bytes, leaf.path)
+            if r.base is not None:
+                needed.setdefault(chunk_key(r.base), (r.base, None, r.raw_bytes, leaf.path))
+    return needed

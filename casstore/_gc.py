@@ -1,9 +1,10 @@
 """Garbage collection: plan, stats, execute (format.md §8; restic's PlanPrune / Execute).
 
 Under the GC lock (no save in flight, see ``_locks``), list the chunks first, then every
-manifest of every run; a chunk is garbage if no manifest references it and it is older than the
-grace period. Listing chunks before manifests means a chunk written after the listing is never
-a candidate, and the grace period spares young chunks of any writer the locks did not see.
+manifest of every run; a chunk is garbage if no manifest references it (a delta chunk also
+references its base, format.md §3.5) and it is older than the grace period. Listing chunks
+before manifests means a chunk written after the listing is never a candidate, and the grace
+period spares young chunks of any writer the locks did not see.
 Deleting is idempotent, so an interrupted GC is safe to run again.
 """
 
@@ -12,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from ._layout import CHUNKS_PREFIX, RUNS_PREFIX, chunk_id_of_key, chunk_key, parse_manifest_key
+from ._layout import RUNS_PREFIX, parse_manifest_key
 from ._locks import GcLease, gc_lock
 from ._manifest import decode_manifest
 from ._pool import bounded_map
-from ._repository import Url, check_config
+from ._repository import Url, check_config, list_chunk_objects
 from .store import Store, open_store
 
 DEFAULT_GRACE_PERIOD_S = 3600.0
@@ -28,12 +29,14 @@ class GcInfo:
 
     Attributes:
       manifests: manifests read (all runs).
-      chunks: chunk objects listed.
-      referenced_chunks: chunk ids referenced by at least one manifest.
+      chunks: chunk objects listed (under ``chunks/`` and, for delta chunks, ``deltas/``).
+      referenced_chunks: chunk objects referenced by at least one manifest (a delta chunk
+        references its delta object and its base's chunk object, format.md §3.5).
       deleted_chunks, deleted_bytes: garbage deleted (or, for a dry run, that would be).
       young_unreferenced_chunks: unreferenced chunks spared because they are within the grace
         period.
-      missing_chunks: referenced chunk ids with no object (a damaged repository; see verify).
+      missing_chunks: referenced chunk objects that do not exist (a damaged repository; see
+        verify).
       dry_run: nothing was deleted.
       seconds: wall time.
     """
@@ -91,8 +94,7 @@ def _collect(store: Store, grace_period_s: float, lease: GcLease | None,
     """Marks and sweeps; ``lease`` None is a dry run (nothing deleted)."""
     dry_run = lease is None
     now = time.time()
-    chunks = {cid: info for info in store.list(CHUNKS_PREFIX)
-              if (cid := chunk_id_of_key(info.key)) is not None}
+    chunks = {info.key: info for info in list_chunk_objects(store)}
     referenced: set[str] = set()
     manifests = 0
     for info in store.list(RUNS_PREFIX):
@@ -104,17 +106,17 @@ def _collect(store: Store, grace_period_s: float, lease: GcLease | None,
         except FileNotFoundError:  # deleted (by retention) since the listing: references nothing
             continue
         run, step = parsed
-        referenced |= decode_manifest(data, run=run, step=step, url=store.url).chunk_ids()
+        referenced |= decode_manifest(data, run=run, step=step, url=store.url).object_keys()
         manifests += 1
-    garbage = [cid for cid, info in chunks.items()
-               if cid not in referenced and now - info.mtime >= grace_period_s]
-    young = sum(1 for cid in chunks if cid not in referenced) - len(garbage)
+    garbage = [key for key, info in chunks.items()
+               if key not in referenced and now - info.mtime >= grace_period_s]
+    young = sum(1 for key in chunks if key not in referenced) - len(garbage)
     if not dry_run:
-        def sweep(cid: str) -> None:
+        def sweep(key: str) -> None:
             lease.check()  # never delete once saves may have taken the lock for stale
-            store.delete(chunk_key(cid))
+            store.delete(key)
 
         bounded_map(sweep, garbage, max_workers or store.max_workers)
     return GcInfo(manifests, len(chunks), len(referenced), len(garbage),
-                  sum(chunks[cid].size for cid in garbage), young,
+                  sum(chunks[key].size for key in garbage), young,
                   len(referenced - chunks.keys()), dry_run, time.perf_counter() - t0)

@@ -14,6 +14,7 @@ import dataclasses
 import math
 
 from ._chunking import dtype_from_name
+from ._layout import chunk_key
 from ._manifest import ChunkRef, LeafEntry, Manifest
 from ._pool import bounded_map
 from ._repository import Url, list_runs, list_steps, read_manifest
@@ -38,9 +39,17 @@ def load_manifests(url: Url, *, runs: list[str] | None = None,
     return sorted(manifests, key=lambda m: (m.created, m.run, m.step))
 
 
-def chunk_sizes(manifests: list[Manifest]) -> dict[str, int]:
-    """Stored bytes of every chunk id the manifests reference."""
-    return {r.id: r.stored_bytes for m in manifests for leaf in m.leaves for r in leaf.chunks}
+def object_sizes(manifests: list[Manifest]) -> dict[str, int]:
+    """Stored bytes of every chunk object the manifests reference, by key (format.md §2).
+
+    A delta chunk references its delta object and its base's chunk object (format.md §3.5).
+    A base's size is known from a manifest that references that chunk whole; a base that no
+    given manifest references whole (its step was deleted) counts 0 bytes.
+    """
+    refs = [r for m in manifests for leaf in m.leaves for r in leaf.chunks]
+    sizes = {chunk_key(r.base): 0 for r in refs if r.base is not None}
+    sizes.update({r.key: r.stored_bytes for r in refs})
+    return sizes
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -69,12 +78,12 @@ class StepUsage:
 
 def step_usage(manifests: list[Manifest]) -> list[StepUsage]:
     """One :class:`StepUsage` per manifest, in the given (repository) order."""
-    size = chunk_sizes(manifests)
-    users = collections.Counter(cid for m in manifests for cid in m.chunk_ids())
+    size = object_sizes(manifests)
+    users = collections.Counter(key for m in manifests for key in m.object_keys())
     seen: set[str] = set()
     out = []
     for m in manifests:
-        ids = m.chunk_ids()
+        ids = m.object_keys()
         added = sum(size[c] for c in ids - seen)
         stored = sum(size[c] for c in ids)
         out.append(StepUsage(m.run, m.step, m.created, len(m.leaves), m.logical_bytes, stored,
@@ -97,10 +106,10 @@ class RunUsage:
 
 def run_usage(manifests: list[Manifest]) -> list[RunUsage]:
     """One :class:`RunUsage` per run, sorted by run name."""
-    size = chunk_sizes(manifests)
+    size = object_sizes(manifests)
     ids: dict[str, set[str]] = collections.defaultdict(set)
     for m in manifests:
-        ids[m.run] |= m.chunk_ids()
+        ids[m.run] |= m.object_keys()
     runs_of = collections.Counter(c for chunk_ids in ids.values() for c in chunk_ids)
     return [RunUsage(run, sum(m.run == run for m in manifests),
                      sum(m.logical_bytes for m in manifests if m.run == run),

@@ -8,6 +8,7 @@ from ._codec import is_chunk_id
 
 CONFIG_KEY = "config"
 CHUNKS_PREFIX = "chunks/"
+DELTAS_PREFIX = "deltas/"
 RUNS_PREFIX = "runs/"
 MAX_STEP = 10**16
 _RUN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,127}")
@@ -43,6 +44,31 @@ def chunk_id_of_key(key: str) -> str | None:
         cid = parts[1] + parts[2]
         return cid if is_chunk_id(cid) else None
     return None
+
+
+def delta_key(chunk_id: str, base: str) -> str:
+    """``deltas/<2 hex>/<30 hex>.<32 hex base>``: chunk ``chunk_id`` stored as a delta against
+    the chunk ``base`` (format.md §2, §3.5)."""
+    if not (is_chunk_id(chunk_id) and is_chunk_id(base)) or chunk_id == base:
+        raise ValueError(f"invalid delta {chunk_id!r} against {base!r}")
+    return f"{DELTAS_PREFIX}{chunk_id[:2]}/{chunk_id[2:]}.{base}"
+
+
+def object_key(chunk_id: str, base: str | None = None) -> str:
+    """The key of the object holding chunk ``chunk_id``: whole, or as a delta against ``base``."""
+    return chunk_key(chunk_id) if base is None else delta_key(chunk_id, base)
+
+
+def is_object_key(key: str) -> bool:
+    """Whether ``key`` is a key :func:`object_key` can return (a chunk or a delta object)."""
+    if chunk_id_of_key(key) is not None:
+        return True
+    parts = key.split("/")
+    if len(parts) != 3 or parts[0] + "/" != DELTAS_PREFIX or len(parts[1]) != 2:
+        return False
+    cid, dot, base = parts[2].partition(".")
+    return dot == "." and is_chunk_id(parts[1] + cid) and is_chunk_id(base) and (
+        parts[1] + cid != base)
 
 
 def steps_prefix(run: str) -> str:

@@ -92,7 +92,8 @@ class CheckpointManager:
       grace_period_s: the GC grace period, seconds.
       max_staging_bytes: the most host memory, bytes, that staged copies of an asynchronous
         save hold at once (None: no limit); at least ``chunk_size_bytes``.
-      chunk_size_bytes, zstd_level: as for :func:`casstore.save`.
+      chunk_size_bytes, zstd_level, delta: as for :func:`casstore.save`; deltas are taken
+        against the manager's latest step.
       **storage_options: passed to fsspec for URLs.
 
     Raises:
@@ -116,7 +117,7 @@ class CheckpointManager:
                  grace_period_s: float = DEFAULT_GRACE_PERIOD_S,
                  max_staging_bytes: int | None = None,
                  chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES,
-                 zstd_level: int = DEFAULT_ZSTD_LEVEL, **storage_options):
+                 zstd_level: int = DEFAULT_ZSTD_LEVEL, delta: bool = True, **storage_options):
         if best_mode not in ("max", "min"):
             raise ValueError(f"best_mode must be 'max' or 'min', not {best_mode!r}")
         for name, value in (("max_to_keep", max_to_keep), ("keep_period", keep_period),
@@ -136,6 +137,7 @@ class CheckpointManager:
         self.gc_after_retention, self.grace_period_s = gc_after_retention, grace_period_s
         self.max_staging_bytes = max_staging_bytes
         self.chunk_size_bytes, self.zstd_level = chunk_size_bytes, zstd_level
+        self.delta = delta
         self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix="casstore-save")
         self._pending: cf.Future | None = None
         self._metrics: dict[int, Any] = {}
@@ -220,7 +222,7 @@ class CheckpointManager:
             self.last_save_info = write(
                 self.store, step, prepared, inline, stream, run=self.run,
                 zstd_level=self.zstd_level, shuffle=self.store.shuffle, max_workers=workers,
-                window=inflight_window(workers, self.chunk_size_bytes),
+                window=inflight_window(workers, self.chunk_size_bytes), delta=self.delta,
                 previous_step=self.latest_step())
         except StoreTimeoutError as e:  # surfaces on the next save(): name the step
             stream.abandon()

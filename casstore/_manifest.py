@@ -18,9 +18,11 @@ from ._chunking import INLINE_LIMIT_BYTES, dtype_from_name
 from ._codec import is_chunk_id
 from ._errors import ManifestError
 from ._keypath import MAX_DEPTH, is_valid_path
+from ._layout import chunk_key, object_key
 
 FORMAT = "casstore.manifest"
-VERSION = 1
+VERSION = 1  # manifests without delta chunks; older readers read them
+DELTA_VERSION = 2  # manifests with at least one delta chunk ref (format.md §4.1)
 MAX_MANIFEST_BYTES = 256 * 2**20
 MAX_LEAVES = 1_000_000
 MAX_CHUNK_REFS = 10_000_000
@@ -40,7 +42,10 @@ class ChunkRef:
       start, stop: the block's index into the global array, per dimension (stop exclusive).
       offset: byte offset of the block in the chunk's raw bytes (non-zero only in packs).
       raw_bytes: raw length of the whole chunk, bytes.
-      stored_bytes: encoded length of the chunk object, bytes.
+      stored_bytes: encoded length of the chunk object, bytes (of the delta object alone for
+        a delta chunk).
+      base: for a chunk stored as a delta (format.md §3.5), the chunk id of its base, a chunk
+        stored whole; None for a chunk stored whole.
     """
 
     id: str
@@ -49,6 +54,12 @@ class ChunkRef:
     offset: int
     raw_bytes: int
     stored_bytes: int
+    base: str | None = None
+
+    @property
+    def key(self) -> str:
+        """The key of the object that holds the chunk (a delta object for a delta chunk)."""
+        return object_key(self.id, self.base)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -117,15 +128,22 @@ class Manifest:
         return sum(leaf.nbytes for leaf in self.leaves)
 
     def chunk_ids(self) -> set[str]:
-        """Every chunk id the manifest references."""
+        """Every chunk id the manifest references (bases of delta chunks not included)."""
         return {ref.id for leaf in self.leaves for ref in leaf.chunks}
+
+    def object_keys(self) -> set[str]:
+        """The key of every object a restore of this step reads: each chunk's object, and the
+        chunk object of each delta chunk's base (format.md §3.5). GC keeps exactly these."""
+        refs = [ref for leaf in self.leaves for ref in leaf.chunks]
+        return {r.key for r in refs} | {chunk_key(r.base) for r in refs if r.base is not None}
 
 
 def encode_manifest(m: Manifest) -> bytes:
     """msgpack bytes of ``m`` in format.md §4.1 field order."""
+    deltas = any(ref.base is not None for leaf in m.leaves for ref in leaf.chunks)
     return msgpack.packb({
-        "format": FORMAT, "version": VERSION, "run": m.run, "step": m.step,
-        "created": m.created, "metadata": m.metadata, "tree": m.tree,
+        "format": FORMAT, "version": DELTA_VERSION if deltas else VERSION, "run": m.run,
+        "step": m.step, "created": m.created, "metadata": m.metadata, "tree": m.tree,
         "leaves": [_encode_leaf(leaf) for leaf in m.leaves],
     }, use_bin_type=True)
 
@@ -137,9 +155,15 @@ def _encode_leaf(leaf: LeafEntry) -> dict:
     return {"path": leaf.path, "kind": "array", "shape": list(leaf.shape), "dtype": leaf.dtype,
             "jax": leaf.jax, "key_impl": leaf.key_impl, "sharding": leaf.sharding,
             "inline": leaf.inline,
-            "chunks": [{"id": c.id, "start": list(c.start), "stop": list(c.stop),
-                        "offset": c.offset, "raw_bytes": c.raw_bytes,
-                        "stored_bytes": c.stored_bytes} for c in leaf.chunks]}
+            "chunks": [_encode_ref(c) for c in leaf.chunks]}
+
+
+def _encode_ref(c: ChunkRef) -> dict:
+    ref = {"id": c.id, "start": list(c.start), "stop": list(c.stop), "offset": c.offset,
+           "raw_bytes": c.raw_bytes, "stored_bytes": c.stored_bytes}
+    if c.base is not None:
+        ref["base"] = c.base
+    return ref
 
 
 class _Check:
@@ -147,6 +171,7 @@ class _Check:
 
     def __init__(self, *, run: str, step: int, url: str):
         self.run, self.step, self.url, self.path = run, step, url, None
+        self.version = VERSION
 
     def __call__(self, ok: bool, message: str) -> None:
         if not ok:
@@ -170,7 +195,8 @@ def decode_manifest(data: bytes, *, run: str, step: int, url: str) -> Manifest:
       The validated Manifest.
 
     Raises:
-      ManifestError: the bytes are not a valid version-1 manifest for this run and step.
+      ManifestError: the bytes are not a valid version-1 or version-2 manifest for this run
+        and step.
     """
     check = _Check(run=run, step=step, url=url)
     check(len(data) <= MAX_MANIFEST_BYTES, f"{len(data)} bytes exceeds the size limit")
@@ -181,7 +207,9 @@ def decode_manifest(data: bytes, *, run: str, step: int, url: str) -> Manifest:
         raise ManifestError(f"not msgpack: {e}", run=run, step=step, url=url) from e
     check(isinstance(raw, dict), "top level is not a map")
     check(raw.get("format") == FORMAT, f"format is {raw.get('format')!r}, not {FORMAT!r}")
-    check(raw.get("version") == VERSION, f"unsupported format version {raw.get('version')!r}")
+    check(raw.get("version") in (VERSION, DELTA_VERSION),
+          f"unsupported format version {raw.get('version')!r}")
+    check.version = raw["version"]
     check(raw.get("run") == run and raw.get("step") == step,
           f"names run {raw.get('run')!r} step {raw.get('step')!r}, but its key says otherwise")
     check(isinstance(raw.get("created"), (int, float)), "created is not a number")
@@ -277,7 +305,10 @@ def _decode_ref(r: Any, ndim: int, itemsize: int, check: _Check) -> ChunkRef:
           and all(_is_int(v, 0, 2**53) for v in start + stop), f"bad chunk index of {cid}")
     check(all(_is_int(v, 0, 2**32) for v in (offset, raw_bytes, stored)),
           f"bad chunk sizes of {cid}")
-    ref = ChunkRef(cid, tuple(start), tuple(stop), offset, raw_bytes, stored)
+    base = r.get("base")
+    check(base is None or (check.version == DELTA_VERSION and is_chunk_id(base) and base != cid
+                           and offset == 0), f"bad delta base {base!r} of chunk {cid}")
+    ref = ChunkRef(cid, tuple(start), tuple(stop), offset, raw_bytes, stored, base)
     check(all(d > 0 for d in ref.shape), f"empty or inverted block in chunk {cid}")
     check(offset + math.prod(ref.shape) * itemsize <= raw_bytes,
           f"block of chunk {cid} extends past its raw bytes")

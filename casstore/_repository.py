@@ -8,20 +8,24 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 
 import msgpack
 
 from ._errors import ManifestError, StepNotFoundError
 from ._layout import (
+    CHUNKS_PREFIX,
     CONFIG_KEY,
+    DELTAS_PREFIX,
     RUNS_PREFIX,
     check_run,
+    is_object_key,
     manifest_key,
     parse_manifest_key,
     steps_prefix,
 )
 from ._manifest import Manifest, decode_manifest
-from .store import Store, open_store
+from .store import ObjectInfo, Store, open_store
 
 CONFIG_FORMAT = "casstore"
 CONFIG_VERSION = 1
@@ -66,6 +70,13 @@ def check_config(store: Store) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def list_chunk_objects(store: Store) -> Iterator[ObjectInfo]:
+    """Every chunk object of the repository: the chunks under ``chunks/`` and the delta
+    objects under ``deltas/`` (format.md §2); other keys there are skipped."""
+    for prefix in (CHUNKS_PREFIX, DELTAS_PREFIX):
+        yield from (info for info in store.list(prefix) if is_object_key(info.key))
 
 
 def list_steps(url: Url, *, run: str = "default") -> list[int]:

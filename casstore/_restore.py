@@ -22,6 +22,7 @@ import numpy as np
 
 from ._chunking import Index, dtype_from_name
 from ._codec import decode_chunk
+from ._delta import decode_delta
 from ._errors import CorruptChunkError, StoreTimeoutError, TargetMismatchError
 from ._keypath import SCALAR_TYPES, matches, path_str, unflatten_plain
 from ._layout import chunk_key
@@ -361,9 +362,10 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
                  ) -> dict[int, Any]:
     """Reads index regions of array leaves into host arrays (format.md §6), leaf by leaf.
 
-    Only the chunks whose blocks overlap a requested region are fetched, each once, with at
-    most ``2 * max_workers`` in flight, and verified (format.md §3.2) before its blocks are
-    copied into every region they overlap. A chunk that overlaps in part is read whole.
+    Only the chunks whose blocks overlap a requested region are fetched, each once (a delta
+    chunk with its base, format.md §3.5), with at most ``2 * max_workers`` in flight, and
+    verified (format.md §3.2) before its blocks are copied into every region they overlap. A
+    chunk that overlaps in part is read whole.
     Chunks are fetched in leaf order, and as soon as a leaf's last chunk is in, ``place``
     turns its regions into the value returned for it (e.g. jax arrays on their devices) and
     its host buffers are released, so host memory holds the leaves in progress, not the
@@ -396,8 +398,8 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
         needed = [ref for ref in entry.chunks if entry.inline is None
                   and any(_overlap((ref.start, ref.stop), r) for r in regions)]
         for ref in needed:
-            users[ref.id].append((i, ref))
-        pending[i] = {ref.id for ref in needed}
+            users[ref.key].append((i, ref))
+        pending[i] = {ref.key for ref in needed}
 
     def finish(i: int) -> None:
         if place is not None:
@@ -405,11 +407,17 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
 
     buffers = threading.local()  # one read buffer per worker thread, reused chunk after chunk
 
-    def fetch(cid: str) -> None:
-        blocks = users[cid]
+    def fetch(key: str) -> None:
+        blocks = users[key]
+        first = blocks[0][1]
+        cid = first.id
         try:
-            data, buffers.read = store.get_into(chunk_key(cid), getattr(buffers, "read", None))
-            raw = decode_chunk(data, cid, blocks[0][1].raw_bytes)
+            data, buffers.read = store.get_into(key, getattr(buffers, "read", None))
+            if first.base is None:
+                raw = decode_chunk(data, cid, first.raw_bytes)
+            else:
+                base = store.get(chunk_key(first.base))
+                raw = decode_delta(data, base, cid, first.base, first.raw_bytes)
         except (CorruptChunkError, FileNotFoundError) as e:
             raise CorruptChunkError(f"unusable chunk: {e}", url=store.url, run=manifest.run,
                                     step=manifest.step, key_path=manifest.leaves[blocks[0][0]].path,
@@ -422,7 +430,7 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
         done = []
         with lock:
             for i in dict.fromkeys(i for i, _ in blocks):
-                pending[i].discard(cid)
+                pending[i].discard(key)
                 if not pending[i]:
                     done.append(i)
         for i in done:

@@ -10,11 +10,12 @@ import dataclasses
 import time
 
 from ._codec import decode_chunk
+from ._delta import decode_delta
 from ._errors import CasstoreError
-from ._layout import CHUNKS_PREFIX, RUNS_PREFIX, chunk_id_of_key, chunk_key, parse_manifest_key
-from ._manifest import Manifest, decode_manifest
+from ._layout import RUNS_PREFIX, chunk_key, parse_manifest_key
+from ._manifest import ChunkRef, Manifest, decode_manifest
 from ._pool import bounded_map
-from ._repository import Url, check_config
+from ._repository import Url, check_config, list_chunk_objects
 from .store import open_store
 
 
@@ -42,7 +43,7 @@ class VerifyReport:
       ok: no problem found.
       problems: every problem found.
       steps_checked: ``(run, step)`` pairs whose manifests were read.
-      chunks_checked: distinct chunk ids checked for existence.
+      chunks_checked: distinct chunk objects (chunks and delta objects) checked for existence.
       bytes_read: chunk bytes read and decoded (0 without ``read_data``).
       seconds: wall time.
     """
@@ -62,10 +63,10 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
            max_workers: int | None = None) -> VerifyReport:
     """Checks that checkpoints are restorable, reporting every problem found.
 
-    Lists ``chunks/`` once; then, for each selected manifest: it must parse and validate
-    (format.md §4.4); every chunk it references must exist with at least a header's size; with
-    ``read_data`` each distinct chunk is read once and must decode to its length and chunk id
-    (format.md §3.2). Nothing is written.
+    Lists ``chunks/`` and ``deltas/`` once; then, for each selected manifest: it must parse and
+    validate (format.md §4.4); every chunk it references must exist, and for a delta chunk its
+    base too (§3.5); with ``read_data`` each distinct chunk object is read once and must decode
+    to its length and chunk id (§3.2), a delta rebuilt on its base. Nothing is written.
 
     Args:
       url: a path, an fsspec URL or a Store.
@@ -86,8 +87,7 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
     if not check_config(store):
         return VerifyReport((Problem(run, step, None, None, "no casstore repository here"),),
                             (), 0, 0, time.perf_counter() - t0)
-    sizes = {cid: info.size for info in store.list(CHUNKS_PREFIX)
-             if (cid := chunk_id_of_key(info.key)) is not None}
+    present = {info.key for info in list_chunk_objects(store)}
     manifests: list[Manifest] = []
     for info in store.list(RUNS_PREFIX):
         parsed = parse_manifest_key(info.key)
@@ -102,26 +102,34 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
                                     f"manifest unreadable: {e}"))
     if step is not None and not manifests and not problems:
         problems.append(Problem(run, step, None, None, "no such step"))
-    # chunk id -> every (run, step, key path, raw length) that references it
-    users: dict[str, list[tuple[str, int, str, int]]] = collections.defaultdict(list)
+    # object key -> every (run, step, key path, chunk ref) that references it
+    users: dict[str, list[tuple[str, int, str, ChunkRef]]] = collections.defaultdict(list)
     for m in manifests:
         for leaf in m.leaves:
             for ref in leaf.chunks:
-                users[ref.id].append((m.run, m.step, leaf.path, ref.raw_bytes))
-                if ref.id not in sizes:
+                users[ref.key].append((m.run, m.step, leaf.path, ref))
+                if ref.key not in present:
                     problems.append(Problem(m.run, m.step, leaf.path, ref.id, "chunk missing"))
+                elif ref.base is not None and chunk_key(ref.base) not in present:
+                    problems.append(Problem(m.run, m.step, leaf.path, ref.id,
+                                            f"base chunk {ref.base} of a delta chunk missing"))
     bytes_read = 0
     if read_data:
-        def check(cid: str) -> tuple[int, list[Problem]]:
+        def check(key: str) -> tuple[int, list[Problem]]:
+            ref = users[key][0][3]
             try:
-                data = store.get(chunk_key(cid))
-                decode_chunk(data, cid, users[cid][0][3])
+                data = store.get(key)
+                if ref.base is None:
+                    decode_chunk(data, ref.id, ref.raw_bytes)
+                else:
+                    decode_delta(data, store.get(chunk_key(ref.base)), ref.id, ref.base,
+                                 ref.raw_bytes)
                 return len(data), []
             except (CasstoreError, FileNotFoundError) as e:
-                return 0, [Problem(r, s, p, cid, f"chunk corrupt: {e}")
-                           for r, s, p, _ in users[cid]]
+                return 0, [Problem(r, s, p, ref.id, f"chunk corrupt: {e}")
+                           for r, s, p, _ in users[key]]
 
-        for n, found in bounded_map(check, [c for c in users if c in sizes],
+        for n, found in bounded_map(check, [k for k in users if k in present],
                                     max_workers or store.max_workers):
             bytes_read += n
             problems += found

@@ -31,9 +31,9 @@ import casstore
 
 from . import _inspect, _tensorfile
 from ._keypath import flatten, matches
-from ._layout import CHUNKS_PREFIX, RUNS_PREFIX, chunk_id_of_key
+from ._layout import RUNS_PREFIX
 from ._manifest import encode_manifest
-from ._repository import check_config
+from ._repository import check_config, list_chunk_objects
 from .store import CountingStore, Store
 
 EXIT_CHECK_FAILED = 1
@@ -283,11 +283,10 @@ def du_command(url: str, plot_path: str | None, options: dict, as_json: bool) ->
     manifests = _inspect.load_manifests(store)
     steps, runs = _inspect.step_usage(manifests), _inspect.run_usage(manifests)
     listed = {"chunks": 0, "manifests": 0, "unreferenced": 0}
-    referenced = _inspect.chunk_sizes(manifests)
-    for info in store.list(CHUNKS_PREFIX):
-        cid = chunk_id_of_key(info.key)
+    referenced = _inspect.object_sizes(manifests)
+    for info in list_chunk_objects(store):
         listed["chunks"] += info.size
-        listed["unreferenced"] += info.size if cid not in referenced else 0
+        listed["unreferenced"] += info.size if info.key not in referenced else 0
     listed["manifests"] = sum(info.size for info in store.list(RUNS_PREFIX))
     logical = sum(m.logical_bytes for m in manifests)
     stored = listed["chunks"] + listed["manifests"]
@@ -439,7 +438,7 @@ def verify_command(url: str, step: int | None, run: str | None, read_data: bool,
     if read_data:
         wanted = [m for m in _inspect.load_manifests(store, runs=None if run is None else [run])
                   if step is None or m.step == step]
-        total = sum(_inspect.chunk_sizes(wanted).values())
+        total = sum(_inspect.object_sizes(wanted).values())
     report = _progress("verifying", lambda: casstore.verify(
         store, step, run=run, read_data=read_data), _bytes_read(store), total)
     if as_json:
@@ -525,8 +524,8 @@ def copy_command(src: str, dst: str, steps: str | None, runs: str | None, option
     run_list = _list_option(runs, str)
     wanted = [m for m in _inspect.load_manifests(source, runs=run_list)
               if step_list is None or m.step in step_list]
-    present = {chunk_id_of_key(i.key) for i in target.list(CHUNKS_PREFIX)}
-    total = sum(n for c, n in _inspect.chunk_sizes(wanted).items() if c not in present)
+    present = {i.key for i in list_chunk_objects(target)}
+    total = sum(n for k, n in _inspect.object_sizes(wanted).items() if k not in present)
     info = _progress("copying", lambda: casstore.copy(source, target, steps=step_list,
                                                       runs=run_list),
                      _bytes_written(target), total)

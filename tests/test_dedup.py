@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import casstore
-from casstore._layout import CHUNKS_PREFIX
+from casstore._layout import CHUNKS_PREFIX, DELTAS_PREFIX
 from casstore.store import CountingStore, MemoryStore
 
 CHUNK = 4096
@@ -23,7 +23,8 @@ def train_state(seed: int, frozen_seed: int = 0) -> dict:
 
 
 def chunk_writes(store: CountingStore) -> list[str]:
-    return [k for k in store.keys_written if k.startswith(CHUNKS_PREFIX)]
+    """Keys of the chunk objects written (whole chunks and delta objects)."""
+    return [k for k in store.keys_written if k.startswith((CHUNKS_PREFIX, DELTAS_PREFIX))]
 
 
 def test_unchanged_tree_writes_only_a_manifest():
