@@ -14,8 +14,10 @@ local disk: ``delta`` (``casstore.save``, deltas on, the default), ``whole``
    and its stored bytes are attributed to the leaves whose blocks it holds, in proportion to
    their raw bytes. "all" is ``SaveInfo.written_bytes`` (new chunks plus the manifest); for
    orbax, the growth of its directory. Targets: all <= 0.40 of raw, params <= 0.35.
-2. restore: the first learning rate's repositories; the step with the longest delta chain
-   (following chunk refs' ``base``; the latest such step), restored into an abstract target
+2. restore: the first learning rate's repositories; the step at the end of the longest delta
+   chain (chunk refs' ``base`` followed through the manifests; as a delta is taken against its
+   base's whole chunk, the step whose oldest base lies furthest back; the latest on a tie),
+   restored into an abstract target
    from each system, cold (page cache dropped, ``--drop-caches``) and warm, median of
    ``--repeat``; every restore is checked bit-exact against the live state (AssertionError
    otherwise). Targets: delta restore <= 1.25x whole restore and <= 0.8x orbax's.
@@ -49,6 +51,7 @@ import numpy as np
 import optax
 
 import casstore
+from casstore._layout import chunk_key
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import harness as h  # noqa: E402
@@ -134,28 +137,30 @@ class Systems:
 
 def attribute(url: str, steps: list[int]) -> list[dict]:
     """Per step of ``url``'s default run: the stored bytes of the chunk objects it added, by
-    kind, with their count, how many are deltas, and the longest delta chain it references.
+    kind, with their count, how many are deltas, the longest delta chain it references and
+    the age in steps of its oldest delta base.
 
-    A chunk is added by the first step whose manifest references it; its stored bytes are
-    shared among the blocks referencing it in that step in proportion to their raw bytes (a
-    pack holds many leaves' blocks, format.md §3.4).
+    An object (a whole chunk or a delta, ``ChunkRef.key``; format.md §2, §3.5) is added by the
+    first step whose manifest references it; its stored bytes are shared among the blocks
+    referencing it in that step in proportion to their raw bytes (a pack holds many leaves'
+    blocks, format.md §3.4).
     """
-    seen: set[str] = set()
-    base_of: dict[str, str | None] = {}
+    first_step: dict[str, int] = {}  # object key -> the step that added it
+    base_of: dict[str, str | None] = {}  # chunk id -> its delta base
     out = []
     for step in steps:
         manifest = casstore.read_manifest(url, step)
-        new = [(kind_of(leaf.path), ref, math.prod(ref.shape) * jnp.dtype(leaf.dtype).itemsize)
-               for leaf in manifest.leaves for ref in leaf.chunks if ref.id not in seen]
+        refs = [(kind_of(leaf.path), ref, math.prod(ref.shape) * jnp.dtype(leaf.dtype).itemsize)
+                for leaf in manifest.leaves for ref in leaf.chunks]
+        new = [(kind, ref, size) for kind, ref, size in refs if ref.key not in first_step]
         covered: collections.Counter = collections.Counter()
         for _, ref, size in new:
-            covered[ref.id] += size
+            covered[ref.key] += size
         fig = dict.fromkeys((*KINDS, "other"), 0.0)
         for kind, ref, size in new:
-            fig[kind] += ref.stored_bytes * size / covered[ref.id]
-        for leaf in manifest.leaves:
-            for ref in leaf.chunks:
-                base_of[ref.id] = ref.base
+            fig[kind] += ref.stored_bytes * size / covered[ref.key]
+        first_step.update(dict.fromkeys(covered, step))
+        base_of.update({ref.id: ref.base for _, ref, _ in refs})
 
         def depth(cid: str) -> int:
             n = 0
@@ -165,11 +170,11 @@ def attribute(url: str, steps: list[int]) -> list[dict]:
 
         fig["chunk_bytes"] = sum(fig[k] for k in (*KINDS, "other"))
         fig["new_chunk_objects"] = len(covered)
-        fig["delta_objects"] = len({ref.id for _, ref, _ in new if ref.base is not None})
-        fig["chain_depth"] = max((depth(ref.id) for leaf in manifest.leaves
-                                  for ref in leaf.chunks), default=0)
+        fig["delta_objects"] = len({ref.key for _, ref, _ in new if ref.base is not None})
+        fig["chain_depth"] = max((depth(ref.id) for _, ref, _ in refs), default=0)
+        fig["base_age"] = max((step - first_step[chunk_key(ref.base)]
+                               for _, ref, _ in refs if ref.base is not None), default=0)
         out.append(fig)
-        seen |= set(covered)
     return out
 
 
@@ -260,13 +265,16 @@ def finetune(args: Any, lr: float, root: pathlib.Path, keep: bool) -> tuple[dict
 
 
 def restore_scenario(args: Any, systems: Systems, states: list) -> dict:
-    """Restore cost of the step at the end of the longest delta chain (the latest such)."""
+    """Restore cost of the step at the end of the longest delta chain: the most levels of
+    bases, then the oldest base (a delta is taken against its base's whole chunk, format.md
+    §3.5), then the latest step."""
     per_step = systems.per_step["delta"]
-    depths = [f["chain_depth"] for f in per_step]
-    step = max(range(len(depths)), key=lambda i: (depths[i], i))
+    step = max(range(len(per_step)), key=lambda i: (per_step[i]["chain_depth"],
+                                                    per_step[i]["base_age"], i))
     warm = min(3 * h.state_bytes(states[step]), MAX_WARM_BYTES) if not args.no_warm else 0
     out = time_restores(systems, step, states[step], args, warm)
-    out.update(chain_depth=depths[step], delta_objects=per_step[step]["delta_objects"],
+    out.update(chain_depth=per_step[step]["chain_depth"], base_age=per_step[step]["base_age"],
+               delta_objects=per_step[step]["delta_objects"],
                new_chunk_objects=per_step[step]["new_chunk_objects"])
     return out
 
@@ -437,9 +445,9 @@ def table(result: dict) -> str:
     if "restore" in result:
         r = result["restore"]
         lines += restore_table(r, f"MiniLM lr {result['finetune'][0]['lr']:g}")
-        lines += [f"- step {r['step']}: longest delta chain {r['chain_depth']}; "
-                  f"{r['delta_objects']} of its {r['new_chunk_objects']} new chunk objects "
-                  f"are deltas", ""]
+        lines += [f"- step {r['step']}: longest delta chain {r['chain_depth']}, oldest base "
+                  f"{r['base_age']} steps back; {r['delta_objects']} of its "
+                  f"{r['new_chunk_objects']} new chunk objects are deltas", ""]
     if "pretrain" in result:
         p = result["pretrain"]
         lines += bytes_table(p, f"{p['size']} pretraining, adam lr {p['lr']:g}, {p['steps']} "
