@@ -70,8 +70,10 @@ def test_full_finetune_changes_every_leaf_and_stores_deltas(tmp_path):
                   if a.dtype == np.float32]
         assert len(floats) == 3 * 103  # params, mu and nu of 6 layers, embeddings and head
         assert [k for k, a, b in floats if a.tobytes() == b.tobytes()] == []
-    # Step 2's deltas are taken against chunks of step 1 (format: a chunk ref's base).
-    previous_ids = casstore.read_manifest(url, 1).chunk_ids()
+    # Step 2's deltas are taken against chunks an earlier step stored whole (a chunk ref's
+    # base, format.md §3.5): a delta's base is its previous block's chunk or that one's base.
+    whole = {r.id for n in (0, 1) for leaf in casstore.read_manifest(url, n).leaves
+             for r in leaf.chunks if r.base is None}
     bases = [r.base for leaf in casstore.read_manifest(url, 2).leaves for r in leaf.chunks
              if r.base is not None]
-    assert bases and set(bases) <= previous_ids
+    assert bases and set(bases) <= whole
