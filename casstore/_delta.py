@@ -108,6 +108,13 @@ def encode_delta(raw: memoryview, base: np.ndarray, element_size: int,
     return data, max(0, round(whole) + HEADER.size - len(data))
 
 
+def _xor_unshuffle(a: np.ndarray, b: np.ndarray, k: int) -> np.ndarray:
+    """``unshuffle(a ^ b, k)``; the XOR runs on 8-byte words where the length allows."""
+    word = np.uint64 if len(a) % 8 == 0 else np.uint8
+    x = np.bitwise_xor(a.view(word), b.view(word)).view(np.uint8)
+    return unshuffle(x, k) if k > 1 else x
+
+
 def decode_delta(data: bytes | memoryview, base: bytes | memoryview, expected_id: str,
                  base_id: str, raw_length: int) -> memoryview:
     """Rebuilds and verifies a chunk stored as a delta (format.md §3.5).
@@ -137,11 +144,10 @@ def decode_delta(data: bytes | memoryview, base: bytes | memoryview, expected_id
                                 f"manifest says {raw_length} raw bytes", chunk_id=expected_id)
     x = np.frombuffer(_unzstd(memoryview(data)[HEADER.size:], raw_length, expected_id), np.uint8)
     try:
-        planes = np.bitwise_xor(x, base_planes(base, base_id, raw_length, k))
+        raw = _xor_unshuffle(x, base_planes(base, base_id, raw_length, k), k)
     except CorruptChunkError as e:
-        raise CorruptChunkError(f"its base chunk {base_id} is unusable: {e}",
+        raise CorruptChunkError(f"its base chunk {base_id} is corrupt: {e}",
                                 chunk_id=expected_id) from e
-    raw = unshuffle(planes, k) if k > 1 else planes
     if chunk_id(raw) != expected_id:
         try:
             decode_chunk(base, base_id, raw_length)

@@ -14,8 +14,10 @@ import casstore
 def tree_for(step: int) -> dict:
     """Deterministic content per step, shared with the test that checks it."""
     rng = np.random.default_rng(step)
+    weights = np.random.default_rng(0).standard_normal(200_000).astype(np.float32) * 0.02
     return {"base": np.arange(200_000, dtype=np.float32),
             "head": rng.standard_normal(300_000).astype(np.float32),
+            "trained": weights * np.float32(1 + 1e-4 * (step % 997)),  # stored as deltas
             "small": np.full(50, step, np.int32), "step": step}
 
 

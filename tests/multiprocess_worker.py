@@ -32,8 +32,10 @@ assert len(jax.devices()) == 8
 def expected(step: int) -> dict:
     """The global state's values, identical on every process."""
     w = np.arange(64 * 48, dtype=np.float32).reshape(64, 48) * step
+    trained = np.random.default_rng(0).standard_normal((64, 48)).astype(np.float32) * 0.02
     return {"w": w, "emb": (np.arange(40 * 8, dtype=np.int32) % 97).reshape(40, 8) + step,
-            "b": np.full(48, step, np.float32)}
+            "b": np.full(48, step, np.float32),
+            "trained": trained * np.float32(1 + 1e-4 * step)}  # later steps: deltas
 
 
 def shardings(kind: str) -> dict:
@@ -41,10 +43,11 @@ def shardings(kind: str) -> dict:
     if kind == "save":
         mesh = Mesh(devices.reshape(4, 2), ("data", "model"))
         return {"w": NamedSharding(mesh, P("data", "model")),
-                "emb": NamedSharding(mesh, P("data")), "b": NamedSharding(mesh, P())}
+                "emb": NamedSharding(mesh, P("data")), "b": NamedSharding(mesh, P()),
+                "trained": NamedSharding(mesh, P("data", "model"))}
     mesh = Mesh(devices.reshape(2, 4), ("a", "b"))
     return {"w": NamedSharding(mesh, P("b", "a")), "emb": NamedSharding(mesh, P(None, "b")),
-            "b": NamedSharding(mesh, P("b"))}
+            "b": NamedSharding(mesh, P("b")), "trained": NamedSharding(mesh, P("a"))}
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ def kill_during_saves(url: str, first_step: int, rng: random.Random, options=Non
 def assert_restores(store, step: int) -> None:
     restored = casstore.restore(store, step)
     expected = tree_for(step)
-    for key in ("base", "head", "small"):
+    for key in ("base", "head", "trained", "small"):
         assert restored[key].tobytes() == expected[key].tobytes(), (step, key)
 
 
@@ -63,6 +63,10 @@ def run_trials(store, url: str, trials: int, seed: int, options=None,
         assert_restores(store, step)
     if seen:  # every kill may have come before the first commit: then nothing exists
         assert casstore.verify(store).ok
+    if len(seen) > 1:  # later steps store "trained" as deltas against earlier ones
+        latest = casstore.read_manifest(store, max(seen))
+        assert any(r.base for leaf in latest.leaves if leaf.path == "trained"
+                   for r in leaf.chunks)
     if where:
         report_trials(capsys, where, trials, seen, t0, final=True)
     return seen

@@ -84,14 +84,20 @@ def test_stress_saves_while_gc_runs_in_a_loop(tmp_path, backend, request):
     stop = threading.Event()
     errors: list[BaseException] = []
     base = np.random.default_rng(0).normal(size=(256, 64)).astype(np.float32)
+    deltas = []
+
+    def trained(step: int) -> np.ndarray:  # changes in its low bits: stored as deltas
+        return base[:64] * np.float32(1 + 1e-4 * step)
 
     def saver(worker: int) -> None:
         try:
             for i in range(12):
                 step = worker * 100 + i
                 tree = {"base": base, "head": np.full(2000, step, np.float32),
-                        "old": np.full(2000, i % 3, np.float32)}  # content that comes and goes
-                casstore.save(store, step, tree, run=f"w{worker}", chunk_size_bytes=8192)
+                        "old": np.full(2000, i % 3, np.float32),  # content that comes and goes
+                        "trained": trained(step)}
+                info = casstore.save(store, step, tree, run=f"w{worker}", chunk_size_bytes=8192)
+                deltas.append(info.delta_chunks)
                 if i % 2:
                     casstore.delete(store, step, run=f"w{worker}")
                 time.sleep(0.05)  # a training step between saves
@@ -129,7 +135,9 @@ def test_stress_saves_while_gc_runs_in_a_loop(tmp_path, backend, request):
         for step in steps:
             restored = casstore.restore(store, step, run=f"w{worker}")
             np.testing.assert_array_equal(restored["base"], base)
+            assert restored["trained"].tobytes() == trained(step).tobytes()
             assert restored["head"][0] == step and restored["old"][0] == (step % 100) % 3
+    assert sum(deltas) >= 3 * 10, deltas  # GC ran against delta chunks and their bases
 
 
 def test_verify_finds_a_deleted_chunk_and_a_flipped_byte(tmp_path):

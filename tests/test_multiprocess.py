@@ -58,6 +58,12 @@ def test_save_with_2_and_4_processes_restore_with_4_2_and_1(tmp_path):
                                   np.arange(64 * 48, dtype=np.float32).reshape(64, 48))
     leaf = next(x for x in casstore.read_manifest(repo, 1).leaves if x.path == "state/w")
     assert leaf.sharding == {"mesh": {"data": 4, "model": 2}, "spec": ["data", "model"]}
+    # Step 2's processes each stored their own shards of "trained" as deltas against step 1's.
+    steps = {s: {leaf.path: leaf for leaf in casstore.read_manifest(repo, s).leaves}
+             for s in (1, 2)}
+    bases = {r.id for r in steps[1]["state/trained"].chunks}
+    refs = steps[2]["state/trained"].chunks
+    assert len(refs) == 8 and all(r.base in bases for r in refs), refs
 
 
 def test_a_process_killed_before_commit_leaves_no_step(tmp_path):

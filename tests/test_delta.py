@@ -1,0 +1,300 @@
+"""Delta chunks (format.md §3.5): written, read, verified, copied and collected correctly."""
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import casstore
+from casstore import _manifest
+from casstore._codec import HEADER, decode_chunk
+from casstore._delta import CODEC_DELTA, decode_delta
+from casstore._layout import DELTAS_PREFIX, chunk_key
+from casstore.store import LocalStore, MemoryStore
+
+from conftest import object_store
+
+CHUNK = 64 * 1024
+WEIGHTS = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32) * 0.02
+
+
+def trained(step: int, seed: int = 0) -> np.ndarray:
+    """Weights after ``step`` small updates: the low mantissa bits change, as in training."""
+    noise = np.random.default_rng(seed + 1).standard_normal(WEIGHTS.shape).astype(np.float32)
+    return WEIGHTS + np.float32(1e-4) * step * noise * 0.02
+
+
+def state(step: int) -> dict:
+    """A train state: trained weights (numpy and sharded jax), a random moment, a counter."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+    return {"w": trained(step),
+            "w_jax": jax.device_put(trained(step, seed=7), NamedSharding(mesh, P("data", "model"))),
+            "mu": np.random.default_rng(100 + step).standard_normal(30_000).astype(np.float32),
+            "count": step}
+
+
+def assert_bit_exact(restored: dict, expected: dict) -> None:
+    assert restored.keys() == expected.keys()
+    for key, value in expected.items():
+        if isinstance(value, int):
+            assert restored[key] == value
+        else:
+            assert np.asarray(restored[key]).tobytes() == np.asarray(value).tobytes(), key
+
+
+def refs(store, step: int, path: str, run: str = "default"):
+    leaf = next(x for x in casstore.read_manifest(store, step, run=run).leaves if x.path == path)
+    return leaf.chunks
+
+
+@pytest.mark.parametrize("backend", ["local", "memory", "seaweedfs", "fake-gcs"])
+def test_changed_weights_are_stored_as_deltas_and_restore_bit_exact(backend, tmp_path, request):
+    if backend in ("seaweedfs", "fake-gcs"):
+        store = object_store(request.getfixturevalue("object_servers")[backend])
+    else:
+        store = LocalStore(tmp_path / "r") if backend == "local" else MemoryStore()
+    whole = MemoryStore()
+    infos = [casstore.save(store, s, state(s), chunk_size_bytes=CHUNK) for s in range(4)]
+    plain = [casstore.save(whole, s, state(s), chunk_size_bytes=CHUNK, delta=False)
+             for s in range(4)]
+    assert infos[0].delta_chunks == 0 and plain[3].delta_chunks == 0
+    for info, without in zip(infos[1:], plain[1:]):
+        # w and w_jax: 4 + 8 blocks as deltas; mu is random: whole.
+        assert info.delta_chunks == 12 and info.delta_saved_bytes > 0, info
+        assert info.written_bytes < 0.8 * without.written_bytes, (info, without)
+    for s in range(4):
+        assert_bit_exact(casstore.restore(store, s), state(s))
+    assert all(r.base is None for r in refs(store, 0, "w"))
+    assert all(r.base is None for r in refs(store, 3, "mu"))
+    # Depth 1: every later step's delta is against step 0's whole chunk.
+    assert [r.base for r in refs(store, 3, "w")] == [r.id for r in refs(store, 0, "w")]
+    assert any(i.key.startswith(DELTAS_PREFIX) for i in store.list(DELTAS_PREFIX))
+    assert casstore.verify(store).ok
+    target = jax.eval_shape(lambda: state(3))
+    assert_bit_exact(casstore.restore(store, 3, target=target), state(3))
+
+
+def test_manifest_versions_follow_the_use_of_deltas(tmp_path):
+    store = MemoryStore()
+    casstore.save(store, 0, state(0), chunk_size_bytes=CHUNK)
+    casstore.save(store, 1, state(1), chunk_size_bytes=CHUNK, delta=False)
+    casstore.save(store, 2, state(2), chunk_size_bytes=CHUNK)
+    version = {s: _manifest.msgpack.unpackb(store.get(f"runs/default/steps/{s:016d}.manifest"))[
+        "version"] for s in range(3)}
+    assert version == {0: 1, 1: 1, 2: 2}
+    assert all(r.base is None for r in refs(store, 1, "w"))
+
+
+def test_an_older_reader_refuses_a_delta_step_and_never_returns_wrong_data(monkeypatch):
+    store = MemoryStore()
+    casstore.save(store, 0, state(0), chunk_size_bytes=CHUNK)
+    casstore.save(store, 1, state(1), chunk_size_bytes=CHUNK)
+    ref = refs(store, 1, "w")[0]
+    # A version-1 chunk decoder given a delta object: an error, not bytes.
+    with pytest.raises(casstore.CorruptChunkError, match="codec 3"):
+        decode_chunk(store.get(ref.key), ref.id, ref.raw_bytes)
+    # A version-1 manifest reader (it accepts version 1 only) refuses the step by name.
+    monkeypatch.setattr(_manifest, "DELTA_VERSION", _manifest.VERSION)
+    with pytest.raises(casstore.ManifestError, match="unsupported format version 2") as e:
+        casstore.restore(store, 1)
+    assert e.value.step == 1
+    assert_bit_exact(casstore.restore(store, 0), state(0))  # steps without deltas still read
+
+
+def test_a_corrupt_base_is_reported_with_the_dependent_step_and_key_path(tmp_path):
+    store = LocalStore(tmp_path / "r")
+    for s in range(3):
+        casstore.save(store, s, state(s), chunk_size_bytes=CHUNK)
+    base = refs(store, 2, "w")[1].base
+    path = tmp_path / "r" / chunk_key(base)
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(casstore.CorruptChunkError, match=f"base chunk {base} is corrupt") as e:
+        casstore.restore(store, 2)
+    assert e.value.step == 2 and e.value.key_path == "w"
+    problems = casstore.verify(store).problems
+    assert {(p.step, p.key_path) for p in problems} == {(0, "w"), (1, "w"), (2, "w")}
+    assert all(p.chunk_id == base for p in problems if p.step == 0)
+
+
+def test_a_missing_base_is_found_by_verify_without_reading_data(tmp_path):
+    store = MemoryStore()
+    casstore.save(store, 0, state(0), chunk_size_bytes=CHUNK)
+    casstore.save(store, 1, state(1), chunk_size_bytes=CHUNK)
+    base = refs(store, 1, "w")[0].base
+    store.delete(chunk_key(base))
+    report = casstore.verify(store, read_data=False)
+    assert any(p.step == 1 and p.key_path == "w" and "base chunk" in p.message
+               for p in report.problems), report.problems
+
+
+@pytest.mark.parametrize("dst_kind", ["memory", "seaweedfs"])
+def test_copy_of_one_delta_step_brings_its_bases(dst_kind, tmp_path, request):
+    src = LocalStore(tmp_path / "src")
+    for s in range(3):
+        casstore.save(src, s, state(s), chunk_size_bytes=CHUNK)
+    dst = (object_store(request.getfixturevalue("object_servers")["seaweedfs"])
+           if dst_kind == "seaweedfs" else MemoryStore())
+    info = casstore.copy(src, dst, steps=[2])
+    assert info.steps_copied == (("default", 2),)
+    assert_bit_exact(casstore.restore(dst, 2), state(2))
+    assert casstore.verify(dst).ok
+    for r in refs(dst, 2, "w"):
+        assert dst.exists(chunk_key(r.base)) and dst.exists(r.key)
+    again = casstore.copy(src, dst, steps=[2])
+    assert again.chunks_copied == 0 and again.steps_skipped == (("default", 2),)
+
+
+def test_gc_keeps_the_bases_of_live_deltas_after_their_step_is_deleted(tmp_path):
+    store = MemoryStore()
+    for s in range(3):
+        casstore.save(store, s, state(s), chunk_size_bytes=CHUNK)
+    casstore.delete(store, 0)  # step 0 held the bases as whole chunks
+    casstore.delete(store, 1)
+    info = casstore.gc(store, grace_period_s=0)
+    assert info.deleted_chunks > 0  # step 1's deltas and moments went
+    assert_bit_exact(casstore.restore(store, 2), state(2))
+    assert casstore.verify(store).ok
+    # The next step deltas against the same bases, still without step 0.
+    info = casstore.save(store, 3, state(3), chunk_size_bytes=CHUNK)
+    assert info.delta_chunks == 12
+    assert [r.base for r in refs(store, 3, "w")] == [r.base for r in refs(store, 2, "w")]
+    casstore.delete(store, 2)
+    casstore.gc(store, grace_period_s=0)
+    assert_bit_exact(casstore.restore(store, 3), state(3))
+
+
+def test_a_delta_object_of_another_run_is_never_reused_without_its_base(tmp_path):
+    store = MemoryStore()
+    for s in range(2):
+        casstore.save(store, s, state(s), run="a", chunk_size_bytes=CHUNK)
+    info = casstore.save(store, 0, state(1), run="b", chunk_size_bytes=CHUNK)
+    assert info.delta_chunks == 0  # run b has no previous step to delta against
+    assert all(r.base is None for r in refs(store, 0, "w", run="b"))
+    for s in range(2):
+        casstore.delete(store, s, run="a")
+    casstore.gc(store, grace_period_s=0)
+    assert_bit_exact(casstore.restore(store, 0, run="b"), state(1))
+
+
+def test_async_manager_saves_deltas_from_staged_numpy_leaves(tmp_path):
+    """The staged copy is what gets delta-encoded: overwriting the leaf after save() is safe."""
+    store = LocalStore(tmp_path / "r")
+    expected = {}
+    with casstore.CheckpointManager(store, max_to_keep=2, gc_after_retention=True,
+                                    grace_period_s=0, chunk_size_bytes=CHUNK) as mngr:
+        w = trained(0).copy()
+        for s in range(5):
+            w[...] = trained(s)
+            expected[s] = w.copy()
+            mngr.save(s, {"w": w})
+            w[...] = -1  # the caller reuses its buffer at once
+        mngr.wait_until_finished()
+        assert mngr.last_save_info.delta_chunks == 4
+    assert casstore.list_steps(store) == [3, 4]
+    for s in (3, 4):
+        assert casstore.restore(store, s)["w"].tobytes() == expected[s].tobytes()
+    assert casstore.verify(store).ok
+
+
+@pytest.mark.parametrize("mutate", ["truncate", "codec", "element_size", "length", "payload"])
+def test_a_malformed_delta_object_is_a_corrupt_chunk_error(mutate):
+    store = MemoryStore()
+    casstore.save(store, 0, {"w": trained(0)}, chunk_size_bytes=CHUNK)
+    casstore.save(store, 1, {"w": trained(1)}, chunk_size_bytes=CHUNK)
+    ref = refs(store, 1, "w")[0]
+    data, base = bytearray(store.get(ref.key)), store.get(chunk_key(ref.base))
+    magic, version, codec, k, length = HEADER.unpack_from(data)
+    assert codec == CODEC_DELTA and k == 4
+    if mutate == "truncate":
+        data = data[:10]
+    elif mutate == "codec":
+        HEADER.pack_into(data, 0, magic, version, 2, k, length)
+    elif mutate == "element_size":
+        HEADER.pack_into(data, 0, magic, version, codec, 3, length)
+    elif mutate == "length":
+        HEADER.pack_into(data, 0, magic, version, codec, k, length * 2)
+    else:
+        data[-5] ^= 0xFF
+    with pytest.raises(casstore.CorruptChunkError):
+        decode_delta(bytes(data), base, ref.id, ref.base, ref.raw_bytes)
+    store.put(ref.key, bytes(data))
+    with pytest.raises(casstore.CorruptChunkError) as e:
+        casstore.restore(store, 1)
+    assert e.value.step == 1 and e.value.key_path == "w" and e.value.chunk_id == ref.id
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("base", "zz", "bad delta base"), ("base", "self", "bad delta base"),
+    ("version", 1, "bad delta base"), ("version", 3, "unsupported format version 3")])
+def test_hostile_delta_fields_in_a_manifest_are_refused(field, value, message):
+    store = MemoryStore()
+    casstore.save(store, 0, {"w": trained(0)}, chunk_size_bytes=CHUNK)
+    casstore.save(store, 1, {"w": trained(1)}, chunk_size_bytes=CHUNK)
+    key = "runs/default/steps/0000000000000001.manifest"
+    raw = _manifest.msgpack.unpackb(store.get(key))
+    if field == "base":
+        ref = raw["leaves"][0]["chunks"][0]
+        ref["base"] = ref["id"] if value == "self" else value
+    else:
+        raw["version"] = value
+    store.delete(key)
+    store.put(key, _manifest.msgpack.packb(raw, use_bin_type=True))
+    with pytest.raises(casstore.ManifestError, match=message):
+        casstore.read_manifest(store, 1)
+
+
+# --- Property test: any sequence of save / delete / gc / copy leaves every step restorable. ---
+
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("save"), st.integers(0, 3)),  # which leaves change (bit mask, w and v)
+    st.tuples(st.just("delete"), st.integers(0, 50)),  # index into the steps still there
+    st.tuples(st.just("gc"), st.just(0)),
+    st.tuples(st.just("copy"), st.integers(0, 50))), min_size=1, max_size=14)
+
+
+def _tree(versions: tuple[int, int]) -> dict:
+    return {"w": trained(versions[0])[:64], "v": trained(versions[1], seed=3)[:32],
+            "frozen": WEIGHTS[:16]}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(OPS)
+def test_save_delete_gc_copy_sequences_keep_every_step_restorable(ops):
+    """Against a dict model: each save changes some leaves a little (deltas), deletes and GCs
+    (no grace) remove what they may, copies send one step to a second repository; after
+    every operation every remaining step of both repositories restores bit-exact."""
+    store, mirror = MemoryStore(), MemoryStore()
+    model: dict[int, tuple[int, int]] = {}
+    copied: dict[int, tuple[int, int]] = {}
+    versions, step = (0, 0), 0
+    for op, arg in ops:
+        if op == "save":
+            latest = model[max(model)] if model else None
+            versions = (versions[0] + (arg & 1), versions[1] + (arg >> 1 & 1))
+            info = casstore.save(store, step, _tree(versions), chunk_size_bytes=4096)
+            if latest is not None and latest[0] != versions[0]:
+                assert info.delta_chunks >= 16  # w's blocks changed: deltas against latest
+            model[step] = versions
+            step += 1
+        elif op == "delete" and model:
+            victim = sorted(model)[arg % len(model)]
+            casstore.delete(store, victim)
+            del model[victim]
+        elif op == "gc":
+            casstore.gc(store, grace_period_s=0)
+            casstore.gc(mirror, grace_period_s=0)
+        elif op == "copy" and model:
+            chosen = sorted(model)[arg % len(model)]
+            casstore.copy(store, mirror, steps=[chosen])
+            copied[chosen] = model[chosen]
+        for repo, expected in ((store, model), (mirror, copied)):
+            assert casstore.list_steps(repo) == sorted(expected)
+            for s, v in expected.items():
+                restored = casstore.restore(repo, s)
+                for key, value in _tree(v).items():
+                    assert restored[key].tobytes() == value.tobytes(), (s, key)
