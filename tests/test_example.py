@@ -5,6 +5,11 @@ import re
 import subprocess
 import sys
 
+import jax
+import numpy as np
+
+import casstore
+
 EXAMPLE = pathlib.Path(__file__).parents[1] / "examples" / "finetune_minilm.py"
 
 
@@ -15,10 +20,17 @@ def run(*args: str) -> str:
     return out.stdout
 
 
+def step_rows(output: str) -> list[tuple[int, float, float, float, int]]:
+    """(step, logical MB, written MB, MB without deltas, delta chunks) of every per-step line."""
+    rows = re.findall(r"^\s*(\d+)\s+[\d.]+\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)\s+[\d.]+x",
+                      output, re.M)
+    return [(int(s), float(logical), float(written), float(whole), int(deltas))
+            for s, logical, written, whole, deltas in rows]
+
+
 def step_lines(output: str) -> list[tuple[int, float, float]]:
     """(step, logical MB, written MB) of every per-step line."""
-    rows = re.findall(r"^\s*(\d+)\s+[\d.]+\s+([\d.]+)\s+([\d.]+)\s+[\d.]+x", output, re.M)
-    return [(int(s), float(logical), float(written)) for s, logical, written in rows]
+    return [row[:3] for row in step_rows(output)]
 
 
 def test_finetune_stores_the_frozen_base_once(tmp_path):
@@ -35,3 +47,33 @@ def test_finetune_stores_the_frozen_base_once(tmp_path):
     resumed = run("--url", url, "--steps", "1")
     assert "resumed run 'default' from step 2" in resumed
     assert [r[0] for r in step_lines(resumed)] == [3]
+
+
+def test_full_finetune_changes_every_leaf_and_stores_deltas(tmp_path):
+    url = str(tmp_path / "ckpt")
+    out = run("--url", url, "--steps", "3", "--full", "--lr", "1e-4", "--batch-size", "8")
+    rows = step_rows(out)
+    assert [r[0] for r in rows] == [0, 1, 2]
+    assert "frozen check" not in out  # nothing is frozen
+    assert "restore check: OK (step 2 restored bit-exact" in out
+    assert re.search(r"MB without deltas\)", out)
+    assert rows[0][1] > 250  # params + adam mu and nu, all 22.7M parameters trained
+    assert rows[0][4] == 0  # the run's first step has no previous step to take a delta from
+    for _, logical, written, whole, deltas in rows[1:]:
+        assert deltas > 0
+        assert written < 0.8 * whole < 0.8 * logical
+
+    # Every float leaf (params, adam mu and nu of every layer and the head) changed each step.
+    steps = [jax.tree_util.tree_leaves_with_path(casstore.restore(url, n)) for n in (0, 1, 2)]
+    for before, after in zip(steps, steps[1:]):
+        floats = [(jax.tree_util.keystr(p), a, b) for (p, a), (_, b) in zip(before, after)
+                  if a.dtype == np.float32]
+        assert len(floats) == 3 * 103  # params, mu and nu of 6 layers, embeddings and head
+        assert [k for k, a, b in floats if a.tobytes() == b.tobytes()] == []
+    # Step 2's deltas are taken against chunks an earlier step stored whole (a chunk ref's
+    # base, format.md §3.5): a delta's base is its previous block's chunk or that one's base.
+    whole = {r.id for n in (0, 1) for leaf in casstore.read_manifest(url, n).leaves
+             for r in leaf.chunks if r.base is None}
+    bases = [r.base for leaf in casstore.read_manifest(url, 2).leaves for r in leaf.chunks
+             if r.base is not None]
+    assert bases and set(bases) <= whole
