@@ -30,6 +30,7 @@ MAX_ELEMENT_SIZE = 16
 MAX_RAW_LENGTH = 2**31
 DEFAULT_ZSTD_LEVEL = 1
 MIN_SAVING = 1 / 8  # keep zstd only if it saves this fraction of the raw size
+PLANES_ONLY_IF_SAVING = 1 / 4  # without ``shuffle``: codec 4 only where it saves this much
 SAMPLE_BYTES = 64 * 1024
 PLANE_SAMPLE_BYTES = 16 * 1024  # codec 4 judges each byte plane on two samples of this size
 _UNPLANE_BLOCK = 64 * 1024  # elements per block of the plane scatter: 25% faster than whole planes
@@ -220,19 +221,25 @@ def _encode(source: memoryview | np.ndarray, codec: int, level: int, element_siz
     return b"".join(parts)
 
 
-def _choose_codec(raw: memoryview, level: int, element_size: int) -> int:
-    """The codec whose zstd output of two 64 KiB samples (start, middle) is smallest, or raw
-    if none saves 1/8. Chunks under 256 KiB are judged whole instead, by :func:`encode_chunk`.
+def _min_saving(codec: int, shuffle: bool) -> float:
+    """The fraction of the raw size ``codec`` must save to be kept (format.md §3.2)."""
+    return PLANES_ONLY_IF_SAVING if codec == CODEC_PLANES and not shuffle else MIN_SAVING
+
+
+def _choose_codec(raw: memoryview, level: int, element_size: int, shuffle: bool) -> int:
+    """The codec whose output of two 64 KiB samples (start, middle) is smallest among those
+    that save their minimum (:func:`_min_saving`), or raw if none does. Chunks under 256 KiB are
+    judged whole instead, by :func:`encode_chunk`.
     """
     n = len(raw)
     step = SAMPLE_BYTES - SAMPLE_BYTES % element_size
     middle = n // 2 - (n // 2) % element_size
     samples = (raw[:step], raw[middle:middle + step])
-    best, best_size = CODEC_RAW, 2 * step * (1 - MIN_SAVING)
+    best, best_size = CODEC_RAW, 2 * step
     for codec in _candidates(element_size):
         size = sum(len(_encode(_zstd_input(s, codec, element_size), codec, level, element_size))
                    - HEADER.size for s in samples)
-        if size <= best_size:
+        if size <= 2 * step * (1 - _min_saving(codec, shuffle)) and size <= best_size:
             best, best_size = codec, size
     return best
 
@@ -258,7 +265,10 @@ def encode_chunk(raw: memoryview, *, level: int = DEFAULT_ZSTD_LEVEL, element_si
       level: zstd compression level.
       element_size: bytes per array element, 1 to 16; codec 4 is tried only if it is above 1
         and divides ``len(raw)``.
-      shuffle: whether to try codec 4 at all.
+      shuffle: keep codec 4 wherever it saves 1/8; False keeps it only where it saves 1/4
+        (adam's moments, low-entropy floats: there it is both smaller than zstd and faster
+        to encode and decode), so barely compressible floats such as trained weights are
+        stored raw and cost no shuffle (local disk's default, docs/design-notes.md).
 
     Returns:
       The chunk object: 16-byte header plus payload.
@@ -272,17 +282,17 @@ def encode_chunk(raw: memoryview, *, level: int = DEFAULT_ZSTD_LEVEL, element_si
         raise ValueError(f"chunk of {n} bytes exceeds the {MAX_RAW_LENGTH}-byte limit")
     if not 1 <= element_size <= MAX_ELEMENT_SIZE:
         raise ValueError(f"element_size {element_size} is not in [1, {MAX_ELEMENT_SIZE}]")
-    if not shuffle or n == 0 or n % element_size:
+    if n == 0 or n % element_size:
         element_size = 1
     if n >= 4 * SAMPLE_BYTES:
-        codecs = (_choose_codec(raw, level, element_size),)
+        codecs = (_choose_codec(raw, level, element_size, shuffle),)
     else:
         codecs = _candidates(element_size)
     best = None
     for codec in (c for c in codecs if c != CODEC_RAW):
         source = _zstd_input(raw, codec, element_size)
         data = _encode(source, codec, level, element_size)
-        if len(data) - HEADER.size <= n * (1 - MIN_SAVING) and (
+        if len(data) - HEADER.size <= n * (1 - _min_saving(codec, shuffle)) and (
                 best is None or len(data) < len(best[0])):
             best = data, source
     if best is None:

@@ -19,6 +19,7 @@ import numpy as np
 
 from ._codec import (
     CODEC_PLANES,
+    CODEC_RAW,
     CODEC_SHUFFLE_ZSTD,
     HEADER,
     MAGIC,
@@ -42,14 +43,14 @@ CODEC_DELTA = 3
 MIN_SAVING = 1 / 4  # store a delta only if it is at most 3/4 of the size of the chunk stored whole
 
 
-def base_planes(data: bytes | memoryview, base_id: str, raw_length: int,
-                element_size: int) -> list[np.ndarray]:
-    """The ``element_size`` byte planes of a whole chunk object (``shuffle``'s rows).
+def base_bytes(data: bytes | memoryview, base_id: str, raw_length: int,
+               element_size: int) -> np.ndarray | list[np.ndarray]:
+    """A whole chunk object's bytes in the cheapest form its codec gives.
 
-    A codec-4 or codec-2 object of the same element size is only decompressed (planes stored
-    as is are views of ``data``); any other is decoded (and checked against ``base_id``) and
-    shuffled. The fast paths do not hash the base: the chunk rebuilt on top of it is checked
-    against its own id.
+    The ``element_size`` byte planes (a list, ``shuffle``'s rows) of a codec-4 or codec-2
+    object of that element size, only decompressed (planes stored as is are views of
+    ``data``); else the raw bytes (a 1-D uint8 array; a view of ``data`` for a raw chunk).
+    The base is not hashed: the chunk rebuilt on top of it is checked against its own id.
 
     Raises:
       CorruptChunkError: the object's header, plane table or zstd frames are invalid, or its
@@ -58,15 +59,29 @@ def base_planes(data: bytes | memoryview, base_id: str, raw_length: int,
     k = element_size
     if len(data) >= HEADER.size:
         magic, version, codec, size, length = HEADER.unpack_from(data)
-        if (magic, version, size, length) == (MAGIC, VERSION, k, raw_length):
-            payload = memoryview(data)[HEADER.size:]
-            if codec == CODEC_PLANES:
+        payload = memoryview(data)[HEADER.size:]
+        if (magic, version, length) == (MAGIC, VERSION, raw_length):
+            if codec == CODEC_PLANES and size == k:
                 return planes_of(payload, k, raw_length, base_id)
-            if codec == CODEC_SHUFFLE_ZSTD:
+            if codec == CODEC_SHUFFLE_ZSTD and size == k:
                 return list(np.frombuffer(_unzstd(payload, raw_length, base_id),
                                           np.uint8).reshape(k, -1))
-    raw = decode_chunk(data, base_id, raw_length)
-    return list(shuffle(raw, k)) if k > 1 else [np.frombuffer(raw, np.uint8)]
+            if codec == CODEC_RAW and size == 0 and len(payload) == raw_length:
+                return np.frombuffer(payload, np.uint8)
+    return np.frombuffer(decode_chunk(data, base_id, raw_length), np.uint8)
+
+
+def _xor(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``a ^ b`` of two uint8 arrays, on 8-byte words where the length allows."""
+    word = np.uint64 if len(a) % 8 == 0 else np.uint8
+    result = np.bitwise_xor(a.view(word), b.view(word),
+                            out=None if out is None else out.view(word))
+    return result.view(np.uint8)
+
+
+def _planes(raw: np.ndarray, k: int) -> np.ndarray:
+    """The (k, n) byte planes of raw bytes (no copy for k = 1)."""
+    return shuffle(raw, k) if k > 1 else raw.reshape(1, -1)
 
 
 def _samples(planes: np.ndarray) -> np.ndarray:
@@ -102,7 +117,7 @@ def encode_delta(raw: memoryview, base: list[np.ndarray], element_size: int, lev
 
     Args:
       raw: the chunk's raw bytes.
-      base: the base chunk's byte planes, as :func:`base_planes` returns them.
+      base: the base chunk's bytes, as :func:`base_bytes` returns them.
       element_size: bytes per element, 1 to 16, dividing ``len(raw)`` (1: one plane).
       level: zstd level.
       shuffle_whole: whether the chunk stored whole would be tried with codec 4 (the
@@ -117,12 +132,16 @@ def encode_delta(raw: memoryview, base: list[np.ndarray], element_size: int, lev
       CorruptChunkError: a compressed plane does not decode back to its input.
     """
     n, k = len(raw), element_size
-    new = shuffle(raw, k) if k > 1 else np.frombuffer(raw, np.uint8).reshape(1, -1)
-    x = np.empty_like(new)
-    for j in range(k):
-        np.bitwise_xor(new[j], base[j], out=x[j])
-    samples = _samples(new)
-    whole = _whole_size(interleave(list(samples)), samples, level, shuffle_whole)
+    new = np.frombuffer(raw, np.uint8)
+    if isinstance(base, list):  # a codec-4 or codec-2 base: k > 1
+        x = shuffle(new, k)
+        for j in range(k):
+            np.bitwise_xor(x[j], base[j], out=x[j])
+    else:
+        x = _planes(_xor(new, base), k)
+    samples = _samples(new.reshape(-1, k).T)
+    whole = _whole_size(interleave(list(samples)), np.ascontiguousarray(samples), level,
+                        shuffle_whole)
     delta = _planes_size(_samples(x), level)
     if delta > (1 - MIN_SAVING) * whole:
         return None
@@ -161,10 +180,15 @@ def decode_delta(data: bytes | memoryview, base: bytes | memoryview, expected_id
                                 f"manifest says {raw_length} raw bytes", chunk_id=expected_id)
     x = planes_of(memoryview(data)[HEADER.size:], k, raw_length, expected_id)
     try:
-        raw = interleave(x, xor=base_planes(base, base_id, raw_length, k))
+        based = base_bytes(base, base_id, raw_length, k)
     except CorruptChunkError as e:
         raise CorruptChunkError(f"its base chunk {base_id} is corrupt: {e}",
                                 chunk_id=expected_id) from e
+    if isinstance(based, list):
+        raw = interleave(x, xor=based)
+    else:
+        raw = interleave(x)
+        _xor(raw, based, out=raw)
     if chunk_id(raw) != expected_id:
         try:
             decode_chunk(base, base_id, raw_length)

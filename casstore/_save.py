@@ -39,7 +39,7 @@ from ._chunking import (
     unique_shards,
 )
 from ._codec import DEFAULT_ZSTD_LEVEL, chunk_id, encode_chunk
-from ._delta import base_planes, encode_delta
+from ._delta import base_bytes, encode_delta
 from ._errors import (
     ManifestError,
     StepAlreadyExistsError,
@@ -224,7 +224,7 @@ class _ChunkWriter:
             base = previous.base or previous.id
             data = self.store.get(chunk_key(base))
             k = element_size if len(raw) % element_size == 0 else 1
-            encoded = encode_delta(raw, base_planes(data, base, len(raw), k), k, self.zstd_level,
+            encoded = encode_delta(raw, base_bytes(data, base, len(raw), k), k, self.zstd_level,
                                    self.shuffle)
             if encoded is not None:
                 self.store.put(delta_key(cid, base), encoded[0])

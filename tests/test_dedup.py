@@ -147,3 +147,20 @@ def test_the_codec_follows_the_store_default_or_the_shuffle_argument_and_dedup_i
     assert _codecs(fresh) == {CODEC_PLANES}
     for store in (local, remote, fresh):
         np.testing.assert_array_equal(casstore.restore(store, 1)["w"], state["w"])
+
+
+def test_without_shuffle_byte_planes_are_kept_only_where_they_save_a_quarter():
+    """Local disk's default: float32 holding bfloat16-rounded values (two zero byte planes)
+    compress to about half in byte planes, more than zstd manages: codec 4 even without
+    shuffle. Trained-weight-like values (0.835 in planes) stay raw."""
+    from casstore._codec import CODEC_PLANES, CODEC_RAW, HEADER, PLANES_ONLY_IF_SAVING
+    x = (np.random.default_rng(0).standard_normal(1 << 18) * 0.02).astype(np.float32)
+    rounded = (x.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    store = MemoryStore()
+    casstore.save(store, 1, {"rounded": rounded, "weights": x})
+    stored = {leaf.path: leaf.chunks[0] for leaf in casstore.read_manifest(store, 1).leaves}
+    codec = {p: HEADER.unpack_from(store.get(r.key))[2] for p, r in stored.items()}
+    assert codec == {"rounded": CODEC_PLANES, "weights": CODEC_RAW}
+    assert stored["rounded"].stored_bytes <= (1 - PLANES_ONLY_IF_SAVING) * rounded.nbytes
+    restored = casstore.restore(store, 1)
+    assert restored["rounded"].tobytes() == rounded.tobytes()
