@@ -499,6 +499,16 @@ def environment(*dists: str) -> dict:
             "versions": versions}
 
 
+def machine_note(result: dict) -> str:
+    """The report line's tail on where and when it ran: cores, memory, load average (1 min)
+    before and after, date and casstore's commit, from ``result["environment"]`` and its
+    ``load_before`` / ``load_after``."""
+    env = result["environment"]
+    return (f"{env['cpus']} cores, {env['memory_bytes'] / 2**30:.0f} GiB; load average "
+            f"{result['load_before'][0]:.2f} before, {result['load_after'][0]:.2f} after; "
+            f"{env['date']}; casstore {env['casstore_git'] or env['versions'].get('casstore')}")
+
+
 def fmt(value: float, unit: str) -> str:
     """A figure for a table: ``s`` seconds, ``x`` a ratio, ``B`` bytes (B / kB / MB), ``MB``
     bytes in MB, ``n`` a count; NaN as ``n/a``."""

@@ -232,11 +232,8 @@ def table(result: dict) -> str:
                          f"written: {r[f'{name}_ratio']:.3g}x, bytes "
                          f"{'equal' if r[f'{name}_same_bytes'] else 'DIFFER'} "
                          f"({'met' if met else 'NOT met'})")
-    env = result["environment"]
     lines.append(f"- median of {result['repeat']} save(s) each; S3 server: {result['server']}; "
-                 f"{env['cpus']} cores; load average {result['load_before'][0]:.2f} before, "
-                 f"{result['load_after'][0]:.2f} after; {env['date']}; casstore "
-                 f"{env['casstore_git'] or env['versions'].get('casstore')}")
+                 f"{h.machine_note(result)}")
     return "\n".join(lines)
 
 

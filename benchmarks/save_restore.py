@@ -278,14 +278,11 @@ def table(result: dict) -> str:
             value = figure(res)
             notes.append(f"- target: {text}: {value:.3g} "
                          f"({'met' if value <= limit else 'NOT met'})")
-    env = result["environment"]
     notes.append(
         f"- median of {result['repeat']} run(s); restores verified bit-exact; page cache "
         f"dropped before each phase: {'yes' if result['dropped_caches'] else 'no'}; memory "
         f"warmed before each phase: {'yes' if result['warmed_bytes'] else 'no'}; "
-        f"{env['cpus']} cores, {env['memory_bytes'] / 2**30:.0f} GiB; load average "
-        f"{result['load_before'][0]:.2f} before, {result['load_after'][0]:.2f} after; "
-        f"{env['date']}; casstore {env['casstore_git'] or env['versions'].get('casstore')}")
+        f"{h.machine_note(result)}")
     return "\n".join(lines + notes)
 
 

@@ -455,11 +455,8 @@ def table(result: dict) -> str:
         lines += ["", f"- gradients: {p['gradients']}; leaves changed per step: "
                   f"{p['changed_leaves_per_step']} of {p['leaves']}", ""]
         lines += restore_table(p["restore"], f"{p['size']} pretraining") + [""]
-    env = result["environment"]
     lines.append(f"- restores verified bit-exact; median of {result['repeat']} restore(s); "
-                 f"{env['cpus']} cores; load average {result['load_before'][0]:.2f} before, "
-                 f"{result['load_after'][0]:.2f} after; {env['date']}; casstore "
-                 f"{env['casstore_git'] or env['versions'].get('casstore')}")
+                 f"{h.machine_note(result)}")
     return "\n".join(lines)
 
 

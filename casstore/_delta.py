@@ -40,7 +40,10 @@ from ._codec import MIN_SAVING as WHOLE_MIN_SAVING
 from ._errors import CorruptChunkError
 
 CODEC_DELTA = 3
-MIN_SAVING = 1 / 4  # store a delta only if it is at most 3/4 of the size of the chunk stored whole
+# A delta is kept if it saves this fraction of the chunk stored whole: 1/8 against a compressed
+# whole chunk (which costs a decode too), 1/4 against a raw one (which costs only a copy).
+MIN_SAVING = 1 / 8
+MIN_SAVING_AGAINST_RAW = 1 / 4
 
 
 def base_bytes(data: bytes | memoryview, base_id: str, raw_length: int,
@@ -124,9 +127,9 @@ def encode_delta(raw: memoryview, base: list[np.ndarray], element_size: int, lev
         save's ``shuffle``); the delta is compared with that.
 
     Returns:
-      ``(delta object, estimated bytes saved)``, or None when the delta would not be at most
-      3/4 of the chunk stored whole. Both sizes are estimated on the same two samples of every
-      plane (:func:`_samples`).
+      ``(delta object, estimated bytes saved)``, or None when the delta would not save 1/8 of
+      the chunk stored whole (1/4 if it would be stored raw). Both sizes are estimated on the
+      same two samples of every plane (:func:`_samples`).
 
     Raises:
       CorruptChunkError: a compressed plane does not decode back to its input.
@@ -143,7 +146,8 @@ def encode_delta(raw: memoryview, base: list[np.ndarray], element_size: int, lev
     whole = _whole_size(interleave(list(samples)), np.ascontiguousarray(samples), level,
                         shuffle_whole)
     delta = _planes_size(_samples(x), level)
-    if delta > (1 - MIN_SAVING) * whole:
+    saving = MIN_SAVING_AGAINST_RAW if whole >= samples.size else MIN_SAVING
+    if delta > (1 - saving) * whole:
         return None
     body = _encode_planes(x, level)
     _verify_planes(body, x)

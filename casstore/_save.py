@@ -386,8 +386,9 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
         chunks per worker: 512 MiB with 16 workers and 16 MiB chunks); the encoded copies
         add at most as much again.
       delta: store a changed block as the XOR with the same block (same key path and bounds)
-        of the run's latest step when that is at most 3/4 of its size (format.md §3.5): about
-        0.3 of the raw size on fine-tuned float32 weights, where the block alone takes 0.83.
+        of the run's latest step when that saves 1/8 of the block stored whole, 1/4 of a block
+        that would be stored raw (format.md §3.5): about 0.3 of the raw size on fine-tuned
+        float32 weights, where the block alone takes 0.83.
         Each such block costs one read of its base chunk (from the store) at save, and a
         restore reads the delta and its base. Manifests with deltas are format version 2,
         which casstore before 2026-11 refuses to read. False stores every new chunk whole.

@@ -7,6 +7,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gcsfs is imported
 
 import contextlib  # noqa: E402
+import importlib.util  # noqa: E402
+import pathlib  # noqa: E402
 import uuid  # noqa: E402
 
 import fsspec  # noqa: E402
@@ -83,3 +85,13 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="gpu marker: jax sees no GPU on this machine")
         for item in gpu_items:
             item.add_marker(skip)
+
+
+def load_benchmark(name: str):
+    """The module ``benchmarks/<name>.py``, imported from its file (benchmarks/ is scripts, not
+    a package), so a test can call its ``main`` and helpers."""
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,24 +1,15 @@
 """Smoke test: the save/restore benchmark runs end to end on a tiny state, so it does not rot."""
 
-import importlib.util
 import json
 import math
-import pathlib
 
 import pytest
 
-BENCH = pathlib.Path(__file__).parents[1] / "benchmarks"
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_benchmark
 
 
 def test_save_restore_benchmark_reports_every_figure_for_every_system(tmp_path, capsys):
-    bench = load("save_restore")
+    bench = load_benchmark("save_restore")
     out = tmp_path / "result.json"
     result = bench.main(["--tiny", "--dir", str(tmp_path / "work"), "--json", str(out)])
 
@@ -43,7 +34,7 @@ def test_save_restore_benchmark_reports_every_figure_for_every_system(tmp_path, 
 
 
 def test_restore_check_raises_on_a_flipped_bit():
-    bench = load("harness")
+    bench = load_benchmark("harness")
     state = bench.train_state("tiny")
     restored = {k: v.copy() for k, v in bench.flatten(state).items()}
     restored["params/wpe"].view("uint32")[3, 5] ^= 1
@@ -55,7 +46,7 @@ def test_gpt2_xl_state_has_the_issue_12_shape_without_being_built():
     """1.56B float32 params + adam mu and nu = 18.7 GB in 1741 leaves (jax.eval_shape only)."""
     import jax
 
-    harness = load("harness")
+    harness = load_benchmark("harness")
     shapes = jax.eval_shape(lambda: harness.train_state("gpt2-xl", device=jax.devices()[0]))
     leaves = jax.tree.leaves(shapes)
     params = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes["params"]))
@@ -70,7 +61,7 @@ def test_jax_built_state_is_reproducible_and_changed_state_keeps_unchanged_leave
     import jax
     import numpy as np
 
-    harness = load("harness")
+    harness = load_benchmark("harness")
     harness.JAX_SIZES = ("tiny",)
     try:
         dev = jax.devices("cpu")[0]

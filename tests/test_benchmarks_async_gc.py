@@ -1,19 +1,10 @@
 """Smoke test: the async-save and GC benchmark runs end to end on tiny states (does not rot)."""
 
-import importlib.util
 import json
 import math
-import pathlib
 import statistics
 
-BENCH = pathlib.Path(__file__).parents[1] / "benchmarks" / "async_gc.py"
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("bench_async_gc", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_benchmark
 
 
 def positive(value) -> bool:
@@ -21,7 +12,7 @@ def positive(value) -> bool:
 
 
 def test_async_gc_benchmark_reports_every_figure_and_its_checks_pass(tmp_path, capsys):
-    bench = load()
+    bench = load_benchmark("async_gc")
     out = tmp_path / "result.json"
     result = bench.main(["--tiny", "--dir", str(tmp_path / "work"), "--json", str(out)])
 

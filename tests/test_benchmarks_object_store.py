@@ -1,7 +1,6 @@
 """Smoke test: the object-storage benchmark (casstore vs plain s3fs on SeaweedFS) runs end to end
 on a tiny state, with its own SeaweedFS servers, so it does not rot."""
 
-import importlib.util
 import json
 import math
 import pathlib
@@ -10,14 +9,7 @@ import tempfile
 
 import servers
 
-BENCH = pathlib.Path(__file__).parents[1] / "benchmarks" / "object_store.py"
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("bench_object_store", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_benchmark
 
 
 def finite(value) -> bool:
@@ -25,7 +17,7 @@ def finite(value) -> bool:
 
 
 def test_object_store_benchmark_reports_every_figure_and_its_checks_pass(tmp_path, capsys):
-    bench = load()
+    bench = load_benchmark("object_store")
     out = tmp_path / "result.json"
     # SeaweedFS's unix socket paths must fit in 108 bytes: its data lives in a short directory.
     work = pathlib.Path(tempfile.mkdtemp(prefix="osb-"))
@@ -68,7 +60,7 @@ def test_object_store_benchmark_reports_every_figure_and_its_checks_pass(tmp_pat
 
 def test_object_store_diagnosis_on_an_existing_endpoint(capsys):
     """--diagnose against one SeaweedFS this test starts, passed as --endpoint."""
-    bench = load()
+    bench = load_benchmark("object_store")
     work = pathlib.Path(tempfile.mkdtemp(prefix="osb-"))
     try:
         with servers.seaweedfs_server(work) as server:

@@ -1,25 +1,17 @@
 """Smoke test: the repository-size benchmark (a save in a repository full of chunks vs in a fresh
 one, local disk and SeaweedFS) runs end to end at tiny sizes, so it does not rot."""
 
-import importlib.util
 import json
 import math
 import pathlib
 import shutil
 import tempfile
 
-BENCH = pathlib.Path(__file__).parents[1] / "benchmarks" / "repo_size.py"
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("bench_repo_size", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_benchmark
 
 
 def test_repo_size_benchmark_reports_every_figure_and_its_checks_pass(tmp_path, capsys):
-    bench = load()
+    bench = load_benchmark("repo_size")
     out = tmp_path / "result.json"
     # SeaweedFS's unix socket paths must fit in 108 bytes: its data lives in a short directory.
     work = pathlib.Path(tempfile.mkdtemp(prefix="rsb-"))
@@ -58,7 +50,7 @@ def test_filled_chunks_are_valid_chunk_objects_under_chunks(tmp_path):
     from casstore._codec import decode_chunk
     from casstore._layout import chunk_id_of_key
 
-    bench = load()
+    bench = load_benchmark("repo_size")
     store = casstore.open_store(str(tmp_path / "repo"))
     filled = bench.fill(store.put_many, 40, seed=3)
     keys = [info.key for info in store.list("chunks/")]

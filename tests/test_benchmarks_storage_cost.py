@@ -1,27 +1,18 @@
 """Smoke test: the storage-cost benchmark (deltas vs whole chunks vs orbax on a full fine-tune
 and a pretraining-like run) runs end to end at small sizes, so it does not rot."""
 
-import importlib.util
 import json
 import math
-import pathlib
 
 import numpy as np
 
 import casstore
 
-BENCH = pathlib.Path(__file__).parents[1] / "benchmarks" / "storage_cost.py"
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("bench_storage_cost", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_benchmark
 
 
 def test_storage_cost_benchmark_reports_every_scenario_and_deltas_pay(tmp_path, capsys):
-    bench = load()
+    bench = load_benchmark("storage_cost")
     out = tmp_path / "result.json"
     result = bench.main(["--tiny", "--dir", str(tmp_path / "work"), "--json", str(out)])
     assert list((tmp_path / "work").iterdir()) == []  # every repository is removed
@@ -76,7 +67,7 @@ def test_storage_cost_benchmark_reports_every_scenario_and_deltas_pay(tmp_path, 
 
 def test_new_chunk_bytes_are_attributed_to_the_leaves_holding_them(tmp_path):
     """Packed leaves share a chunk object: their shares add up to the objects on disk."""
-    bench = load()
+    bench = load_benchmark("storage_cost")
     url = str(tmp_path / "repo")
     rng = np.random.default_rng(0)
     mu = rng.standard_normal(300_000, dtype=np.float32)  # the same in both steps
