@@ -41,6 +41,7 @@ from ._chunking import (
 from ._codec import DEFAULT_ZSTD_LEVEL, chunk_id, encode_chunk
 from ._delta import base_bytes, encode_delta
 from ._errors import (
+    CorruptChunkError,
     ManifestError,
     StepAlreadyExistsError,
     StepNotFoundError,
@@ -222,10 +223,7 @@ class _ChunkWriter:
         previous = self.bases.get(block) if block is not None else None
         if previous is not None and previous.raw_bytes == len(raw) and previous.id != cid:
             base = previous.base or previous.id
-            data = self.store.get(chunk_key(base))
-            k = element_size if len(raw) % element_size == 0 else 1
-            encoded = encode_delta(raw, base_bytes(data, base, len(raw), k), k, self.zstd_level,
-                                   self.shuffle)
+            encoded = self._delta(raw, element_size, base)
             if encoded is not None:
                 self.store.put(delta_key(cid, base), encoded[0])
                 with self.lock:
@@ -236,6 +234,18 @@ class _ChunkWriter:
                             shuffle=self.shuffle)
         self.store.put(key, data)
         return len(data), None, True
+
+    def _delta(self, raw: memoryview, element_size: int, base: str) -> tuple[bytes, int] | None:
+        """:func:`encode_delta` against chunk ``base``, read from the store; None if it does
+        not pay, or if the base is missing or fails its checks (the block is then stored whole:
+        a damaged earlier step must not stop new saves; ``verify`` reports it)."""
+        k = element_size if len(raw) % element_size == 0 else 1
+        try:
+            data = self.store.get(chunk_key(base))
+            return encode_delta(raw, base_bytes(data, base, len(raw), k), k, self.zstd_level,
+                                self.shuffle)
+        except (CorruptChunkError, FileNotFoundError):
+            return None
 
 
 def previous_manifest(store: Store, run: str, step: int | None = None) -> Manifest | None:

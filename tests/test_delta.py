@@ -298,3 +298,22 @@ def test_save_delete_gc_copy_sequences_keep_every_step_restorable(ops):
                 restored = casstore.restore(repo, s)
                 for key, value in _tree(v).items():
                     assert restored[key].tobytes() == value.tobytes(), (s, key)
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "missing"])
+def test_a_damaged_base_makes_the_next_save_store_the_block_whole(damage, tmp_path):
+    store = LocalStore(tmp_path / "r")
+    casstore.save(store, 0, {"w": trained(0)}, chunk_size_bytes=CHUNK)
+    base = refs(store, 0, "w")[0].id
+    path = tmp_path / "r" / chunk_key(base)
+    if damage == "missing":
+        path.unlink()
+    else:
+        data = bytearray(path.read_bytes())
+        HEADER.pack_into(data, 0, b"XXXX", 1, 0, 0, len(data) - HEADER.size)
+        path.write_bytes(bytes(data))
+    info = casstore.save(store, 1, {"w": trained(1)}, chunk_size_bytes=CHUNK)
+    assert info.delta_chunks == 3  # the other three blocks still delta against their bases
+    assert refs(store, 1, "w")[0].base is None
+    assert casstore.restore(store, 1)["w"].tobytes() == trained(1).tobytes()
+    assert {p.step for p in casstore.verify(store).problems} == {0}
