@@ -21,6 +21,7 @@ from ._codec import (
     CODEC_PLANES,
     CODEC_RAW,
     CODEC_SHUFFLE_ZSTD,
+    CODEC_ZSTD,
     HEADER,
     MAGIC,
     MAX_ELEMENT_SIZE,
@@ -28,6 +29,7 @@ from ._codec import (
     VERSION,
     _compressor,
     _encode_planes,
+    _min_saving,
     _unzstd,
     _verify_planes,
     chunk_id,
@@ -36,7 +38,6 @@ from ._codec import (
     planes_of,
     shuffle,
 )
-from ._codec import MIN_SAVING as WHOLE_MIN_SAVING
 from ._errors import CorruptChunkError
 
 CODEC_DELTA = 3
@@ -104,18 +105,19 @@ def _planes_size(planes: np.ndarray, level: int) -> int:
 
 def _whole_size(raw_sample: np.ndarray, planes_sample: np.ndarray, level: int,
                 shuffle: bool) -> int:
-    """Estimated payload bytes of the sampled chunk stored whole, as encode_chunk would: the
-    smaller of zstd and (with ``shuffle``) codec 4, if it saves 1/8, else raw."""
+    """Estimated payload bytes of the sampled chunk stored whole, as encode_chunk decides: the
+    smallest of zstd and codec 4 among those that save their minimum (``_min_saving``, which
+    depends on ``shuffle``), else raw."""
     n = raw_sample.size
-    sizes = [len(_compressor(level).compress(raw_sample))]
-    if shuffle and planes_sample.shape[0] > 1:
-        sizes.append(_planes_size(planes_sample, level))
-    best = min(sizes)
-    return best if best <= n * (1 - WHOLE_MIN_SAVING) else n
+    sizes = [(CODEC_ZSTD, len(_compressor(level).compress(raw_sample)))]
+    if planes_sample.shape[0] > 1:
+        sizes.append((CODEC_PLANES, _planes_size(planes_sample, level)))
+    return min([n] + [size for codec, size in sizes
+                      if size <= n * (1 - _min_saving(codec, shuffle))])
 
 
-def encode_delta(raw: memoryview, base: list[np.ndarray], element_size: int, level: int,
-                 shuffle_whole: bool) -> tuple[bytes, int] | None:
+def encode_delta(raw: memoryview, base: np.ndarray | list[np.ndarray], element_size: int,
+                 level: int, shuffle_whole: bool) -> tuple[bytes, int] | None:
     """Encodes ``raw`` as a delta object against a base chunk (format.md §3.5), if that pays.
 
     Args:
@@ -123,8 +125,8 @@ def encode_delta(raw: memoryview, base: list[np.ndarray], element_size: int, lev
       base: the base chunk's bytes, as :func:`base_bytes` returns them.
       element_size: bytes per element, 1 to 16, dividing ``len(raw)`` (1: one plane).
       level: zstd level.
-      shuffle_whole: whether the chunk stored whole would be tried with codec 4 (the
-        save's ``shuffle``); the delta is compared with that.
+      shuffle_whole: the save's ``shuffle``, which decides how the chunk would be stored
+        whole (encode_chunk); the delta is compared with that.
 
     Returns:
       ``(delta object, estimated bytes saved)``, or None when the delta would not save 1/8 of
