@@ -15,6 +15,11 @@ planes are interleaved once, XORed on the way.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures as cf
+import threading
+from collections.abc import Iterable
+
 import numpy as np
 
 from ._codec import (
@@ -39,6 +44,8 @@ from ._codec import (
     shuffle,
 )
 from ._errors import CorruptChunkError
+from ._layout import chunk_key
+from .store import Store
 
 CODEC_DELTA = 3
 # A delta is kept if it saves this fraction of the chunk stored whole: 1/8 against a compressed
@@ -204,3 +211,45 @@ def decode_delta(data: bytes | memoryview, base: bytes | memoryview, expected_id
         raise CorruptChunkError(f"rebuilt bytes do not match their chunk id: {where}",
                                 chunk_id=expected_id)
     return memoryview(raw)
+
+
+class DeltaBases:
+    """The base chunk objects of the delta objects one pass reads (restore, verify, copy).
+
+    Each base is read once, by its first user, and held until its last user has it, so deltas
+    that share a base (blocks that were identical when it was stored) cost one read of it; a
+    base with one user is not held. Thread-safe.
+
+    Args:
+      store: where the bases are.
+      uses: one base chunk id per read to come (a base used by n delta objects, n times).
+    """
+
+    def __init__(self, store: Store, uses: Iterable[str]):
+        self.store, self.left = store, collections.Counter(uses)
+        self.held: dict[str, cf.Future] = {}
+        self.lock = threading.Lock()
+
+    def get(self, base: str) -> bytes:
+        """The base chunk object's bytes, as stored (not yet checked: decode_delta does).
+
+        Raises:
+          ObjectNotFoundError: the base is missing (every waiting user gets the error).
+        """
+        with self.lock:
+            future = self.held.get(base)
+            owner = future is None
+            if owner:
+                future = self.held[base] = cf.Future()
+        if owner:
+            try:
+                future.set_result(self.store.get(chunk_key(base)))
+            except BaseException as e:
+                future.set_exception(e)
+        try:
+            return future.result()
+        finally:
+            with self.lock:
+                self.left[base] -= 1
+                if self.left[base] <= 0:
+                    self.held.pop(base, None)

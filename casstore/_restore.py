@@ -22,10 +22,9 @@ import numpy as np
 
 from ._chunking import Index, dtype_from_name
 from ._codec import decode_chunk
-from ._delta import decode_delta
+from ._delta import DeltaBases, decode_delta
 from ._errors import CorruptChunkError, StoreTimeoutError, TargetMismatchError
 from ._keypath import SCALAR_TYPES, matches, path_str, unflatten_plain
-from ._layout import chunk_key
 from ._manifest import ChunkRef, LeafEntry, Manifest
 from ._pool import bounded_map
 from ._repository import Url, read_manifest
@@ -363,9 +362,10 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
     """Reads index regions of array leaves into host arrays (format.md §6), leaf by leaf.
 
     Only the chunks whose blocks overlap a requested region are fetched, each once (a delta
-    chunk with its base, format.md §3.5), with at most ``2 * max_workers`` in flight, and
-    verified (format.md §3.2) before its blocks are copied into every region they overlap. A
-    chunk that overlaps in part is read whole.
+    chunk with its base, format.md §3.5; a base that several deltas share once, held until the
+    last of them is rebuilt), with at most ``2 * max_workers`` in flight, and verified
+    (format.md §3.2) before its blocks are copied into every region they overlap. A chunk that
+    overlaps in part is read whole.
     Chunks are fetched in leaf order, and as soon as a leaf's last chunk is in, ``place``
     turns its regions into the value returned for it (e.g. jax arrays on their devices) and
     its host buffers are released, so host memory holds the leaves in progress, not the
@@ -406,6 +406,7 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
             out[i] = place(i, out[i])
 
     buffers = threading.local()  # one read buffer per worker thread, reused chunk after chunk
+    bases = DeltaBases(store, (refs[0][1].base for refs in users.values() if refs[0][1].base))
 
     def fetch(key: str) -> None:
         blocks = users[key]
@@ -416,8 +417,8 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
             if first.base is None:
                 raw = decode_chunk(data, cid, first.raw_bytes)
             else:
-                base = store.get(chunk_key(first.base))
-                raw = decode_delta(data, base, cid, first.base, first.raw_bytes)
+                raw = decode_delta(data, bases.get(first.base), cid, first.base,
+                                   first.raw_bytes)
         except (CorruptChunkError, FileNotFoundError) as e:
             raise CorruptChunkError(f"unusable chunk: {e}", url=store.url, run=manifest.run,
                                     step=manifest.step, key_path=manifest.leaves[blocks[0][0]].path,

@@ -10,7 +10,7 @@ import dataclasses
 import time
 
 from ._codec import decode_chunk
-from ._delta import decode_delta
+from ._delta import DeltaBases, decode_delta
 from ._errors import CasstoreError
 from ._layout import RUNS_PREFIX, chunk_key, parse_manifest_key
 from ._manifest import ChunkRef, Manifest, decode_manifest
@@ -66,7 +66,8 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
     Lists ``chunks/`` and ``deltas/`` once; then, for each selected manifest: it must parse and
     validate (format.md §4.4); every chunk it references must exist, and for a delta chunk its
     base too (§3.5); with ``read_data`` each distinct chunk object is read once and must decode
-    to its length and chunk id (§3.2), a delta rebuilt on its base. Nothing is written.
+    to its length and chunk id (§3.2), a delta rebuilt on its base (a base shared by
+    deltas read once for all of them). Nothing is written.
 
     Args:
       url: a path, an fsspec URL or a Store.
@@ -115,22 +116,28 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
                                             f"base chunk {ref.base} of a delta chunk missing"))
     bytes_read = 0
     if read_data:
+        # deltas on one base side by side, so each base is held only while they are checked
+        readable = sorted((k for k in users if k in present),
+                          key=lambda k: users[k][0][3].base or users[k][0][3].id)
+        refs = [users[k][0][3] for k in readable]
+        is_base = {r.base for r in refs if r.base is not None}
+        bases = DeltaBases(store, [r.base or r.id for r in refs if (r.base or r.id) in is_base])
+
         def check(key: str) -> tuple[int, list[Problem]]:
             ref = users[key][0][3]
             try:
-                data = store.get(key)
+                data = (bases.get(ref.id) if ref.base is None and ref.id in is_base
+                        else store.get(key))
                 if ref.base is None:
                     decode_chunk(data, ref.id, ref.raw_bytes)
                 else:
-                    decode_delta(data, store.get(chunk_key(ref.base)), ref.id, ref.base,
-                                 ref.raw_bytes)
+                    decode_delta(data, bases.get(ref.base), ref.id, ref.base, ref.raw_bytes)
                 return len(data), []
             except (CasstoreError, FileNotFoundError) as e:
                 return 0, [Problem(r, s, p, ref.id, f"chunk corrupt: {e}")
                            for r, s, p, _ in users[key]]
 
-        for n, found in bounded_map(check, [k for k in users if k in present],
-                                    max_workers or store.max_workers):
+        for n, found in bounded_map(check, readable, max_workers or store.max_workers):
             bytes_read += n
             problems += found
     return VerifyReport(tuple(problems), tuple((m.run, m.step) for m in manifests), len(users),

@@ -13,7 +13,7 @@ from casstore import _manifest
 from casstore._codec import HEADER, decode_chunk
 from casstore._delta import CODEC_DELTA, decode_delta
 from casstore._layout import DELTAS_PREFIX, chunk_key
-from casstore.store import LocalStore, MemoryStore
+from casstore.store import CountingStore, LocalStore, MemoryStore
 
 from conftest import object_store
 
@@ -317,3 +317,24 @@ def test_a_damaged_base_makes_the_next_save_store_the_block_whole(damage, tmp_pa
     assert refs(store, 1, "w")[0].base is None
     assert casstore.restore(store, 1)["w"].tobytes() == trained(1).tobytes()
     assert {p.step for p in casstore.verify(store).problems} == {0}
+
+
+def test_a_base_shared_by_deltas_is_read_once_by_restore_verify_and_copy():
+    # Two leaves equal at step 0 are one chunk; trained apart, both become deltas on it.
+    steps = [{"a": trained(0), "b": trained(0)}, {"a": trained(1), "b": trained(1, seed=5)}]
+    src = CountingStore(MemoryStore())
+    for s, tree in enumerate(steps):
+        casstore.save(src, s, tree, chunk_size_bytes=CHUNK)
+    bases = {r.base for path in ("a", "b") for r in refs(src, 1, path)}
+    assert len(bases) == 4 and None not in bases  # 4 blocks, each shared by a and b
+
+    def base_reads() -> int:
+        return sum(src.keys_read.count(chunk_key(b)) for b in bases)
+
+    for run in (lambda: casstore.restore(src, 1), lambda: casstore.verify(src, 1),
+                lambda: casstore.copy(src, MemoryStore(), steps=[1])):
+        src.reset()
+        result = run()
+        assert base_reads() == len(bases), result
+    assert casstore.verify(src).ok
+    assert_bit_exact(casstore.restore(src, 1), steps[1])
