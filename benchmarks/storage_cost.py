@@ -3,7 +3,9 @@
 Issue 15. Three systems get the same states, step after step, each into its own repository on
 local disk: ``delta`` (``casstore.save``, deltas on, the default), ``whole``
 (``casstore.save(..., delta=False)``: every changed chunk stored whole) and ``orbax``
-(``ocp.StandardCheckpointer``, timed through ``wait_until_finished``). Scenarios, in one run:
+(``ocp.StandardCheckpointer``, timed through ``wait_until_finished``). casstore chooses its
+codecs as on local disk (``--codecs local``, the default) or as on object stores (``--codecs
+object-store``: ``shuffle=True``, byte planes wherever they save 1/8). Scenarios, in one run:
 
 1. finetune: a full fine-tune of all-MiniLM-L6-v2 (the model, data and train step of
    ``examples/finetune_minilm.py --full``, imported from it): every layer and the head trained
@@ -32,8 +34,8 @@ Usage::
     python benchmarks/storage_cost.py [--scenarios finetune,restore,pretrain] [--steps N]
                                       [--lrs 1e-4,1e-5] [--pretrain-steps K]
                                       [--pretrain-size gpt2|small|tiny] [--repeat N]
-                                      [--drop-caches] [--no-warm] [--dir DIR] [--tiny]
-                                      [--json PATH]
+                                      [--codecs local|object-store] [--drop-caches]
+                                      [--no-warm] [--dir DIR] [--tiny] [--json PATH]
 """
 
 from __future__ import annotations
@@ -94,8 +96,10 @@ class Systems:
     """One training run's three repositories under ``root``: :meth:`save` stores a state in
     each (measuring what it wrote), :meth:`restore` reads a step back from one."""
 
-    def __init__(self, root: pathlib.Path):
+    def __init__(self, root: pathlib.Path, shuffle: bool):
         import orbax.checkpoint as ocp
+
+        self.shuffle = shuffle
 
         self.urls = {"delta": str(root / "delta"), "whole": str(root / "whole")}
         self.orbax_dir = root / "orbax"
@@ -119,7 +123,7 @@ class Systems:
                 fig["written_bytes"] = h.du(self.orbax_dir)[1] - before
             else:
                 info = h.timed(fig, "save_s", lambda s=system: casstore.save(
-                    self.urls[s], step, state, delta=s == "delta"))
+                    self.urls[s], step, state, delta=s == "delta", shuffle=self.shuffle))
                 fig.update(written_bytes=info.written_bytes, manifest_bytes=info.manifest_bytes,
                            new_chunks=info.new_chunks, delta_chunks=info.delta_chunks,
                            delta_saved_bytes=info.delta_saved_bytes)
@@ -247,7 +251,7 @@ def finetune(args: Any, lr: float, root: pathlib.Path, keep: bool) -> tuple[dict
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0)}
     rng = np.random.default_rng(0)
     batch_size = min(args.batch_size, len(train[2]))
-    systems, states, losses = Systems(root), [], []
+    systems, states, losses = Systems(root, args.codecs == "object-store"), [], []
     for step in range(args.steps):
         batch = rng.choice(len(train[2]), batch_size, replace=False)
         state, loss = jax.block_until_ready(train_step(state, *(a[batch] for a in train)))
@@ -333,7 +337,8 @@ def pretrain(args: Any, root: pathlib.Path) -> dict:
     text = np.frombuffer((EXAMPLE.parent / "data" / "sentiment.tsv").read_bytes(), np.uint8)
     n = min(65, h.SIZES[args.pretrain_size]["ctx"] + 1)
     rng = np.random.default_rng(0)
-    systems, losses, changed, leaves = Systems(root), [], [], len(jax.tree.leaves(state))
+    systems, losses, changed = Systems(root, args.codecs == "object-store"), [], []
+    leaves = len(jax.tree.leaves(state))
     try:
         for step in range(args.pretrain_steps):
             starts = rng.integers(0, len(text) - n, 2)
@@ -359,7 +364,8 @@ def run(args: Any) -> dict:
     env = h.environment("orbax-checkpoint", "optax", "zstandard")
     result: dict[str, Any] = {"scenarios": list(args.scenarios), "repeat": args.repeat,
                               "drop_caches_requested": args.drop_caches,
-                              "load_before": os.getloadavg(), "environment": env,
+                              "codecs": args.codecs, "load_before": os.getloadavg(),
+                              "environment": env,
                               "targets": TARGETS}
     lrs = [float(x) for x in args.lrs.split(",")]
     if {"finetune", "restore"} & set(args.scenarios):
@@ -455,8 +461,9 @@ def table(result: dict) -> str:
         lines += ["", f"- gradients: {p['gradients']}; leaves changed per step: "
                   f"{p['changed_leaves_per_step']} of {p['leaves']}", ""]
         lines += restore_table(p["restore"], f"{p['size']} pretraining") + [""]
-    lines.append(f"- restores verified bit-exact; median of {result['repeat']} restore(s); "
-                 f"{h.machine_note(result)}")
+    lines.append(f"- casstore codecs: {result['codecs']} (shuffle="
+                 f"{result['codecs'] == 'object-store'}); restores verified bit-exact; median of "
+                 f"{result['repeat']} restore(s); {h.machine_note(result)}")
     return "\n".join(lines)
 
 
@@ -475,6 +482,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--pretrain-size", choices=tuple(s for s in h.SIZES if s not in h.JAX_SIZES),
                     default="gpt2", help="GPT-2 shape of the pretraining state (harness.SIZES)")
     ap.add_argument("--pretrain-lr", type=float, default=6e-4)
+    ap.add_argument("--codecs", choices=("local", "object-store"), default="local",
+                    help="casstore's codec choice: local disk's default (shuffle=False) or "
+                         "object stores' (shuffle=True: byte planes wherever they save 1/8)")
     args = h.parse(ap, argv)
     if args.tiny:
         for key, value in TINY.items():
