@@ -54,7 +54,7 @@ from ._locks import save_lock
 from ._manifest import ChunkRef, LeafEntry, Manifest, decode_manifest, encode_manifest
 from ._multihost import SaveAgreement
 from ._pool import bounded_map
-from ._repository import Url, ensure_config, read_manifest
+from ._repository import Url, ensure_config, list_runs, read_manifest
 from ._stored_dtype import stored_as
 from .store import Store, open_store
 
@@ -163,17 +163,19 @@ class _ChunkWriter:
     """Uploads chunks that the repository does not have yet; thread-safe.
 
     ``previous`` is the run's latest manifest (or None). Its chunks are stored (format.md §8),
-    so they are reused without looking; any other id is looked up with one ``stat`` of its key
-    and uploaded only if absent. A second block with the same id waits for the first lookup or
-    upload to finish. With ``delta``, a new block whose previous step's block (same key path
-    and bounds) is stored is written as a delta against that block's whole chunk if that pays
-    (format.md §3.5), reading the base chunk from the store.
+    so they are reused without looking; with ``lookup``, any other id is looked up with one
+    ``stat`` of its key and uploaded only if absent, else uploaded without looking (a
+    repository without a committed step: a chunk there is one no manifest references, and
+    rewriting it with the same bytes is harmless). A second block with the same id waits for
+    the first lookup or upload to finish. With ``delta``, a new block whose previous step's
+    block (same key path and bounds) is stored is written as a delta against that block's
+    whole chunk if that pays (format.md §3.5), reading the base chunk from the store.
     """
 
     def __init__(self, store: Store, previous: Manifest | None, zstd_level: int, shuffle: bool,
-                 delta: bool):
+                 delta: bool, lookup: bool = True):
         refs = [(leaf.path, r) for leaf in previous.leaves for r in leaf.chunks] if previous else []
-        self.store, self.zstd_level, self.shuffle = store, zstd_level, shuffle
+        self.store, self.zstd_level, self.shuffle, self.lookup = store, zstd_level, shuffle, lookup
         self.known: dict[str, tuple[int, str | None]] = {
             r.id: (r.stored_bytes, r.base) for _, r in refs}
         self.bases = {(path, r.start, r.stop): r for path, r in refs if delta and r.offset == 0}
@@ -216,10 +218,11 @@ class _ChunkWriter:
                          block: tuple | None) -> tuple[int, str | None, bool]:
         """``(stored bytes, base, whether uploaded now)``; a stored chunk is not re-encoded."""
         key = chunk_key(cid)
-        try:
-            return self.store.stat(key).size, None, False
-        except FileNotFoundError:
-            pass
+        if self.lookup:
+            try:
+                return self.store.stat(key).size, None, False
+            except FileNotFoundError:
+                pass
         previous = self.bases.get(block) if block is not None else None
         if previous is not None and previous.raw_bytes == len(raw) and previous.id != cid:
             base = previous.base or previous.id
@@ -459,8 +462,11 @@ def write(store: Store, step: int, prepared: Prepared, inline: dict[int, bytes],
         with agreement.reporting_errors():
             if agreement.is_primary:
                 ensure_config(store)
-            writer = _ChunkWriter(store, previous_manifest(store, run, previous_step),
-                                  zstd_level, shuffle, delta)
+            previous = previous_manifest(store, run, previous_step)
+            # No committed step anywhere: no chunk to reuse, so none is looked up (one HEAD
+            # per chunk saved on an object store).
+            lookup = previous is not None or bool(list_runs(store))
+            writer = _ChunkWriter(store, previous, zstd_level, shuffle, delta, lookup)
             refs: dict[int, list[ChunkRef]] = collections.defaultdict(list)
             for i, ref in _run_jobs(jobs, writer, max_workers, window, prepared.paths):
                 refs[i].append(ref)

@@ -321,6 +321,7 @@ def test_gc_racing_a_save_breaks_the_step_only_without_locks(tmp_path, monkeypat
     casstore.save(store, 0, {"w": w}, run="a")
     cid = casstore.read_manifest(store, 0, run="a").leaves[0].chunks[0].id
     if path == "looked-up chunk":
+        casstore.save(store, 0, {"other": np.ones(3)}, run="keep")  # a save here looks chunks up
         casstore.delete(store, 0, run="a")  # w's chunk is now unreferenced
         racing, run = gc_when(store, chunk_key(cid), locks, monkeypatch), "b"
     else:  # retention deletes the step whose manifest the save just read, then GC runs
@@ -339,3 +340,16 @@ def test_gc_racing_a_save_breaks_the_step_only_without_locks(tmp_path, monkeypat
         assert not report.ok  # the committed step references a chunk GC deleted
         with pytest.raises(casstore.CorruptChunkError):
             casstore.restore(store, 1, run=run)
+
+
+def test_the_first_save_into_an_empty_repository_looks_up_no_chunk():
+    store = CountingStore(MemoryStore())
+    tree = {"w": np.arange(1_000_000, dtype=np.float32), "head": np.zeros(10)}
+    info = casstore.save(store, 0, tree, chunk_size_bytes=2**20)
+    assert store.counts["stat"] == 0 and info.new_chunks == 5  # 4 blocks of w, the pack
+    # Another run in the same repository still finds the chunks the first one stored.
+    store.reset()
+    info = casstore.save(store, 0, tree | {"head": np.ones(10)}, run="other",
+                         chunk_size_bytes=2**20)
+    assert store.counts["stat"] == 5 and info.reused_chunks == 4 and info.new_chunks == 1
+    np.testing.assert_array_equal(casstore.restore(store, 0, run="other")["w"], tree["w"])
