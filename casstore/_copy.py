@@ -11,8 +11,7 @@ import dataclasses
 import threading
 import time
 
-from ._codec import decode_chunk
-from ._delta import DeltaBases, decode_delta
+from ._delta import DeltaBases
 from ._errors import CorruptChunkError, StepNotFoundError, StoreTimeoutError
 from ._layout import chunk_key, manifest_key
 from ._locks import save_lock
@@ -100,22 +99,16 @@ def copy(src_url: Url, dst_url: Url, *, steps: list[int] | None = None,
             # A base and the deltas on it side by side, read from the source once for all.
             missing = sorted((k for k in needed if k not in present),
                              key=lambda k: needed[k][1] or needed[k][0])
-            is_base = {base for _, base, _, _ in needed.values() if base is not None}
-            bases = DeltaBases(src, [needed[k][1] or needed[k][0] for k in missing
-                                     if (needed[k][1] or needed[k][0]) in is_base])
+            bases = DeltaBases(src, [needed[k][:2] for k in missing])
             with lock:
                 counts["skipped"] += len(needed) - len(missing)
                 counts["bytes_skipped"] += sum(present[k] for k in needed if k in present)
 
-            def transfer(obj: str, run=run, step=step, needed=needed, bases=bases,
-                         is_base=is_base) -> None:
+            def transfer(obj: str, run=run, step=step, needed=needed, bases=bases) -> None:
                 cid, base, raw_length, path = needed[obj]
                 try:
-                    data = bases.get(cid) if base is None and cid in is_base else src.get(obj)
-                    if base is None:
-                        decode_chunk(data, cid, raw_length)
-                    else:
-                        decode_delta(data, bases.get(base), cid, base, raw_length)
+                    data = bases.read(obj, cid, base)
+                    bases.decode(data, cid, base, raw_length)
                     dst.put(obj, data)
                 except CorruptChunkError as e:
                     raise CorruptChunkError(f"source chunk unusable: {e}", url=src.url, run=run,

@@ -214,28 +214,51 @@ def decode_delta(data: bytes | memoryview, base: bytes | memoryview, expected_id
 
 
 class DeltaBases:
-    """The base chunk objects of the delta objects one pass reads (restore, verify, copy).
+    """Reads and decodes the chunk objects of one pass (restore, verify, copy), each base once.
 
-    Each base is read once, by its first user, and held until its last user has it, so deltas
-    that share a base (blocks that were identical when it was stored) cost one read of it; a
-    base with one user is not held. Thread-safe.
+    A base chunk that several objects of the pass need (the deltas on it, and the base's own
+    chunk object where the pass reads that too) is read by its first user and held until its
+    last user has it, so deltas that share a base (blocks that were identical when it was
+    stored) cost one read of it; a base with one user is not held. Thread-safe.
 
     Args:
-      store: where the bases are.
-      uses: one base chunk id per read to come (a base used by n delta objects, n times).
+      store: where the objects are.
+      objects: ``(chunk id, base chunk id or None)`` of every object the pass will read
+        through :meth:`read` or decode through :meth:`decode`; a base used n times, n times.
     """
 
-    def __init__(self, store: Store, uses: Iterable[str]):
-        self.store, self.left = store, collections.Counter(uses)
+    def __init__(self, store: Store, objects: Iterable[tuple[str, str | None]]):
+        objects = list(objects)
+        self.store = store
+        self.bases = {base for _, base in objects if base is not None}
+        self.left = collections.Counter(
+            base or cid for cid, base in objects if (base or cid) in self.bases)
         self.held: dict[str, cf.Future] = {}
         self.lock = threading.Lock()
 
-    def get(self, base: str) -> bytes:
-        """The base chunk object's bytes, as stored (not yet checked: decode_delta does).
+    def read(self, key: str, cid: str, base: str | None) -> bytes:
+        """The bytes of object ``key`` (chunk ``cid``, a delta on ``base`` if given), as stored.
 
         Raises:
-          ObjectNotFoundError: the base is missing (every waiting user gets the error).
+          ObjectNotFoundError: the object is missing.
         """
+        return self._base(cid) if base is None and cid in self.bases else self.store.get(key)
+
+    def decode(self, data: bytes | memoryview, cid: str, base: str | None,
+               raw_length: int) -> memoryview:
+        """The verified raw bytes of a chunk object: :func:`decode_chunk`, or for a delta on
+        ``base`` :func:`decode_delta` against the base read here.
+
+        Raises:
+          CorruptChunkError: as those functions do.
+          ObjectNotFoundError: the base is missing (every user waiting on it gets the error).
+        """
+        if base is None:
+            return decode_chunk(data, cid, raw_length)
+        return decode_delta(data, self._base(base), cid, base, raw_length)
+
+    def _base(self, base: str) -> bytes:
+        """The base chunk object's bytes, read once while it has users left."""
         with self.lock:
             future = self.held.get(base)
             owner = future is None

@@ -21,8 +21,7 @@ import jax
 import numpy as np
 
 from ._chunking import Index, dtype_from_name
-from ._codec import decode_chunk
-from ._delta import DeltaBases, decode_delta
+from ._delta import DeltaBases
 from ._errors import CorruptChunkError, StoreTimeoutError, TargetMismatchError
 from ._keypath import SCALAR_TYPES, matches, path_str, unflatten_plain
 from ._manifest import ChunkRef, LeafEntry, Manifest
@@ -406,7 +405,8 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
             out[i] = place(i, out[i])
 
     buffers = threading.local()  # one read buffer per worker thread, reused chunk after chunk
-    bases = DeltaBases(store, (refs[0][1].base for refs in users.values() if refs[0][1].base))
+    bases = DeltaBases(store, [(refs[0][1].id, refs[0][1].base) for refs in users.values()
+                               if refs[0][1].base is not None])  # objects: read into buffers
 
     def fetch(key: str) -> None:
         blocks = users[key]
@@ -414,11 +414,7 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
         cid = first.id
         try:
             data, buffers.read = store.get_into(key, getattr(buffers, "read", None))
-            if first.base is None:
-                raw = decode_chunk(data, cid, first.raw_bytes)
-            else:
-                raw = decode_delta(data, bases.get(first.base), cid, first.base,
-                                   first.raw_bytes)
+            raw = bases.decode(data, cid, first.base, first.raw_bytes)
         except (CorruptChunkError, FileNotFoundError) as e:
             raise CorruptChunkError(f"unusable chunk: {e}", url=store.url, run=manifest.run,
                                     step=manifest.step, key_path=manifest.leaves[blocks[0][0]].path,

@@ -9,8 +9,7 @@ import collections
 import dataclasses
 import time
 
-from ._codec import decode_chunk
-from ._delta import DeltaBases, decode_delta
+from ._delta import DeltaBases
 from ._errors import CasstoreError
 from ._layout import RUNS_PREFIX, chunk_key, parse_manifest_key
 from ._manifest import ChunkRef, Manifest, decode_manifest
@@ -119,19 +118,13 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
         # deltas on one base side by side, so each base is held only while they are checked
         readable = sorted((k for k in users if k in present),
                           key=lambda k: users[k][0][3].base or users[k][0][3].id)
-        refs = [users[k][0][3] for k in readable]
-        is_base = {r.base for r in refs if r.base is not None}
-        bases = DeltaBases(store, [r.base or r.id for r in refs if (r.base or r.id) in is_base])
+        bases = DeltaBases(store, [(users[k][0][3].id, users[k][0][3].base) for k in readable])
 
         def check(key: str) -> tuple[int, list[Problem]]:
             ref = users[key][0][3]
             try:
-                data = (bases.get(ref.id) if ref.base is None and ref.id in is_base
-                        else store.get(key))
-                if ref.base is None:
-                    decode_chunk(data, ref.id, ref.raw_bytes)
-                else:
-                    decode_delta(data, bases.get(ref.base), ref.id, ref.base, ref.raw_bytes)
+                data = bases.read(key, ref.id, ref.base)
+                bases.decode(data, ref.id, ref.base, ref.raw_bytes)
                 return len(data), []
             except (CasstoreError, FileNotFoundError) as e:
                 return 0, [Problem(r, s, p, ref.id, f"chunk corrupt: {e}")
