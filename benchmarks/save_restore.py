@@ -8,6 +8,9 @@ Every system saves it to local disk, durably, in the same run:
 
 - casstore: ``casstore.save`` (its LocalStore fsyncs every object and directory), then
   ``casstore.restore(target=...)`` with an abstract target of ``jax.ShapeDtypeStruct``;
+- casstore-planes: the same with ``save(..., shuffle=True)``: the byte-plane codec (codec 4,
+  format.md §3.2) wherever it saves 1/8, object stores' default (issue 15's item 2: is it
+  cheap enough for local disk?);
 - orbax: ``ocp.StandardCheckpointer().save`` timed through ``wait_until_finished`` (it fsyncs
   its files), then ``restore`` with the same abstract target;
 - safetensors: ``safetensors.numpy.save_file`` of the flattened state plus ``os.fsync`` of the
@@ -63,7 +66,7 @@ import casstore
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import harness as h  # noqa: E402
 
-SYSTEMS = ("casstore", "orbax", "safetensors")
+SYSTEMS = ("casstore", "casstore-planes", "orbax", "safetensors")
 MAX_WARM_BYTES = 8 << 30  # warm at most this much memory before a phase (gpt2-xl: 3x = 56 GB)
 
 # Figures every system reports: (key, label, unit). Seconds are "s", sizes "B", multiples "x".
@@ -118,24 +121,26 @@ def _rewriting_saves(out: dict, phase: Callable, save: Callable[[int, Any], None
 
 
 def bench_casstore(root: pathlib.Path, states: list[dict], abstract: Any, drop: bool,
-                   warm: int) -> dict:
+                   warm: int, shuffle: bool | None = None) -> dict:
     repo, out = root / "repo", {}
     phase = functools.partial(_phase, out, warm=warm, drop=drop)
-    info = phase("first_save_s", lambda: casstore.save(str(repo), 1, states[0]),
+    save = functools.partial(casstore.save, shuffle=shuffle)
+    info = phase("first_save_s", lambda: save(str(repo), 1, states[0]),
                  rss="save_rss_extra_bytes")
     out["first_save_disk_bytes"], out["first_save_written_bytes"] = (h.du(repo)[1],
                                                                      info.written_bytes)
-    info = phase("changed_save_s", lambda: casstore.save(str(repo), 2, states[1]))
+    info = phase("changed_save_s", lambda: save(str(repo), 2, states[1]))
     out["changed_save_written_bytes"] = info.written_bytes
     out["changed_save_new_chunks"], out["changed_save_reused_chunks"] = (info.new_chunks,
                                                                          info.reused_chunks)
-    info = phase("unchanged_save_s", lambda: casstore.save(str(repo), 3, states[1]))
+    info = phase("unchanged_save_s", lambda: save(str(repo), 3, states[1]))
     out["unchanged_save_written_bytes"] = info.written_bytes
     out["unchanged_save_new_chunks"] = info.new_chunks
     out["repo_bytes"] = h.du(repo)[1]
     restored = phase("restore_s", lambda: jax.block_until_ready(
         casstore.restore(str(repo), 3, target=abstract)), rss="restore_rss_extra_bytes")
-    out["verified_leaves"] = h.verify_equal(states[1], h.flatten(restored), "casstore", True)
+    out["verified_leaves"] = h.verify_equal(states[1], h.flatten(restored),
+                                            f"casstore shuffle={shuffle}", True)
     return out
 
 
@@ -178,7 +183,9 @@ def bench_safetensors(root: pathlib.Path, states: list[dict], abstract: Any, dro
     return out
 
 
-BENCHES = {"casstore": bench_casstore, "orbax": bench_orbax, "safetensors": bench_safetensors}
+BENCHES = {"casstore": bench_casstore,
+           "casstore-planes": functools.partial(bench_casstore, shuffle=True),
+           "orbax": bench_orbax, "safetensors": bench_safetensors}
 
 
 def run(size: str = "gpt2", base_dir: str | None = None, repeat: int = 1, drop: bool = False,
@@ -243,20 +250,28 @@ TARGETS = [  # (description, casstore's figure from the medians, limit)
     ("restore takes <= 0.8x orbax's time",
      lambda res: h.ratio(res["casstore"]["restore_s"], res["orbax"]["restore_s"]), 0.8),
 ]
+PLANES_TARGETS = [  # issue 15, item 2: codec 4 cheap enough to be local disk's default
+    ("casstore-planes first save stores <= 0.9x orbax's bytes",
+     lambda res: h.ratio(res["casstore-planes"]["first_save_disk_bytes"],
+                         res["orbax"]["first_save_disk_bytes"]), 0.9),
+    ("casstore-planes first save takes <= 0.8x orbax's time",
+     lambda res: h.ratio(res["casstore-planes"]["first_save_s"], res["orbax"]["first_save_s"]),
+     0.8),
+]
 
 
 def table(result: dict) -> str:
     """The median figures as a markdown table with casstore / orbax ratios, then notes."""
     res = result["results"]
     cols = [s for s in SYSTEMS if s in res]
+    ours = [s for s in cols if s.startswith("casstore")] if "orbax" in res else []
     rows = []
     for key, label, unit in FIGURES:
         vals = [res[s].get(key, float("nan")) for s in cols]
-        ratio = (h.ratio(res["casstore"][key], res["orbax"][key])
-                 if {"casstore", "orbax"} <= set(res) else float("nan"))
+        ratios = [h.ratio(res[s][key], res["orbax"][key]) for s in ours]
         rows.append([f"{label}{f' ({unit})' if unit != 'B' else ''}",
-                     *(h.fmt(v, unit) for v in vals), h.fmt(ratio, "x")])
-    lines = h.md_table(["figure", *cols, "casstore / orbax"], rows)
+                     *(h.fmt(v, unit) for v in vals), *(h.fmt(r, "x") for r in ratios)])
+    lines = h.md_table(["figure", *cols, *(f"{s} / orbax" for s in ours)], rows)
     notes = [
         "",
         f"- state: {result['logical_bytes'] / 1e6:.1f} MB in {result['leaves']} leaves "
@@ -273,8 +288,10 @@ def table(result: dict) -> str:
             f"{c['unchanged_save_new_chunks']:.0f} new chunks; restore's peak extra RSS "
             f"less the restored state: "
             f"{(c['restore_rss_extra_bytes'] - result['logical_bytes']) / 1e6:.0f} MB")
-    if {"casstore", "orbax"} <= set(res):
-        for text, figure, limit in TARGETS:
+    targets = (TARGETS if {"casstore", "orbax"} <= set(res) else []) + (
+        PLANES_TARGETS if {"casstore-planes", "orbax"} <= set(res) else [])
+    if targets:
+        for text, figure, limit in targets:
             value = figure(res)
             notes.append(f"- target: {text}: {value:.3g} "
                          f"({'met' if value <= limit else 'NOT met'})")
