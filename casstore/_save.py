@@ -54,11 +54,14 @@ from ._locks import save_lock
 from ._manifest import ChunkRef, LeafEntry, Manifest, decode_manifest, encode_manifest
 from ._multihost import SaveAgreement
 from ._pool import bounded_map
-from ._repository import Url, ensure_config, list_runs, read_manifest
+from ._repository import Url, ensure_config, list_runs, list_steps, read_manifest
 from ._stored_dtype import stored_as
 from .store import Store, open_store
 
 MAX_METADATA_BYTES = 2**20
+# Of the blocks whose delta did not pay at the previous save (unpaid_blocks), one in this many
+# tries again.
+DELTA_RETRY = 4
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -169,13 +172,15 @@ class _ChunkWriter:
     rewriting it with the same bytes is harmless). A second block with the same id waits for
     the first lookup or upload to finish. With ``delta``, a new block whose previous step's
     block (same key path and bounds) is stored is written as a delta against that block's
-    whole chunk if that pays (format.md §3.5), reading the base chunk from the store.
+    whole chunk if that pays (format.md §3.5), reading the base chunk from the store; for a
+    block of ``unpaid`` (:func:`unpaid_blocks`) only one in ``DELTA_RETRY`` tries (by chunk id).
     """
 
     def __init__(self, store: Store, previous: Manifest | None, zstd_level: int, shuffle: bool,
-                 delta: bool, lookup: bool = True):
+                 delta: bool, lookup: bool = True, unpaid: frozenset = frozenset()):
         refs = [(leaf.path, r) for leaf in previous.leaves for r in leaf.chunks] if previous else []
         self.store, self.zstd_level, self.shuffle, self.lookup = store, zstd_level, shuffle, lookup
+        self.unpaid = unpaid
         self.known: dict[str, tuple[int, str | None]] = {
             r.id: (r.stored_bytes, r.base) for _, r in refs}
         self.bases = {(path, r.start, r.stop): r for path, r in refs if delta and r.offset == 0}
@@ -224,7 +229,8 @@ class _ChunkWriter:
             except FileNotFoundError:
                 pass
         previous = self.bases.get(block) if block is not None else None
-        if previous is not None and previous.raw_bytes == len(raw) and previous.id != cid:
+        if (previous is not None and previous.raw_bytes == len(raw) and previous.id != cid
+                and (block not in self.unpaid or int(cid[:8], 16) % DELTA_RETRY == 0)):
             base = previous.base or previous.id
             encoded = self._delta(raw, element_size, base)
             if encoded is not None:
@@ -249,6 +255,32 @@ class _ChunkWriter:
                                 self.shuffle)
         except (CorruptChunkError, FileNotFoundError):
             return None
+
+
+def unpaid_blocks(store: Store, previous: Manifest) -> frozenset[tuple[str, tuple, tuple]]:
+    """The blocks ``(key path, start, stop)`` whose delta did not pay at ``previous``'s save.
+
+    Such a block is stored whole in ``previous`` and, with other bytes, whole in the run's step
+    before it: the save of ``previous`` could take a delta against a chunk one step old and
+    did not keep it (adam's moments, whose every bit moves each step, ../shared/CODECS.md).
+    Trying again would read that base (a GET of its whole object on an object store) for
+    nothing, so a save tries only one in ``DELTA_RETRY`` of these blocks, picked by the new
+    chunk id, and a block whose bytes come to pay is found within a few saves. One listing of
+    the run's steps and one manifest read; empty if there is no step before ``previous`` or
+    its manifest fails validation.
+    """
+    earlier = [s for s in list_steps(store, run=previous.run) if s < previous.step]
+    if not earlier:
+        return frozenset()
+    try:
+        before = read_manifest(store, earlier[-1], run=previous.run)
+    except (StepNotFoundError, ManifestError):
+        return frozenset()
+    whole = {(leaf.path, r.start, r.stop): r.id for leaf in before.leaves for r in leaf.chunks
+             if r.offset == 0 and r.base is None}
+    return frozenset((leaf.path, r.start, r.stop) for leaf in previous.leaves for r in leaf.chunks
+                     if r.offset == 0 and r.base is None
+                     and whole.get((leaf.path, r.start, r.stop), r.id) != r.id)
 
 
 def previous_manifest(store: Store, run: str, step: int | None = None) -> Manifest | None:
@@ -403,8 +435,11 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
         that would be stored raw (format.md §3.5): about 0.3 of the raw size on fine-tuned
         float32 weights, where the block alone takes 0.83.
         Each such block costs one read of its base chunk (from the store) at save, and a
-        restore reads the delta and its base. Manifests with deltas are format version 2,
-        which casstore before 2026-11 refuses to read. False stores every new chunk whole.
+        restore reads the delta and its base. A block whose delta did not pay at the previous
+        save (stored whole there and at the step before) tries again only one save in four
+        (:func:`unpaid_blocks`), so adam's moments do not cost a read of their base per save.
+        Manifests with deltas are format version 2, which casstore before 2026-11 refuses to
+        read. False stores every new chunk whole.
 
     Returns:
       A :class:`SaveInfo`; its ``logical_bytes`` count the stored dtypes.
@@ -466,7 +501,8 @@ def write(store: Store, step: int, prepared: Prepared, inline: dict[int, bytes],
             # No committed step anywhere: no chunk to reuse, so none is looked up (one HEAD
             # per chunk saved on an object store).
             lookup = previous is not None or bool(list_runs(store))
-            writer = _ChunkWriter(store, previous, zstd_level, shuffle, delta, lookup)
+            unpaid = unpaid_blocks(store, previous) if delta and previous else frozenset()
+            writer = _ChunkWriter(store, previous, zstd_level, shuffle, delta, lookup, unpaid)
             refs: dict[int, list[ChunkRef]] = collections.defaultdict(list)
             for i, ref in _run_jobs(jobs, writer, max_workers, window, prepared.paths):
                 refs[i].append(ref)

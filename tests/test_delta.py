@@ -9,7 +9,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import casstore
-from casstore import _manifest
+from casstore import _manifest, _save
 from casstore._codec import HEADER, decode_chunk
 from casstore._delta import CODEC_DELTA, decode_delta
 from casstore._layout import DELTAS_PREFIX, chunk_key
@@ -338,3 +338,28 @@ def test_a_base_shared_by_deltas_is_read_once_by_restore_verify_and_copy():
         assert base_reads() == len(bases), result
     assert casstore.verify(src).ok
     assert_bit_exact(casstore.restore(src, 1), steps[1])
+
+
+def test_a_block_whose_delta_did_not_pay_is_retried_once_in_delta_retry_saves():
+    # "mu" is random every step (adam's moments: no delta pays); "w" trains slowly.
+    def tree(step: int) -> dict:
+        rng = np.random.default_rng(300 + step)
+        return {"w": trained(step), "mu": rng.standard_normal(16 * CHUNK // 4).astype(np.float32)}
+
+    store = CountingStore(MemoryStore())
+    reads_of_previous_mu = []
+    for s in range(4):
+        earlier = refs(store, s - 1, "mu") if s else []
+        store.reset()
+        info = casstore.save(store, s, tree(s), chunk_size_bytes=CHUNK)
+        reads_of_previous_mu.append(sum(store.keys_read.count(chunk_key(r.id)) for r in earlier))
+        assert info.delta_chunks == (4 if s else 0)  # w's 4 blocks, every step after the first
+        new_mu = refs(store, s, "mu")
+        assert len(new_mu) == 16 and all(r.base is None for r in new_mu)
+        if s >= 2:
+            # Stored whole at steps s-1 and s-2 with other bytes: the delta did not pay, so
+            # only the blocks whose new chunk id picks them try again (reading their base).
+            retried = sum(int(r.id[:8], 16) % _save.DELTA_RETRY == 0 for r in new_mu)
+            assert reads_of_previous_mu[s] == retried < 16
+    assert reads_of_previous_mu[1] == 16  # no step before step 0: every block tries
+    assert_bit_exact(casstore.restore(store, 3), tree(3))
