@@ -340,13 +340,16 @@ def test_a_base_shared_by_deltas_is_read_once_by_restore_verify_and_copy():
     assert_bit_exact(casstore.restore(src, 1), steps[1])
 
 
-def test_a_block_whose_delta_did_not_pay_is_retried_once_in_delta_retry_saves():
+@pytest.mark.parametrize("backend", ["memory", "seaweedfs"])
+def test_a_block_whose_delta_did_not_pay_is_retried_once_in_delta_retry_saves(backend, request):
     # "mu" is random every step (adam's moments: no delta pays); "w" trains slowly.
     def tree(step: int) -> dict:
         rng = np.random.default_rng(300 + step)
         return {"w": trained(step), "mu": rng.standard_normal(16 * CHUNK // 4).astype(np.float32)}
 
-    store = CountingStore(MemoryStore())
+    inner = (MemoryStore() if backend == "memory"
+             else object_store(request.getfixturevalue("object_servers")[backend]))
+    store = CountingStore(inner)
     reads_of_previous_mu = []
     for s in range(4):
         earlier = refs(store, s - 1, "mu") if s else []
