@@ -173,14 +173,18 @@ class _ChunkWriter:
     the first lookup or upload to finish. With ``delta``, a new block whose previous step's
     block (same key path and bounds) is stored is written as a delta against that block's
     whole chunk if that pays (format.md §3.5), reading the base chunk from the store; for a
-    block of ``unpaid`` (:func:`unpaid_blocks`) only one in ``DELTA_RETRY`` tries (by chunk id).
+    block whose delta did not pay at the previous save (:func:`unpaid_blocks`, worked out at
+    the first delta a save tries, so a save without changed blocks reads no other manifest)
+    only one in ``DELTA_RETRY`` tries, by chunk id.
     """
 
     def __init__(self, store: Store, previous: Manifest | None, zstd_level: int, shuffle: bool,
-                 delta: bool, lookup: bool = True, unpaid: frozenset = frozenset()):
+                 delta: bool, lookup: bool = True):
         refs = [(leaf.path, r) for leaf in previous.leaves for r in leaf.chunks] if previous else []
         self.store, self.zstd_level, self.shuffle, self.lookup = store, zstd_level, shuffle, lookup
-        self.unpaid = unpaid
+        self.previous = previous
+        self.unpaid: frozenset | None = None
+        self.unpaid_lock = threading.Lock()
         self.known: dict[str, tuple[int, str | None]] = {
             r.id: (r.stored_bytes, r.base) for _, r in refs}
         self.bases = {(path, r.start, r.stop): r for path, r in refs if delta and r.offset == 0}
@@ -230,7 +234,7 @@ class _ChunkWriter:
                 pass
         previous = self.bases.get(block) if block is not None else None
         if (previous is not None and previous.raw_bytes == len(raw) and previous.id != cid
-                and (block not in self.unpaid or int(cid[:8], 16) % DELTA_RETRY == 0)):
+                and (int(cid[:8], 16) % DELTA_RETRY == 0 or block not in self._unpaid())):
             base = previous.base or previous.id
             encoded = self._delta(raw, element_size, base)
             if encoded is not None:
@@ -243,6 +247,13 @@ class _ChunkWriter:
                             shuffle=self.shuffle)
         self.store.put(key, data)
         return len(data), None, True
+
+    def _unpaid(self) -> frozenset:
+        """:func:`unpaid_blocks` of the previous manifest, read once."""
+        with self.unpaid_lock:
+            if self.unpaid is None:
+                self.unpaid = unpaid_blocks(self.store, self.previous)
+            return self.unpaid
 
     def _delta(self, raw: memoryview, element_size: int, base: str) -> tuple[bytes, int] | None:
         """:func:`encode_delta` against chunk ``base``, read from the store; None if it does
@@ -501,8 +512,7 @@ def write(store: Store, step: int, prepared: Prepared, inline: dict[int, bytes],
             # No committed step anywhere: no chunk to reuse, so none is looked up (one HEAD
             # per chunk saved on an object store).
             lookup = previous is not None or bool(list_runs(store))
-            unpaid = unpaid_blocks(store, previous) if delta and previous else frozenset()
-            writer = _ChunkWriter(store, previous, zstd_level, shuffle, delta, lookup, unpaid)
+            writer = _ChunkWriter(store, previous, zstd_level, shuffle, delta, lookup)
             refs: dict[int, list[ChunkRef]] = collections.defaultdict(list)
             for i, ref in _run_jobs(jobs, writer, max_workers, window, prepared.paths):
                 refs[i].append(ref)

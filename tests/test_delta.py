@@ -12,7 +12,7 @@ import casstore
 from casstore import _manifest, _save
 from casstore._codec import HEADER, decode_chunk
 from casstore._delta import CODEC_DELTA, decode_delta
-from casstore._layout import DELTAS_PREFIX, chunk_key
+from casstore._layout import DELTAS_PREFIX, chunk_key, manifest_key
 from casstore.store import CountingStore, LocalStore, MemoryStore
 
 from conftest import object_store
@@ -365,4 +365,8 @@ def test_a_block_whose_delta_did_not_pay_is_retried_once_in_delta_retry_saves(ba
             retried = sum(int(r.id[:8], 16) % _save.DELTA_RETRY == 0 for r in new_mu)
             assert reads_of_previous_mu[s] == retried < 16
     assert reads_of_previous_mu[1] == 16  # no step before step 0: every block tries
+    # A save with no changed block reads the previous manifest only, not the one before it.
+    store.reset()
+    assert casstore.save(store, 4, tree(3), chunk_size_bytes=CHUNK).new_chunks == 0
+    assert [k for k in store.keys_read if k.endswith(".manifest")] == [manifest_key("default", 3)]
     assert_bit_exact(casstore.restore(store, 3), tree(3))
