@@ -7,6 +7,7 @@ builds anything, and raises :class:`~casstore.ManifestError` naming the step and
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from typing import Any
@@ -322,13 +323,17 @@ def _check_tiling(shape: tuple[int, ...], refs: tuple[ChunkRef, ...], check: _Ch
         return
     check(bool(refs), "array without chunks")
     check(all(all(b <= d for b, d in zip(r.stop, shape)) for r in refs), "block out of bounds")
+    if len(refs) == 1:  # most leaves: one block, which must be the whole array
+        check(refs[0].stop == shape and not any(refs[0].start),
+              "chunk blocks overlap or leave gaps")
+        return
     edges = [sorted({0, d, *(r.start[i] for r in refs), *(r.stop[i] for r in refs)})
              for i, d in enumerate(shape)]
     cells = math.prod(len(e) - 1 for e in edges)
     check(cells <= MAX_GRID_CELLS, "chunk grid too irregular to validate")
     count = np.zeros([len(e) - 1 for e in edges], dtype=np.int32)  # refs < 2**31: cannot wrap
     for r in refs:
-        sel = tuple(slice(np.searchsorted(e, a), np.searchsorted(e, b))
+        sel = tuple(slice(bisect.bisect_left(e, a), bisect.bisect_left(e, b))
                     for e, a, b in zip(edges, r.start, r.stop))
         count[sel] += 1
     check(bool(np.all(count == 1)), "chunk blocks overlap or leave gaps")

@@ -150,6 +150,19 @@ def test_bad_manifests_raise_manifest_error(saved, damage):
     assert info.value.step == 5 and isinstance(info.value, ValueError)
 
 
+@pytest.mark.parametrize("start, stop", [([1], [1000]), ([0], [999]), ([0], [1001])])
+def test_a_single_chunk_that_does_not_cover_its_array_is_refused(repo_store, start, stop):
+    casstore.save(repo_store, 1, {"x": np.arange(1000, dtype=np.float32)})
+    key = manifest_key("default", 1)
+    doc = msgpack.unpackb(repo_store.get(key), raw=False, strict_map_key=False)
+    (ref,) = next(x for x in doc["leaves"] if x["path"] == "x")["chunks"]
+    ref["start"], ref["stop"] = start, stop
+    repo_store.delete(key)
+    repo_store.put(key, msgpack.packb(doc, use_bin_type=True))
+    with pytest.raises(casstore.ManifestError, match="gaps|out of bounds|past its raw bytes"):
+        casstore.restore(repo_store, 1)
+
+
 def test_unknown_repository_version_is_refused(saved):
     store, _ = saved
     config = msgpack.unpackb(store.get("config"))
