@@ -27,7 +27,9 @@ def bounded_map(fn: Callable[[Any], Any], items: Iterable, max_workers: int,
     hold (a chunk or two each) stays bounded by the window, not by the number of items, and a
     generator's side effects (starting a device-to-host copy) run just ahead of the workers.
     The first exception cancels what is still pending and is re-raised once the running tasks
-    have finished.
+    have finished. ``fn`` may return a :class:`concurrent.futures.Future` (a second stage it
+    started on another pool, such as an upload): the item then keeps its place in the window
+    until that future is done, and its result is what is collected.
 
     Args:
       max_workers: threads.
@@ -41,11 +43,17 @@ def bounded_map(fn: Callable[[Any], Any], items: Iterable, max_workers: int,
             for item in items:
                 pending.append(pool.submit(fn, item))
                 if len(pending) >= window:
-                    out.append(pending.popleft().result())
+                    out.append(_result(pending.popleft()))
             while pending:
-                out.append(pending.popleft().result())
+                out.append(_result(pending.popleft()))
         except BaseException:
             for f in pending:
                 f.cancel()
             raise
     return out
+
+
+def _result(future: cf.Future) -> Any:
+    """The future's result, or the result of the future it returned."""
+    out = future.result()
+    return out.result() if isinstance(out, cf.Future) else out

@@ -245,3 +245,29 @@ def test_delete_removes_only_the_manifest():
     chunks = [i.key for i in store.list("chunks/")]
     casstore.delete(store, 1)
     assert casstore.list_steps(store) == [] and [i.key for i in store.list("chunks/")] == chunks
+
+
+@pytest.mark.parametrize("failure", ["timeout", "oserror"])
+def test_a_failed_chunk_upload_names_its_key_path_and_commits_nothing(failure):
+    """Uploads run on their own threads, after encoding: their errors still name the leaf."""
+
+    class FailingPuts(MemoryStore):
+        def put(self, key, data):
+            if key.startswith("chunks/") and len(data) > 40_000:  # only the chunks of "big"
+                if failure == "timeout":
+                    raise casstore.StoreTimeoutError("no answer", key=key, url=self.url)
+                raise OSError(28, "No space left on device")
+            super().put(key, data)
+
+    store = FailingPuts()
+    casstore.save(store, 0, {"small": np.arange(10.0)})
+    rng = np.random.default_rng(0)
+    tree = {"small": np.arange(10.0), "big": rng.random(100_000, np.float32)}
+    with pytest.raises((casstore.StoreTimeoutError, OSError)) as info:
+        casstore.save(store, 1, tree, chunk_size_bytes=100_000)
+    if failure == "timeout":
+        assert info.value.key_path == "big" and "big" in str(info.value)
+    else:
+        assert "while saving key path 'big'" in info.value.__notes__
+    assert casstore.list_steps(store) == [0]
+    np.testing.assert_array_equal(casstore.restore(store, 0)["small"], np.arange(10.0))

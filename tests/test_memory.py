@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import casstore
-from casstore import _restore
+from casstore import _restore, _save
 from casstore.store import MemoryStore
 
 WORKER = os.path.join(os.path.dirname(__file__), "memory_worker.py")
@@ -129,3 +129,39 @@ def test_concurrent_restores_share_nothing():
         t.join()
     assert not errors and len(results) == 4
     assert len({r.ctypes.data for r in results}) == 4
+
+
+def test_a_save_encodes_the_next_chunk_while_the_previous_one_uploads(monkeypatch):
+    """With one worker, the second chunk is encoded while the first upload is still running
+    (encoding and uploading run on separate threads), and no chunk is encoded more than the
+    in-flight window ahead of the uploads."""
+    encoded: list[int] = []
+    second_encoded = threading.Event()
+    encode = _save.encode_chunk
+
+    def counting_encode(*args, **kwargs):
+        out = encode(*args, **kwargs)
+        encoded.append(1)
+        if len(encoded) == 2:
+            second_encoded.set()
+        return out
+
+    class SlowPuts(MemoryStore):
+        def put(self, key, data):
+            if key.startswith("chunks/"):
+                if not ahead:  # the first upload waits for the second encode
+                    overlapped.append(second_encoded.wait(5))
+                ahead.append(len(encoded) - uploaded[0])
+            super().put(key, data)
+            uploaded[0] += key.startswith("chunks/")
+
+    monkeypatch.setattr(_save, "encode_chunk", counting_encode)
+    overlapped: list[bool] = []
+    ahead: list[int] = []
+    uploaded = [0]
+    x = np.random.default_rng(0).random(2**18, np.float32)  # 16 chunks of 64 KiB
+    chunk = 64 * 1024
+    casstore.save(SlowPuts(), 0, {"x": x}, chunk_size_bytes=chunk, max_workers=1)
+    assert overlapped == [True]
+    assert len(encoded) == uploaded[0] == 16
+    assert max(ahead) <= _save.inflight_window(1, chunk), ahead
