@@ -69,18 +69,25 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return _local.decompressor
 
 
-def shuffle(raw: memoryview | bytes, element_size: int) -> np.ndarray:
+def shuffle(raw: memoryview | bytes | np.ndarray, element_size: int,
+            out: np.ndarray | None = None) -> np.ndarray:
     """Byte shuffle (HDF5's shuffle filter): byte ``j`` of element ``i`` goes to ``j * n + i``.
 
     Args:
       raw: ``n * element_size`` bytes.
       element_size: bytes per element.
+      out: a ``(element_size, n)`` uint8 array to write into, e.g. the planes region of
+        :func:`plane_buffer`; None allocates one.
 
     Returns:
-      A new uint8 array of ``len(raw)`` bytes: all first bytes of the elements, then all second
-      bytes, and so on. The exponent bytes of floats end up together, which zstd compresses.
+      ``out``, or a new uint8 array: all first bytes of the elements, then all second bytes,
+      and so on. The exponent bytes of floats end up together, which zstd compresses.
     """
-    return np.frombuffer(raw, np.uint8).reshape(-1, element_size).T.copy()
+    transposed = np.frombuffer(raw, np.uint8).reshape(-1, element_size).T
+    if out is None:
+        return transposed.copy()
+    out[...] = transposed
+    return out
 
 
 def unshuffle(shuffled: bytes | memoryview, element_size: int) -> np.ndarray:
@@ -96,9 +103,16 @@ def _candidates(element_size: int) -> tuple[int, ...]:
     return (CODEC_PLANES, CODEC_ZSTD) if element_size > 1 else (CODEC_ZSTD,)
 
 
-def _zstd_input(raw: memoryview, codec: int, element_size: int) -> memoryview | np.ndarray:
-    shuffled = codec in (CODEC_SHUFFLE_ZSTD, CODEC_PLANES)
-    return shuffle(raw, element_size) if shuffled else raw
+def plane_buffer(k: int, n: int) -> np.ndarray:
+    """Room for an object in codec 4's layout (format.md §3.2) of ``k`` planes of ``n``
+    bytes: header, plane table, then the planes, which the caller writes into
+    :func:`buffer_planes` before :func:`encode_planes` compresses them where they are."""
+    return np.empty(HEADER.size + 4 * k + k * n, np.uint8)
+
+
+def buffer_planes(buffer: np.ndarray, k: int) -> np.ndarray:
+    """The ``(k, n)`` planes region of a :func:`plane_buffer`."""
+    return buffer[HEADER.size + 4 * k:].reshape(k, -1)
 
 
 def _plane_compressor(level: int) -> zstandard.ZstdCompressor:
@@ -131,36 +145,54 @@ def _worth_compressing(plane: np.ndarray, level: int) -> bool:
     return size <= 2 * PLANE_SAMPLE_BYTES * (1 - MIN_SAVING)
 
 
-def _encode_planes(planes: np.ndarray, level: int) -> bytes:
-    """The chunk object of codec 4 from the ``(k, n)`` byte planes (format.md §3.2).
+def encode_planes(buffer: np.ndarray, k: int, level: int,
+                  codec: int = CODEC_PLANES) -> memoryview:
+    """Finishes an object in codec 4's layout (format.md §3.2) in ``buffer``, a
+    :func:`plane_buffer` whose ``k`` planes are filled, and returns it: a view of ``buffer``.
 
     Each plane that is worth it (:func:`_worth_compressing`) is compressed as its own zstd
     frame and kept if the frame saves 1/8 of the plane; every other plane is stored as is, so
-    the random low mantissa bytes of floats cost a copy, not a pass of zstd's match finder.
+    the random low mantissa bytes of floats cost no pass of zstd's match finder. A kept frame
+    is decompressed again and compared with its plane first (restic's verify-after-encode).
+    The planes are then moved down over the room the frames saved, so no copy of the whole
+    object is made. ``codec`` is the header's: 4, or 3 for a delta (format.md §3.5).
+
+    Raises:
+      CorruptChunkError: a zstd frame does not decode back to its plane.
     """
-    k, n = planes.shape
-    parts: list[bytes | np.ndarray] = []
-    for plane in planes:
+    planes = buffer_planes(buffer, k)
+    n = planes.shape[1]
+    position = start = HEADER.size + 4 * k
+    lengths = []
+    for j, plane in enumerate(planes):
         frame = (_plane_compressor(level).compress(plane)
                  if _worth_compressing(plane, level) else None)
-        parts.append(frame if frame is not None and len(frame) <= n * (1 - MIN_SAVING)
-                     else plane)
-    lengths = struct.pack(f"<{k}I", *(memoryview(p).nbytes for p in parts))
-    return b"".join((HEADER.pack(MAGIC, VERSION, CODEC_PLANES, k, k * n), lengths, *parts))
+        if frame is not None and len(frame) <= n * (1 - MIN_SAVING):
+            _check_frame(frame, plane)
+            stored = np.frombuffer(frame, np.uint8)
+        else:
+            stored = plane
+        if stored is not plane or position != start + j * n:
+            buffer[position:position + len(stored)] = stored  # numpy copes with the overlap
+        lengths.append(len(stored))
+        position += len(stored)
+    HEADER.pack_into(buffer, 0, MAGIC, VERSION, codec, k, k * n)
+    struct.pack_into(f"<{k}I", buffer, HEADER.size, *lengths)
+    return memoryview(buffer)[:position]
 
 
-def _verify_planes(data: bytes, planes: np.ndarray) -> None:
-    """Decompresses each zstd plane of a codec-4 object again and compares it with its input."""
+def planes_object(planes: np.ndarray, level: int) -> memoryview:
+    """:func:`encode_planes` of a copy of the ``(k, n)`` byte planes ``planes``."""
     k, n = planes.shape
-    lengths = struct.unpack_from(f"<{k}I", data, HEADER.size)
-    position = HEADER.size + 4 * k
-    for plane, length in zip(planes, lengths):
-        if length < n:
-            decoded = _decompressor().decompress(
-                memoryview(data)[position:position + length], max_output_size=n)
-            if xxhash.xxh3_128_digest(decoded) != xxhash.xxh3_128_digest(plane):
-                raise CorruptChunkError("zstd output does not decode back to its input")
-        position += length
+    buffer = plane_buffer(k, n)
+    buffer_planes(buffer, k)[...] = planes
+    return encode_planes(buffer, k, level)
+
+
+def _check_frame(frame: bytes, plane: np.ndarray) -> None:
+    decoded = _decompressor().decompress(frame, max_output_size=len(plane))
+    if xxhash.xxh3_128_digest(decoded) != xxhash.xxh3_128_digest(plane):
+        raise CorruptChunkError("zstd output does not decode back to its input")
 
 
 def planes_of(payload: memoryview, element_size: int, raw_length: int,
@@ -201,21 +233,25 @@ def interleave(planes: list[np.ndarray], xor: list[np.ndarray] | None = None) ->
     return out.reshape(-1)
 
 
-def _encode(source: memoryview | np.ndarray, codec: int, level: int, element_size: int) -> bytes:
-    """The chunk object of codec 1, 2 or 4 (``source`` already shuffled for codecs 2 and 4).
+def _encode(raw: memoryview | np.ndarray, codec: int, level: int,
+            element_size: int) -> bytes | memoryview:
+    """The chunk object of codec 1, 2 or 4 for the raw bytes ``raw``, not yet verified for
+    codecs 1 and 2 (codec 4 verifies each frame as it makes it).
 
     For codec 2 every byte plane ends a zstd block, so no block mixes the exponent bytes with
     the random mantissa bytes (on a 64 KiB chunk: 0.84 of the size instead of 0.91).
     """
+    n = memoryview(raw).nbytes
     if codec == CODEC_PLANES:
-        return _encode_planes(source.reshape(element_size, -1), level)
-    n = memoryview(source).nbytes
+        buffer = plane_buffer(element_size, n // element_size)
+        shuffle(raw, element_size, out=buffer_planes(buffer, element_size))
+        return encode_planes(buffer, element_size, level)
     shuffled = codec == CODEC_SHUFFLE_ZSTD
     parts = [HEADER.pack(MAGIC, VERSION, codec, element_size if shuffled else 0, n)]
     if not shuffled:
-        return parts[0] + _compressor(level).compress(source)
+        return parts[0] + _compressor(level).compress(raw)
     stream = _compressor(level).compressobj(size=n)
-    for plane in source.reshape(element_size, -1):
+    for plane in shuffle(raw, element_size):
         parts += [stream.compress(plane), stream.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)]
     parts.append(stream.flush())
     return b"".join(parts)
@@ -237,15 +273,14 @@ def _choose_codec(raw: memoryview, level: int, element_size: int, shuffle: bool)
     samples = (raw[:step], raw[middle:middle + step])
     best, best_size = CODEC_RAW, 2 * step
     for codec in _candidates(element_size):
-        size = sum(len(_encode(_zstd_input(s, codec, element_size), codec, level, element_size))
-                   - HEADER.size for s in samples)
+        size = sum(len(_encode(s, codec, level, element_size)) - HEADER.size for s in samples)
         if size <= 2 * step * (1 - _min_saving(codec, shuffle)) and size <= best_size:
             best, best_size = codec, size
     return best
 
 
 def encode_chunk(raw: memoryview, *, level: int = DEFAULT_ZSTD_LEVEL, element_size: int = 1,
-                 shuffle: bool = True) -> bytes:
+                 shuffle: bool = True) -> bytes | memoryview:
     """Encodes raw chunk bytes as a chunk object (format.md §3.2).
 
     Plain zstd (codec 1) is tried and, with ``shuffle`` and ``element_size > 1`` (an array chunk
@@ -271,7 +306,8 @@ def encode_chunk(raw: memoryview, *, level: int = DEFAULT_ZSTD_LEVEL, element_si
         stored raw and cost no shuffle (local disk's default, docs/design-notes.md).
 
     Returns:
-      The chunk object: 16-byte header plus payload.
+      The chunk object: 16-byte header plus payload; for codec 4 a memoryview of the buffer
+      it was built in (:func:`encode_planes`), else bytes.
 
     Raises:
       ValueError: ``raw`` is longer than 2**31 bytes, or ``element_size`` is not in [1, 16].
@@ -290,21 +326,15 @@ def encode_chunk(raw: memoryview, *, level: int = DEFAULT_ZSTD_LEVEL, element_si
         codecs = _candidates(element_size)
     best = None
     for codec in (c for c in codecs if c != CODEC_RAW):
-        source = _zstd_input(raw, codec, element_size)
-        data = _encode(source, codec, level, element_size)
+        data = _encode(raw, codec, level, element_size)
         if len(data) - HEADER.size <= n * (1 - _min_saving(codec, shuffle)) and (
-                best is None or len(data) < len(best[0])):
-            best = data, source
+                best is None or len(data) < len(best)):
+            best = data
     if best is None:
         return b"".join((HEADER.pack(MAGIC, VERSION, CODEC_RAW, 0, n), raw))
-    data, source = best
-    if data[5] == CODEC_PLANES:
-        _verify_planes(data, source.reshape(element_size, -1))
-        return data
-    decoded = _decompressor().decompress(memoryview(data)[HEADER.size:], max_output_size=n)
-    if xxhash.xxh3_128_digest(decoded) != xxhash.xxh3_128_digest(source):
-        raise CorruptChunkError("zstd output does not decode back to its input")
-    return data
+    if best[5] == CODEC_ZSTD:
+        _check_frame(memoryview(best)[HEADER.size:], np.frombuffer(raw, np.uint8))
+    return best
 
 
 def decode_chunk(data: bytes | memoryview, expected_id: str, raw_length: int) -> memoryview:

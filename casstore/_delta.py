@@ -33,13 +33,15 @@ from ._codec import (
     SAMPLE_BYTES,
     VERSION,
     _compressor,
-    _encode_planes,
     _min_saving,
     _unzstd,
-    _verify_planes,
+    buffer_planes,
     chunk_id,
     decode_chunk,
+    encode_planes,
     interleave,
+    plane_buffer,
+    planes_object,
     planes_of,
     shuffle,
 )
@@ -90,11 +92,6 @@ def _xor(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndar
     return result.view(np.uint8)
 
 
-def _planes(raw: np.ndarray, k: int) -> np.ndarray:
-    """The (k, n) byte planes of raw bytes (no copy for k = 1)."""
-    return shuffle(raw, k) if k > 1 else raw.reshape(1, -1)
-
-
 def _samples(planes: np.ndarray) -> np.ndarray:
     """Two slices of every plane of ``planes`` (k, n), the start and the middle, 64 KiB in all
     (the whole planes below 256 KiB): what the choice between delta and whole is made on."""
@@ -107,7 +104,7 @@ def _samples(planes: np.ndarray) -> np.ndarray:
 
 def _planes_size(planes: np.ndarray, level: int) -> int:
     """Payload bytes of ``planes`` in the codec-4 layout."""
-    return len(_encode_planes(np.ascontiguousarray(planes), level)) - HEADER.size
+    return len(planes_object(planes, level)) - HEADER.size
 
 
 def _whole_size(raw_sample: np.ndarray, planes_sample: np.ndarray, level: int,
@@ -124,7 +121,7 @@ def _whole_size(raw_sample: np.ndarray, planes_sample: np.ndarray, level: int,
 
 
 def encode_delta(raw: memoryview, base: np.ndarray | list[np.ndarray], element_size: int,
-                 level: int, shuffle_whole: bool) -> tuple[bytes, int] | None:
+                 level: int, shuffle_whole: bool) -> tuple[memoryview, int] | None:
     """Encodes ``raw`` as a delta object against a base chunk (format.md §3.5), if that pays.
 
     Args:
@@ -145,12 +142,16 @@ def encode_delta(raw: memoryview, base: np.ndarray | list[np.ndarray], element_s
     """
     n, k = len(raw), element_size
     new = np.frombuffer(raw, np.uint8)
+    buffer = plane_buffer(k, n // k)
+    x = buffer_planes(buffer, k)
     if isinstance(base, list):  # a codec-4 or codec-2 base: k > 1
-        x = shuffle(new, k)
+        shuffle(new, k, out=x)
         for j in range(k):
             np.bitwise_xor(x[j], base[j], out=x[j])
+    elif k > 1:
+        shuffle(_xor(new, base), k, out=x)
     else:
-        x = _planes(_xor(new, base), k)
+        _xor(new, base, out=x.reshape(-1))
     samples = _samples(new.reshape(-1, k).T)
     whole = _whole_size(interleave(list(samples)), np.ascontiguousarray(samples), level,
                         shuffle_whole)
@@ -158,10 +159,8 @@ def encode_delta(raw: memoryview, base: np.ndarray | list[np.ndarray], element_s
     saving = MIN_SAVING_AGAINST_RAW if whole >= samples.size else MIN_SAVING
     if delta > (1 - saving) * whole:
         return None
-    body = _encode_planes(x, level)
-    _verify_planes(body, x)
-    data = HEADER.pack(MAGIC, VERSION, CODEC_DELTA, k, n) + memoryview(body)[HEADER.size:]
-    return data, max(0, round((whole - delta) * n / samples.size))
+    return (encode_planes(buffer, k, level, CODEC_DELTA),
+            max(0, round((whole - delta) * n / samples.size)))
 
 
 def decode_delta(data: bytes | memoryview, base: bytes | memoryview, expected_id: str,

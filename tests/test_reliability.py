@@ -20,7 +20,6 @@ from casstore._codec import (
     chunk_id,
     decode_chunk,
     encode_chunk,
-    shuffle,
 )
 from casstore._manifest import decode_manifest
 from casstore.store import CountingStore, MemoryStore
@@ -229,8 +228,8 @@ def _chunk_samples() -> list[tuple[bytes, bytes]]:
     rng = np.random.default_rng(0)
     raws = [rng.integers(0, 256, 3000, np.uint8).tobytes(), b"the quick brown fox " * 150,
             (rng.standard_normal(1000) * 0.02).astype(np.float32).tobytes()]
-    samples = [(encode_chunk(memoryview(r), element_size=4), r) for r in raws]
-    shuffled = _encode(shuffle(raws[2], 4), CODEC_SHUFFLE_ZSTD, 1, 4)  # earlier writers' codec
+    samples = [(bytes(encode_chunk(memoryview(r), element_size=4)), r) for r in raws]
+    shuffled = _encode(raws[2], CODEC_SHUFFLE_ZSTD, 1, 4)  # earlier writers' codec
     samples.append((shuffled, raws[2]))
     assert sorted(HEADER.unpack_from(d)[2] for d, _ in samples) == [0, 1, 2, 4]  # every codec
     return samples
