@@ -218,13 +218,15 @@ def planes_of(payload: memoryview, element_size: int, raw_length: int,
     return planes
 
 
-def interleave(planes: list[np.ndarray], xor: list[np.ndarray] | None = None) -> np.ndarray:
-    """The raw bytes whose byte planes are ``planes`` (each XORed with ``xor``'s if given).
+def interleave(planes: list[np.ndarray], xor: list[np.ndarray] | None = None,
+               out: np.ndarray | None = None) -> np.ndarray:
+    """The raw bytes whose byte planes are ``planes`` (each XORed with ``xor``'s if given),
+    written into ``out`` (a contiguous uint8 array of all the bytes) or a new array.
 
     Written in blocks of rows, so the rows stay in cache across all planes.
     """
     n, k = len(planes[0]), len(planes)
-    out = np.empty((n, k), np.uint8)
+    out = np.empty((n, k), np.uint8) if out is None else out.reshape(n, k)
     for start in range(0, n, _UNPLANE_BLOCK):
         rows = out[start:start + _UNPLANE_BLOCK]
         for j, plane in enumerate(planes):
@@ -337,7 +339,8 @@ def encode_chunk(raw: memoryview, *, level: int = DEFAULT_ZSTD_LEVEL, element_si
     return best
 
 
-def decode_chunk(data: bytes | memoryview, expected_id: str, raw_length: int) -> memoryview:
+def decode_chunk(data: bytes | memoryview, expected_id: str, raw_length: int,
+                 out: np.ndarray | None = None) -> memoryview:
     """Decodes and verifies a chunk object read from storage (format.md §3.2).
 
     Checks the header (an element size only with codecs 2 and 4, dividing the raw length), that
@@ -350,9 +353,13 @@ def decode_chunk(data: bytes | memoryview, expected_id: str, raw_length: int) ->
       data: the chunk object's bytes, as read.
       expected_id: the chunk id the manifest gives.
       raw_length: the raw byte count the manifest gives.
+      out: a contiguous uint8 array of ``raw_length`` bytes to decode into (a restore's
+        destination: byte planes are interleaved straight into it, other codecs copied), or
+        None. Its contents are undefined if this raises.
 
     Returns:
-      The raw bytes, ``raw_length`` long (a view of ``data`` for a raw chunk).
+      The raw bytes, ``raw_length`` long: a view of ``out`` if given, else of ``data`` for a
+      raw chunk, else of a new buffer.
 
     Raises:
       CorruptChunkError: any check fails (the message says which; the caller adds step and
@@ -382,12 +389,16 @@ def decode_chunk(data: bytes | memoryview, expected_id: str, raw_length: int) ->
     elif codec == CODEC_SHUFFLE_ZSTD:
         raw = memoryview(unshuffle(_unzstd(payload, raw_length, expected_id), element_size))
     elif codec == CODEC_PLANES:
-        raw = memoryview(interleave(planes_of(payload, element_size, raw_length, expected_id)))
+        raw = memoryview(interleave(planes_of(payload, element_size, raw_length, expected_id),
+                                    out=out))
     else:
         raise CorruptChunkError(f"unknown chunk codec {codec}", chunk_id=expected_id)
     if len(raw) != raw_length:
         raise CorruptChunkError(f"chunk decodes to {len(raw)} bytes, expected {raw_length}",
                                 chunk_id=expected_id)
+    if out is not None and codec != CODEC_PLANES:
+        out[...] = np.frombuffer(raw, np.uint8)
+        raw = memoryview(out)
     if chunk_id(raw) != expected_id:
         raise CorruptChunkError("chunk bytes do not match their chunk id", chunk_id=expected_id)
     return raw

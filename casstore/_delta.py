@@ -164,7 +164,7 @@ def encode_delta(raw: memoryview, base: np.ndarray | list[np.ndarray], element_s
 
 
 def decode_delta(data: bytes | memoryview, base: bytes | memoryview, expected_id: str,
-                 base_id: str, raw_length: int) -> memoryview:
+                 base_id: str, raw_length: int, out: np.ndarray | None = None) -> memoryview:
     """Rebuilds and verifies a chunk stored as a delta (format.md §3.5).
 
     Args:
@@ -172,9 +172,10 @@ def decode_delta(data: bytes | memoryview, base: bytes | memoryview, expected_id
       base: the base chunk object's bytes, as read.
       expected_id, base_id: the chunk ids the manifest gives for the chunk and its base.
       raw_length: the raw byte count the manifest gives (the base has the same).
+      out: as :func:`decode_chunk`'s: where to rebuild the bytes, or None for a new buffer.
 
     Returns:
-      The chunk's raw bytes, checked against ``expected_id``.
+      The chunk's raw bytes, checked against ``expected_id`` (a view of ``out`` if given).
 
     Raises:
       CorruptChunkError: the delta's header, plane table or frames are invalid, the base is
@@ -197,10 +198,10 @@ def decode_delta(data: bytes | memoryview, base: bytes | memoryview, expected_id
         raise CorruptChunkError(f"its base chunk {base_id} is corrupt: {e}",
                                 chunk_id=expected_id) from e
     if isinstance(based, list):
-        raw = interleave(x, xor=based)
+        raw = interleave(x, xor=based, out=out)
     else:
-        raw = interleave(x)
-        _xor(raw, based, out=raw)
+        raw = interleave(x, out=out)
+        _xor(raw.reshape(-1), based, out=raw.reshape(-1))
     if chunk_id(raw) != expected_id:
         try:
             decode_chunk(base, base_id, raw_length)
@@ -244,17 +245,17 @@ class DeltaBases:
         return self._base(cid) if base is None and cid in self.bases else self.store.get(key)
 
     def decode(self, data: bytes | memoryview, cid: str, base: str | None,
-               raw_length: int) -> memoryview:
+               raw_length: int, out: np.ndarray | None = None) -> memoryview:
         """The verified raw bytes of a chunk object: :func:`decode_chunk`, or for a delta on
-        ``base`` :func:`decode_delta` against the base read here.
+        ``base`` :func:`decode_delta` against the base read here (into ``out`` if given).
 
         Raises:
           CorruptChunkError: as those functions do.
           ObjectNotFoundError: the base is missing (every user waiting on it gets the error).
         """
         if base is None:
-            return decode_chunk(data, cid, raw_length)
-        return decode_delta(data, self._base(base), cid, base, raw_length)
+            return decode_chunk(data, cid, raw_length, out)
+        return decode_delta(data, self._base(base), cid, base, raw_length, out)
 
     def _base(self, base: str) -> bytes:
         """The base chunk object's bytes, read once while it has users left."""

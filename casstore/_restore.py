@@ -414,7 +414,8 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
         cid = first.id
         try:
             data, buffers.read = store.get_into(key, getattr(buffers, "read", None))
-            raw = bases.decode(data, cid, first.base, first.raw_bytes)
+            into = _destination(blocks, out)
+            raw = bases.decode(data, cid, first.base, first.raw_bytes, into)
         except (CorruptChunkError, FileNotFoundError) as e:
             raise CorruptChunkError(f"unusable chunk: {e}", url=store.url, run=manifest.run,
                                     step=manifest.step, key_path=manifest.leaves[blocks[0][0]].path,
@@ -422,7 +423,7 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
         except StoreTimeoutError as e:
             raise e.at(run=manifest.run, step=manifest.step, chunk_id=cid,
                        key_path=manifest.leaves[blocks[0][0]].path) from e
-        for i, ref in blocks:
+        for i, ref in blocks if into is None else ():
             _copy_block(raw, ref, manifest.leaves[i], out[i], store, manifest)
         done = []
         with lock:
@@ -437,6 +438,24 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
         finish(i)
     bounded_map(fetch, users, max_workers)
     return out
+
+
+def _destination(blocks: list[tuple[int, ChunkRef]], out: dict[int, Any]) -> np.ndarray | None:
+    """The bytes a chunk's only block fills in the only region it overlaps, if that region
+    holds all of the block and they are contiguous there (a whole leaf, or rows of one), so
+    the chunk is decoded straight into them; else None."""
+    if len(blocks) != 1 or blocks[0][1].offset:
+        return None
+    i, ref = blocks[0]
+    overlapping = [(r, buf) for r, buf in out[i].items() if _overlap((ref.start, ref.stop), r)]
+    if len(overlapping) != 1 or _overlap((ref.start, ref.stop), overlapping[0][0]) != (
+            ref.start, ref.stop):
+        return None
+    region, buf = overlapping[0]
+    view = buf[(*_slices(ref.start, ref.stop, region[0]), ...)]  # a view, even of a 0-d buf
+    if not view.flags.c_contiguous or view.nbytes != ref.raw_bytes:
+        return None
+    return view.reshape(-1).view(np.uint8)
 
 
 def _copy_block(raw: memoryview, ref: ChunkRef, entry: LeafEntry, regions: dict,
