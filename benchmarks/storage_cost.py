@@ -3,9 +3,10 @@
 Issue 15. Three systems get the same states, step after step, each into its own repository on
 local disk: ``delta`` (``casstore.save``, deltas on, the default), ``whole``
 (``casstore.save(..., delta=False)``: every changed chunk stored whole) and ``orbax``
-(``ocp.StandardCheckpointer``, timed through ``wait_until_finished``). casstore chooses its
-codecs as on local disk (``--codecs local``, the default) or as on object stores (``--codecs
-object-store``: ``shuffle=True``, byte planes wherever they save 1/8). Scenarios, in one run:
+(``ocp.StandardCheckpointer``, timed through ``wait_until_finished``). casstore saves with its
+default codecs (``--codecs default``: byte planes wherever they save 1/8) or with
+``shuffle=False`` (``--codecs no-shuffle``: barely compressible floats stored raw, local disk's
+default before 2026-11-23). Scenarios, in one run:
 
 1. finetune: a full fine-tune of all-MiniLM-L6-v2 (the model, data and train step of
    ``examples/finetune_minilm.py --full``, imported from it): every layer and the head trained
@@ -34,7 +35,7 @@ Usage::
     python benchmarks/storage_cost.py [--scenarios finetune,restore,pretrain] [--steps N]
                                       [--lrs 1e-4,1e-5] [--pretrain-steps K]
                                       [--pretrain-size gpt2|small|tiny] [--repeat N]
-                                      [--codecs local|object-store] [--drop-caches]
+                                      [--codecs default|no-shuffle] [--drop-caches]
                                       [--no-warm] [--dir DIR] [--tiny] [--json PATH]
 """
 
@@ -59,6 +60,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import harness as h  # noqa: E402
 
 SYSTEMS = ("delta", "whole", "orbax")  # casstore deltas, casstore delta=False, orbax
+CODECS = {"default": None, "no-shuffle": False}  # --codecs -> save(..., shuffle=)
 SCENARIOS = ("finetune", "restore", "pretrain")
 KINDS = ("params", "mu", "nu")
 EXAMPLE = h.HERE.parent / "examples" / "finetune_minilm.py"
@@ -96,7 +98,7 @@ class Systems:
     """One training run's three repositories under ``root``: :meth:`save` stores a state in
     each (measuring what it wrote), :meth:`restore` reads a step back from one."""
 
-    def __init__(self, root: pathlib.Path, shuffle: bool):
+    def __init__(self, root: pathlib.Path, shuffle: bool | None):
         import orbax.checkpoint as ocp
 
         self.shuffle = shuffle
@@ -251,7 +253,7 @@ def finetune(args: Any, lr: float, root: pathlib.Path, keep: bool) -> tuple[dict
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0)}
     rng = np.random.default_rng(0)
     batch_size = min(args.batch_size, len(train[2]))
-    systems, states, losses = Systems(root, args.codecs == "object-store"), [], []
+    systems, states, losses = Systems(root, CODECS[args.codecs]), [], []
     for step in range(args.steps):
         batch = rng.choice(len(train[2]), batch_size, replace=False)
         state, loss = jax.block_until_ready(train_step(state, *(a[batch] for a in train)))
@@ -337,7 +339,7 @@ def pretrain(args: Any, root: pathlib.Path) -> dict:
     text = np.frombuffer((EXAMPLE.parent / "data" / "sentiment.tsv").read_bytes(), np.uint8)
     n = min(65, h.SIZES[args.pretrain_size]["ctx"] + 1)
     rng = np.random.default_rng(0)
-    systems, losses, changed = Systems(root, args.codecs == "object-store"), [], []
+    systems, losses, changed = Systems(root, CODECS[args.codecs]), [], []
     leaves = len(jax.tree.leaves(state))
     try:
         for step in range(args.pretrain_steps):
@@ -462,7 +464,7 @@ def table(result: dict) -> str:
                   f"{p['changed_leaves_per_step']} of {p['leaves']}", ""]
         lines += restore_table(p["restore"], f"{p['size']} pretraining") + [""]
     lines.append(f"- casstore codecs: {result['codecs']} (shuffle="
-                 f"{result['codecs'] == 'object-store'}); restores verified bit-exact; median of "
+                 f"{CODECS[result['codecs']]}); restores verified bit-exact; median of "
                  f"{result['repeat']} restore(s); {h.machine_note(result)}")
     return "\n".join(lines)
 
@@ -482,9 +484,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--pretrain-size", choices=tuple(s for s in h.SIZES if s not in h.JAX_SIZES),
                     default="gpt2", help="GPT-2 shape of the pretraining state (harness.SIZES)")
     ap.add_argument("--pretrain-lr", type=float, default=6e-4)
-    ap.add_argument("--codecs", choices=("local", "object-store"), default="local",
-                    help="casstore's codec choice: local disk's default (shuffle=False) or "
-                         "object stores' (shuffle=True: byte planes wherever they save 1/8)")
+    ap.add_argument("--codecs", choices=tuple(CODECS), default="default",
+                    help="casstore's codecs: its default (byte planes wherever they save 1/8) "
+                         "or shuffle=False (barely compressible floats stored raw)")
     args = h.parse(ap, argv)
     if args.tiny:
         for key, value in TINY.items():

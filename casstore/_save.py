@@ -427,8 +427,9 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
       shuffle: also try the byte-plane codec on array chunks (codec 4, format.md §3.2): each
         byte plane that compresses (the sign and exponent bytes of floats) as a zstd frame,
         the others as is; about 16% fewer bytes on trained float32 for about 2x the CPU time
-        of the save and of its restores. None: the store's ``shuffle`` (True for S3, GCS and
-        other fsspec stores; False for local disk and memory).
+        of the save and of its restores. None: the store's ``shuffle`` (True unless set
+        False on the store). False keeps codec 4 only where it saves 1/4 (adam's moments) and
+        stores barely compressible floats raw.
       dtypes: key-path prefix (format.md §5, e.g. ``"params"``; ``""`` is the whole tree) ->
         the dtype (or its format.md §4.5 name) its array leaves are stored in, as orbax's
         ``SaveArgs(dtype=...)``; the longest matching prefix wins. Each block is cast as its
@@ -443,7 +444,8 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
         store's, which follows the number of cores).
       max_inflight_bytes: raw bytes of blocks read but not yet uploaded, at most (default two
         chunks per worker: 512 MiB with 16 workers and 16 MiB chunks); the encoded copies
-        add at most as much again.
+        add at most as much again, and each worker holds up to half a chunk more while it
+        compresses (a zstd frame and its verification).
       delta: store a changed block as the XOR with the same block (same key path and bounds)
         of the run's latest step when that saves 1/8 of the block stored whole, 1/4 of a block
         that would be stored raw (format.md §3.5): about 0.3 of the raw size on fine-tuned

@@ -3,7 +3,7 @@ test_memory.py in a fresh process. RSS is sampled every 5 ms during the operatio
 is its peak minus the RSS just before the operation.
 
 Usage: memory_worker.py save-numpy|save-jax|save-accelerator-path|restore-jax URL [LEAVES]
-Prints one JSON line: {"state_bytes", "extra_peak_bytes", "inflight_bytes"}.
+Prints one JSON line: {"state_bytes", "extra_peak_bytes", "inflight_bytes", "workers"}.
 """
 
 import contextlib
@@ -79,4 +79,4 @@ if __name__ == "__main__":
             casstore.save(store, 0, tree)
         result["check"] = float(np.asarray(tree[f"w{LEAVES - 1}"])[-1])
     print(json.dumps({"state_bytes": LEAVES * LEAF_ELEMENTS * 4, "inflight_bytes": inflight,
-                      **result}))
+                      "workers": store.max_workers, **result}))

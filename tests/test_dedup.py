@@ -128,36 +128,37 @@ def _codecs(store) -> set[int]:
     return {HEADER.unpack_from(store.get(info.key))[2] for info in store.list(CHUNKS_PREFIX)}
 
 
-def test_the_codec_follows_the_store_default_or_the_shuffle_argument_and_dedup_ignores_it():
+def test_the_codec_follows_the_store_default_or_the_shuffle_argument_and_dedup_ignores_it(
+        tmp_path):
     from casstore._codec import CODEC_PLANES, CODEC_RAW
-    from casstore.store import FsspecStore
+    from casstore.store import FsspecStore, LocalStore
     state = {"w": (np.random.default_rng(0).standard_normal((512, 512)) * 0.02).astype(
         np.float32)}  # 1 MiB of values like trained weights
-    local, remote = MemoryStore(), FsspecStore.from_url("memory://casstore-codec-default")
-    assert (local.shuffle, remote.shuffle) == (False, True)
-    small = casstore.save(remote, 1, state).written_bytes
-    assert _codecs(remote) == {CODEC_PLANES}
-    large = casstore.save(local, 1, state).written_bytes
-    assert _codecs(local) == {CODEC_RAW} and small < 0.875 * large
+    stores = [MemoryStore(), LocalStore(tmp_path / "repo"),
+              FsspecStore.from_url("memory://casstore-codec-default")]
+    assert all(store.shuffle for store in stores)  # byte planes by default, on every store
+    for store in stores:
+        assert casstore.save(store, 1, state).written_bytes < 0.875 * state["w"].nbytes
+        assert _codecs(store) == {CODEC_PLANES}
+    raw = MemoryStore()
+    assert casstore.save(raw, 1, state, shuffle=False).written_bytes > state["w"].nbytes
+    assert _codecs(raw) == {CODEC_RAW}
     # Chunk ids cover the raw bytes: the other codec finds every chunk already stored.
-    assert casstore.save(local, 2, state, shuffle=True).new_chunks == 0
-    assert casstore.save(CountingStore(remote), 2, state).new_chunks == 0
-    fresh = MemoryStore()
-    casstore.save(fresh, 1, state, shuffle=True)
-    assert _codecs(fresh) == {CODEC_PLANES}
-    for store in (local, remote, fresh):
+    assert casstore.save(raw, 2, state).new_chunks == 0
+    assert casstore.save(CountingStore(stores[0]), 2, state, shuffle=False).new_chunks == 0
+    for store in (*stores, raw):
         np.testing.assert_array_equal(casstore.restore(store, 1)["w"], state["w"])
 
 
 def test_without_shuffle_byte_planes_are_kept_only_where_they_save_a_quarter():
-    """Local disk's default: float32 holding bfloat16-rounded values (two zero byte planes)
+    """``shuffle=False``: float32 holding bfloat16-rounded values (two zero byte planes)
     compress to about half in byte planes, more than zstd manages: codec 4 even without
     shuffle. Trained-weight-like values (0.835 in planes) stay raw."""
     from casstore._codec import CODEC_PLANES, CODEC_RAW, HEADER, PLANES_ONLY_IF_SAVING
     x = (np.random.default_rng(0).standard_normal(1 << 18) * 0.02).astype(np.float32)
     rounded = (x.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
     store = MemoryStore()
-    casstore.save(store, 1, {"rounded": rounded, "weights": x})
+    casstore.save(store, 1, {"rounded": rounded, "weights": x}, shuffle=False)
     stored = {leaf.path: leaf.chunks[0] for leaf in casstore.read_manifest(store, 1).leaves}
     codec = {p: HEADER.unpack_from(store.get(r.key))[2] for p, r in stored.items()}
     assert codec == {"rounded": CODEC_PLANES, "weights": CODEC_RAW}

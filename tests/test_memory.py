@@ -14,6 +14,7 @@ import pytest
 
 import casstore
 from casstore import _restore, _save
+from casstore._chunking import DEFAULT_CHUNK_SIZE_BYTES
 from casstore.store import MemoryStore
 
 WORKER = os.path.join(os.path.dirname(__file__), "memory_worker.py")
@@ -27,6 +28,12 @@ def measure(kind: str, url: str, leaves: int = 8) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def save_bound(m: dict) -> int:
+    """What a save of in-place blocks may add: the encoded copies in the in-flight window,
+    half a chunk of working memory per encoding thread, and 64 MiB for threads and heap."""
+    return m["inflight_bytes"] + m["workers"] * DEFAULT_CHUNK_SIZE_BYTES // 2 + 64 * 2**20
+
+
 @pytest.fixture(scope="module")
 def saved_2gib(tmp_path_factory):
     """A local repository holding a 2 GiB state (saved from numpy), and that save's figures."""
@@ -36,13 +43,14 @@ def saved_2gib(tmp_path_factory):
 
 def test_saving_2_gib_of_numpy_keeps_extra_memory_within_the_inflight_bound(saved_2gib):
     _, m = saved_2gib
-    # raw blocks are read in place; at most max_inflight_bytes of encoded copies exist at once
-    assert m["extra_peak_bytes"] <= m["inflight_bytes"] + 64 * 2**20, m
+    # Raw blocks are read in place; at most max_inflight_bytes of encoded copies exist at once,
+    # and each encoding thread holds up to half a chunk more (a zstd frame and its check).
+    assert m["extra_peak_bytes"] <= save_bound(m), m
 
 
 def test_saving_2_gib_of_cpu_jax_arrays_keeps_extra_memory_within_the_inflight_bound(tmp_path):
     m = measure("save-jax", str(tmp_path / "repo"))
-    assert m["extra_peak_bytes"] <= m["inflight_bytes"] + 64 * 2**20, m  # read in place
+    assert m["extra_peak_bytes"] <= save_bound(m), m  # read in place, as numpy
 
 
 def test_the_accelerator_path_save_uses_memory_that_does_not_grow_with_the_state(tmp_path):

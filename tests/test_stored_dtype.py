@@ -40,8 +40,10 @@ def chunk_bytes(store, step):
 def test_float32_params_stored_in_half_precision(dtype):
     tree = float32_tree()
     store = CountingStore(MemoryStore())
-    casstore.save(store, 0, tree, chunk_size_bytes=CHUNK)
-    info = casstore.save(store, 1, tree, chunk_size_bytes=CHUNK, dtypes={"params": dtype})
+    # Raw chunks (shuffle=False), so that stored bytes follow raw bytes exactly.
+    casstore.save(store, 0, tree, chunk_size_bytes=CHUNK, shuffle=False)
+    info = casstore.save(store, 1, tree, chunk_size_bytes=CHUNK, dtypes={"params": dtype},
+                         shuffle=False)
     manifest = casstore.read_manifest(store, 1)
     stored = {leaf.path: leaf.dtype for leaf in manifest.leaves}
     assert stored == {"params/dense/kernel": np.dtype(dtype).name,

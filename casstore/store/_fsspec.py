@@ -189,12 +189,9 @@ class FsspecStore(Store):
     (``max_workers``; 2 threads per core for local disk): an object store's latency, not its
     bandwidth, bounds one request. Requests in flight are capped by an
     :class:`AdaptiveLimit`: a store answering 503 SlowDown, 429 or timing out gets fewer at once.
-    Saves try the byte-plane codec (``shuffle``), since object storage bills and sends every
-    byte.
     """
 
     max_workers = max(16, default_workers(io_per_core=8, cap=64))
-    shuffle = True
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, *, read_only: bool = False,
                  url: str | None = None, batch_size: int = 64, retries: int | None = None,
