@@ -305,7 +305,8 @@ def encode_chunk(raw: memoryview, *, level: int = DEFAULT_ZSTD_LEVEL, element_si
       shuffle: keep codec 4 wherever it saves 1/8; False keeps it only where it saves 1/4
         (adam's moments, low-entropy floats: there it is both smaller than zstd and faster
         to encode and decode), so barely compressible floats such as trained weights are
-        stored raw and cost no shuffle (local disk's default, docs/design-notes.md).
+        stored raw and cost no shuffle (local disk's default until 2026-11-23,
+        docs/design-notes.md).
 
     Returns:
       The chunk object: 16-byte header plus payload; for codec 4 a memoryview of the buffer
