@@ -171,9 +171,10 @@ class _ChunkWriter:
     ``stat`` of its key and uploaded only if absent, else uploaded without looking (a
     repository without a committed step: a chunk there is one no manifest references, and
     rewriting it with the same bytes is harmless). A second block with the same id waits for
-    the first lookup or upload to finish. With ``delta``, a new block whose previous step's
-    block (same key path and bounds) is stored is written as a delta against that block's
-    whole chunk if that pays (format.md §3.5), reading the base chunk from the store; for a
+    the first one's lookup or encoding (its upload is awaited before the commit). With
+    ``delta``, a new block whose previous step's block (same key path and bounds) is stored is
+    written as a delta against that block's whole chunk if that pays (format.md §3.5),
+    reading the base chunk from the store; for a
     block whose delta did not pay at the previous save (:func:`unpaid_blocks`, worked out at
     the first delta a save tries, so a save without changed blocks reads no other manifest)
     only one in ``DELTA_RETRY`` tries, by chunk id.
