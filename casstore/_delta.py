@@ -201,7 +201,7 @@ def decode_delta(data: bytes | memoryview, base: bytes | memoryview, expected_id
         raw = interleave(x, xor=based, out=out)
     else:
         raw = interleave(x, out=out)
-        _xor(raw.reshape(-1), based, out=raw.reshape(-1))
+        _xor(raw, based, out=raw)
     if chunk_id(raw) != expected_id:
         try:
             decode_chunk(base, base_id, raw_length)

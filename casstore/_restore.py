@@ -447,11 +447,12 @@ def _destination(blocks: list[tuple[int, ChunkRef]], out: dict[int, Any]) -> np.
     if len(blocks) != 1 or blocks[0][1].offset:
         return None
     i, ref = blocks[0]
-    overlapping = [(r, buf) for r, buf in out[i].items() if _overlap((ref.start, ref.stop), r)]
-    if len(overlapping) != 1 or _overlap((ref.start, ref.stop), overlapping[0][0]) != (
-            ref.start, ref.stop):
+    block = (ref.start, ref.stop)
+    overlapping = [(r, buf, both) for r, buf in out[i].items()
+                   if (both := _overlap(block, r)) is not None]
+    if len(overlapping) != 1 or overlapping[0][2] != block:
         return None
-    region, buf = overlapping[0]
+    region, buf, _ = overlapping[0]
     view = buf[(*_slices(ref.start, ref.stop, region[0]), ...)]  # a view, even of a 0-d buf
     if not view.flags.c_contiguous or view.nbytes != ref.raw_bytes:
         return None
