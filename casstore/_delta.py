@@ -54,6 +54,57 @@ CODEC_DELTA = 3
 # whole chunk (which costs a decode too), 1/4 against a raw one (which costs only a copy).
 MIN_SAVING = 1 / 8
 MIN_SAVING_AGAINST_RAW = 1 / 4
+# A save's deltas may add at most this fraction to the bytes a restore of its step reads. It is
+# below the 1.25x restore time issue 15 allows because a delta also costs a second decode
+# (docs/design-notes.md, "A save bounds what its deltas cost a restore").
+MAX_RESTORE_OVERHEAD = 0.15
+
+
+class RestoreBudget:
+    """Bounds what one save's deltas add to the bytes a restore of its step reads.
+
+    A restore reads a delta chunk's base and its delta object: about the chunk's whole size
+    (the base is the same block, stored whole) plus the delta's. So where deltas save little
+    (pretraining, where every bit below the exponent moves each step, a delta keeps 0.7 to 0.9
+    of the chunk) a step of deltas would restore reading almost twice its whole size. The save
+    books the size of every chunk its step references stored whole (:meth:`add_whole`) and
+    takes a delta only while the deltas' bytes stay within ``fraction`` of the whole bytes
+    booked so far, that chunk's included (:meth:`take`); the deltas that save most per byte of
+    overhead are not sought out, the save takes them in the order its chunks come. Sizes of
+    new chunks are the samples' estimates (:func:`encode_delta`). Thread-safe.
+
+    Args:
+      fraction: the bound, e.g. 0.15: a step restores reading at most 1.15x the bytes of its
+        chunks stored whole, as estimated when they were saved.
+    """
+
+    def __init__(self, fraction: float = MAX_RESTORE_OVERHEAD):
+        self.fraction = fraction
+        self.whole_bytes = self.delta_bytes = 0
+        self.lock = threading.Lock()
+
+    def add_whole(self, nbytes: int) -> None:
+        """Books a chunk of ``nbytes`` stored bytes that the step reads whole."""
+        with self.lock:
+            self.whole_bytes += nbytes
+
+    def add_delta(self, nbytes: int) -> None:
+        """Books a delta object of ``nbytes`` the step reuses: its base's size unknown, it is
+        booked as ``nbytes`` of whole bytes and of delta bytes, erring on the side of fewer
+        new deltas."""
+        with self.lock:
+            self.whole_bytes += nbytes
+            self.delta_bytes += nbytes
+
+    def take(self, delta: int, whole: int) -> bool:
+        """Books a new delta of ``delta`` bytes for a chunk of ``whole`` bytes stored whole,
+        if the bound allows it; returns whether it did."""
+        with self.lock:
+            if self.delta_bytes + delta > self.fraction * (self.whole_bytes + whole):
+                return False
+            self.delta_bytes += delta
+            self.whole_bytes += whole
+            return True
 
 
 def base_bytes(data: bytes | memoryview, base_id: str, raw_length: int,
@@ -121,7 +172,8 @@ def _whole_size(raw_sample: np.ndarray, planes_sample: np.ndarray, level: int,
 
 
 def encode_delta(raw: memoryview, base: np.ndarray | list[np.ndarray], element_size: int,
-                 level: int, shuffle_whole: bool) -> tuple[memoryview, int] | None:
+                 level: int, shuffle_whole: bool, budget: RestoreBudget | None = None
+                 ) -> tuple[memoryview, int] | None:
     """Encodes ``raw`` as a delta object against a base chunk (format.md §3.5), if that pays.
 
     Args:
@@ -131,11 +183,14 @@ def encode_delta(raw: memoryview, base: np.ndarray | list[np.ndarray], element_s
       level: zstd level.
       shuffle_whole: the save's ``shuffle``, which decides how the chunk would be stored
         whole (encode_chunk); the delta is compared with that.
+      budget: the save's :class:`RestoreBudget`, asked for the delta's estimated bytes once
+        the delta pays; None asks nothing.
 
     Returns:
       ``(delta object, estimated bytes saved)``, or None when the delta would not save 1/8 of
-      the chunk stored whole (1/4 if it would be stored raw). Both sizes are estimated on the
-      same two samples of every plane (:func:`_samples`).
+      the chunk stored whole (1/4 if it would be stored raw) or ``budget`` refuses it. Both
+      sizes are estimated on the same two samples of every plane (:func:`_samples`), scaled
+      to the chunk.
 
     Raises:
       CorruptChunkError: a compressed plane does not decode back to its input.
@@ -157,10 +212,11 @@ def encode_delta(raw: memoryview, base: np.ndarray | list[np.ndarray], element_s
                         shuffle_whole)
     delta = _planes_size(_samples(x), level)
     saving = MIN_SAVING_AGAINST_RAW if whole >= samples.size else MIN_SAVING
-    if delta > (1 - saving) * whole:
+    scale = n / samples.size
+    if delta > (1 - saving) * whole or (
+            budget is not None and not budget.take(round(delta * scale), round(whole * scale))):
         return None
-    return (encode_planes(buffer, k, level, CODEC_DELTA),
-            max(0, round((whole - delta) * n / samples.size)))
+    return encode_planes(buffer, k, level, CODEC_DELTA), round((whole - delta) * scale)
 
 
 def decode_delta(data: bytes | memoryview, base: bytes | memoryview, expected_id: str,

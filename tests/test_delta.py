@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 import casstore
 from casstore import _manifest, _save
 from casstore._codec import HEADER, decode_chunk
-from casstore._delta import CODEC_DELTA, decode_delta
+from casstore._delta import CODEC_DELTA, MAX_RESTORE_OVERHEAD, decode_delta
 from casstore._layout import DELTAS_PREFIX, chunk_key, manifest_key
 from casstore.store import CountingStore, LocalStore, MemoryStore
 
@@ -22,9 +22,12 @@ WEIGHTS = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32
 
 
 def trained(step: int, seed: int = 0) -> np.ndarray:
-    """Weights after ``step`` small updates: the low mantissa bits change, as in training."""
+    """Weights after ``step`` small sparse updates: at step s, s elements in 32 (spread over
+    every block) differ from step 0 in their low mantissa bits, so a delta against step 0 is
+    small and fits the restore budget (``RestoreBudget``)."""
     noise = np.random.default_rng(seed + 1).standard_normal(WEIGHTS.shape).astype(np.float32)
-    return WEIGHTS + np.float32(1e-4) * step * noise * 0.02
+    touched = np.arange(WEIGHTS.size).reshape(WEIGHTS.shape) % 32 < step
+    return np.where(touched, WEIGHTS + np.float32(1e-4) * step * noise * 0.02, WEIGHTS)
 
 
 def state(step: int) -> dict:
@@ -370,3 +373,32 @@ def test_a_block_whose_delta_did_not_pay_is_retried_once_in_delta_retry_saves(ba
     assert casstore.save(store, 4, tree(3), chunk_size_bytes=CHUNK).new_chunks == 0
     assert [k for k in store.keys_read if k.endswith(".manifest")] == [manifest_key("default", 3)]
     assert_bit_exact(casstore.restore(store, 3), tree(3))
+
+
+def test_deltas_that_save_little_stay_within_the_restore_budget():
+    """Dense updates (every weight's low bits move, as in pretraining) give deltas of about 0.7
+    of the chunk: a save takes them only while a restore of its step reads at most about 1.25x
+    the bytes of the same step stored whole plus MAX_RESTORE_OVERHEAD (RestoreBudget), as
+    measured on what restore reads."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((1024, 256)).astype(np.float32) * 0.02
+
+    def tree(step: int) -> dict:
+        noise = rng.standard_normal(w.shape).astype(np.float32) * np.float32(2e-5)
+        return {"w": w + noise * step}
+
+    stores = {"delta": CountingStore(MemoryStore()), "whole": CountingStore(MemoryStore())}
+    states = [tree(0), tree(1)]
+    infos = {name: [casstore.save(store, step, state, chunk_size_bytes=CHUNK,
+                                  delta=name == "delta") for step, state in enumerate(states)]
+             for name, store in stores.items()}
+    info = infos["delta"][1]
+    assert 0 < info.delta_chunks < 16 and info.delta_saved_bytes > 0, info  # w: 16 blocks
+    read = {}
+    for name, store in stores.items():
+        store.reset()
+        assert_bit_exact(casstore.restore(store, 1), states[1])
+        read[name] = store.bytes_read
+    bound = 1 + MAX_RESTORE_OVERHEAD
+    assert read["delta"] <= bound * 1.03 * read["whole"], read  # 3%: the samples' estimates
+    assert read["delta"] > (1 + MAX_RESTORE_OVERHEAD / 2) * read["whole"], read  # budget used
