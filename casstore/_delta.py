@@ -70,12 +70,14 @@ class RestoreBudget:
     books the size of every chunk its step references stored whole (:meth:`add_whole`) and
     takes a delta only while the deltas' bytes stay within ``fraction`` of the whole bytes
     booked so far, that chunk's included (:meth:`take`); the deltas that save most per byte of
-    overhead are not sought out, the save takes them in the order its chunks come. Sizes of
-    new chunks are the samples' estimates (:func:`encode_delta`). Thread-safe.
+    overhead are not sought out, the save takes them in the order its chunks come. A new
+    delta is booked at its samples' estimate to decide whether to encode it, then at its
+    encoded size (:meth:`settle`); the size its chunk would have whole is the samples'
+    estimate (:func:`encode_delta`). Thread-safe.
 
     Args:
       fraction: the bound, e.g. 0.15: a step restores reading at most 1.15x the bytes of its
-        chunks stored whole, as estimated when they were saved.
+        chunks stored whole (those of its delta chunks as estimated when they were saved).
     """
 
     def __init__(self, fraction: float = MAX_RESTORE_OVERHEAD):
@@ -105,6 +107,21 @@ class RestoreBudget:
             self.delta_bytes += delta
             self.whole_bytes += whole
             return True
+
+    def settle(self, estimate: int, whole: int, actual: int | None) -> bool:
+        """Settles a delta that :meth:`take` booked as ``(estimate, whole)`` once it is
+        encoded: keeps it at its ``actual`` encoded size if the bound still allows that and
+        returns True; else, or if ``actual`` is None (the delta is not kept), withdraws it,
+        ``whole`` included (its chunk is then stored whole and booked by :meth:`add_whole`),
+        and returns False."""
+        with self.lock:
+            self.delta_bytes -= estimate
+            if actual is not None and (self.delta_bytes + actual
+                                       <= self.fraction * self.whole_bytes):
+                self.delta_bytes += actual
+                return True
+            self.whole_bytes -= whole
+            return False
 
 
 def base_bytes(data: bytes | memoryview, base_id: str, raw_length: int,
@@ -184,13 +201,16 @@ def encode_delta(raw: memoryview, base: np.ndarray | list[np.ndarray], element_s
       shuffle_whole: the save's ``shuffle``, which decides how the chunk would be stored
         whole (encode_chunk); the delta is compared with that.
       budget: the save's :class:`RestoreBudget`, asked for the delta's estimated bytes once
-        the delta pays; None asks nothing.
+        the delta pays, then settled with its encoded size; None asks nothing.
 
     Returns:
-      ``(delta object, estimated bytes saved)``, or None when the delta would not save 1/8 of
-      the chunk stored whole (1/4 if it would be stored raw) or ``budget`` refuses it. Both
-      sizes are estimated on the same two samples of every plane (:func:`_samples`), scaled
-      to the chunk.
+      ``(delta object, bytes saved)``, or None when the delta would not save 1/8 of the chunk
+      stored whole (1/4 if it would be stored raw) or ``budget`` refuses it. Whether to encode
+      the delta is decided on estimates of both sizes from the same two samples of every
+      plane (:func:`_samples`), scaled to the chunk; the encoded delta must then save as much
+      against the whole estimate (where the block changed away from the samples it may not)
+      and fit the budget at its encoded size. Bytes saved: the whole estimate minus the
+      delta's encoded payload.
 
     Raises:
       CorruptChunkError: a compressed plane does not decode back to its input.
@@ -213,10 +233,16 @@ def encode_delta(raw: memoryview, base: np.ndarray | list[np.ndarray], element_s
     delta = _planes_size(_samples(x), level)
     saving = MIN_SAVING_AGAINST_RAW if whole >= samples.size else MIN_SAVING
     scale = n / samples.size
+    estimate, whole_estimate = round(delta * scale), round(whole * scale)
     if delta > (1 - saving) * whole or (
-            budget is not None and not budget.take(round(delta * scale), round(whole * scale))):
+            budget is not None and not budget.take(estimate, whole_estimate)):
         return None
-    return encode_planes(buffer, k, level, CODEC_DELTA), round((whole - delta) * scale)
+    encoded = encode_planes(buffer, k, level, CODEC_DELTA)
+    actual = len(encoded) - HEADER.size
+    pays = actual <= (1 - saving) * whole_estimate  # not where the samples missed the changes
+    if budget is not None:
+        pays = budget.settle(estimate, whole_estimate, actual if pays else None)
+    return (encoded, whole_estimate - actual) if pays else None
 
 
 def decode_delta(data: bytes | memoryview, base: bytes | memoryview, expected_id: str,

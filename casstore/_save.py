@@ -80,8 +80,9 @@ class SaveInfo:
       seconds: wall time of the save.
       delta_chunks: new chunks stored as deltas against the run's previous step (format.md
         §3.5).
-      delta_saved_bytes: bytes those deltas saved against storing the same chunks whole,
-        estimated on the samples the codec choice is made on.
+      delta_saved_bytes: bytes those deltas saved against storing the same chunks whole:
+        their whole size estimated on the samples the codec choice is made on, minus the
+        deltas' encoded size.
     """
 
     step: int

@@ -10,8 +10,8 @@ from jax.sharding import PartitionSpec as P
 
 import casstore
 from casstore import _manifest, _save
-from casstore._codec import HEADER, decode_chunk
-from casstore._delta import CODEC_DELTA, MAX_RESTORE_OVERHEAD, decode_delta
+from casstore._codec import HEADER, SAMPLE_BYTES, decode_chunk
+from casstore._delta import CODEC_DELTA, MAX_RESTORE_OVERHEAD, RestoreBudget, decode_delta
 from casstore._layout import DELTAS_PREFIX, chunk_key, manifest_key
 from casstore.store import CountingStore, LocalStore, MemoryStore
 
@@ -402,3 +402,40 @@ def test_deltas_that_save_little_stay_within_the_restore_budget():
     bound = 1 + MAX_RESTORE_OVERHEAD
     assert read["delta"] <= bound * 1.03 * read["whole"], read  # 3%: the samples' estimates
     assert read["delta"] > (1 + MAX_RESTORE_OVERHEAD / 2) * read["whole"], read  # budget used
+
+
+def test_a_delta_whose_samples_missed_the_changes_is_judged_by_its_encoded_size():
+    """The choice to encode a delta is made on two samples of the block (its start and
+    middle); a block that changed everywhere else (new random values) estimates as a delta of
+    almost nothing, but its encoded delta is larger than the block stored whole: it is not
+    kept, and the block is stored whole, as a save without deltas stores it."""
+    rng = np.random.default_rng(11)
+    n = 1 << 18  # one 1 MiB chunk of float32
+    old = rng.standard_normal(n).astype(np.float32) * 0.02
+    new = rng.standard_normal(n).astype(np.float32) * 0.02
+    sampled = SAMPLE_BYTES // 4  # elements in each of the two samples (_delta._samples)
+    for start in (0, n // 2):
+        new[start:start + sampled] = old[start:start + sampled]
+    infos = {}
+    for delta in (True, False):
+        store = MemoryStore()
+        casstore.save(store, 0, {"w": old}, chunk_size_bytes=4 * n, delta=delta)
+        infos[delta] = casstore.save(store, 1, {"w": new}, chunk_size_bytes=4 * n, delta=delta)
+        assert_bit_exact(casstore.restore(store, 1), {"w": new})
+    assert infos[True].delta_chunks == 0 and infos[True].delta_saved_bytes == 0, infos[True]
+    assert infos[True].written_bytes == infos[False].written_bytes
+
+
+def test_the_restore_budget_holds_on_encoded_sizes():
+    """A delta booked at its estimate is kept at its encoded size only while the bound holds;
+    else it is withdrawn with the whole size booked for it."""
+    budget = RestoreBudget(0.25)
+    budget.add_whole(1000)
+    assert budget.take(200, 800)  # 200 <= 0.25 * 1800
+    assert budget.settle(200, 800, 400)  # 400 <= 450: kept at 400
+    assert (budget.delta_bytes, budget.whole_bytes) == (400, 1800)
+    assert budget.take(50, 200)  # 450 <= 500
+    assert not budget.settle(50, 200, 150)  # 550 > 500: withdrawn
+    assert (budget.delta_bytes, budget.whole_bytes) == (400, 1800)
+    assert budget.take(10, 100) and not budget.settle(10, 100, None)  # not kept: withdrawn
+    assert (budget.delta_bytes, budget.whole_bytes) == (400, 1800)
