@@ -337,13 +337,18 @@ def seconds(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 def timed(out: dict, key: str, fn: Callable[[], Any]) -> Any:
-    """Runs ``fn``; sets ``out[key]`` to its wall time and ``out[key_cpu_s]`` to the CPU time
-    (user + system, all threads) the process spent meanwhile. Returns ``fn``'s result."""
+    """Runs ``fn``; sets ``out[key]`` to its wall time, ``out[key_cpu_s]`` to the CPU time
+    (user + system, all threads) the process spent meanwhile and ``out[key_disk_read_bytes]``
+    to the bytes it read from storage devices meanwhile (``/proc/self/io``'s ``read_bytes``:
+    page-cache hits are not counted, so a warm phase that reads 0 was warm). Returns ``fn``'s
+    result."""
     proc = psutil.Process()
-    c0 = proc.cpu_times()
+    c0, io0 = proc.cpu_times(), proc.io_counters()
     out[key], result = seconds(fn)
-    c1 = proc.cpu_times()
-    out[key.removesuffix("_s") + "_cpu_s"] = (c1.user + c1.system) - (c0.user + c0.system)
+    c1, io1 = proc.cpu_times(), proc.io_counters()
+    name = key.removesuffix("_s")
+    out[name + "_cpu_s"] = (c1.user + c1.system) - (c0.user + c0.system)
+    out[name + "_disk_read_bytes"] = io1.read_bytes - io0.read_bytes
     return result
 
 

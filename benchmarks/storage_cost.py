@@ -431,6 +431,12 @@ def restore_table(restore: dict, label: str) -> list[str]:
     rows = [[f"{phase} restore (s)", *(h.fmt(res[s][f"{phase}_s"], "s") for s in SYSTEMS),
              h.fmt(restore["ratios"][f"{phase}_vs_whole"], "x"),
              h.fmt(restore["ratios"][f"{phase}_vs_orbax"], "x")] for phase in ("cold", "warm")]
+    rows += [[f"{phase} restore CPU (s)", *(h.fmt(res[s][f"{phase}_cpu_s"], "s") for s in SYSTEMS),
+              h.fmt(h.ratio(res["delta"][f"{phase}_cpu_s"], res["whole"][f"{phase}_cpu_s"]), "x"),
+              h.fmt(h.ratio(res["delta"][f"{phase}_cpu_s"], res["orbax"][f"{phase}_cpu_s"]), "x")]
+             for phase in ("cold", "warm")]
+    rows.append(["warm restore, read from disk",
+                 *(h.fmt(res[s]["warm_disk_read_bytes"], "B") for s in SYSTEMS), "", ""])
     lines = h.md_table([f"{label}: restore of step {restore['step']}", *SYSTEMS,
                         "delta / whole", "delta / orbax"], rows) + [""]
     for phase in ("cold", "warm"):
