@@ -9,7 +9,7 @@ hash of the raw bytes, so every reader checks the bytes it rebuilds against it.
 
 The base of a delta is always a chunk stored whole (chains have depth 1), so a restore reads
 at most two objects per chunk. XOR commutes with the byte shuffle, so both sides work on byte
-planes: a codec-4 or codec-2 base is only decompressed into its planes, and the rebuilt
+planes: a codec-4, 5 or 2 base is only decompressed into its planes, and the rebuilt
 planes are interleaved once, XORed on the way.
 """
 
@@ -23,13 +23,14 @@ from collections.abc import Iterable
 import numpy as np
 
 from ._codec import (
-    CODEC_PLANES,
+    CODEC_EXPONENT_PLANES,
     CODEC_RAW,
     CODEC_SHUFFLE_ZSTD,
     CODEC_ZSTD,
     HEADER,
     MAGIC,
     MAX_ELEMENT_SIZE,
+    PLANE_CODECS,
     SAMPLE_BYTES,
     VERSION,
     _compressor,
@@ -44,6 +45,7 @@ from ._codec import (
     planes_object,
     planes_of,
     shuffle,
+    unmove_sign,
 )
 from ._errors import CorruptChunkError
 from ._layout import chunk_key
@@ -128,9 +130,10 @@ def base_bytes(data: bytes | memoryview, base_id: str, raw_length: int,
                element_size: int) -> np.ndarray | list[np.ndarray]:
     """A whole chunk object's bytes in the cheapest form its codec gives.
 
-    The ``element_size`` byte planes (a list, ``shuffle``'s rows) of a codec-4 or codec-2
-    object of that element size, only decompressed (planes stored as is are views of
-    ``data``); else the raw bytes (a 1-D uint8 array; a view of ``data`` for a raw chunk).
+    The ``element_size`` byte planes (a list, ``shuffle``'s rows) of a codec-4, 5 or 2 object
+    of that element size, only decompressed (and codec 5's sign bit moved back; other planes
+    stored as is are views of ``data``); else the raw bytes (a 1-D uint8 array; a view of
+    ``data`` for a raw chunk).
     The base is not hashed: the chunk rebuilt on top of it is checked against its own id.
 
     Raises:
@@ -142,8 +145,11 @@ def base_bytes(data: bytes | memoryview, base_id: str, raw_length: int,
         magic, version, codec, size, length = HEADER.unpack_from(data)
         payload = memoryview(data)[HEADER.size:]
         if (magic, version, length) == (MAGIC, VERSION, raw_length):
-            if codec == CODEC_PLANES and size == k:
-                return planes_of(payload, k, raw_length, base_id)
+            if codec in PLANE_CODECS and size == k:
+                planes = planes_of(payload, k, raw_length, base_id)
+                if codec == CODEC_EXPONENT_PLANES:
+                    planes[-1], planes[-2] = unmove_sign(planes[-1], planes[-2])
+                return planes
             if codec == CODEC_SHUFFLE_ZSTD and size == k:
                 return list(np.frombuffer(_unzstd(payload, raw_length, base_id),
                                           np.uint8).reshape(k, -1))
@@ -178,12 +184,13 @@ def _planes_size(planes: np.ndarray, level: int) -> int:
 def _whole_size(raw_sample: np.ndarray, planes_sample: np.ndarray, level: int,
                 shuffle: bool) -> int:
     """Estimated payload bytes of the sampled chunk stored whole, as encode_chunk decides: the
-    smallest of zstd and codec 4 among those that save their minimum (``_min_saving``, which
+    smallest of zstd and codec 5 among those that save their minimum (``_min_saving``, which
     depends on ``shuffle``), else raw."""
     n = raw_sample.size
     sizes = [(CODEC_ZSTD, len(_compressor(level).compress(raw_sample)))]
     if planes_sample.shape[0] > 1:
-        sizes.append((CODEC_PLANES, _planes_size(planes_sample, level)))
+        sizes.append((CODEC_EXPONENT_PLANES, len(planes_object(
+            planes_sample, level, CODEC_EXPONENT_PLANES)) - HEADER.size))
     return min([n] + [size for codec, size in sizes
                       if size <= n * (1 - _min_saving(codec, shuffle))])
 
@@ -219,7 +226,7 @@ def encode_delta(raw: memoryview, base: np.ndarray | list[np.ndarray], element_s
     new = np.frombuffer(raw, np.uint8)
     buffer = plane_buffer(k, n // k)
     x = buffer_planes(buffer, k)
-    if isinstance(base, list):  # a codec-4 or codec-2 base: k > 1
+    if isinstance(base, list):  # a codec-4, 5 or 2 base: k > 1
         shuffle(new, k, out=x)
         for j in range(k):
             np.bitwise_xor(x[j], base[j], out=x[j])

@@ -436,12 +436,12 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
       chunk_size_bytes: the largest chunk, bytes (default 16 MiB).
       pack_threshold_bytes: leaves up to this size are packed (default 64 KiB).
       zstd_level: zstd compression level (the chunk id does not depend on it).
-      shuffle: also try the byte-plane codec on array chunks (codec 4, format.md §3.2): each
-        byte plane that compresses (the sign and exponent bytes of floats) as a zstd frame,
-        the others as is; about 16% fewer bytes on trained float32 for about 2x the CPU time
-        of the save and of its restores. None: the store's ``shuffle`` (True unless set
-        False on the store). False keeps codec 4 only where it saves 1/4 (adam's moments) and
-        stores barely compressible floats raw.
+      shuffle: also try the byte-plane codec on array chunks (codec 5, format.md §3.2): each
+        byte plane that compresses (the exponent bytes of floats, the sign bit moved below
+        them) as a zstd frame, the others as is; about 17% fewer bytes on trained float32 for
+        about 2x the CPU time of the save and of its restores. None: the store's ``shuffle``
+        (True unless set False on the store). False keeps codec 5 only where it saves 1/4
+        (adam's moments) and stores barely compressible floats raw.
       dtypes: key-path prefix (format.md §5, e.g. ``"params"``; ``""`` is the whole tree) ->
         the dtype (or its format.md §4.5 name) its array leaves are stored in, as orbax's
         ``SaveArgs(dtype=...)``; the longest matching prefix wins. Each block is cast as its

@@ -88,8 +88,8 @@ def test_new_chunk_bytes_are_attributed_to_the_leaves_holding_them(tmp_path):
     assert math.isclose(step0["chunk_bytes"] + step1["chunk_bytes"], on_disk)
     assert step0["params"] > 0 and step0["mu"] > 0 and step0["nu"] > 0
     # mu/w is stored once; mu/b's share of the small leaves' pack (which changed) is new.
-    assert step1["mu"] < 4000 < 1e6 < step0["mu"]
-    assert step1["params"] > 1e6 and step1["nu"] > 0
+    assert step1["mu"] < 4000 < 8e5 < step0["mu"]  # mu/w: 1.2 MB raw, about 1.0 MB stored
+    assert step1["params"] > 8e5 and step1["nu"] > 0
     assert step1["chain_depth"] == 0 and step1["delta_objects"] == 0
     raw = bench.raw_bytes(url, 1)
     assert raw["params"] == raw["mu"] == raw["nu"] == 1_204_000 and raw["other"] == 4

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from casstore import CorruptChunkError
 from casstore._chunking import block_bytes, grid
 from casstore._codec import (
+    CODEC_EXPONENT_PLANES,
     CODEC_PLANES,
     CODEC_RAW,
     CODEC_SHUFFLE_ZSTD,
@@ -22,7 +23,10 @@ from casstore._codec import (
     chunk_id,
     decode_chunk,
     encode_chunk,
+    move_sign,
+    planes_of,
     shuffle,
+    unmove_sign,
     unshuffle,
 )
 
@@ -98,7 +102,7 @@ def test_float_chunks_use_the_byte_plane_codec_and_store_fewer_bytes(dtype, n):
     element_size = np.dtype(dtype).itemsize
     data = encode_chunk(raw, element_size=element_size)
     _, _, codec, stored_size, length = HEADER.unpack_from(data)
-    assert (codec, stored_size, length) == (CODEC_PLANES, element_size, len(raw))
+    assert (codec, stored_size, length) == (CODEC_EXPONENT_PLANES, element_size, len(raw))
     assert len(data) <= 0.875 * len(raw)
     assert len(data) < len(encode_chunk(raw))  # plain zstd, or raw, is larger
     unshuffled = encode_chunk(raw, element_size=element_size, shuffle=False)
@@ -125,6 +129,9 @@ def test_shuffle_is_not_used_when_plain_zstd_is_smaller_or_sizes_do_not_divide()
                                                 (CODEC_SHUFFLE_ZSTD, 3), (CODEC_SHUFFLE_ZSTD, 17),
                                                 (CODEC_PLANES, 0), (CODEC_PLANES, 1),
                                                 (CODEC_PLANES, 3), (CODEC_PLANES, 17),
+                                                (CODEC_EXPONENT_PLANES, 0),
+                                                (CODEC_EXPONENT_PLANES, 1),
+                                                (CODEC_EXPONENT_PLANES, 17),
                                                 (CODEC_ZSTD, 4), (CODEC_RAW, 4)])
 def test_decode_rejects_an_element_size_that_does_not_fit_the_codec(codec, element_size):
     raw = memoryview(_trained_like(1000)).cast("B")
@@ -154,24 +161,24 @@ def test_shuffle_zstd_chunks_of_earlier_writers_still_decode():
     assert bytes(decode_chunk(data, chunk_id(raw), len(raw))) == bytes(raw)
 
 
-# -- codec 4: byte planes (format.md §3.2) ----------------------------------------------------
+# -- codecs 4 and 5: byte planes (format.md §3.2) ---------------------------------------------
 
 def _planes_of(data: bytes) -> tuple[int, list[int]]:
-    """``(n, plane lengths)`` of a codec-4 object."""
+    """``(n, plane lengths)`` of a codec-4 or codec-5 object."""
     _, _, codec, k, length = HEADER.unpack_from(data)
-    assert codec == CODEC_PLANES
+    assert codec in (CODEC_PLANES, CODEC_EXPONENT_PLANES)
     return length // k, [int(x) for x in np.frombuffer(data, "<u4", k, HEADER.size)]
 
 
 _rng = np.random.default_rng(7)
 PLANE_CASES = {  # name -> (array, codec encode_chunk picks)
-    "float32": (_trained_like(2**18), CODEC_PLANES),
-    "float32 nu": (np.abs(_trained_like(2**18)) * 0.05, CODEC_PLANES),
-    "bfloat16": (_trained_like(2**18, ml_dtypes.bfloat16), CODEC_PLANES),
-    "float16": (_trained_like(5000, np.float16), CODEC_PLANES),
+    "float32": (_trained_like(2**18), CODEC_EXPONENT_PLANES),
+    "float32 nu": (np.abs(_trained_like(2**18)) * 0.05, CODEC_EXPONENT_PLANES),
+    "bfloat16": (_trained_like(2**18, ml_dtypes.bfloat16), CODEC_EXPONENT_PLANES),
+    "float16": (_trained_like(5000, np.float16), CODEC_EXPONENT_PLANES),
     "int8": (_rng.integers(-3, 4, 2**18).astype(np.int8), CODEC_ZSTD),  # element size 1
     "float64": (_rng.standard_normal(2**15) * 0.02, CODEC_RAW),  # saves under 1/8
-    "float64 in [1, 2)": (1 + _rng.random(2**15) / 1024, CODEC_PLANES),
+    "float64 in [1, 2)": (1 + _rng.random(2**15) / 1024, CODEC_EXPONENT_PLANES),
     "random": (_rng.integers(0, 2**32, 2**16, np.uint32), CODEC_RAW),
     "zeros": (np.zeros(2**18, np.float32), CODEC_ZSTD),
     "one element": (np.float32([0.25]), CODEC_RAW),
@@ -189,23 +196,78 @@ def test_chunks_round_trip_under_the_codec_they_pick(name):
     plain = encode_chunk(raw, element_size=array.dtype.itemsize, shuffle=False)
     # Without shuffle, byte planes only where they save a quarter (bfloat16, floats in [1, 2)).
     quarter = len(data) - HEADER.size <= (1 - PLANES_ONLY_IF_SAVING) * len(raw)
-    assert (HEADER.unpack_from(plain)[2] == CODEC_PLANES) == (expected == CODEC_PLANES and quarter)
+    assert (HEADER.unpack_from(plain)[2] == CODEC_EXPONENT_PLANES) == (
+        expected == CODEC_EXPONENT_PLANES and quarter)
     assert len(data) <= len(plain)
     assert bytes(decode_chunk(plain, chunk_id(raw), len(raw))) == bytes(raw)
 
 
+@pytest.mark.parametrize("name", [name for name in PLANE_CASES
+                                  if PLANE_CASES[name][0].dtype.itemsize > 1])
+def test_codec_4_chunks_of_earlier_writers_still_decode(name):
+    array = np.ascontiguousarray(PLANE_CASES[name][0])
+    raw = memoryview(array.view(np.uint8))
+    data = _encode(raw, CODEC_PLANES, 1, array.dtype.itemsize)
+    assert HEADER.unpack_from(data)[2] == CODEC_PLANES
+    assert bytes(decode_chunk(data, chunk_id(raw), len(raw))) == bytes(raw)
+
+
 @pytest.mark.parametrize("n", [4000, 2**20])  # judged whole / planes judged on samples
-def test_only_the_sign_and_exponent_plane_of_float32_is_compressed(n):
+def test_only_the_exponent_plane_of_float32_is_compressed(n):
     raw = memoryview(_trained_like(n).view(np.uint8))
     data = encode_chunk(raw, element_size=4)
     plane_bytes, lengths = _planes_of(data)
     assert plane_bytes == n
-    assert lengths[:3] == [n, n, n]  # the mantissa planes, as is
-    assert lengths[3] < 0.45 * n  # sign and top exponent bits: one zstd frame
+    assert lengths[:3] == [n, n, n]  # the mantissa planes and the sign's, as is
+    assert lengths[3] < 0.45 * n  # the exponent: one zstd frame
     assert len(data) == HEADER.size + 16 + sum(lengths)
-    planes = shuffle(raw, 4).reshape(4, n)
+    planes = move_sign(shuffle(raw, 4).reshape(4, n))
     assert data[HEADER.size + 16:HEADER.size + 16 + 3 * n] == planes[:3].tobytes()
     assert 0.8 < len(data) / len(raw) < 0.85
+    assert len(data) < len(_encode(raw, CODEC_PLANES, 1, 4))  # the exponent whole pays
+
+
+@pytest.mark.parametrize("dtype,exponent_bits", [(np.float32, 8), (ml_dtypes.bfloat16, 8),
+                                                 (np.float16, 5), (np.float64, 11)])
+def test_moving_the_sign_puts_the_exponent_at_the_top_and_unmove_sign_moves_it_back(
+        dtype, exponent_bits):
+    values = (_rng.standard_normal(1000) * 0.02).astype(dtype)
+    k = values.dtype.itemsize
+    planes = move_sign(shuffle(memoryview(values.view(np.uint8)), k).reshape(k, -1))
+    bits = values.view(f"<u{k}").astype(np.uint64)
+    top = (bits >> np.uint64(8 * k - 1 - exponent_bits)) & np.uint64(2**exponent_bits - 1)
+    assert np.array_equal(planes[-1] >> (8 - min(exponent_bits, 8)),  # the exponent's top bits
+                          top >> np.uint64(max(exponent_bits - 8, 0)))
+    assert np.array_equal(planes[-2] >> 7, np.signbit(values))  # the sign, under them
+    n = values.size
+    stored = HEADER.pack(MAGIC, 1, CODEC_EXPONENT_PLANES, k, n * k) + np.full(
+        k, n, "<u4").tobytes() + planes.tobytes()
+    raw = memoryview(values.view(np.uint8))
+    back = planes_of(memoryview(stored)[HEADER.size:], k, n * k, chunk_id(raw))
+    back[-1], back[-2] = unmove_sign(back[-1], back[-2])
+    assert np.array_equal(np.stack(back), shuffle(raw, k).reshape(k, -1))
+    assert bytes(decode_chunk(stored, chunk_id(raw), len(raw))) == bytes(raw)
+
+
+@given(data=st.binary(max_size=400), element_size=st.sampled_from([2, 3, 4, 8, 16]))
+def test_codec_5_round_trips_any_bytes(data, element_size):
+    raw = memoryview(data[:len(data) - len(data) % element_size])
+    encoded = _encode(raw, CODEC_EXPONENT_PLANES, 1, element_size)
+    assert bytes(decode_chunk(encoded, chunk_id(raw), len(raw))) == bytes(raw)
+
+
+def test_the_moments_of_adam_keep_the_plane_under_the_exponent_at_seven_bits():
+    # nu has one sign: after the move, the plane under the exponent holds a constant bit and
+    # 7 random ones, which zstd keeps at 7/8; codec 4 stored that plane as is.
+    nu = np.abs(np.random.default_rng(2).standard_normal(2**20, np.float32)) * np.float32(1e-3)
+    raw = memoryview(nu.view(np.uint8))
+    data = encode_chunk(raw, element_size=4)
+    n, lengths = _planes_of(data)
+    assert lengths[:2] == [n, n] and 0.86 * n < lengths[2] < 0.88 * n and lengths[3] < 0.34 * n
+    old = _encode(raw, CODEC_PLANES, 1, 4)
+    assert len(data) < len(old) - 0.01 * len(raw)
+    for encoded in (data, old):
+        assert bytes(decode_chunk(encoded, chunk_id(raw), len(raw))) == bytes(raw)
 
 
 def test_bfloat16_compresses_its_high_plane_and_keeps_the_low_one():
@@ -215,18 +277,17 @@ def test_bfloat16_compresses_its_high_plane_and_keeps_the_low_one():
 
 
 def test_a_plane_whose_samples_do_not_compress_is_stored_as_is():
-    # Low planes random, the top plane zeros except where the samples do not look:
-    # the chosen planes follow the samples, and the chunk still round-trips.
+    # The low two planes random, the third 7 random bits a byte, the top one zeros.
     n = 2**20
-    words = _rng.integers(0, 2**24, n, np.uint32)
+    words = _rng.integers(0, 2**23, n, np.uint32)
     raw = memoryview(words.view(np.uint8))
     plane_n, lengths = _planes_of(encode_chunk(raw, element_size=4))
-    assert lengths[:3] == [plane_n] * 3 and lengths[3] < 100
+    assert lengths[:2] == [plane_n] * 2 and lengths[2] < 0.88 * plane_n and lengths[3] < 100
 
 
 def _planes_object(raw: memoryview, element_size: int = 4) -> bytes:
     data = bytes(encode_chunk(raw, element_size=element_size))
-    assert HEADER.unpack_from(data)[2] == CODEC_PLANES
+    assert HEADER.unpack_from(data)[2] == CODEC_EXPONENT_PLANES
     return data
 
 

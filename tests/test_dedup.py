@@ -130,7 +130,7 @@ def _codecs(store) -> set[int]:
 
 def test_the_codec_follows_the_store_default_or_the_shuffle_argument_and_dedup_ignores_it(
         tmp_path):
-    from casstore._codec import CODEC_PLANES, CODEC_RAW
+    from casstore._codec import CODEC_EXPONENT_PLANES, CODEC_RAW
     from casstore.store import FsspecStore, LocalStore
     state = {"w": (np.random.default_rng(0).standard_normal((512, 512)) * 0.02).astype(
         np.float32)}  # 1 MiB of values like trained weights
@@ -139,7 +139,7 @@ def test_the_codec_follows_the_store_default_or_the_shuffle_argument_and_dedup_i
     assert all(store.shuffle for store in stores)  # byte planes by default, on every store
     for store in stores:
         assert casstore.save(store, 1, state).written_bytes < 0.875 * state["w"].nbytes
-        assert _codecs(store) == {CODEC_PLANES}
+        assert _codecs(store) == {CODEC_EXPONENT_PLANES}
     raw = MemoryStore()
     assert casstore.save(raw, 1, state, shuffle=False).written_bytes > state["w"].nbytes
     assert _codecs(raw) == {CODEC_RAW}
@@ -152,16 +152,16 @@ def test_the_codec_follows_the_store_default_or_the_shuffle_argument_and_dedup_i
 
 def test_without_shuffle_byte_planes_are_kept_only_where_they_save_a_quarter():
     """``shuffle=False``: float32 holding bfloat16-rounded values (two zero byte planes)
-    compress to about half in byte planes, more than zstd manages: codec 4 even without
-    shuffle. Trained-weight-like values (0.835 in planes) stay raw."""
-    from casstore._codec import CODEC_PLANES, CODEC_RAW, HEADER, PLANES_ONLY_IF_SAVING
+    compress to about half in byte planes, more than zstd manages: codec 5 even without
+    shuffle. Trained-weight-like values (0.83 in planes) stay raw."""
+    from casstore._codec import CODEC_EXPONENT_PLANES, CODEC_RAW, HEADER, PLANES_ONLY_IF_SAVING
     x = (np.random.default_rng(0).standard_normal(1 << 18) * 0.02).astype(np.float32)
     rounded = (x.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
     store = MemoryStore()
     casstore.save(store, 1, {"rounded": rounded, "weights": x}, shuffle=False)
     stored = {leaf.path: leaf.chunks[0] for leaf in casstore.read_manifest(store, 1).leaves}
     codec = {p: HEADER.unpack_from(store.get(r.key))[2] for p, r in stored.items()}
-    assert codec == {"rounded": CODEC_PLANES, "weights": CODEC_RAW}
+    assert codec == {"rounded": CODEC_EXPONENT_PLANES, "weights": CODEC_RAW}
     assert stored["rounded"].stored_bytes <= (1 - PLANES_ONLY_IF_SAVING) * rounded.nbytes
     restored = casstore.restore(store, 1)
     assert restored["rounded"].tobytes() == rounded.tobytes()

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import casstore
 from casstore._codec import (
+    CODEC_PLANES,
     CODEC_SHUFFLE_ZSTD,
     HEADER,
     MAGIC,
@@ -224,14 +225,15 @@ test_random_bytes_are_never_a_manifest = random_manifests(300)
 # -- hostile chunk objects -------------------------------------------------------------------
 
 def _chunk_samples() -> list[tuple[bytes, bytes]]:
-    """``(object, raw)`` for a raw, a zstd, a shuffle + zstd and a byte-plane chunk."""
+    """``(object, raw)`` for a raw, a zstd, a shuffle + zstd and two byte-plane chunks."""
     rng = np.random.default_rng(0)
     raws = [rng.integers(0, 256, 3000, np.uint8).tobytes(), b"the quick brown fox " * 150,
             (rng.standard_normal(1000) * 0.02).astype(np.float32).tobytes()]
     samples = [(bytes(encode_chunk(memoryview(r), element_size=4)), r) for r in raws]
     shuffled = _encode(raws[2], CODEC_SHUFFLE_ZSTD, 1, 4)  # earlier writers' codec
     samples.append((shuffled, raws[2]))
-    assert sorted(HEADER.unpack_from(d)[2] for d, _ in samples) == [0, 1, 2, 4]  # every codec
+    samples.append((bytes(_encode(raws[2], CODEC_PLANES, 1, 4)), raws[2]))  # earlier writers'
+    assert sorted(HEADER.unpack_from(d)[2] for d, _ in samples) == [0, 1, 2, 4, 5]  # every codec
     return samples
 
 
