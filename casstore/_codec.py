@@ -120,15 +120,14 @@ def move_sign(planes: np.ndarray) -> np.ndarray:
     float32 the top plane takes 0.326 of its size instead of 0.340; on adam's nu (one sign) the
     plane below it, 7 random bits a byte, then compresses to 0.875.
     """
-    for start in range(0, planes.shape[1], _UNPLANE_BLOCK):  # temporaries that stay in cache
-        hi, lo = (_words(planes[j, start:start + _UNPLANE_BLOCK]) for j in (-1, -2))
-        m80, m7f, m01 = (_bytes_mask(b, hi.dtype) for b in (0x80, 0x7F, 0x01))
-        sign = hi & m80
-        np.left_shift(hi, hi.dtype.type(1), out=hi)
-        hi &= ~m01
-        hi |= (lo >> hi.dtype.type(7)) & m01
-        lo &= m7f
-        lo |= sign
+    hi, lo = _words(planes[-1]), _words(planes[-2])
+    m80, m7f, m01 = (_bytes_mask(b, hi.dtype) for b in (0x80, 0x7F, 0x01))
+    sign = hi & m80
+    np.left_shift(hi, hi.dtype.type(1), out=hi)
+    hi &= ~m01
+    hi |= (lo >> hi.dtype.type(7)) & m01
+    lo &= m7f
+    lo |= sign
     return planes
 
 
@@ -254,10 +253,10 @@ def _check_frame(frame: bytes, plane: np.ndarray) -> None:
 
 
 def planes_of(payload: memoryview, element_size: int, raw_length: int,
-              expected_id: str) -> list[np.ndarray]:
-    """The ``element_size`` byte planes of a codec-4 or codec-5 payload (format.md §3.2) as
-    stored (codec 5's sign bit not moved back), after checking its plane table; a plane stored
-    as is is a view of ``payload``, not a copy."""
+              expected_id: str, codec: int = CODEC_PLANES) -> list[np.ndarray]:
+    """The ``element_size`` byte planes of a codec-4 payload (format.md §3.2), after checking
+    its plane table; a plane stored as is is a view of ``payload``, not a copy. For codec 5
+    the sign bit is moved back (:func:`unmove_sign`), so the planes are ``shuffle``'s."""
     k, n = element_size, raw_length // element_size
     table = 4 * k
     if len(payload) < table:
@@ -274,14 +273,15 @@ def planes_of(payload: memoryview, element_size: int, raw_length: int,
         position += length
         planes.append(np.frombuffer(stored if length == n else _unzstd(stored, n, expected_id),
                                     np.uint8))
+    if codec == CODEC_EXPONENT_PLANES:
+        planes[-1], planes[-2] = unmove_sign(planes[-1], planes[-2])
     return planes
 
 
 def interleave(planes: list[np.ndarray], xor: list[np.ndarray] | None = None,
-               out: np.ndarray | None = None, moved_sign: bool = False) -> np.ndarray:
+               out: np.ndarray | None = None) -> np.ndarray:
     """The raw bytes whose byte planes are ``planes`` (each XORed with ``xor``'s if given),
     written into ``out`` (a contiguous uint8 array of all the bytes) or a new array.
-    ``moved_sign``: ``planes`` are codec 5's, whose sign bit is moved back on the way.
 
     Written in blocks of rows, so the rows stay in cache across all planes.
     """
@@ -289,10 +289,8 @@ def interleave(planes: list[np.ndarray], xor: list[np.ndarray] | None = None,
     out = np.empty((n, k), np.uint8) if out is None else out.reshape(n, k)
     for start in range(0, n, _UNPLANE_BLOCK):
         rows = out[start:start + _UNPLANE_BLOCK]
-        blocks = [plane[start:start + _UNPLANE_BLOCK] for plane in planes]
-        if moved_sign:
-            blocks[-1], blocks[-2] = unmove_sign(blocks[-1], blocks[-2])
-        for j, block in enumerate(blocks):
+        for j, plane in enumerate(planes):
+            block = plane[start:start + _UNPLANE_BLOCK]
             rows[:, j] = block if xor is None else block ^ xor[j][start:start + _UNPLANE_BLOCK]
     return out.reshape(-1)
 
@@ -454,8 +452,8 @@ def decode_chunk(data: bytes | memoryview, expected_id: str, raw_length: int,
     elif codec == CODEC_SHUFFLE_ZSTD:
         raw = memoryview(unshuffle(_unzstd(payload, raw_length, expected_id), element_size))
     elif codec in PLANE_CODECS:
-        raw = memoryview(interleave(planes_of(payload, element_size, raw_length, expected_id),
-                                    out=out, moved_sign=codec == CODEC_EXPONENT_PLANES))
+        raw = memoryview(interleave(
+            planes_of(payload, element_size, raw_length, expected_id, codec), out=out))
     else:
         raise CorruptChunkError(f"unknown chunk codec {codec}", chunk_id=expected_id)
     if len(raw) != raw_length:

@@ -45,7 +45,6 @@ from ._codec import (
     planes_object,
     planes_of,
     shuffle,
-    unmove_sign,
 )
 from ._errors import CorruptChunkError
 from ._layout import chunk_key
@@ -146,10 +145,7 @@ def base_bytes(data: bytes | memoryview, base_id: str, raw_length: int,
         payload = memoryview(data)[HEADER.size:]
         if (magic, version, length) == (MAGIC, VERSION, raw_length):
             if codec in PLANE_CODECS and size == k:
-                planes = planes_of(payload, k, raw_length, base_id)
-                if codec == CODEC_EXPONENT_PLANES:
-                    planes[-1], planes[-2] = unmove_sign(planes[-1], planes[-2])
-                return planes
+                return planes_of(payload, k, raw_length, base_id, codec)
             if codec == CODEC_SHUFFLE_ZSTD and size == k:
                 return list(np.frombuffer(_unzstd(payload, raw_length, base_id),
                                           np.uint8).reshape(k, -1))
