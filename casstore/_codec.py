@@ -254,8 +254,9 @@ def _check_frame(frame: bytes, plane: np.ndarray) -> None:
 
 def planes_of(payload: memoryview, element_size: int, raw_length: int,
               expected_id: str, codec: int = CODEC_PLANES) -> list[np.ndarray]:
-    """The ``element_size`` byte planes of a codec-4 payload (format.md §3.2), after checking
-    its plane table; a plane stored as is is a view of ``payload``, not a copy. For codec 5
+    """The ``element_size`` byte planes of a codec-4, codec-5 or delta payload (format.md §3.2,
+    §3.5), after checking its plane table; a plane stored as is is a view of ``payload``, not a
+    copy. For codec 5
     the sign bit is moved back (:func:`unmove_sign`), so the planes are ``shuffle``'s."""
     k, n = element_size, raw_length // element_size
     table = 4 * k
