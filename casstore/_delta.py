@@ -172,9 +172,9 @@ def _samples(planes: np.ndarray) -> np.ndarray:
     return np.concatenate([planes[:, :m], planes[:, n // 2:n // 2 + m]], axis=1)
 
 
-def _planes_size(planes: np.ndarray, level: int) -> int:
-    """Payload bytes of ``planes`` in the codec-4 layout."""
-    return len(planes_object(planes, level)) - HEADER.size
+def _planes_size(planes: np.ndarray, level: int, codec: int = CODEC_DELTA) -> int:
+    """Payload bytes of ``planes`` in the codec-4 layout, as ``codec`` (3 or 5) stores them."""
+    return len(planes_object(planes, level, codec)) - HEADER.size
 
 
 def _whole_size(raw_sample: np.ndarray, planes_sample: np.ndarray, level: int,
@@ -185,8 +185,8 @@ def _whole_size(raw_sample: np.ndarray, planes_sample: np.ndarray, level: int,
     n = raw_sample.size
     sizes = [(CODEC_ZSTD, len(_compressor(level).compress(raw_sample)))]
     if planes_sample.shape[0] > 1:
-        sizes.append((CODEC_EXPONENT_PLANES, len(planes_object(
-            planes_sample, level, CODEC_EXPONENT_PLANES)) - HEADER.size))
+        sizes.append((CODEC_EXPONENT_PLANES,
+                      _planes_size(planes_sample, level, CODEC_EXPONENT_PLANES)))
     return min([n] + [size for codec, size in sizes
                       if size <= n * (1 - _min_saving(codec, shuffle))])
 
