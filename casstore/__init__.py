@@ -35,6 +35,8 @@ from ._repository import read_manifest as read_manifest
 from ._restore import restore as restore
 from ._save import SaveInfo as SaveInfo
 from ._save import save as save
+from ._target import PLACEHOLDER as PLACEHOLDER
+from ._target import abstract_tree as abstract_tree
 from ._verify import Problem as Problem
 from ._verify import VerifyReport as VerifyReport
 from ._verify import verify as verify

@@ -84,13 +84,13 @@ def test_a_restore_places_leaves_before_its_last_chunk_arrives(monkeypatch):
 
     gets: list[float] = []
     placed: list[float] = []
-    place = _restore._place
+    place = _restore.place
 
     def recording_place(*args):
         placed.append(time.monotonic())
         return place(*args)
 
-    monkeypatch.setattr(_restore, "_place", recording_place)
+    monkeypatch.setattr(_restore, "place", recording_place)
     store = SlowGets()
     rng = np.random.default_rng(0)
     tree = {f"leaf{i}": rng.random(300_000, np.float32) for i in range(6)}  # 5 chunks each

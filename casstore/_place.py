@@ -1,0 +1,186 @@
+"""Turning restored host regions into what each target leaf asks for (format.md §6).
+
+:func:`place` builds a leaf's value from its verified host regions: numpy, a Python scalar, a
+jax array on the default device, or a jax array assembled from per-device shards of the
+target's sharding. Every dtype change goes through :func:`cast`, which refuses values the
+target dtype cannot hold instead of wrapping or overflowing them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._chunking import Index, dtype_from_name
+from ._manifest import LeafEntry
+from ._target import is_numpy_class, returns_numpy, target_shape
+
+ALIGN = 64  # bytes: jax's CPU client adopts buffers aligned so (DLPack import)
+Fail = Callable[[str, str], Exception]  # (message, key path) -> the error to raise
+
+
+def saved_dtype(entry: LeafEntry) -> np.dtype:
+    """The little-endian dtype of an array leaf's stored bytes."""
+    return dtype_from_name(entry.dtype).newbyteorder("<")
+
+
+def plain_value(entry: LeafEntry, regions: dict[Index, np.ndarray] | None) -> Any:
+    """A leaf restored without a target: numpy, a Python scalar, or typed PRNG keys."""
+    if entry.kind == "scalar":
+        return complex(*entry.value) if entry.scalar_type == "complex" else entry.value
+    host = next(iter(regions.values()))
+    return jax.random.wrap_key_data(host, impl=entry.key_impl) if entry.key_impl else host
+
+
+def place(entry: LeafEntry, regions: dict[Index, np.ndarray] | None, t: Any,
+          fail: Fail) -> Any:
+    """Builds what target leaf ``t`` asks for from the restored regions (or scalar value).
+
+    Args:
+      entry: the saved leaf.
+      regions: ``{(start, stop): host array}`` as :func:`casstore._read.read_regions` gives
+        them (one whole region, or one per distinct shard of ``t``'s sharding); None for a
+        scalar leaf.
+      t: the target leaf (see :mod:`casstore._target`).
+      fail: makes the error raised for values the target's dtype cannot hold.
+
+    Returns:
+      numpy for numpy targets, ``np.ndarray`` and jax targets :func:`returns_numpy` picks, a
+      Python scalar of ``type(t)`` for scalar targets, else a jax.Array of ``t``'s dtype (as
+      jax holds it) on ``t``'s sharding or the default device.
+    """
+    if entry.kind == "scalar":
+        value = plain_value(entry, None)
+        host = np.asarray(value) if target_shape(t) is not None or is_numpy_class(t) else value
+    else:
+        host = next(iter(regions.values())) if len(regions) == 1 else None
+    if is_numpy_class(t):
+        return plain_value(entry, regions) if entry.kind == "array" else host
+    if target_shape(t) is None:
+        return _scalar(host.item() if isinstance(host, np.ndarray) else host, type(t), entry,
+                       fail)
+    if isinstance(t, np.ndarray | np.generic) or returns_numpy(entry, t):
+        return np.asarray(cast(host, entry, t.dtype, fail))
+    dtype = t.dtype if entry.key_impl else jax.dtypes.canonicalize_dtype(t.dtype)
+    sharding = getattr(t, "sharding", None)
+    if not isinstance(sharding, jax.sharding.Sharding):
+        value = cast(host, entry, dtype, fail)
+        return to_device(value, None) if isinstance(value, np.ndarray) else jax.device_put(value)
+    if entry.kind == "scalar":
+        return jax.device_put(cast(host, entry, dtype, fail), sharding)
+    tail = entry.shape[len(t.shape):]
+    shards, used = [], set()
+    for d, index in sharding.addressable_devices_indices_map(tuple(t.shape)).items():
+        region = normalize(index, t.shape, tail)
+        value = cast(regions[region], entry, dtype, fail)
+        shared = region in used  # a replica: its buffer may not alias another device's
+        used.add(region)
+        shards.append(jax.device_put(value, d) if shared or not isinstance(value, np.ndarray)
+                      else to_device(value, d))
+    return jax.make_array_from_single_device_arrays(tuple(t.shape), sharding, shards)
+
+
+def normalize(index: tuple, shape: tuple[int, ...], tail: tuple[int, ...]) -> Index:
+    """A device's index (slices into ``shape``) as ``(start, stop)``, with ``tail`` (the key
+    data axes of a PRNG key leaf) taken whole."""
+    bounds = [s.indices(d)[:2] for s, d in zip(index, shape, strict=True)]
+    return (tuple(a for a, _ in bounds) + (0,) * len(tail),
+            tuple(b for _, b in bounds) + tuple(tail))
+
+
+def cast(host: np.ndarray, entry: LeafEntry, dtype: Any, fail: Fail) -> Any:
+    """A host region as typed PRNG keys (for key leaves) or cast to ``dtype``.
+
+    A cast keeps every value the target dtype can hold, as numpy casts it (floats round to
+    nearest, floats to integers truncate toward zero). Values it cannot hold are refused, never
+    wrapped or overflowed: integers out of the target integer's range, NaN or infinite floats
+    into integers, finite values that would become infinite or NaN in a float dtype, values
+    other than 0 and 1 into bool, complex numbers with an imaginary part into a real dtype.
+    The check costs one pass over the region, for casts that can lose a value only.
+
+    Raises:
+      the error ``fail`` makes (a TargetMismatchError naming the key path and both dtypes).
+    """
+    if entry.key_impl:
+        return jax.random.wrap_key_data(host, impl=entry.key_impl)
+    dtype = np.dtype(dtype)
+    if host.dtype == dtype:
+        return host
+    if (why := _unrepresentable(host, dtype)) is not None:
+        raise fail(f"the saved {host.dtype} values hold {why}, which {dtype} cannot hold; "
+                   "ask for a dtype that holds them", entry.path)
+    real = _kind(host.dtype) == "c" and _kind(dtype) != "c"  # imaginary parts checked 0
+    out = (host.real if real else host).astype(dtype)
+    if (_kind(dtype) in "fc" and not np.can_cast(host.dtype, dtype, "safe")
+            and np.any(np.isfinite(host) & ~np.isfinite(out))):
+        raise fail(f"the saved {host.dtype} values overflow {dtype} (they would become inf or "
+                   "NaN); ask for a wider dtype", entry.path)
+    return out
+
+
+def _kind(dtype: np.dtype) -> str:
+    """``b`` bool, ``i`` integer, ``f`` floating, ``c`` complex (jax's view, which knows the
+    ml_dtypes types such as bfloat16 and int4)."""
+    kinds = {"b": np.bool_, "i": np.integer, "f": np.floating, "c": np.complexfloating}
+    return next((k for k, t in kinds.items() if jax.dtypes.issubdtype(dtype, t)), "?")
+
+
+def _unrepresentable(host: np.ndarray, dtype: np.dtype) -> str | None:
+    """What in ``host`` a cast to ``dtype`` cannot keep (checked before the cast), or None."""
+    source, target = _kind(host.dtype), _kind(dtype)
+    if host.size == 0 or np.can_cast(host.dtype, dtype, "safe"):
+        return None
+    if source == "c" and target != "c":
+        if np.any(host.imag != 0):
+            return "an imaginary part"
+        host, source = host.real, "f"
+    if target in "fc":
+        return None  # float overflow is checked on the cast values
+    if target == "b":
+        return None if np.all((host == 0) | (host == 1)) else "values other than 0 and 1"
+    info = jax.dtypes.iinfo(dtype)
+    if source == "f" and not np.all(np.isfinite(host)):
+        return "NaN or infinity"
+    low, high = host.min(), host.max()
+    if int(low) < info.min or int(high) > info.max:  # a float's int() truncates as astype
+        return f"values in [{low}, {high}]"
+    return None
+
+
+def _scalar(value: Any, kind: type, entry: LeafEntry, fail: Fail) -> Any:
+    """``value`` as a Python scalar of ``kind`` (the target leaf's type)."""
+    if kind is bool and value not in (0, 1):
+        raise fail(f"the saved value {value!r} is not a bool (0 or 1)", entry.path)
+    try:
+        return kind(value)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise fail(f"the saved value {value!r} cannot be a {kind.__name__}: {e}",
+                   entry.path) from e
+
+
+def to_device(host: np.ndarray, device: Any) -> jax.Array:
+    """``host`` on ``device`` (None: the default device), without a copy where jax allows.
+
+    jax's CPU client can adopt a 64-byte-aligned C-contiguous buffer of a DLPack dtype in
+    place, on the first CPU device; :func:`casstore._read.read_regions` allocates such
+    buffers, and nothing else keeps a reference to them. Anything else is copied by
+    ``jax.device_put``.
+    """
+    target = device or _default_device()
+    if (target == jax.local_devices(backend="cpu")[0] and host.ctypes.data % ALIGN == 0
+            and host.flags.c_contiguous and host.dtype.type.__module__ == "numpy"
+            and host.dtype.kind in "biufc" and host.dtype.byteorder in "=|<"):
+        return jax.dlpack.from_dlpack(host, copy=False)
+    return jax.device_put(host, target)
+
+
+def _default_device() -> Any:
+    """Where ``jax.device_put`` puts an array by default (``jax_default_device`` may name a
+    platform, e.g. ``"cpu"``, or a device)."""
+    default = jax.config.jax_default_device
+    if default is None or isinstance(default, str):
+        return jax.local_devices(backend=default)[0]
+    return default

@@ -1,0 +1,229 @@
+"""Matching a restore target to a checkpoint's leaves (format.md §5), before any chunk is read.
+
+A target is a pytree whose leaves say what to return for each key path: a
+``jax.ShapeDtypeStruct`` or jax.Array (a jax array of that dtype and sharding), a numpy array
+(numpy of its dtype), the class ``np.ndarray`` (numpy of the saved shape and dtype, orbax's
+``restore_type=np.ndarray``), a Python scalar, or :data:`PLACEHOLDER` (leave the leaf, or the
+subtree saved under its key path, out and read none of its chunks). :func:`match_target` pairs
+each target leaf with its saved leaf, or raises one :class:`TargetMismatchError` listing every
+key path at fault. :func:`abstract_tree` builds a target from a live pytree.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._chunking import dtype_from_name
+from ._errors import TargetMismatchError
+from ._keypath import SCALAR_TYPES, matches, path_str
+from ._manifest import LeafEntry, Manifest
+from .store import Store
+
+PLACEHOLDER = ...
+"""A target leaf that skips its key path: returned as ``...``, no chunk read (orbax's
+``ocp.PLACEHOLDER``, which is also ``...``)."""
+
+
+def abstract_tree(tree: Any) -> Any:
+    """An abstract restore target with the structure, shapes, dtypes and shardings of ``tree``.
+
+    orbax's ``ocp.utils.to_shape_dtype_struct`` mapped over a tree. Unlike
+    ``jax.eval_shape(lambda: tree)``, each jax.Array keeps its sharding, so a restore into the
+    result places every leaf as the live one is placed.
+
+    Args:
+      tree: a pytree of jax.Arrays (any sharding; typed PRNG key arrays too), numpy arrays,
+        ``jax.ShapeDtypeStruct`` s, Python scalars and strings, e.g. a live train state.
+
+    Returns:
+      The same structure with each jax.Array as a ``jax.ShapeDtypeStruct(shape, dtype,
+      sharding=its sharding)``, each numpy array as one without a sharding (restored as a jax
+      array on the default device, as orbax does), and every other leaf (Python scalars,
+      strings, ``ShapeDtypeStruct`` s) unchanged. Allocates nothing and reads no array.
+    """
+    def abstract(x: Any) -> Any:
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        if isinstance(x, np.ndarray | np.generic):
+            return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+        return x
+
+    return jax.tree.map(abstract, tree)
+
+
+def is_numpy_class(t: Any) -> bool:
+    """True for the target leaf ``np.ndarray`` (the class): numpy of the saved shape and dtype."""
+    return t is np.ndarray
+
+
+def target_shape(t: Any) -> tuple[int, ...] | None:
+    """The shape a target leaf asks for; None for scalars, ``np.ndarray`` and placeholders."""
+    if is_numpy_class(t) or not (hasattr(t, "shape") and hasattr(t, "dtype")):
+        return None
+    return tuple(t.shape)
+
+
+def is_concrete(t: Any) -> bool:
+    """True for target leaves that hold values: jax or numpy arrays and Python scalars."""
+    return isinstance(t, (jax.Array, np.ndarray, np.generic, *SCALAR_TYPES))
+
+
+def returns_numpy(entry: LeafEntry, t: Any) -> bool:
+    """True if a jax target leaf ``t`` is restored as numpy of its dtype instead.
+
+    That is the case for a ``jax.ShapeDtypeStruct`` without a sharding whose dtype jax cannot
+    hold with ``jax_enable_x64`` off (a 64-bit type) while the saved values need it: jax would
+    narrow them (int64 to a wrapped int32, 1e300 to inf). orbax returns numpy there too.
+    """
+    return (isinstance(t, jax.ShapeDtypeStruct) and t.sharding is None
+            and _narrowed(entry, t.dtype) is not None)
+
+
+def match_target(manifest: Manifest, flat: list, store: Store, *, paths, partial: bool,
+                 strict: bool, transforms, fill_missing: bool) -> list[tuple[Any, int | None]]:
+    """Pairs each target leaf with its saved leaf index (None: return the target leaf as is).
+
+    Args:
+      flat: the target's ``jax.tree_util.tree_flatten_with_path`` leaves.
+      paths, partial, strict, transforms, fill_missing: as :func:`casstore.restore` takes them.
+
+    Returns:
+      One ``(target leaf, saved leaf index or None)`` per target leaf, in order.
+
+    Raises:
+      TargetMismatchError: every missing, extra and mismatched key path in one error; no chunk
+        is read before the whole target matches.
+    """
+    by_path = _saved_by_target_path(manifest, transforms, store)
+    plan: list[tuple[Any, int | None]] = []
+    missing: list[tuple[str, str]] = []
+    mismatched: list[tuple[str, str]] = []
+    skipped: list[str] = []
+    for keys, t in flat:
+        path = path_str(keys)
+        i = by_path.get(path)
+        if t is PLACEHOLDER:
+            plan.append((t, None))
+            skipped.append(path)
+        elif not matches(path, paths) or (i is None and fill_missing and is_concrete(t)):
+            plan.append((t, None))
+        elif i is None:
+            missing.append((path, "not in the checkpoint" if not fill_missing else
+                            f"not in the checkpoint, and the target leaf ({type(t).__name__}) "
+                            "is abstract: fill_missing needs a concrete array or scalar"))
+        elif (problem := _compatibility_problem(manifest.leaves[i], t, strict)) is not None:
+            mismatched.append((path, problem))
+        else:
+            plan.append((t, i))
+    used = {i for _, i in plan if i is not None} | {by_path[p] for p, _ in mismatched}
+    extra = [] if partial else [(manifest.leaves[i].path, p) for p, i in by_path.items()
+                                if i not in used and matches(p, paths)
+                                and not matches(p, skipped)]
+    if missing or extra or mismatched:
+        raise _mismatch_report(manifest, store, missing, extra, mismatched)
+    return plan
+
+
+def mismatch(message: str, manifest: Manifest, store: Store, path: str | None = None):
+    """A TargetMismatchError located at the manifest's step and ``path``."""
+    return TargetMismatchError(message, url=store.url, run=manifest.run, step=manifest.step,
+                               key_path=path)
+
+
+def _saved_by_target_path(manifest: Manifest, transforms, store: Store) -> dict[str, int]:
+    """Target key path -> saved leaf index, after the ``transforms`` renames (None drops)."""
+    rules = [(re.compile(k), v) for k, v in (transforms or {}).items()]
+    out: dict[str, int] = {}
+    for i, leaf in enumerate(manifest.leaves):
+        path = leaf.path
+        for regex, template in rules:
+            if (m := regex.fullmatch(path)) is not None:
+                path = None if template is None else m.expand(template)
+                break
+        if path is None:
+            continue
+        if path in out:
+            raise mismatch(f"transforms rename saved leaves {manifest.leaves[out[path]].path!r}"
+                           f" and {leaf.path!r} to the same key path", manifest, store, path)
+        out[path] = i
+    return out
+
+
+def _mismatch_report(manifest: Manifest, store: Store, missing: list[tuple[str, str]],
+                     extra: list[tuple[str, str]], mismatched: list[tuple[str, str]]):
+    """One TargetMismatchError listing every problem key path, with the opt-ins that help."""
+    lines = [f"target and checkpoint differ: {len(missing)} missing, {len(extra)} extra, "
+             f"{len(mismatched)} mismatched key paths"]
+    lines += [f"  missing {p!r}: {why}" for p, why in missing]
+    lines += [f"  extra {saved!r}: in the checkpoint, not in the target"
+              + (f" (renamed to {p!r})" if p != saved else "") for saved, p in extra]
+    lines += [f"  mismatched {p!r}: {why}" for p, why in mismatched]
+    hints = (["pass partial=True to restore a subtree"] if extra else []) + (
+        ["fill_missing=True returns concrete target leaves the checkpoint lacks"]
+        if missing else []) + (["transforms={saved regex: target path} renames saved leaves"]
+                               if missing or extra else [])
+    lines += [f"  hint: {h}" for h in hints] + ["  first difference at"]  # + the location
+    first = (missing or extra or mismatched)[0]
+    error = mismatch("\n".join(lines), manifest, store, first[0])
+    error.missing = tuple(p for p, _ in missing)
+    error.extra = tuple(saved for saved, _ in extra)
+    error.mismatched = tuple(mismatched)
+    return error
+
+
+def _compatibility_problem(entry: LeafEntry, t: Any, strict: bool) -> str | None:
+    """Why target leaf ``t`` cannot take the saved leaf (shape, kind or a dtype jax would
+    narrow on a sharding), or None if it can.
+
+    Without ``strict`` an array target may differ from the saved shape in the axes' sizes.
+    """
+    if is_numpy_class(t):
+        return None
+    shape = target_shape(t)
+    if shape is None:
+        if not isinstance(t, SCALAR_TYPES):
+            return f"unsupported target leaf of type {type(t).__name__}"
+        if entry.kind == "array" and entry.shape != ():
+            return f"target is a Python scalar, saved an array of shape {entry.shape}"
+        return None
+    saved = entry.shape[:-1] if entry.key_impl else entry.shape
+    if entry.kind != "array" and shape != ():
+        return f"target has shape {shape}, saved a {entry.kind}"
+    if entry.kind == "array" and shape != saved and (strict or len(shape) != len(saved)):
+        return f"target has shape {shape}, saved shape is {saved}"
+    if jax.dtypes.issubdtype(t.dtype, jax.dtypes.prng_key) != bool(entry.key_impl):
+        return "target and checkpoint disagree on whether this is a PRNG key array"
+    if (isinstance(t, jax.ShapeDtypeStruct | jax.Array) and not returns_numpy(entry, t)
+            and (held := _narrowed(entry, t.dtype)) is not None):
+        return (f"saved {_saved_dtype(entry)}, the target asks for a jax array of "
+                f"{np.dtype(t.dtype)}, which jax holds as {held} because jax_enable_x64 is "
+                f"off: the values would change. Enable x64 "
+                f"(jax.config.update('jax_enable_x64', True)), ask for {held} explicitly, or "
+                "for numpy (target leaf np.ndarray)")
+    return None
+
+
+def _narrowed(entry: LeafEntry, wanted: Any) -> np.dtype | None:
+    """The dtype jax would hold ``wanted`` in, if that is narrower than ``wanted`` and the
+    saved dtype does not fit into it exactly; else None."""
+    if entry.key_impl or jax.dtypes.issubdtype(wanted, jax.dtypes.extended):
+        return None
+    wanted = np.dtype(wanted)
+    held = np.dtype(jax.dtypes.canonicalize_dtype(wanted))
+    if held == wanted or np.can_cast(_saved_dtype(entry), held, "safe"):
+        return None
+    return held
+
+
+def _saved_dtype(entry: LeafEntry) -> np.dtype:
+    """The saved dtype of an array leaf, or the smallest dtype that holds a scalar leaf's value
+    (a step counter of 5 fits any integer dtype; 2**40 does not fit int32)."""
+    if entry.kind == "array":
+        return dtype_from_name(entry.dtype)
+    if entry.scalar_type == "complex":
+        return np.min_scalar_type(complex(*entry.value))
+    return np.min_scalar_type(entry.value)

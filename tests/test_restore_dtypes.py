@@ -1,0 +1,258 @@
+"""A restore never changes a value silently (issue 29): every saved dtype x every target kind
+x ``jax_enable_x64`` on and off, casts the target asks for, ``np.ndarray`` and PLACEHOLDER
+target leaves, and :func:`casstore.abstract_tree`."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import casstore
+from casstore.store import CountingStore, MemoryStore
+
+WIDE = ["int64", "uint64", "float64", "complex128"]  # what jax holds in 32 bits without x64
+NARROW = ["bool", "int8", "int16", "int32", "uint8", "uint16", "uint32", "float16", "bfloat16",
+          "float32", "complex64"]
+TARGETS = ["none", "numpy", "ndarray-class", "sds", "sds-sharded", "jax-array"]
+
+
+def extreme_values(dtype: str) -> np.ndarray:
+    """Eight values of ``dtype`` including its extremes (which a 32-bit type cannot hold)."""
+    dt = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+    if dt.kind == "b":
+        return np.array([True, False] * 4)
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        return np.array([info.min, info.max, 0, 1, info.max - 7, info.min + 3, 5, 2], dt)
+    info = ml_dtypes.finfo(dt) if dtype == "bfloat16" else np.finfo(dt)
+    values = np.array([info.max, info.min, info.tiny, -info.tiny, 1.5, -0.0, info.eps, 2.0])
+    out = values.astype(dt)
+    return out + 1j * out[::-1] if dt.kind == "c" else out
+
+
+def sharded_struct(shape, dtype):
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec("x")))
+
+
+def target_for(kind: str, saved: np.ndarray):
+    return {"none": lambda: None, "numpy": lambda: np.zeros_like(saved),
+            "ndarray-class": lambda: np.ndarray,
+            "sds": lambda: jax.ShapeDtypeStruct(saved.shape, saved.dtype),
+            "sds-sharded": lambda: sharded_struct(saved.shape, saved.dtype),
+            "jax-array": lambda: jnp.zeros(saved.shape, saved.dtype)}[kind]()
+
+
+def same_values(got, saved: np.ndarray) -> bool:
+    """True if ``got`` holds exactly ``saved``'s values (NaN-free inputs, bit for bit)."""
+    host = np.asarray(got)
+    return host.shape == saved.shape and np.array_equal(host.astype(saved.dtype), saved)
+
+
+CASES = [(d, t, x64) for d in WIDE + NARROW for t in TARGETS for x64 in (False, True)
+         if not (t == "jax-array" and d in WIDE and not x64)]  # jax cannot make that target
+
+
+@pytest.mark.parametrize(("dtype", "target_kind", "x64"), CASES)
+def test_every_dtype_into_every_target_keeps_its_values_or_raises(dtype, target_kind, x64):
+    saved = extreme_values(dtype)
+    store = MemoryStore()
+    casstore.save(store, 0, {"x": saved})
+    with jax.enable_x64(x64):
+        target = target_for(target_kind, saved)
+        wide_on_sharding = dtype in WIDE and not x64 and target_kind == "sds-sharded"
+        if wide_on_sharding:
+            with pytest.raises(casstore.TargetMismatchError,
+                               match=rf"(?s)'x'.*saved {dtype}.*jax_enable_x64 is off"):
+                casstore.restore(store, 0, target={"x": target})
+            return
+        got = casstore.restore(store, 0, target=None if target is None else {"x": target})["x"]
+    assert same_values(got, saved), (dtype, target_kind, x64, got)
+    as_numpy = target_kind in ("none", "numpy", "ndarray-class") or (
+        dtype in WIDE and not x64 and target_kind == "sds")
+    assert isinstance(got, np.ndarray if as_numpy else jax.Array)
+    assert got.dtype == saved.dtype
+    if target_kind == "sds-sharded":
+        assert got.sharding == target.sharding
+
+
+def test_the_issues_example_returns_the_saved_int64_and_float64(tmp_path):
+    casstore.save(tmp_path, 0, {"a": np.array([2**40 + 7, -3], np.int64),
+                                "f": np.array([1e300], np.float64)})
+    t = {"a": jax.ShapeDtypeStruct((2,), np.int64), "f": jax.ShapeDtypeStruct((1,), np.float64)}
+    got = casstore.restore(tmp_path, 0, target=t)
+    assert isinstance(got["a"], np.ndarray) and got["a"].dtype == np.int64
+    assert got["a"].tolist() == [2**40 + 7, -3]
+    assert isinstance(got["f"], np.ndarray) and got["f"].tolist() == [1e300]
+
+
+def test_64_bit_leaves_that_fit_32_bits_need_no_x64():
+    """A saved int32 asked for as int64 (x64 off) fits jax's int32 exactly: a jax array."""
+    store = MemoryStore()
+    casstore.save(store, 0, {"a": np.array([7, -3], np.int32), "s": 5, "big": 2**40})
+    t = {"a": sharded_struct((2,), np.int64), "s": jax.ShapeDtypeStruct((), np.int64),
+         "big": jax.ShapeDtypeStruct((), np.int64)}
+    got = casstore.restore(store, 0, target=t)
+    assert isinstance(got["a"], jax.Array) and got["a"].dtype == jnp.int32
+    assert got["a"].tolist() == [7, -3] and got["a"].sharding == t["a"].sharding
+    assert isinstance(got["s"], jax.Array) and int(got["s"]) == 5  # a scalar that fits
+    assert isinstance(got["big"], np.ndarray) and int(got["big"]) == 2**40  # one that does not
+    t["big"] = jax.ShapeDtypeStruct((), np.int64, sharding=NamedSharding(
+        t["a"].sharding.mesh, PartitionSpec()))
+    with pytest.raises(casstore.TargetMismatchError, match="(?s)'big'.*jax_enable_x64"):
+        casstore.restore(store, 0, target=t)
+
+
+def test_saved_sharding_of_x64_leaves_raises_without_x64():
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    with jax.enable_x64(True):
+        x = jax.device_put(jnp.arange(4, dtype=jnp.int64) + 2**40,
+                           NamedSharding(mesh, PartitionSpec("x")))
+        store = MemoryStore()
+        casstore.save(store, 0, {"x": x})
+        assert casstore.restore(store, 0, sharding="saved")["x"].tolist()[0] == 2**40
+    with pytest.raises(casstore.TargetMismatchError, match="(?s)'x'.*int64.*jax_enable_x64"):
+        casstore.restore(store, 0, sharding="saved")
+
+
+INT_DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=st.lists(st.integers(-2**63, 2**63 - 1), min_size=1, max_size=6),
+       target=st.sampled_from(INT_DTYPES + ["bool"]), as_jax=st.booleans())
+def test_an_integer_cast_keeps_every_value_or_raises(values, target, as_jax):
+    saved = np.array(values, np.int64)
+    store = MemoryStore()
+    casstore.save(store, 0, {"x": saved})
+    dt = np.dtype(target)
+    low, high = (0, 1) if dt.kind == "b" else (np.iinfo(dt).min, np.iinfo(dt).max)
+    fits = all(low <= v <= high for v in values)
+    with jax.enable_x64(True):
+        t = jax.ShapeDtypeStruct(saved.shape, dt) if as_jax else np.zeros(saved.shape, dt)
+        if not fits:
+            with pytest.raises(casstore.TargetMismatchError,
+                               match=r"(?s)cannot hold.*key path 'x'"):
+                casstore.restore(store, 0, target={"x": t})
+            return
+        got = casstore.restore(store, 0, target={"x": t})["x"]
+    assert got.dtype == dt and [int(v) for v in np.asarray(got)] == values
+
+
+FLOATS = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
+          "float8_e4m3fn": ml_dtypes.float8_e4m3fn}
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=st.lists(st.floats(allow_nan=False, width=64), min_size=1, max_size=6),
+       target=st.sampled_from(sorted(FLOATS)))
+def test_a_float_narrowing_rounds_or_raises_never_overflows(values, target):
+    saved = np.array(values, np.float64)
+    store = MemoryStore()
+    casstore.save(store, 0, {"x": saved})
+    dt = np.dtype(FLOATS[target])
+    with np.errstate(over="ignore", invalid="ignore"):
+        cast = saved.astype(dt)
+    overflows = bool(np.any(np.isfinite(saved) & ~np.isfinite(cast)))
+    t = {"x": np.zeros(saved.shape, dt)}
+    if overflows:
+        with pytest.raises(casstore.TargetMismatchError, match=rf"overflow {target}"):
+            casstore.restore(store, 0, target=t)
+        return
+    got = casstore.restore(store, 0, target=t)["x"]
+    assert got.dtype == dt and got.tobytes() == cast.tobytes()
+
+
+def test_other_casts_refuse_what_the_target_cannot_hold():
+    store = MemoryStore()
+    casstore.save(store, 0, {"nan": np.array([1.0, np.nan]), "c": np.array([1 + 2j]),
+                  "real": np.array([3 + 0j]), "frac": np.array([2.7, -2.7]), "flag": 2})
+    with pytest.raises(casstore.TargetMismatchError, match="NaN or infinity.*'nan'"):
+        casstore.restore(store, 0, target={"nan": np.zeros(2, np.int32)}, partial=True)
+    with pytest.raises(casstore.TargetMismatchError, match="imaginary part.*'c'"):
+        casstore.restore(store, 0, target={"c": np.zeros(1, np.float64)}, partial=True)
+    with pytest.raises(casstore.TargetMismatchError, match="not a bool.*'flag'"):
+        casstore.restore(store, 0, target={"flag": False}, partial=True)
+    got = casstore.restore(store, 0, partial=True, target={
+        "real": np.zeros(1, np.float32), "frac": np.zeros(2, np.int8), "flag": 0})
+    assert got["real"].tolist() == [3.0] and got["frac"].tolist() == [2, -2]  # trunc
+    assert got["flag"] == 2 and type(got["flag"]) is int
+
+
+def test_an_ndarray_class_target_gives_numpy_of_the_saved_shape_and_dtype():
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    w = jax.device_put(jnp.arange(8.0).reshape(4, 2), NamedSharding(mesh, PartitionSpec("x")))
+    tree = {"w": w, "b": np.arange(3, dtype=np.int16), "step": 7,
+            "key": jax.random.key(1), "bf": jnp.ones(5, jnp.bfloat16)}
+    store = MemoryStore()
+    casstore.save(store, 0, tree)
+    got = casstore.restore(store, 0, target=jax.tree.map(lambda _: np.ndarray, tree))
+    for k in ("w", "b", "bf"):
+        assert type(got[k]) is np.ndarray, k
+        assert got[k].dtype == np.asarray(tree[k]).dtype and got[k].shape == tree[k].shape, k
+        np.testing.assert_array_equal(got[k], np.asarray(tree[k]))
+    assert type(got["step"]) is np.ndarray and got["step"].shape == () and got["step"] == 7
+    assert jax.dtypes.issubdtype(got["key"].dtype, jax.dtypes.prng_key)  # numpy cannot hold
+    np.testing.assert_array_equal(jax.random.key_data(got["key"]),
+                                  jax.random.key_data(tree["key"]))
+
+
+def chunk_keys(store, paths: list[str]) -> set[str]:
+    manifest = casstore.read_manifest(store, 0)
+    return {ref.key for leaf in manifest.leaves if leaf.path in paths for ref in leaf.chunks}
+
+
+def test_placeholder_leaves_are_left_out_and_none_of_their_chunks_read():
+    rng = np.random.default_rng(0)
+    tree = {"params": {"w": rng.random((64, 64), np.float32), "b": rng.random(64, np.float32)},
+            "opt": {"mu": rng.random((64, 64), np.float32), "nu": rng.random(64, np.float32)},
+            "step": 3}
+    store = CountingStore(MemoryStore())
+    casstore.save(store, 0, tree, chunk_size_bytes=4096)
+    store.reset()
+    target = {"params": {"w": casstore.PLACEHOLDER, "b": np.ndarray},
+              "opt": jax.tree.map(lambda _: ..., tree["opt"]), "step": 0}
+    got = casstore.restore(store, 0, target=target)
+    assert got["params"]["w"] is ... and got["opt"] == {"mu": ..., "nu": ...}
+    np.testing.assert_array_equal(got["params"]["b"], tree["params"]["b"])
+    assert got["step"] == 3
+    read = {k for k in store.keys_read if k.startswith("chunks/")}
+    assert read == chunk_keys(store, ["params/b"]) and read  # nothing of w, mu or nu
+    store.reset()
+    subtree = casstore.restore(store, 0, target={"params": ..., "opt": {"mu": np.ndarray,
+                                                                        "nu": np.ndarray},
+                                                 "step": ...})
+    assert subtree["params"] is ... and subtree["step"] is ...  # a whole subtree left out
+    np.testing.assert_array_equal(subtree["opt"]["mu"], tree["opt"]["mu"])
+    read = {k for k in store.keys_read if k.startswith("chunks/")}
+    assert read == chunk_keys(store, ["opt/mu", "opt/nu"])
+    assert casstore.PLACEHOLDER is ...
+
+
+def test_abstract_tree_keeps_shardings_and_passes_scalars_through():
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+    state = {"w": jax.device_put(jnp.arange(32.0).reshape(8, 4),
+                                 NamedSharding(mesh, PartitionSpec("data", "model"))),
+             "emb": jax.device_put(jnp.ones((8, 2), jnp.bfloat16),
+                                   NamedSharding(mesh, PartitionSpec(None, "model"))),
+             "key": jax.random.key(0), "host": np.arange(3, dtype=np.int16), "step": 12,
+             "name": "run-a", "lr": 0.5}
+    store = MemoryStore()
+    casstore.save(store, 0, state)
+    target = casstore.abstract_tree(state)
+    assert target["w"].sharding == state["w"].sharding and target["w"].dtype == jnp.float32
+    assert target["step"] == 12 and target["name"] == "run-a" and target["lr"] == 0.5
+    assert isinstance(target["host"], jax.ShapeDtypeStruct) and target["host"].sharding is None
+    got = casstore.restore(store, 0, target=target)
+    for k in ("w", "emb"):
+        assert got[k].sharding == state[k].sharding and got[k].dtype == state[k].dtype, k
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(state[k]))
+    np.testing.assert_array_equal(jax.random.key_data(got["key"]),
+                                  jax.random.key_data(state["key"]))
+    assert isinstance(got["host"], jax.Array) and got["host"].tolist() == [0, 1, 2]
+    assert got["step"] == 12 and got["name"] == "run-a"
+    assert casstore.abstract_tree(target)["w"] is target["w"]  # already abstract: unchanged
