@@ -27,7 +27,6 @@ import fsspec
 from fsspec.asyn import AsyncFileSystem
 
 from .._errors import ObjectNotFoundError
-from .._pool import default_workers
 from ._base import ObjectInfo, Store, check_key
 from ._retry import (
     DEFAULT_OPERATION_TIMEOUT_S,
@@ -89,11 +88,11 @@ class FsspecStore(Store):
         ``request_timeout_s`` each until the store answers again, so a save that failed
         releases its lock quickly.
 
-    Saves and restores run 8 requests per usable core at once, at least 16 and at most 64
-    (``max_workers``; 2 threads per core for local disk): an object store's latency, not its
-    bandwidth, bounds one request. Requests in flight are capped by an
-    :class:`~casstore.store._adaptive.AdaptiveLimit`: a store answering 503 SlowDown, 429 or
-    timing out gets fewer at once.
+    Saves and restores run 8 requests per usable core at once (``workers_per_core``; 2 for
+    local disk), at most 64 (``max_workers_cap``): an object store's latency, not its
+    bandwidth, bounds one request, so the requests in flight outnumber the cores. Requests in
+    flight are capped by an :class:`~casstore.store._adaptive.AdaptiveLimit`: a store
+    answering 503 SlowDown, 429 or timing out gets fewer at once.
 
     Attributes:
       policy: the :class:`~casstore.store._retry.RetryPolicy` every operation runs under; its
@@ -104,7 +103,8 @@ class FsspecStore(Store):
       ValueError: a timeout that is not positive.
     """
 
-    max_workers = max(16, default_workers(io_per_core=8, cap=64))
+    workers_per_core = 8
+    max_workers_cap = 64
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, *, read_only: bool = False,
                  url: str | None = None, batch_size: int = 64, retries: int | None = None,
