@@ -9,6 +9,7 @@ module; a submodule is not taken to import its parent package.
 import ast
 import importlib
 import pathlib
+import re
 
 import pytest
 
@@ -104,3 +105,22 @@ def test_every_module_imports(module):
     """Each module imports (in the test process, after casstore: no missing name or syntax);
     ``casstore.__main__`` runs the command line when imported, so it is only parsed."""
     assert importlib.import_module(module).__name__ == module
+
+
+def test_the_design_notes_diagrams_name_existing_modules_and_every_save_stage():
+    """docs/design-notes.md draws the data flow of save and restore: every ``_module.name`` in
+    its diagrams exists, and every save-stage module (``casstore/_save*.py``) is drawn."""
+    notes = (ROOT.parent / "docs" / "design-notes.md").read_text()
+    diagrams = "".join(re.findall(r"^```text\n(.*?)^```", notes, re.S | re.M))
+    named = [(m, chain.split(".")[1:]) for m, chain in
+             re.findall(r"\b(_[a-z_]+)((?:\.[A-Za-z_]+)+)", diagrams) if chain != ".py"]
+    assert len(named) >= 10
+    for module, chain in named:
+        found = [m for m in (f"casstore.{module}", f"casstore.store.{module}") if m in MODULES]
+        assert found, f"{module} in docs/design-notes.md is not a casstore module"
+        value = importlib.import_module(found[0])
+        for name in chain:
+            assert hasattr(value, name), f"{module}.{'.'.join(chain)}"
+            value = getattr(value, name)
+    stages = {p.stem for p in ROOT.glob("_save*.py")}
+    assert stages <= {m for m, _ in named} | {"_save"}, stages
