@@ -1,10 +1,16 @@
-"""Agreement between the processes of a multi-process JAX job during a save (format.md §7).
+"""Save stage 5, the agreement between the processes of a multi-process JAX job (format.md §7).
 
-Every process writes the chunks of its own shards, then posts its chunk refs (or its error) to
-the ``jax.distributed`` coordinator's key-value store. Process 0 waits for every process, and
-only if all succeeded writes the manifest; it then posts the outcome, which the others wait for.
-A process that dies before posting makes process 0 time out: no manifest is written.
-This follows orbax's use of the same key-value store for its multi-host barriers.
+Takes each process's chunk refs, once its chunks are stored; gives process 0 every process's
+refs, only if all of them succeeded, and gives every process the outcome of process 0's
+commit. Every process writes the chunks of its own shards, then posts its chunk refs (or its
+error) to the ``jax.distributed`` coordinator's key-value store. Process 0 waits for every
+process, and only if all succeeded writes the manifest; it then posts the outcome, which the
+others wait for. A process that dies before posting makes process 0 time out: no manifest is
+written. This follows orbax's use of the same key-value store for its multi-host barriers.
+In a single-process job every step of the exchange is a no-op.
+
+A save runs its chunk and commit stages inside :meth:`SaveAgreement.committing` and calls
+:meth:`SaveAgreement.gather_refs` between them; nothing else of the exchange is in the save.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import jax
 import msgpack
 
 from ._errors import CasstoreError
+from ._manifest import ChunkRef
 
 _save_counter = itertools.count()  # SPMD: every process calls save() in the same order
 
@@ -34,6 +41,7 @@ class SaveAgreement:
         self.count = jax.process_count()
         self.index = jax.process_index()
         self.tag = f"casstore/save/{next(_save_counter)}" if self.count > 1 else ""
+        self._posted = False  # this process posted its refs (or its error)
 
     @property
     def is_primary(self) -> bool:
@@ -77,17 +85,55 @@ class SaveAgreement:
                                 f"{timeout_ms() / 1000:g} s; no manifest written") from e
 
     @contextlib.contextmanager
-    def reporting_errors(self) -> Iterator[None]:
-        """Tells the other processes about an error in the body, so none waits or commits."""
+    def committing(self) -> Iterator[SaveAgreement]:
+        """The agreement around a save's chunk and commit stages.
+
+        An error in the body is posted to the other processes (so none waits for this one or
+        commits without it) and re-raised. When the body ends without error, process 0 posts
+        that the step is committed and the others wait for that.
+
+        Raises:
+          CasstoreError: on a process other than 0, process 0 did not commit the step, or
+            did not say so within :func:`timeout_ms`.
+        """
         try:
-            yield
+            yield self
         except BaseException as e:
             error = f"{type(e).__name__}: {e}"
             if self.is_primary:
                 self.publish_outcome(error)
-            else:
+            elif not self._posted:
                 self.gather([], error)
             raise
+        if self.is_primary:
+            self.publish_outcome(None)
+        else:
+            self.wait_outcome()
+
+    def gather_refs(self, refs: dict[int, list[ChunkRef]]) -> dict[int, list[ChunkRef]] | None:
+        """Every process's chunk refs on process 0; elsewhere posts ``refs`` and returns None.
+
+        Args:
+          refs: this process's chunk refs, by leaf index (extended in place on process 0).
+
+        Returns:
+          On process 0, ``refs`` with every other process's refs added (after waiting for all
+          of them); None on the others, which have nothing left to do but wait for the outcome.
+
+        Raises:
+          CasstoreError: on process 0, another process reported an error or did not report
+            within :func:`timeout_ms`.
+        """
+        if self.is_primary:
+            for posted in self.gather([], None)[1:]:
+                for i, *ref in posted:
+                    refs.setdefault(i, []).append(
+                        ChunkRef(ref[0], tuple(ref[1]), tuple(ref[2]), *ref[3:]))
+            return refs
+        self._posted = True
+        self.gather([[i, r.id, r.start, r.stop, r.offset, r.raw_bytes, r.stored_bytes, r.base]
+                     for i, rs in refs.items() for r in rs], None)
+        return None
 
     def publish_outcome(self, error: str | None) -> None:
         """Process 0 tells the others whether the manifest was committed."""

@@ -9,14 +9,36 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 
-def default_workers(io_per_core: int, cap: int) -> int:
-    """Worker threads for a pipeline: ``io_per_core`` per usable core, at most ``cap``.
+def usable_cores() -> int:
+    """The cores this process may run on, now: ``len(os.sched_getaffinity(0))``, at least 1.
+
+    The affinity mask, not the machine's core count: a process pinned by ``taskset``, a cgroup
+    cpuset (containers, Slurm, Kubernetes CPU pinning) or a launcher that gives each rank its
+    own cores sees only its share. Where the platform has no affinity (macOS, Windows),
+    ``os.cpu_count()``.
+    """
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def default_workers(per_core: int, cap: int) -> int:
+    """Worker threads for a pipeline: ``per_core`` per usable core (:func:`usable_cores`), at
+    most ``cap``.
 
     Hashing, compression and numpy copies release the GIL, so CPU-bound stages scale with the
     cores; requests to an object store wait on latency, so they take several threads per core.
+    ``cap`` bounds memory, not CPU: each worker of a save holds up to two chunks in flight and
+    each worker of a restore one chunk's read buffer.
+
+    Args:
+      per_core: threads per usable core, at least 1.
+      cap: the most threads.
+
+    Returns:
+      ``min(cap, per_core * usable_cores())``, at least 1.
     """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(2, min(cap, io_per_core * (cores or 1)))
+    return max(1, min(cap, per_core * usable_cores()))
 
 
 def bounded_map(fn: Callable[[Any], Any], items: Iterable, max_workers: int,

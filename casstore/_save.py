@@ -1,68 +1,41 @@
-"""Saving a pytree as a content-addressed checkpoint (format.md §3, §4 and §7).
+"""Saving a pytree as a content-addressed checkpoint: the save pipeline, stage by stage.
 
-The write path is a stream. :func:`prepare` flattens and checks the tree; :func:`plan_jobs`
-turns it into chunk jobs, yielded lazily: host views of numpy and CPU-device arrays, and for
-accelerator shards a device-to-host copy of each block started only as the block enters the
-pipeline. :func:`write` refuses an existing step, takes the save lock, learns which chunks exist
-from the run's latest manifest (never from a listing of ``chunks/``, whose size grows with the
-repository), hashes and compresses the new chunks on one pool of threads and uploads them on
-another, with a bounded number of bytes in flight, and finally writes the manifest create-only.
+:func:`save` is the list of its stages, each a module with one job (format.md §3, §4, §7, §8;
+the data flow is drawn in docs/design-notes.md, "The save pipeline"):
+
+1. :mod:`casstore._save_leaves`: the tree -> its checked leaves (nothing written yet);
+   :mod:`casstore._stored_dtype` then casts the leaves ``dtypes`` selects, lazily;
+2. :mod:`casstore._save_plan`: leaves -> a lazy stream of chunk jobs (§3.3, §3.4);
+3. :mod:`casstore._save_encode`: a job's bytes -> chunk id and the object to store, if the
+   repository lacks it (§3.1, §3.2, §3.5, §8);
+4. :mod:`casstore._save_upload`: the stream through two bounded thread pools -> stored chunks
+   and their refs (§7: chunks before the manifest);
+5. :mod:`casstore._multihost`: every process's refs -> process 0, and the outcome back (§7);
+6. :mod:`casstore._save_commit`: refs -> the manifest, written create-only (§4, §7).
+
+:func:`write` is stages 3 to 6, which the manager's background save runs on its own.
 """
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures as cf
-import contextlib
 import dataclasses
-import functools
-import math
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
-import jax
-import msgpack
-import numpy as np
-
-from ._chunking import (
-    DEFAULT_CHUNK_SIZE_BYTES,
-    DEFAULT_PACK_THRESHOLD_BYTES,
-    INLINE_LIMIT_BYTES,
-    block_bytes,
-    dtype_name,
-    grid,
-    is_host_data,
-    is_key_array,
-    on_host,
-    start_host_copy,
-    unique_shards,
-)
-from ._codec import DEFAULT_ZSTD_LEVEL, chunk_id, encode_chunk
-from ._delta import RestoreBudget, base_bytes, encode_delta
-from ._errors import (
-    CorruptChunkError,
-    ManifestError,
-    StepAlreadyExistsError,
-    StepNotFoundError,
-    StoreTimeoutError,
-    UnsupportedLeafError,
-)
-from ._keypath import flatten
-from ._layout import check_run, check_step, chunk_key, delta_key, manifest_key
+from ._chunking import DEFAULT_CHUNK_SIZE_BYTES, DEFAULT_PACK_THRESHOLD_BYTES
+from ._codec import DEFAULT_ZSTD_LEVEL
+from ._layout import check_run, check_step, manifest_key
 from ._locks import save_lock
-from ._manifest import ChunkRef, LeafEntry, Manifest, decode_manifest, encode_manifest
 from ._multihost import SaveAgreement
-from ._pool import bounded_map
-from ._repository import Url, ensure_config, list_runs, list_steps, read_manifest
+from ._repository import Url, ensure_config, list_runs
+from ._save_commit import check_absent, commit
+from ._save_encode import ChunkWriter, previous_manifest
+from ._save_leaves import Prepared, prepare
+from ._save_plan import Job, plan_jobs
+from ._save_upload import inflight_window, store_chunks
 from ._stored_dtype import stored_as
 from .store import Store, open_store
-
-MAX_METADATA_BYTES = 2**20
-# Of the blocks whose delta did not pay at the previous save (unpaid_blocks), one in this many
-# tries again.
-DELTA_RETRY = 4
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -101,303 +74,6 @@ class SaveInfo:
         """``logical_bytes / written_bytes``: how many times smaller the save was than the state."""
         return self.logical_bytes / max(self.written_bytes, 1)
 
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ArrayInfo:
-    """What the manifest records of an array leaf; the array itself is not kept.
-
-    Attributes:
-      shape, dtype: of the stored array (the key data, for typed PRNG keys).
-      key_impl: the PRNG implementation name for typed key arrays, else None.
-      sharding: the NamedSharding as ``{"mesh": {axis: size}, "spec": [...]}``, or None.
-      is_jax: whether the leaf was a jax.Array.
-      spread: whether other processes hold some of its shards (multi-process saves).
-    """
-
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    key_impl: str | None
-    sharding: dict | None
-    is_jax: bool
-    spread: bool
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Prepared:
-    """A checked pytree: its structure, scalar entries and array descriptions, by leaf index."""
-
-    node: dict
-    paths: list[str]
-    scalars: dict[int, LeafEntry]
-    arrays: dict[int, ArrayInfo]
-    metadata: Any
-
-    @property
-    def logical_bytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays.values())
-
-
-@dataclasses.dataclass(slots=True)
-class Job:
-    """One chunk to store.
-
-    Attributes:
-      read: returns the chunk's raw bytes (waiting for a device-to-host copy if one runs).
-      blocks: ``(leaf index, start, stop, byte offset)`` of every block the chunk holds.
-      element_size: bytes per element (1 for a pack of mixed dtypes).
-      nbytes: raw length, bytes.
-      caller_memory: ``read`` views memory the caller may overwrite (a numpy leaf's buffer).
-      holds_copy: ``read`` reads a copy made for this job (a pack, a device-to-host copy).
-      release: called once the chunk is stored or has failed (frees a staging budget).
-    """
-
-    read: Callable[[], memoryview]
-    blocks: list[tuple[int, tuple[int, ...], tuple[int, ...], int]]
-    element_size: int
-    nbytes: int
-    caller_memory: bool = False
-    holds_copy: bool = False
-    release: Callable[[], None] | None = None
-
-
-class _ChunkWriter:
-    """Uploads chunks that the repository does not have yet; thread-safe.
-
-    ``previous`` is the run's latest manifest (or None). Its chunks are stored (format.md §8),
-    so they are reused without looking; with ``lookup``, any other id is looked up with one
-    ``stat`` of its key and uploaded only if absent, else uploaded without looking (a
-    repository without a committed step: a chunk there is one no manifest references, and
-    rewriting it with the same bytes is harmless). A second block with the same id waits for
-    the first one's lookup or encoding (its upload is awaited before the commit). With
-    ``delta``, a new block whose previous step's block (same key path and bounds) is stored is
-    written as a delta against that block's whole chunk if that pays (format.md §3.5),
-    reading the base chunk from the store; for a
-    block whose delta did not pay at the previous save (:func:`unpaid_blocks`, worked out at
-    the first delta a save tries, so a save without changed blocks reads no other manifest)
-    only one in ``DELTA_RETRY`` tries, by chunk id. Every chunk the step references is booked
-    once in a :class:`RestoreBudget`, which a delta must fit.
-    """
-
-    def __init__(self, store: Store, previous: Manifest | None, zstd_level: int, shuffle: bool,
-                 delta: bool, lookup: bool = True):
-        refs = [(leaf.path, r) for leaf in previous.leaves for r in leaf.chunks] if previous else []
-        self.store, self.zstd_level, self.shuffle, self.lookup = store, zstd_level, shuffle, lookup
-        self.previous = previous
-        self.unpaid: frozenset | None = None
-        self.unpaid_lock = threading.Lock()
-        self.known: dict[str, tuple[int, str | None]] = {
-            r.id: (r.stored_bytes, r.base) for _, r in refs}
-        self.bases = {(path, r.start, r.stop): r for path, r in refs if delta and r.offset == 0}
-        self.inflight: dict[str, cf.Future] = {}
-        self.lock = threading.Lock()
-        self.new = self.reused = self.written = self.deltas = self.delta_saved = 0
-        self.budget = RestoreBudget()
-        self.booked: set[str] = set()  # chunks of the step the budget has, each once
-
-    def write(self, raw: memoryview, element_size: int, block: tuple[str, tuple, tuple] | None
-              ) -> tuple[str, int, str | None, tuple[str, bytes] | None]:
-        """Encodes ``raw`` (elements of ``element_size`` bytes; the whole block ``(key path,
-        start, stop)`` of one leaf, or None for a pack) if the repository lacks it; returns
-        ``(chunk id, stored bytes, base chunk id or None, upload)``, where ``upload`` is the
-        ``(key, object)`` the caller must put, or None if the chunk is stored or put by another
-        block with the same id."""
-        cid = chunk_id(raw)
-        with self.lock:
-            stored = self.known.get(cid)
-            future = self.inflight.get(cid) if stored is None else None
-            owner = stored is None and future is None
-            if owner:
-                future = self.inflight[cid] = cf.Future()
-            else:
-                self.reused += 1
-            book = stored is not None and cid not in self.booked
-            self.booked.add(cid)
-        if book:
-            (self.budget.add_delta if stored[1] else self.budget.add_whole)(stored[0])
-        if stored is not None:
-            return cid, *stored, None
-        if not owner:
-            return cid, *future.result(), None
-        try:
-            size, base, upload = self._encode_if_absent(cid, raw, element_size, block)
-        except BaseException as e:
-            future.set_exception(e)
-            raise
-        with self.lock:
-            self.known[cid] = size, base
-            self.new += upload is not None
-            self.reused += upload is None
-            self.written += size if upload is not None else 0
-        future.set_result((size, base))
-        return cid, size, base, upload
-
-    def _encode_if_absent(self, cid: str, raw: memoryview, element_size: int,
-                          block: tuple | None) -> tuple[int, str | None, tuple[str, bytes] | None]:
-        """``(stored bytes, base, (key, object) to upload or None)``; a stored chunk is not
-        re-encoded."""
-        key = chunk_key(cid)
-        if self.lookup:
-            try:
-                size = self.store.stat(key).size
-                self.budget.add_whole(size)
-                return size, None, None
-            except FileNotFoundError:
-                pass
-        previous = self.bases.get(block) if block is not None else None
-        if (previous is not None and previous.raw_bytes == len(raw) and previous.id != cid
-                and (int(cid[:8], 16) % DELTA_RETRY == 0 or block not in self._unpaid())):
-            base = previous.base or previous.id
-            encoded = self._delta(raw, element_size, base)
-            if encoded is not None:
-                with self.lock:
-                    self.deltas += 1
-                    self.delta_saved += encoded[1]
-                return len(encoded[0]), base, (delta_key(cid, base), encoded[0])
-        data = encode_chunk(raw, level=self.zstd_level, element_size=element_size,
-                            shuffle=self.shuffle)
-        self.budget.add_whole(len(data))
-        return len(data), None, (key, data)
-
-    def _unpaid(self) -> frozenset:
-        """:func:`unpaid_blocks` of the previous manifest, read once."""
-        with self.unpaid_lock:
-            if self.unpaid is None:
-                self.unpaid = unpaid_blocks(self.store, self.previous)
-            return self.unpaid
-
-    def _delta(self, raw: memoryview, element_size: int, base: str) -> tuple[bytes, int] | None:
-        """:func:`encode_delta` against chunk ``base``, read from the store; None if it does
-        not pay, or if the base is missing or fails its checks (the block is then stored whole:
-        a damaged earlier step must not stop new saves; ``verify`` reports it)."""
-        k = element_size if len(raw) % element_size == 0 else 1
-        try:
-            data = self.store.get(chunk_key(base))
-            return encode_delta(raw, base_bytes(data, base, len(raw), k), k, self.zstd_level,
-                                self.shuffle, self.budget)
-        except (CorruptChunkError, FileNotFoundError):
-            return None
-
-
-def unpaid_blocks(store: Store, previous: Manifest) -> frozenset[tuple[str, tuple, tuple]]:
-    """The blocks ``(key path, start, stop)`` whose delta did not pay at ``previous``'s save.
-
-    Such a block is stored whole in ``previous`` and, with other bytes, whole in the run's step
-    before it: the save of ``previous`` could take a delta against a chunk one step old and
-    did not keep it (adam's moments, whose every bit moves each step, ../shared/CODECS.md).
-    Trying again would read that base (a GET of its whole object on an object store) for
-    nothing, so a save tries only one in ``DELTA_RETRY`` of these blocks, picked by the new
-    chunk id, and a block whose bytes come to pay is found within a few saves. One listing of
-    the run's steps and one manifest read; empty if there is no step before ``previous`` or
-    its manifest fails validation.
-    """
-    earlier = [s for s in list_steps(store, run=previous.run) if s < previous.step]
-    if not earlier:
-        return frozenset()
-    try:
-        before = read_manifest(store, earlier[-1], run=previous.run)
-    except (StepNotFoundError, ManifestError):
-        return frozenset()
-    whole = {(leaf.path, r.start, r.stop): r.id for leaf in before.leaves for r in leaf.chunks
-             if r.offset == 0 and r.base is None}
-    return frozenset((leaf.path, r.start, r.stop) for leaf in previous.leaves for r in leaf.chunks
-                     if r.offset == 0 and r.base is None
-                     and whole.get((leaf.path, r.start, r.stop), r.id) != r.id)
-
-
-def previous_manifest(store: Store, run: str, step: int | None = None) -> Manifest | None:
-    """The manifest whose chunks a save of ``run`` reuses and deltas against.
-
-    ``step``'s if given and still there, else the run's latest. Its chunks are stored
-    (format.md §7) and stay stored while the caller holds a save lock (§8), so a save may
-    reuse them without looking. None for a run without steps, or a manifest that fails
-    validation (every chunk is then looked up on its own, and stored whole).
-    """
-    for candidate in dict.fromkeys((step, None)):
-        try:
-            return read_manifest(store, candidate, run=run)
-        except StepNotFoundError:
-            continue
-        except ManifestError:
-            return None
-    return None
-
-
-def _sharding_info(x: Any) -> dict | None:
-    """The NamedSharding of a jax.Array as ``{"mesh": {axis: size}, "spec": [...]}``."""
-    sharding = getattr(x, "sharding", None)
-    if not isinstance(sharding, jax.sharding.NamedSharding):
-        return None
-    spec = [list(p) if isinstance(p, tuple) else p for p in sharding.spec]
-    return {"mesh": {str(k): int(v) for k, v in sharding.mesh.shape.items()}, "spec": spec}
-
-
-def _scalar_entry(path: str, value: Any) -> LeafEntry:
-    """A Python scalar stored inline (format.md §4.3); bool is checked before int."""
-    kind = next(t for t in (bool, int, float, complex, str, bytes) if isinstance(value, t))
-    if kind is int and not -2**63 <= value < 2**63:
-        raise UnsupportedLeafError("int does not fit in 64 bits", key_path=path)
-    if kind in (str, bytes) and len(value) > 2**20:
-        raise UnsupportedLeafError(f"{kind.__name__} longer than 1 MiB", key_path=path)
-    stored = [float(value.real), float(value.imag)] if kind is complex else kind(value)
-    return LeafEntry(path, "scalar", scalar_type=kind.__name__, value=stored)
-
-
-def _as_array(path: str, value: Any) -> tuple[Any, ArrayInfo]:
-    """The array to store for a leaf (key data for typed keys) and what the manifest says."""
-    key_impl = None
-    if is_key_array(value):
-        key_impl = str(jax.random.key_impl(value))
-        value = jax.random.key_data(value)
-    elif isinstance(value, np.generic):
-        value = np.asarray(value)
-    if dtype_name(value.dtype) is None:
-        raise UnsupportedLeafError(f"arrays of dtype {value.dtype} cannot be stored",
-                                   key_path=path)
-    is_jax = isinstance(value, jax.Array)
-    return value, ArrayInfo(tuple(value.shape), np.dtype(value.dtype), key_impl,
-                            _sharding_info(value), is_jax,
-                            is_jax and not value.is_fully_addressable)
-
-
-def prepare(tree: Any, metadata: Any = None) -> tuple[Prepared, dict[int, Any]]:
-    """Flattens and checks ``tree`` before anything is written.
-
-    Returns:
-      ``(prepared, arrays)``: the checked description, and the array to store for each array
-      leaf (numpy or jax; key data for typed PRNG keys), by leaf index.
-
-    Raises:
-      UnsupportedLeafError: a leaf cannot be stored; names its key path.
-      ValueError: ``metadata`` that msgpack cannot encode, or over 1 MiB encoded.
-    """
-    node, leaves = flatten(tree)
-    _check_metadata(metadata)
-    scalars: dict[int, LeafEntry] = {}
-    values: dict[int, Any] = {}
-    infos: dict[int, ArrayInfo] = {}
-    for i, (path, value) in enumerate(leaves):
-        if isinstance(value, (np.ndarray, np.generic, jax.Array)):
-            values[i], infos[i] = _as_array(path, value)
-        else:
-            scalars[i] = _scalar_entry(path, value)
-    return Prepared(node, [p for p, _ in leaves], scalars, infos, metadata), values
-
-
-def default_inflight_bytes(max_workers: int, chunk_size_bytes: int) -> int:
-    """Raw bytes a save keeps in flight by default: two chunks per worker thread."""
-    return 2 * max_workers * chunk_size_bytes
-
-
-def inflight_window(max_workers: int, chunk_size_bytes: int,
-                    max_inflight_bytes: int | None = None) -> int:
-    """Chunk jobs a save keeps in flight: ``max_inflight_bytes`` (default two chunks per
-    worker) in chunks of at most ``chunk_size_bytes``."""
-    inflight = max_inflight_bytes or default_inflight_bytes(max_workers, chunk_size_bytes)
-    return inflight // chunk_size_bytes
 
 
 def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any = None,
@@ -491,11 +167,14 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
     t0 = time.perf_counter()
     store = open_store(url)
     manifest_key(check_run(run), check_step(step))
+    # 1. the leaves, checked and in their stored dtypes
     prepared, arrays = stored_as(*prepare(tree, metadata), dtypes)
-    workers = max_workers or store.max_workers
+    # 2. the plan: inline leaves now, chunk jobs as a lazy stream
     inline, jobs = plan_jobs(prepared, arrays, chunk_size_bytes, pack_threshold_bytes)
     del arrays  # the jobs hold what they still need
+    workers = max_workers or store.max_workers
     window = inflight_window(workers, chunk_size_bytes, max_inflight_bytes)
+    # 3 to 6: encode, upload, agree, commit
     return write(store, step, prepared, inline, jobs, run=run, zstd_level=zstd_level,
                  shuffle=store.shuffle if shuffle is None else shuffle, max_workers=workers,
                  window=window, delta=delta, t0=t0)
@@ -505,7 +184,7 @@ def write(store: Store, step: int, prepared: Prepared, inline: dict[int, bytes],
           jobs: Iterable[Job], *, run: str, zstd_level: int, shuffle: bool, max_workers: int,
           window: int, delta: bool = True, previous_step: int | None = None,
           t0: float | None = None) -> SaveInfo:
-    """Stores the chunks of ``jobs`` and commits the step (the second half of :func:`save`).
+    """Stores the chunks of ``jobs`` and commits the step (stages 3 to 6 of :func:`save`).
 
     Args:
       jobs: the chunks, consumed lazily with at most ``window`` in flight.
@@ -519,222 +198,25 @@ def write(store: Store, step: int, prepared: Prepared, inline: dict[int, bytes],
     """
     t0 = time.perf_counter() if t0 is None else t0
     created = time.time()
-    key = manifest_key(run, step)
-    if store.exists(key):
-        raise StepAlreadyExistsError("step already exists", url=store.url, run=run, step=step)
+    check_absent(store, run, step)
     agreement = SaveAgreement()
     manifest_bytes = 0
-    with save_lock(store):
-        with agreement.reporting_errors():
-            if agreement.is_primary:
-                ensure_config(store)
-            previous = previous_manifest(store, run, previous_step)
-            # No committed step anywhere: no chunk to reuse, so none is looked up (one HEAD
-            # per chunk saved on an object store).
-            lookup = previous is not None or bool(list_runs(store))
-            writer = _ChunkWriter(store, previous, zstd_level, shuffle, delta, lookup)
-            refs: dict[int, list[ChunkRef]] = collections.defaultdict(list)
-            for i, ref in _run_jobs(jobs, writer, max_workers, window, prepared.paths):
-                refs[i].append(ref)
-            if agreement.is_primary:
-                for posted in agreement.gather([], None)[1:]:
-                    for i, *ref in posted:
-                        refs[i].append(ChunkRef(ref[0], tuple(ref[1]), tuple(ref[2]), *ref[3:]))
-                manifest = Manifest(run, step, created, prepared.metadata, prepared.node,
-                                    _entries(prepared, refs, inline))
-                manifest_bytes = _commit(store, key, manifest)
+    with save_lock(store), agreement.committing():
         if agreement.is_primary:
-            agreement.publish_outcome(None)
-        else:
-            agreement.gather([[i, r.id, r.start, r.stop, r.offset, r.raw_bytes, r.stored_bytes,
-                               r.base] for i, rs in refs.items() for r in rs], None)
-            agreement.wait_outcome()
+            ensure_config(store)
+        previous = previous_manifest(store, run, previous_step)
+        # No committed step anywhere: no chunk to reuse, so none is looked up (one HEAD per
+        # chunk saved on an object store).
+        lookup = previous is not None or bool(list_runs(store))
+        # 3. encoding, as each job's bytes are read
+        writer = ChunkWriter(store, previous, zstd_level, shuffle, delta, lookup)
+        # 4. uploads: every chunk this process stores, before any manifest
+        refs = store_chunks(jobs, writer, max_workers, window, prepared.paths)
+        # 5. the agreement: every process's refs on process 0, None on the others
+        every_refs = agreement.gather_refs(refs)
+        # 6. the commit, on process 0 (the outcome is posted as `committing` ends)
+        if every_refs is not None:
+            manifest_bytes = commit(store, step, run, created, prepared, inline, every_refs)
     return SaveInfo(step, run, prepared.logical_bytes, writer.written + manifest_bytes,
                     writer.new, writer.reused, manifest_bytes, time.perf_counter() - t0,
                     writer.deltas, writer.delta_saved)
-
-
-def _commit(store: Store, key: str, manifest: Manifest) -> int:
-    """Writes the manifest create-only after checking it decodes (format.md §4.4, §7)."""
-    data = encode_manifest(manifest)
-    decode_manifest(data, run=manifest.run, step=manifest.step, url=store.url)
-    try:
-        store.put_if_absent(key, data)
-    except FileExistsError:
-        raise StepAlreadyExistsError("step was committed by a concurrent save", url=store.url,
-                                     run=manifest.run, step=manifest.step) from None
-    except Exception:
-        # The write may have been stored before the error (a lost response): if the manifest
-        # there is ours, the commit happened.
-        try:
-            committed = store.get(key) == data
-        except Exception:  # still unknown: report the original error
-            committed = False
-        if not committed:
-            raise
-    return len(data)
-
-
-def _check_metadata(metadata: Any) -> None:
-    try:
-        size = len(msgpack.packb(metadata, use_bin_type=True))
-    except (TypeError, ValueError, OverflowError) as e:
-        raise ValueError(f"metadata is not msgpack-serializable: {e}") from e
-    if size > MAX_METADATA_BYTES:
-        raise ValueError(f"metadata is {size} bytes encoded; the limit is 1 MiB")
-
-
-def plan_jobs(prepared: Prepared, arrays: dict[int, Any], chunk_size_bytes: int,
-              pack_threshold_bytes: int) -> tuple[dict[int, bytes], Iterator[Job]]:
-    """This process's chunk jobs; returns ``(inline bytes by leaf index, jobs)``.
-
-    Small leaves are read now: inline bytes and packs are copies. Larger leaves become a lazy
-    stream of one job per block of every unique shard; an accelerator block's host copy is
-    started when the stream yields its job. Arrays that span several processes are written by
-    every process for its own ``replica_id == 0`` shards; everything else (numpy, fully
-    addressable jax arrays) only by process 0.
-    """
-    primary = jax.process_index() == 0
-    infos = prepared.arrays
-    mine = {i: a for i, a in arrays.items() if infos[i].spread or primary}
-    small = {i: a for i, a in mine.items() if not infos[i].spread
-             and infos[i].nbytes <= min(pack_threshold_bytes, chunk_size_bytes)}
-    small_raw = _small_bytes(small)
-    inline = {i: raw for i, raw in small_raw.items() if len(raw) <= INLINE_LIMIT_BYTES}
-    packs = _pack_jobs({i: raw for i, raw in small_raw.items() if i not in inline},
-                       prepared.paths, infos, chunk_size_bytes)
-    large = [(i, a) for i, a in mine.items() if i not in small]
-    blocks = (job for i, a in large for job in _block_jobs(i, a, chunk_size_bytes))
-    return inline, _chain(packs, blocks)
-
-
-def _chain(first: list[Job], rest: Iterator[Job]) -> Iterator[Job]:
-    yield from first
-    yield from rest
-
-
-def _small_bytes(small: dict[int, Any]) -> dict[int, bytes]:
-    """The raw bytes of small leaves, copied; accelerator copies all start before any waits."""
-    host = {i: a if not isinstance(a, jax.Array) else np.asarray(a) if on_host(a)
-            else start_host_copy(a, (0,) * a.ndim, a.shape) for i, a in small.items()}
-    return {i: bytes(block_bytes(np.asarray(h), (0,) * h.ndim, h.shape))
-            for i, h in host.items()}
-
-
-def _entries(prepared: Prepared, refs: dict, inline: dict) -> tuple[LeafEntry, ...]:
-    """The manifest's leaf entries, in leaf order (format.md §4.3)."""
-    entries = dict(prepared.scalars)
-    for i, a in prepared.arrays.items():
-        entries[i] = LeafEntry(
-            prepared.paths[i], "array", a.shape, dtype_name(a.dtype), a.is_jax, a.key_impl,
-            a.sharding, inline.get(i), tuple(sorted(refs.get(i, ()), key=lambda r: r.start)))
-    return tuple(entries[i] for i in range(len(prepared.paths)))
-
-
-def _block_jobs(i: int, array: Any, chunk_size_bytes: int) -> Iterator[Job]:
-    """One job per block of every unique shard of a large array (format.md §3.3), lazily."""
-    caller_memory = not isinstance(array, jax.Array)
-    for origin, shard in unique_shards(array):
-        itemsize = shard.dtype.itemsize
-        for start, stop in grid(tuple(shard.shape), itemsize, chunk_size_bytes):
-            g_start = tuple(o + a for o, a in zip(origin, start))
-            g_stop = tuple(o + b for o, b in zip(origin, stop))
-            nbytes = math.prod(b - a for a, b in zip(start, stop)) * itemsize
-            blocks = [(i, g_start, g_stop, 0)]
-            if is_host_data(shard):
-                read = functools.partial(block_bytes, shard, start, stop)
-                yield Job(read, blocks, itemsize, nbytes, caller_memory)
-            else:
-                copy = start_host_copy(shard, start, stop)
-                yield Job(functools.partial(_read_copy, copy), blocks, itemsize, nbytes,
-                          holds_copy=True)
-
-
-def _read_copy(copy: jax.Array) -> memoryview:
-    """The raw bytes of a block whose host copy :func:`start_host_copy` started."""
-    host = np.asarray(copy)
-    return block_bytes(host, (0,) * host.ndim, host.shape)
-
-
-def _pack_jobs(raws: dict[int, bytes], paths: list[str], infos: dict[int, ArrayInfo],
-               chunk_size_bytes: int) -> list[Job]:
-    """Packs the small leaves of each parent node, in leaf order, into chunks (format.md §3.4).
-
-    Grouping by parent keeps a changed small leaf from rewriting unrelated frozen ones.
-    """
-    groups: dict[str, list[int]] = collections.defaultdict(list)
-    for i in raws:
-        groups[paths[i].rpartition("/")[0]].append(i)
-    jobs: list[Job] = []
-    for members in groups.values():
-        parts: list[bytes] = []
-        blocks: list = []
-        size = 0
-        for i in members:
-            if parts and size + len(raws[i]) > chunk_size_bytes:
-                jobs.append(_pack_job(parts, blocks, infos))
-                parts, blocks, size = [], [], 0
-            blocks.append((i, (0,) * len(infos[i].shape), infos[i].shape, size))
-            parts.append(raws[i])
-            size += len(raws[i])
-        jobs.append(_pack_job(parts, blocks, infos))
-    return jobs
-
-
-def _pack_job(parts: list[bytes], blocks: list, infos: dict[int, ArrayInfo]) -> Job:
-    """A pack's job; its element size is the leaves' itemsize if they all share one, else 1."""
-    sizes = {infos[i].dtype.itemsize for i, *_ in blocks}
-    data = b"".join(parts)
-    return Job(functools.partial(memoryview, data), blocks,
-               sizes.pop() if len(sizes) == 1 else 1, len(data), holds_copy=True)
-
-
-def _run_jobs(jobs: Iterable[Job], writer: _ChunkWriter, max_workers: int, window: int,
-              paths: list[str]) -> list[tuple[int, ChunkRef]]:
-    """Runs the jobs through two bounded thread pools; returns (leaf index, chunk ref) pairs.
-
-    ``max_workers`` threads read, hash and encode; as many others upload, so the CPU work of
-    later chunks overlaps the writes of earlier ones instead of waiting behind them (on a
-    2-core VM's disk: 4.0 s instead of 5.4 s for a byte-plane save of the GPT-2-small state).
-    A job holds its place in ``window`` until its upload is done, so the raw and encoded bytes
-    in flight stay bounded as before.
-    """
-
-    def encode(job: Job) -> list[tuple[int, ChunkRef]] | cf.Future:
-        i, start, stop, offset = job.blocks[0]
-        block = (paths[i], start, stop) if len(job.blocks) == 1 and offset == 0 else None
-        try:
-            with _naming(paths[i]):
-                cid, stored, base, upload = writer.write(job.read(), job.element_size, block)
-        finally:
-            if job.release is not None:
-                job.release()
-        refs = [(i, ChunkRef(cid, a, b, off, job.nbytes, stored, base))
-                for i, a, b, off in job.blocks]
-        return refs if upload is None else uploads.submit(put, paths[i], upload, refs)
-
-    def put(path: str, upload: tuple[str, bytes], refs: list) -> list[tuple[int, ChunkRef]]:
-        with _naming(path):
-            writer.store.put(*upload)
-        return refs
-
-    with cf.ThreadPoolExecutor(max_workers) as uploads:
-        try:
-            done = bounded_map(encode, jobs, max_workers, window)
-        except BaseException:
-            uploads.shutdown(cancel_futures=True)
-            raise
-    return [pair for pairs in done for pair in pairs]
-
-
-@contextlib.contextmanager
-def _naming(path: str) -> Iterator[None]:
-    """Names the key path ``path`` in any exception raised in the body."""
-    try:
-        yield
-    except StoreTimeoutError as e:
-        raise e.at(key_path=path) from e
-    except Exception as e:
-        if hasattr(e, "add_note"):  # Python >= 3.11
-            e.add_note(f"while saving key path {path!r}")
-        raise

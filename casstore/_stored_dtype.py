@@ -1,17 +1,18 @@
-"""Storing array leaves in another dtype, chosen per key-path prefix (format.md §3.3, §4.6).
+"""Save stage 1b, stored dtypes: checked leaves -> the same leaves in the dtypes asked for.
 
-:func:`stored_as` replaces each selected array leaf of a save by a
-:class:`~casstore._chunking.CastView` of the stored dtype and records that dtype in the leaf's
-:class:`~casstore._save.ArrayInfo`. The save path then cuts the leaf on the stored dtype's grid
-(format.md §3.3) and slices it one block at a time (``block_bytes`` on the host,
-``start_host_copy`` on an accelerator), so each block is cast as its chunk is written and no
-full-size copy is made. This is orbax's ``SaveArgs(dtype=...)``.
+Takes a :class:`~casstore._save_leaves.Prepared` tree, its arrays and the ``dtypes`` of
+:func:`casstore.save` (key-path prefix -> dtype, format.md §4.6); gives the same tree with each
+selected leaf's :class:`~casstore._save_leaves.ArrayInfo` recording the stored dtype, and its
+array replaced by a :class:`~casstore._chunking.CastView` of that dtype. The plan then cuts
+the leaf on the stored dtype's grid (format.md §3.3) and slices it one block at a time
+(``block_bytes`` on the host, ``start_host_copy`` on an accelerator), so each block is cast as
+its chunk is written and no full-size copy is made. This is orbax's ``SaveArgs(dtype=...)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -19,9 +20,7 @@ import numpy as np
 from ._chunking import CastView, dtype_from_name, dtype_name
 from ._errors import UnsupportedLeafError
 from ._keypath import matches
-
-if TYPE_CHECKING:
-    from ._save import Prepared
+from ._save_leaves import Prepared
 
 
 def stored_as(prepared: Prepared, arrays: dict[int, Any],
@@ -29,7 +28,7 @@ def stored_as(prepared: Prepared, arrays: dict[int, Any],
     """A save's prepared tree and arrays, with the leaves ``dtypes`` selects cast lazily.
 
     Args:
-      prepared: the checked tree (:func:`casstore._save.prepare`).
+      prepared: the checked tree (:func:`casstore._save_leaves.prepare`).
       arrays: the array to store for each array leaf (numpy or jax), by leaf index.
       dtypes: key-path prefix (format.md §5) -> dtype its array leaves are stored in; where
         several prefixes match a leaf, the longest wins. None or empty stores every leaf as is.

@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 import casstore  # noqa: E402
 from casstore import _chunking  # noqa: E402
 from casstore._chunking import DEFAULT_CHUNK_SIZE_BYTES  # noqa: E402
-from casstore._save import default_inflight_bytes  # noqa: E402
+from casstore._save_upload import default_inflight_bytes  # noqa: E402
 
 LEAVES = int(sys.argv[3]) if len(sys.argv) > 3 else 8  # of 256 MiB: 2 GiB by default
 LEAF_ELEMENTS = 64 * 2**20

@@ -45,7 +45,7 @@ def proxied(request, object_servers):
     url = server.url_for("deadlines")
     with fault_proxy(server.endpoint_url) as proxy:
         store = FsspecStore.from_url(url, **options(server, proxy.endpoint_url), **DEADLINES)
-        store.backoff_s = 0.05
+        store.policy.backoff_s = 0.05
         yield proxy, store, FsspecStore.from_url(url, **server.storage_options)
 
 
@@ -139,12 +139,12 @@ def test_throttling_slows_a_save_down_instead_of_failing_it(object_servers):
     with fault_proxy(server.endpoint_url, seed=1) as proxy:
         store = FsspecStore.from_url(url, **options(server, proxy.endpoint_url),
                                      request_timeout_s=REQUEST_S, operation_timeout_s=10.0)
-        store.backoff_s = 0.02
+        store.policy.backoff_s = 0.02
         proxy.set("slowdown", max_in_flight=4)  # 503 SlowDown above 4 requests at once
         tree = {f"w{i}": np.full(CHUNK // 4, i, np.float32) for i in range(60)}
         info = casstore.save(store, 1, tree, chunk_size_bytes=CHUNK, pack_threshold_bytes=0)
         assert proxy.faults["slowdown"] > 0 and info.new_chunks == 60
-        assert store.limit.limit < store.max_workers  # fewer requests in flight
+        assert store.policy.limit.limit < store.max_workers  # fewer requests in flight
         proxy.set(None)
     restored = casstore.restore(FsspecStore.from_url(url, **server.storage_options), 1)
     assert all(restored[k].tobytes() == v.tobytes() for k, v in tree.items())

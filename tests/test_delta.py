@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import casstore
-from casstore import _manifest, _save
+from casstore import _manifest, _save_encode
 from casstore._codec import HEADER, SAMPLE_BYTES, decode_chunk
 from casstore._delta import CODEC_DELTA, MAX_RESTORE_OVERHEAD, RestoreBudget, decode_delta
 from casstore._layout import DELTAS_PREFIX, chunk_key, manifest_key
@@ -278,7 +278,7 @@ def test_save_delete_gc_copy_sequences_keep_every_step_restorable(ops):
     The restore budget is lifted here: in a tree of 28 small chunks it refuses the first
     deltas of a step while few whole bytes are booked (``[save 2, save 2, save 1]`` took 12
     of 16), and this test is about chains, not the budget (tested above)."""
-    with mock.patch.object(_save, "RestoreBudget", lambda: RestoreBudget(math.inf)):
+    with mock.patch.object(_save_encode, "RestoreBudget", lambda: RestoreBudget(math.inf)):
         _run_sequence(ops)
 
 
@@ -377,7 +377,7 @@ def test_a_block_whose_delta_did_not_pay_is_retried_once_in_delta_retry_saves(ba
         if s >= 2:
             # Stored whole at steps s-1 and s-2 with other bytes: the delta did not pay, so
             # only the blocks whose new chunk id picks them try again (reading their base).
-            retried = sum(int(r.id[:8], 16) % _save.DELTA_RETRY == 0 for r in new_mu)
+            retried = sum(int(r.id[:8], 16) % _save_encode.DELTA_RETRY == 0 for r in new_mu)
             assert reads_of_previous_mu[s] == retried < 16
     assert reads_of_previous_mu[1] == 16  # no step before step 0: every block tries
     # A save with no changed block reads the previous manifest only, not the one before it.

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import casstore
-from casstore import _restore, _save
+from casstore import _restore, _save_encode, _save_upload
 from casstore._chunking import DEFAULT_CHUNK_SIZE_BYTES
 from casstore.store import MemoryStore
 
@@ -145,7 +145,7 @@ def test_a_save_encodes_the_next_chunk_while_the_previous_one_uploads(monkeypatc
     in-flight window ahead of the uploads."""
     encoded: list[int] = []
     second_encoded = threading.Event()
-    encode = _save.encode_chunk
+    encode = _save_encode.encode_chunk
 
     def counting_encode(*args, **kwargs):
         out = encode(*args, **kwargs)
@@ -163,7 +163,7 @@ def test_a_save_encodes_the_next_chunk_while_the_previous_one_uploads(monkeypatc
             super().put(key, data)
             uploaded[0] += key.startswith("chunks/")
 
-    monkeypatch.setattr(_save, "encode_chunk", counting_encode)
+    monkeypatch.setattr(_save_encode, "encode_chunk", counting_encode)
     overlapped: list[bool] = []
     ahead: list[int] = []
     uploaded = [0]
@@ -172,4 +172,4 @@ def test_a_save_encodes_the_next_chunk_while_the_previous_one_uploads(monkeypatc
     casstore.save(SlowPuts(), 0, {"x": x}, chunk_size_bytes=chunk, max_workers=1)
     assert overlapped == [True]
     assert len(encoded) == uploaded[0] == 16
-    assert max(ahead) <= _save.inflight_window(1, chunk), ahead
+    assert max(ahead) <= _save_upload.inflight_window(1, chunk), ahead

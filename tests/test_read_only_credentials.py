@@ -37,7 +37,7 @@ def repo(seaweedfs_identities) -> str:
 
 def store_as(server, url: str, identity: str) -> FsspecStore:
     store = FsspecStore.from_url(url, **server.options_for(identity))
-    store.backoff_s = 5.0  # a retried request would wait at least 2.5 s
+    store.policy.backoff_s = 5.0  # a retried request would wait at least 2.5 s
     return store
 
 

@@ -105,7 +105,7 @@ def test_transient_errors_are_retried_and_permanent_ones_are_not(tmp_path):
     import errno
 
     store = make_store("fsspec-memory", tmp_path)
-    store.backoff_s = 0.001
+    store.policy.backoff_s = 0.001
     store.put("a", b"1")
     store.fs.cat_file = flaky(store.fs.cat_file, [OSError(errno.EREMOTEIO, "InternalError"),
                                                    ConnectionResetError("reset"),
@@ -115,7 +115,7 @@ def test_transient_errors_are_retried_and_permanent_ones_are_not(tmp_path):
     with pytest.raises(PermissionError) as info:
         store.get("a")
     assert store.url in "".join(getattr(info.value, "__notes__", [store.url]))
-    store.retries = 2
+    store.policy.retries = 2
     store.fs.cat_file = flaky(store.fs.cat_file, [TimeoutError()] * 3)
     with pytest.raises(TimeoutError):
         store.get("a")
@@ -123,7 +123,7 @@ def test_transient_errors_are_retried_and_permanent_ones_are_not(tmp_path):
 
 def test_a_create_that_stored_its_bytes_then_failed_is_not_a_conflict(tmp_path):
     store = make_store("fsspec-memory", tmp_path)
-    store.backoff_s = 0.001
+    store.policy.backoff_s = 0.001
     real = store.fs.pipe_file
 
     def stores_then_fails(path, data, **kwargs):

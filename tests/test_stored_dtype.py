@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import casstore
 import casstore._chunking
-import casstore._save
+import casstore._save_plan
 from casstore._chunking import CastView
 from casstore.store import CountingStore, MemoryStore
 
@@ -123,15 +123,15 @@ def test_the_accelerator_path_casts_each_block_on_its_device(monkeypatch):
     host = MemoryStore()
     casstore.save(host, 0, tree, chunk_size_bytes=CHUNK, dtypes={"params": jnp.bfloat16})
     copies = []
-    start_host_copy = casstore._save.start_host_copy
+    start_host_copy = casstore._save_plan.start_host_copy
 
     def recording(x, start, stop):
         copies.append(type(x).__name__)
         return start_host_copy(x, start, stop)
 
-    for module in (casstore._chunking, casstore._save):
+    for module in (casstore._chunking, casstore._save_plan):
         monkeypatch.setattr(module, "on_host", lambda x: False)
-    monkeypatch.setattr(casstore._save, "start_host_copy", recording)
+    monkeypatch.setattr(casstore._save_plan, "start_host_copy", recording)
     device = MemoryStore()
     casstore.save(device, 0, tree, chunk_size_bytes=CHUNK, dtypes={"params": jnp.bfloat16})
     assert copies.count("CastView") == 8  # one block per embedding shard

@@ -59,11 +59,17 @@ class Store(abc.ABC):
     Attributes:
       url: where the store lives (a path or URL without credentials).
       read_only: if true, every write raises :class:`~casstore.ReadOnlyStoreError`.
-      max_workers: the concurrency of bulk operations and of saves and restores (a class
-        default derived from the usable cores: 2 threads per core, at most 32, for local disk
-        and memory, where hashing and compression bound a save and each thread of a restore
-        holds one chunk's read buffer; set it on an instance, or pass ``max_workers=`` to a
-        call, to change it).
+      max_workers: the concurrency of bulk operations and of saves and restores: unless set
+        on the instance, ``workers_per_core`` threads per core this process may use
+        (``os.sched_getaffinity``, read at each access, so a process pinned after import
+        gets its share), at most ``max_workers_cap``. Set it on an instance, or pass
+        ``max_workers=`` to a call, to change it.
+      workers_per_core: threads per usable core (a class attribute): 2 for local disk and
+        memory, where hashing and compression bound a save, so the CPU-bound encoders keep
+        every core busy while as many threads wait on writes.
+      max_workers_cap: the most threads however many cores (a class attribute): 32 for local
+        disk and memory. It bounds memory, not CPU: a save keeps two chunks in flight per
+        worker and each thread of a restore holds one chunk's read buffer.
       shuffle: whether saves try the byte-plane codec (codec 4, format.md §3.2) unless told:
         trained float32 chunks are stored about 16% smaller (0.835 of raw, where plain zstd
         keeps 0.92). True on every store: a save encodes on one pool of threads while another
@@ -75,8 +81,19 @@ class Store(abc.ABC):
 
     url: str
     read_only: bool = False
-    max_workers: int = default_workers(io_per_core=2, cap=32)
     shuffle: bool = True
+    workers_per_core: int = 2
+    max_workers_cap: int = 32
+
+    @property
+    def max_workers(self) -> int:
+        """Threads of bulk operations, saves and restores (see the class docstring)."""
+        chosen = getattr(self, "_max_workers", None)
+        return chosen or default_workers(self.workers_per_core, self.max_workers_cap)
+
+    @max_workers.setter
+    def max_workers(self, value: int) -> None:
+        self._max_workers = value
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes:

@@ -1,0 +1,189 @@
+"""Save stage 3, encoding: a planned chunk's bytes -> its id and the object to store, if any.
+
+Takes the raw bytes of each chunk job; gives ``(chunk id, stored bytes, base chunk id,
+upload)``, where ``upload`` is the ``(key, encoded object)`` still to put, or None when the
+repository has the chunk (format.md §8: known from the run's latest manifest, or one ``stat``)
+or another job of the same save puts it. New chunks are encoded whole (format.md §3.1, §3.2)
+or as a delta against the previous step's block (§3.5) within the step's
+:class:`~casstore._delta.RestoreBudget`. :class:`ChunkWriter` is thread-safe: the upload
+stage (:mod:`casstore._save_upload`) calls it from every worker.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+
+from ._codec import chunk_id, encode_chunk
+from ._delta import RestoreBudget, base_bytes, encode_delta
+from ._errors import CorruptChunkError, ManifestError, StepNotFoundError
+from ._layout import chunk_key, delta_key
+from ._manifest import Manifest
+from ._repository import list_steps, read_manifest
+from .store import Store
+
+# Of the blocks whose delta did not pay at the previous save (unpaid_blocks), one in this many
+# tries again.
+DELTA_RETRY = 4
+
+
+class ChunkWriter:
+    """Uploads chunks that the repository does not have yet; thread-safe.
+
+    ``previous`` is the run's latest manifest (or None). Its chunks are stored (format.md §8),
+    so they are reused without looking; with ``lookup``, any other id is looked up with one
+    ``stat`` of its key and uploaded only if absent, else uploaded without looking (a
+    repository without a committed step: a chunk there is one no manifest references, and
+    rewriting it with the same bytes is harmless). A second block with the same id waits for
+    the first one's lookup or encoding (its upload is awaited before the commit). With
+    ``delta``, a new block whose previous step's block (same key path and bounds) is stored is
+    written as a delta against that block's whole chunk if that pays (format.md §3.5),
+    reading the base chunk from the store; for a
+    block whose delta did not pay at the previous save (:func:`unpaid_blocks`, worked out at
+    the first delta a save tries, so a save without changed blocks reads no other manifest)
+    only one in ``DELTA_RETRY`` tries, by chunk id. Every chunk the step references is booked
+    once in a :class:`RestoreBudget`, which a delta must fit.
+    """
+
+    def __init__(self, store: Store, previous: Manifest | None, zstd_level: int, shuffle: bool,
+                 delta: bool, lookup: bool = True):
+        refs = [(leaf.path, r) for leaf in previous.leaves for r in leaf.chunks] if previous else []
+        self.store, self.zstd_level, self.shuffle, self.lookup = store, zstd_level, shuffle, lookup
+        self.previous = previous
+        self.unpaid: frozenset | None = None
+        self.unpaid_lock = threading.Lock()
+        self.known: dict[str, tuple[int, str | None]] = {
+            r.id: (r.stored_bytes, r.base) for _, r in refs}
+        self.bases = {(path, r.start, r.stop): r for path, r in refs if delta and r.offset == 0}
+        self.inflight: dict[str, cf.Future] = {}
+        self.lock = threading.Lock()
+        self.new = self.reused = self.written = self.deltas = self.delta_saved = 0
+        self.budget = RestoreBudget()
+        self.booked: set[str] = set()  # chunks of the step the budget has, each once
+
+    def write(self, raw: memoryview, element_size: int, block: tuple[str, tuple, tuple] | None
+              ) -> tuple[str, int, str | None, tuple[str, bytes] | None]:
+        """Encodes ``raw`` (elements of ``element_size`` bytes; the whole block ``(key path,
+        start, stop)`` of one leaf, or None for a pack) if the repository lacks it; returns
+        ``(chunk id, stored bytes, base chunk id or None, upload)``, where ``upload`` is the
+        ``(key, object)`` the caller must put, or None if the chunk is stored or put by another
+        block with the same id."""
+        cid = chunk_id(raw)
+        with self.lock:
+            stored = self.known.get(cid)
+            future = self.inflight.get(cid) if stored is None else None
+            owner = stored is None and future is None
+            if owner:
+                future = self.inflight[cid] = cf.Future()
+            else:
+                self.reused += 1
+            book = stored is not None and cid not in self.booked
+            self.booked.add(cid)
+        if book:
+            (self.budget.add_delta if stored[1] else self.budget.add_whole)(stored[0])
+        if stored is not None:
+            return cid, *stored, None
+        if not owner:
+            return cid, *future.result(), None
+        try:
+            size, base, upload = self._encode_if_absent(cid, raw, element_size, block)
+        except BaseException as e:
+            future.set_exception(e)
+            raise
+        with self.lock:
+            self.known[cid] = size, base
+            self.new += upload is not None
+            self.reused += upload is None
+            self.written += size if upload is not None else 0
+        future.set_result((size, base))
+        return cid, size, base, upload
+
+    def _encode_if_absent(self, cid: str, raw: memoryview, element_size: int,
+                          block: tuple | None) -> tuple[int, str | None, tuple[str, bytes] | None]:
+        """``(stored bytes, base, (key, object) to upload or None)``; a stored chunk is not
+        re-encoded."""
+        key = chunk_key(cid)
+        if self.lookup:
+            try:
+                size = self.store.stat(key).size
+                self.budget.add_whole(size)
+                return size, None, None
+            except FileNotFoundError:
+                pass
+        previous = self.bases.get(block) if block is not None else None
+        if (previous is not None and previous.raw_bytes == len(raw) and previous.id != cid
+                and (int(cid[:8], 16) % DELTA_RETRY == 0 or block not in self._unpaid())):
+            base = previous.base or previous.id
+            encoded = self._delta(raw, element_size, base)
+            if encoded is not None:
+                with self.lock:
+                    self.deltas += 1
+                    self.delta_saved += encoded[1]
+                return len(encoded[0]), base, (delta_key(cid, base), encoded[0])
+        data = encode_chunk(raw, level=self.zstd_level, element_size=element_size,
+                            shuffle=self.shuffle)
+        self.budget.add_whole(len(data))
+        return len(data), None, (key, data)
+
+    def _unpaid(self) -> frozenset:
+        """:func:`unpaid_blocks` of the previous manifest, read once."""
+        with self.unpaid_lock:
+            if self.unpaid is None:
+                self.unpaid = unpaid_blocks(self.store, self.previous)
+            return self.unpaid
+
+    def _delta(self, raw: memoryview, element_size: int, base: str) -> tuple[bytes, int] | None:
+        """:func:`encode_delta` against chunk ``base``, read from the store; None if it does
+        not pay, or if the base is missing or fails its checks (the block is then stored whole:
+        a damaged earlier step must not stop new saves; ``verify`` reports it)."""
+        k = element_size if len(raw) % element_size == 0 else 1
+        try:
+            data = self.store.get(chunk_key(base))
+            return encode_delta(raw, base_bytes(data, base, len(raw), k), k, self.zstd_level,
+                                self.shuffle, self.budget)
+        except (CorruptChunkError, FileNotFoundError):
+            return None
+
+
+def unpaid_blocks(store: Store, previous: Manifest) -> frozenset[tuple[str, tuple, tuple]]:
+    """The blocks ``(key path, start, stop)`` whose delta did not pay at ``previous``'s save.
+
+    Such a block is stored whole in ``previous`` and, with other bytes, whole in the run's step
+    before it: the save of ``previous`` could take a delta against a chunk one step old and
+    did not keep it (adam's moments, whose every bit moves each step, ../shared/CODECS.md).
+    Trying again would read that base (a GET of its whole object on an object store) for
+    nothing, so a save tries only one in ``DELTA_RETRY`` of these blocks, picked by the new
+    chunk id, and a block whose bytes come to pay is found within a few saves. One listing of
+    the run's steps and one manifest read; empty if there is no step before ``previous`` or
+    its manifest fails validation.
+    """
+    earlier = [s for s in list_steps(store, run=previous.run) if s < previous.step]
+    if not earlier:
+        return frozenset()
+    try:
+        before = read_manifest(store, earlier[-1], run=previous.run)
+    except (StepNotFoundError, ManifestError):
+        return frozenset()
+    whole = {(leaf.path, r.start, r.stop): r.id for leaf in before.leaves for r in leaf.chunks
+             if r.offset == 0 and r.base is None}
+    return frozenset((leaf.path, r.start, r.stop) for leaf in previous.leaves for r in leaf.chunks
+                     if r.offset == 0 and r.base is None
+                     and whole.get((leaf.path, r.start, r.stop), r.id) != r.id)
+
+
+def previous_manifest(store: Store, run: str, step: int | None = None) -> Manifest | None:
+    """The manifest whose chunks a save of ``run`` reuses and deltas against.
+
+    ``step``'s if given and still there, else the run's latest. Its chunks are stored
+    (format.md §7) and stay stored while the caller holds a save lock (§8), so a save may
+    reuse them without looking. None for a run without steps, or a manifest that fails
+    validation (every chunk is then looked up on its own, and stored whole).
+    """
+    for candidate in dict.fromkeys((step, None)):
+        try:
+            return read_manifest(store, candidate, run=run)
+        except StepNotFoundError:
+            continue
+        except ManifestError:
+            return None
+    return None

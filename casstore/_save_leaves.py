@@ -1,0 +1,138 @@
+"""Save stage 1, the leaves: a pytree -> its checked leaves (format.md §4.2, §4.3, §4.5).
+
+Takes the caller's tree and metadata; gives a :class:`Prepared` (the tree structure, each
+scalar leaf's manifest entry, each array leaf's :class:`ArrayInfo`) and the array to store for
+each array leaf, by leaf index. Everything a save can refuse about a leaf or the metadata is
+refused here, before anything is written. Nothing is read from the arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import msgpack
+import numpy as np
+
+from ._chunking import dtype_name, is_key_array
+from ._errors import UnsupportedLeafError
+from ._keypath import flatten
+from ._manifest import LeafEntry
+
+MAX_METADATA_BYTES = 2**20
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ArrayInfo:
+    """What the manifest records of an array leaf; the array itself is not kept.
+
+    Attributes:
+      shape, dtype: of the stored array (the key data, for typed PRNG keys).
+      key_impl: the PRNG implementation name for typed key arrays, else None.
+      sharding: the NamedSharding as ``{"mesh": {axis: size}, "spec": [...]}``, or None.
+      is_jax: whether the leaf was a jax.Array.
+      spread: whether other processes hold some of its shards (multi-process saves).
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    key_impl: str | None
+    sharding: dict | None
+    is_jax: bool
+    spread: bool
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Prepared:
+    """A checked pytree: its structure, scalar entries and array descriptions, by leaf index."""
+
+    node: dict
+    paths: list[str]
+    scalars: dict[int, LeafEntry]
+    arrays: dict[int, ArrayInfo]
+    metadata: Any
+
+    @property
+    def logical_bytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+
+
+def prepare(tree: Any, metadata: Any = None) -> tuple[Prepared, dict[int, Any]]:
+    """Flattens and checks ``tree`` before anything is written.
+
+    Returns:
+      ``(prepared, arrays)``: the checked description, and the array to store for each array
+      leaf (numpy or jax; key data for typed PRNG keys), by leaf index.
+
+    Raises:
+      UnsupportedLeafError: a leaf cannot be stored; names its key path.
+      ValueError: ``metadata`` that msgpack cannot encode, or over 1 MiB encoded.
+    """
+    node, leaves = flatten(tree)
+    _check_metadata(metadata)
+    scalars: dict[int, LeafEntry] = {}
+    values: dict[int, Any] = {}
+    infos: dict[int, ArrayInfo] = {}
+    for i, (path, value) in enumerate(leaves):
+        if isinstance(value, (np.ndarray, np.generic, jax.Array)):
+            values[i], infos[i] = _as_array(path, value)
+        else:
+            scalars[i] = _scalar_entry(path, value)
+    return Prepared(node, [p for p, _ in leaves], scalars, infos, metadata), values
+
+
+
+def _sharding_info(x: Any) -> dict | None:
+    """The NamedSharding of a jax.Array as ``{"mesh": {axis: size}, "spec": [...]}``."""
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return None
+    spec = [list(p) if isinstance(p, tuple) else p for p in sharding.spec]
+    return {"mesh": {str(k): int(v) for k, v in sharding.mesh.shape.items()}, "spec": spec}
+
+
+def _scalar_entry(path: str, value: Any) -> LeafEntry:
+    """A Python scalar stored inline (format.md §4.3); bool is checked before int."""
+    kind = next(t for t in (bool, int, float, complex, str, bytes) if isinstance(value, t))
+    if kind is int and not -2**63 <= value < 2**63:
+        raise UnsupportedLeafError("int does not fit in 64 bits", key_path=path)
+    if kind in (str, bytes) and len(value) > 2**20:
+        raise UnsupportedLeafError(f"{kind.__name__} longer than 1 MiB", key_path=path)
+    stored = [float(value.real), float(value.imag)] if kind is complex else kind(value)
+    return LeafEntry(path, "scalar", scalar_type=kind.__name__, value=stored)
+
+
+def _as_array(path: str, value: Any) -> tuple[Any, ArrayInfo]:
+    """The array to store for a leaf (key data for typed keys) and what the manifest says."""
+    key_impl = None
+    if is_key_array(value):
+        key_impl = str(jax.random.key_impl(value))
+        value = jax.random.key_data(value)
+    elif isinstance(value, np.generic):
+        value = np.asarray(value)
+    if dtype_name(value.dtype) is None:
+        raise UnsupportedLeafError(f"arrays of dtype {value.dtype} cannot be stored",
+                                   key_path=path)
+    is_jax = isinstance(value, jax.Array)
+    return value, ArrayInfo(tuple(value.shape), np.dtype(value.dtype), key_impl,
+                            _sharding_info(value), is_jax,
+                            is_jax and not value.is_fully_addressable)
+
+
+
+def _check_metadata(metadata: Any) -> None:
+    """Raises ValueError if ``metadata`` is not msgpack-serializable or over 1 MiB encoded."""
+    try:
+        size = len(msgpack.packb(metadata, use_bin_type=True))
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ValueError(f"metadata is not msgpack-serializable: {e}") from e
+    if size > MAX_METADATA_BYTES:
+        raise ValueError(f"metadata is {size} bytes encoded; the limit is 1 MiB")

@@ -1,0 +1,153 @@
+"""Save stage 2, the plan: checked leaves -> a lazy stream of chunk jobs (format.md §3.3, §3.4).
+
+Takes a :class:`~casstore._save_leaves.Prepared` tree and its arrays (after
+:func:`~casstore._stored_dtype.stored_as`); gives the bytes of the leaves stored inline in the
+manifest and an iterator of :class:`Job`, one per chunk this process stores: a pack of small
+leaves, or one block of one shard of a large leaf. A job reads its bytes only when the
+pipeline runs it (a view of a numpy or CPU-device array, or the host copy of an accelerator
+block, started as the stream yields the job), so host memory does not grow with the state.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._chunking import (
+    INLINE_LIMIT_BYTES,
+    block_bytes,
+    grid,
+    is_host_data,
+    on_host,
+    start_host_copy,
+    unique_shards,
+)
+from ._save_leaves import ArrayInfo, Prepared
+
+
+@dataclasses.dataclass(slots=True)
+class Job:
+    """One chunk to store.
+
+    Attributes:
+      read: returns the chunk's raw bytes (waiting for a device-to-host copy if one runs).
+      blocks: ``(leaf index, start, stop, byte offset)`` of every block the chunk holds.
+      element_size: bytes per element (1 for a pack of mixed dtypes).
+      nbytes: raw length, bytes.
+      caller_memory: ``read`` views memory the caller may overwrite (a numpy leaf's buffer).
+      holds_copy: ``read`` reads a copy made for this job (a pack, a device-to-host copy).
+      release: called once the chunk is stored or has failed (frees a staging budget).
+    """
+
+    read: Callable[[], memoryview]
+    blocks: list[tuple[int, tuple[int, ...], tuple[int, ...], int]]
+    element_size: int
+    nbytes: int
+    caller_memory: bool = False
+    holds_copy: bool = False
+    release: Callable[[], None] | None = None
+
+
+
+def plan_jobs(prepared: Prepared, arrays: dict[int, Any], chunk_size_bytes: int,
+              pack_threshold_bytes: int) -> tuple[dict[int, bytes], Iterator[Job]]:
+    """This process's chunk jobs; returns ``(inline bytes by leaf index, jobs)``.
+
+    Small leaves are read now: inline bytes and packs are copies. Larger leaves become a lazy
+    stream of one job per block of every unique shard; an accelerator block's host copy is
+    started when the stream yields its job. Arrays that span several processes are written by
+    every process for its own ``replica_id == 0`` shards; everything else (numpy, fully
+    addressable jax arrays) only by process 0.
+    """
+    primary = jax.process_index() == 0
+    infos = prepared.arrays
+    mine = {i: a for i, a in arrays.items() if infos[i].spread or primary}
+    small = {i: a for i, a in mine.items() if not infos[i].spread
+             and infos[i].nbytes <= min(pack_threshold_bytes, chunk_size_bytes)}
+    small_raw = _small_bytes(small)
+    inline = {i: raw for i, raw in small_raw.items() if len(raw) <= INLINE_LIMIT_BYTES}
+    packs = _pack_jobs({i: raw for i, raw in small_raw.items() if i not in inline},
+                       prepared.paths, infos, chunk_size_bytes)
+    large = [(i, a) for i, a in mine.items() if i not in small]
+    blocks = (job for i, a in large for job in _block_jobs(i, a, chunk_size_bytes))
+    return inline, _chain(packs, blocks)
+
+
+def _chain(first: list[Job], rest: Iterator[Job]) -> Iterator[Job]:
+    """The jobs of ``first``, then those of ``rest`` as it yields them."""
+    yield from first
+    yield from rest
+
+
+def _small_bytes(small: dict[int, Any]) -> dict[int, bytes]:
+    """The raw bytes of small leaves, copied; accelerator copies all start before any waits."""
+    host = {i: a if not isinstance(a, jax.Array) else np.asarray(a) if on_host(a)
+            else start_host_copy(a, (0,) * a.ndim, a.shape) for i, a in small.items()}
+    return {i: bytes(block_bytes(np.asarray(h), (0,) * h.ndim, h.shape))
+            for i, h in host.items()}
+
+
+
+def _block_jobs(i: int, array: Any, chunk_size_bytes: int) -> Iterator[Job]:
+    """One job per block of every unique shard of a large array (format.md §3.3), lazily."""
+    caller_memory = not isinstance(array, jax.Array)
+    for origin, shard in unique_shards(array):
+        itemsize = shard.dtype.itemsize
+        for start, stop in grid(tuple(shard.shape), itemsize, chunk_size_bytes):
+            g_start = tuple(o + a for o, a in zip(origin, start))
+            g_stop = tuple(o + b for o, b in zip(origin, stop))
+            nbytes = math.prod(b - a for a, b in zip(start, stop)) * itemsize
+            blocks = [(i, g_start, g_stop, 0)]
+            if is_host_data(shard):
+                read = functools.partial(block_bytes, shard, start, stop)
+                yield Job(read, blocks, itemsize, nbytes, caller_memory)
+            else:
+                copy = start_host_copy(shard, start, stop)
+                yield Job(functools.partial(_read_copy, copy), blocks, itemsize, nbytes,
+                          holds_copy=True)
+
+
+def _read_copy(copy: jax.Array) -> memoryview:
+    """The raw bytes of a block whose host copy :func:`start_host_copy` started."""
+    host = np.asarray(copy)
+    return block_bytes(host, (0,) * host.ndim, host.shape)
+
+
+def _pack_jobs(raws: dict[int, bytes], paths: list[str], infos: dict[int, ArrayInfo],
+               chunk_size_bytes: int) -> list[Job]:
+    """Packs the small leaves of each parent node, in leaf order, into chunks (format.md §3.4).
+
+    Grouping by parent keeps a changed small leaf from rewriting unrelated frozen ones.
+    """
+    groups: dict[str, list[int]] = collections.defaultdict(list)
+    for i in raws:
+        groups[paths[i].rpartition("/")[0]].append(i)
+    jobs: list[Job] = []
+    for members in groups.values():
+        parts: list[bytes] = []
+        blocks: list = []
+        size = 0
+        for i in members:
+            if parts and size + len(raws[i]) > chunk_size_bytes:
+                jobs.append(_pack_job(parts, blocks, infos))
+                parts, blocks, size = [], [], 0
+            blocks.append((i, (0,) * len(infos[i].shape), infos[i].shape, size))
+            parts.append(raws[i])
+            size += len(raws[i])
+        jobs.append(_pack_job(parts, blocks, infos))
+    return jobs
+
+
+def _pack_job(parts: list[bytes], blocks: list, infos: dict[int, ArrayInfo]) -> Job:
+    """A pack's job; its element size is the leaves' itemsize if they all share one, else 1."""
+    sizes = {infos[i].dtype.itemsize for i, *_ in blocks}
+    data = b"".join(parts)
+    return Job(functools.partial(memoryview, data), blocks,
+               sizes.pop() if len(sizes) == 1 else 1, len(data), holds_copy=True)

@@ -1,0 +1,89 @@
+"""Save stage 4, uploads: chunk jobs -> stored chunks and their refs, on two thread pools.
+
+Takes the plan's stream of :class:`~casstore._save_plan.Job` and a
+:class:`~casstore._save_encode.ChunkWriter`; gives ``(leaf index, ChunkRef)`` for every block
+of every job, once each new object is stored. One pool reads, hashes and encodes (the
+writer), another puts the objects, and at most a window of jobs is in flight from read to
+upload, so the bytes held stay bounded (format.md §7: chunks are stored before the manifest).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import contextlib
+from collections.abc import Iterable, Iterator
+
+from ._errors import StoreTimeoutError
+from ._manifest import ChunkRef
+from ._pool import bounded_map
+from ._save_encode import ChunkWriter
+from ._save_plan import Job
+
+
+def default_inflight_bytes(max_workers: int, chunk_size_bytes: int) -> int:
+    """Raw bytes a save keeps in flight by default: two chunks per worker thread."""
+    return 2 * max_workers * chunk_size_bytes
+
+
+def inflight_window(max_workers: int, chunk_size_bytes: int,
+                    max_inflight_bytes: int | None = None) -> int:
+    """Chunk jobs a save keeps in flight: ``max_inflight_bytes`` (default two chunks per
+    worker) in chunks of at most ``chunk_size_bytes``."""
+    inflight = max_inflight_bytes or default_inflight_bytes(max_workers, chunk_size_bytes)
+    return inflight // chunk_size_bytes
+
+
+def store_chunks(jobs: Iterable[Job], writer: ChunkWriter, max_workers: int, window: int,
+                 paths: list[str]) -> dict[int, list[ChunkRef]]:
+    """Runs the jobs through two bounded thread pools; returns the chunk refs by leaf index.
+
+    ``max_workers`` threads read, hash and encode; as many others upload, so the CPU work of
+    later chunks overlaps the writes of earlier ones instead of waiting behind them (on a
+    2-core VM's disk: 4.0 s instead of 5.4 s for a byte-plane save of the GPT-2-small state).
+    A job holds its place in ``window`` until its upload is done, so the raw and encoded bytes
+    in flight stay bounded as before.
+    """
+
+    def encode(job: Job) -> list[tuple[int, ChunkRef]] | cf.Future:
+        i, start, stop, offset = job.blocks[0]
+        block = (paths[i], start, stop) if len(job.blocks) == 1 and offset == 0 else None
+        try:
+            with _naming(paths[i]):
+                cid, stored, base, upload = writer.write(job.read(), job.element_size, block)
+        finally:
+            if job.release is not None:
+                job.release()
+        refs = [(i, ChunkRef(cid, a, b, off, job.nbytes, stored, base))
+                for i, a, b, off in job.blocks]
+        return refs if upload is None else uploads.submit(put, paths[i], upload, refs)
+
+    def put(path: str, upload: tuple[str, bytes], refs: list) -> list[tuple[int, ChunkRef]]:
+        with _naming(path):
+            writer.store.put(*upload)
+        return refs
+
+    with cf.ThreadPoolExecutor(max_workers) as uploads:
+        try:
+            done = bounded_map(encode, jobs, max_workers, window)
+        except BaseException:
+            uploads.shutdown(cancel_futures=True)
+            raise
+    refs: dict[int, list[ChunkRef]] = collections.defaultdict(list)
+    for pairs in done:
+        for i, ref in pairs:
+            refs[i].append(ref)
+    return refs
+
+
+@contextlib.contextmanager
+def _naming(path: str) -> Iterator[None]:
+    """Names the key path ``path`` in any exception raised in the body."""
+    try:
+        yield
+    except StoreTimeoutError as e:
+        raise e.at(key_path=path) from e
+    except Exception as e:
+        if hasattr(e, "add_note"):  # Python >= 3.11
+            e.add_note(f"while saving key path {path!r}")
+        raise

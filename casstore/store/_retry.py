@@ -1,0 +1,208 @@
+"""The retry and deadline policy of object-store requests (docs/reliability.md, "Deadlines").
+
+What is worth retrying (:func:`is_transient`) and what says the store is overloaded
+(:func:`is_congestion`), read from the exception and its causes; the loop that runs one
+operation on one object with retries, exponential backoff and jitter within its deadline, each
+attempt in a slot of an :class:`~casstore.store._adaptive.AdaptiveLimit`
+(:class:`RetryPolicy`); and the client-library settings that leave that loop the only one:
+per-request connect and read timeouts, one attempt per call (:func:`one_attempt_options`,
+:func:`one_attempt`). The store adapter (:mod:`casstore.store._fsspec`) calls the filesystem;
+this module decides how often and for how long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import inspect
+import itertools
+import random
+import time
+import types
+from collections.abc import Callable
+from typing import Any
+
+import fsspec
+
+from .._errors import AccessDeniedError, CasstoreError, StoreTimeoutError
+from ._adaptive import AdaptiveLimit
+
+DEFAULT_REQUEST_TIMEOUT_S = 20.0
+DEFAULT_OPERATION_TIMEOUT_S = 60.0
+
+_TRANSIENT_CODES = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout",
+                    "Throttling", "ThrottlingException", "RequestLimitExceeded", "503", "500"}
+_TRANSIENT_ERRNOS = {errno.EREMOTEIO, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED,
+                     errno.EAGAIN, errno.EBUSY, errno.EPIPE}
+_PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
+              NotADirectoryError)
+
+
+def _http_status(exc: BaseException) -> object:
+    """The HTTP status of an aiohttp ``ClientResponseError`` (``status``) or gcsfs ``HttpError``
+    (``code``); None for other errors."""
+    status = getattr(exc, "status", None)
+    return status if isinstance(status, int) else getattr(exc, "code", None)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for errors worth retrying: 5xx, 429/503 SlowDown, timeouts, connection resets.
+
+    Not found, already exists, permission and credential errors are permanent (restic's
+    ``IsPermanentError``). The exception and its causes are inspected, since s3fs and gcsfs wrap
+    botocore / HTTP errors in OSError.
+    """
+    seen = [exc, exc.__cause__, exc.__context__]
+    if isinstance(exc, _PERMANENT):
+        return False
+    for e in (x for x in seen if x is not None):
+        if isinstance(e, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
+            return True
+        response = getattr(e, "response", None)  # botocore ClientError
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+            if response.get("Error", {}).get("Code") in _TRANSIENT_CODES or status >= 500 or (
+                    status == 429):
+                return True
+        code = _http_status(e)
+        if isinstance(code, int) and (code >= 500 or code == 429):
+            return True
+        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
+            return True
+        if type(e).__module__.split(".")[0] in ("aiohttp", "urllib3"):
+            return True
+    return False
+
+
+_CONGESTION_CODES = {"SlowDown", "ServiceUnavailable", "Throttling", "ThrottlingException",
+                     "RequestLimitExceeded", "TooManyRequests", "503", "429"}
+
+
+def is_congestion(exc: BaseException) -> bool:
+    """True if ``exc`` says the store is overloaded: 503 SlowDown, 429, or a timeout."""
+    for e in (exc, exc.__cause__, exc.__context__):
+        if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
+            return True
+        response = getattr(e, "response", None)  # botocore ClientError
+        if isinstance(response, dict) and (
+                response.get("Error", {}).get("Code") in _CONGESTION_CODES
+                or response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (429, 503)):
+            return True
+        if _http_status(e) in (429, 503):
+            return True
+    return False
+
+
+def one_attempt_options(protocol: str, request_timeout_s: float, options: dict) -> dict:
+    """``options`` plus per-request timeouts and no client-side retries for s3fs and gcsfs."""
+    options = dict(options)
+    if protocol in ("s3", "s3a"):
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", request_timeout_s)
+        config.setdefault("read_timeout", request_timeout_s)
+        config.setdefault("retries", {"total_max_attempts": 1})
+        options["config_kwargs"] = config
+    elif protocol in ("gs", "gcs"):
+        import aiohttp  # gcsfs's HTTP client
+
+        options.setdefault("requests_timeout", aiohttp.ClientTimeout(
+            sock_connect=request_timeout_s, sock_read=request_timeout_s))
+    # Our own instance: the settings below must not leak into a user's cached filesystem.
+    options.setdefault("skip_instance_cache", True)
+    return options
+
+
+def one_attempt(fs: fsspec.AbstractFileSystem) -> None:
+    """Turns off the client library's own retry loop on ``fs`` (this instance only).
+
+    s3fs retries ``fs.retries`` times (its ``_error_wrapper``); gcsfs wraps ``_request`` in
+    ``retry_request`` with 6 attempts fixed when the class is defined, so the instance gets the
+    undecorated method (``inspect.unwrap``; a no-op should a later gcsfs drop the decorator).
+    """
+    if hasattr(fs, "retries"):
+        fs.retries = 1
+    request = getattr(type(fs), "_request", None)
+    if request is not None and inspect.unwrap(request) is not request:
+        fs._request = types.MethodType(inspect.unwrap(request), fs)
+
+
+class RetryPolicy:
+    """Retries and deadlines of one store's operations; thread-safe.
+
+    Args:
+      url: the store's URL, for messages (no credentials).
+      max_in_flight: the most requests at once while the store answers everything (the
+        store's ``max_workers``); fewer while it throttles (:class:`AdaptiveLimit`).
+      retries, backoff_s, max_backoff_s, request_timeout_s, operation_timeout_s: as
+        :class:`~casstore.store.FsspecStore`'s; attributes that may be changed later.
+
+    Raises:
+      ValueError: a timeout that is not positive.
+    """
+
+    def __init__(self, url: str, max_in_flight: int, *, retries: int | None = None,
+                 backoff_s: float = 0.2, max_backoff_s: float = 10.0,
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+                 operation_timeout_s: float = DEFAULT_OPERATION_TIMEOUT_S):
+        if not (request_timeout_s > 0 and operation_timeout_s > 0):
+            raise ValueError("request_timeout_s and operation_timeout_s must be positive")
+        self.url = url
+        self.retries, self.backoff_s, self.max_backoff_s = retries, backoff_s, max_backoff_s
+        self.request_timeout_s, self.operation_timeout_s = request_timeout_s, operation_timeout_s
+        self.limit = AdaptiveLimit(max_in_flight)
+        self._unanswered = False  # the last operation to end timed out
+
+    def _attempt(self, fn: Callable[[float], Any], deadline: float) -> Any:
+        """``fn(seconds left)`` in a slot of the adaptive limit, both before ``deadline``."""
+        epoch = self.limit.acquire(deadline)
+        if epoch is None or deadline <= time.monotonic():
+            if epoch is not None:
+                self.limit.release(epoch, congested=False)
+            raise TimeoutError("no free request slot before the deadline")
+        try:
+            result = fn(deadline - time.monotonic())
+        except Exception as e:
+            self.limit.release(epoch, congested=is_congestion(e))
+            raise
+        self.limit.release(epoch, congested=False)
+        return result
+
+    def run(self, key: str, fn: Callable[[float], Any]) -> Any:
+        """``fn(seconds left)``, retried on transient errors with exponential backoff and
+        jitter until the operation's deadline (see :class:`~casstore.store.FsspecStore`).
+
+        A permanent error (or the last transient one, when ``retries`` ran out) is raised with
+        the object's URL added; a deadline that passed raises StoreTimeoutError. A refused
+        request (s3fs maps 403 AccessDenied and bad keys to PermissionError) becomes
+        :class:`~casstore.AccessDeniedError`, whose message names that URL.
+        """
+        budget = self.operation_timeout_s
+        if self._unanswered:
+            budget = min(budget, self.request_timeout_s)
+        deadline = time.monotonic() + budget
+        for attempt in itertools.count():
+            try:  # one attempt gets at most half the deadline: a trickle leaves time to retry
+                result = self._attempt(fn, min(deadline, time.monotonic() + budget / 2))
+            except PermissionError as e:
+                if isinstance(e, CasstoreError):
+                    raise
+                raise AccessDeniedError(f"the server refused access: {e}",
+                                        url=f"{self.url}/{key}") from e
+            except Exception as e:  # classified by is_transient; anything else is re-raised
+                last = e
+                if not is_transient(e) or (self.retries is not None and attempt >= self.retries):
+                    if not isinstance(e, FileNotFoundError) and hasattr(e, "add_note"):
+                        e.add_note(f"casstore: while accessing {self.url}/{key}")
+                    raise
+                delay = min(self.max_backoff_s, self.backoff_s * 2**attempt)
+                delay *= random.uniform(0.5, 1.5)
+                if time.monotonic() + delay >= deadline:
+                    break
+                time.sleep(delay)
+            else:
+                self._unanswered = False
+                return result
+        self._unanswered = True
+        detail = ": ".join(x for x in (type(last).__name__, str(last)) if x)
+        raise StoreTimeoutError(f"no answer within the {budget:g} s deadline (last error: "
+                                f"{detail})", key=key, url=self.url) from last
