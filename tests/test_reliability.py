@@ -16,6 +16,7 @@ from casstore._codec import (
     CODEC_PLANES,
     CODEC_SHUFFLE_ZSTD,
     HEADER,
+    KNOWN_CODECS,
     MAGIC,
     _encode,
     chunk_id,
@@ -264,11 +265,17 @@ def hostile_chunks(draw) -> tuple[bytes, bytes, int]:
 
 
 def check_hostile_chunk(case: tuple[bytes, bytes, int]) -> None:
-    """A damaged chunk object gets CorruptChunkError, or decodes to exactly its raw bytes."""
+    """A damaged chunk object gets CorruptChunkError (UnsupportedFormatError where its magic
+    holds and its version or codec is unknown, format.md §10), or decodes to exactly its raw
+    bytes."""
     FUZZED["chunk objects"] += 1
     obj, raw, claimed = case
     try:
         decoded = decode_chunk(obj, chunk_id(raw), claimed)
+    except casstore.UnsupportedFormatError:
+        magic, version, codec, _, _ = HEADER.unpack_from(obj)
+        assert magic == MAGIC and (version != 1 or codec not in KNOWN_CODECS)
+        return
     except casstore.CorruptChunkError:
         return
     assert bytes(decoded) == raw
