@@ -127,3 +127,11 @@ def test_damaged_format_fields_are_damage_not_a_newer_format(store, fields, mess
         casstore.read_manifest(store, 1)
     assert not isinstance(e.value, casstore.UnsupportedFormatError)
     assert [p.kind for p in casstore.verify(store).problems] == ["damage"]
+
+
+def test_the_feature_table_is_read_by_this_release():
+    """Every feature a writer may list is readable by READER_VERSION (bump both together)."""
+    assert all(_format.version_tuple(v) <= _format.version_tuple(_format.READER_VERSION)
+               for v in _format.FEATURES.values())
+    assert _format.min_reader(sorted(_format.FEATURES)) == _format.READER_VERSION
+    assert _format.version_tuple("0.10.0") > _format.version_tuple("0.9.1")
