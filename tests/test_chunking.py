@@ -340,7 +340,7 @@ def test_a_zstd_plane_that_declares_another_size_is_rejected_before_decoding():
 def test_a_byte_plane_chunk_with_the_wrong_element_size_fails_a_check():
     data = bytearray(PLANES_DATA)
     data[6] = 2  # k = 2: the table is read from other bytes
-    with pytest.raises(CorruptChunkError):
+    with pytest.raises(CorruptChunkError, match="plane lengths .* do not fit"):
         decode_chunk(bytes(data), chunk_id(PLANES_RAW), len(PLANES_RAW))
 
 

@@ -239,7 +239,7 @@ class Opaque:
 @pytest.mark.parametrize("bad", [Opaque(1), np.array(["a", "b"]), np.array([object()]),
                                  lambda x: x, np.arange(3).astype("datetime64[s]")])
 def test_unsupported_leaves_name_their_key_path(repo_store, bad):
-    with pytest.raises(casstore.UnsupportedLeafError) as info:
+    with pytest.raises(casstore.UnsupportedLeafError, match="params/bad") as info:
         casstore.save(repo_store, 0, {"params": {"ok": np.ones(2), "bad": bad}})
     assert info.value.key_path == "params/bad" and "params/bad" in str(info.value)
     assert isinstance(info.value, TypeError)
