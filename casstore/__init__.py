@@ -19,6 +19,7 @@ from ._errors import StepAlreadyExistsError as StepAlreadyExistsError
 from ._errors import StepNotFoundError as StepNotFoundError
 from ._errors import StoreTimeoutError as StoreTimeoutError
 from ._errors import TargetMismatchError as TargetMismatchError
+from ._errors import UnsupportedFormatError as UnsupportedFormatError
 from ._errors import UnsupportedLeafError as UnsupportedLeafError
 from ._gc import GcInfo as GcInfo
 from ._gc import gc as gc

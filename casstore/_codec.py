@@ -18,7 +18,9 @@ import numpy as np
 import xxhash
 import zstandard
 
-from ._errors import CorruptChunkError
+from ._errors import CorruptChunkError, UnsupportedFormatError
+from ._format import READER_VERSION
+from ._shuffle import interleave, move_sign, shuffle, unmove_sign, unshuffle
 
 MAGIC = b"CAS1"
 VERSION = 1
@@ -28,6 +30,7 @@ CODEC_SHUFFLE_ZSTD = 2
 CODEC_PLANES = 4  # codec 3 is the XOR delta (format.md §3.2)
 CODEC_EXPONENT_PLANES = 5  # codec 4 with the sign bit moved below the exponent (format.md §3.2)
 PLANE_CODECS = (CODEC_PLANES, CODEC_EXPONENT_PLANES)
+KNOWN_CODECS = (0, 1, 2, 3, 4, 5)  # format.md §3.2, §3.5; a writer never reuses a number
 HEADER = struct.Struct("<4sBBHQ")  # format.md §3.2: magic, version, codec, element_size, length
 MAX_ELEMENT_SIZE = 16
 MAX_RAW_LENGTH = 2**31
@@ -39,7 +42,6 @@ MIN_PLANE_SAVING = 1 / 32
 PLANES_ONLY_IF_SAVING = 1 / 4  # without ``shuffle``: codec 5 only where it saves this much
 SAMPLE_BYTES = 64 * 1024
 PLANE_SAMPLE_BYTES = 16 * 1024  # codecs 4, 5 judge each byte plane on two samples this size
-_UNPLANE_BLOCK = 64 * 1024  # elements per block of the plane scatter: 25% faster than whole planes
 _CHUNK_ID = re.compile(r"[0-9a-f]{32}")
 _local = threading.local()
 
@@ -75,83 +77,8 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return _local.decompressor
 
 
-def shuffle(raw: memoryview | bytes | np.ndarray, element_size: int,
-            out: np.ndarray | None = None) -> np.ndarray:
-    """Byte shuffle (HDF5's shuffle filter): byte ``j`` of element ``i`` goes to ``j * n + i``.
-
-    Args:
-      raw: ``n * element_size`` bytes.
-      element_size: bytes per element.
-      out: a ``(element_size, n)`` uint8 array to write into, e.g. the planes region of
-        :func:`plane_buffer`; None allocates one.
-
-    Returns:
-      ``out``, or a new uint8 array: all first bytes of the elements, then all second bytes,
-      and so on. The exponent bytes of floats end up together, which zstd compresses.
-    """
-    transposed = np.frombuffer(raw, np.uint8).reshape(-1, element_size).T
-    if out is None:
-        return transposed.copy()
-    out[...] = transposed
-    return out
-
-
-def unshuffle(shuffled: bytes | memoryview, element_size: int) -> np.ndarray:
-    """The inverse of :func:`shuffle`; returns a new uint8 array (one strided copy per byte)."""
-    planes = np.frombuffer(shuffled, np.uint8).reshape(element_size, -1)
-    out = np.empty((planes.shape[1], element_size), np.uint8)
-    for j in range(element_size):  # row-by-row copies run ~3x faster than planes.T.copy()
-        out[:, j] = planes[j]
-    return out.reshape(-1)
-
-
 def _candidates(element_size: int) -> tuple[int, ...]:
     return (CODEC_EXPONENT_PLANES, CODEC_ZSTD) if element_size > 1 else (CODEC_ZSTD,)
-
-
-def move_sign(planes: np.ndarray) -> np.ndarray:
-    """Codec 5's bit move (format.md §3.2), in place on the ``(k, n)`` byte planes ``planes``
-    (k >= 2) of little-endian elements, and returns them.
-
-    In the element's two most significant bytes, the top bit (a float's sign) moves down to bit
-    7 of the lower one and the 15 bits below it move up by one: the top plane of a float32 or
-    bfloat16 then holds the whole 8-bit exponent, whose distribution zstd's Huffman coder sees
-    whole instead of split over two planes (the lower of which is stored as is). On N(0, 0.02)
-    float32 the top plane takes 0.326 of its size instead of 0.340; on adam's nu (one sign) the
-    plane below it, 7 random bits a byte, then compresses to 0.875.
-    """
-    hi, lo = _words(planes[-1]), _words(planes[-2])
-    m80, m7f, m01 = (_bytes_mask(b, hi.dtype) for b in (0x80, 0x7F, 0x01))
-    sign = hi & m80
-    np.left_shift(hi, hi.dtype.type(1), out=hi)
-    hi &= ~m01
-    hi |= (lo >> hi.dtype.type(7)) & m01
-    lo &= m7f
-    lo |= sign
-    return planes
-
-
-def _words(a: np.ndarray) -> np.ndarray:
-    """A 1-D uint8 array as 8-byte words where its length allows: numpy's shifts and masks
-    run about 1.5x faster on them (each byte keeps its own bits through :func:`_bytes_mask`)."""
-    return a.view(np.uint64) if a.size % 8 == 0 else a
-
-
-def _bytes_mask(byte: int, dtype: np.dtype) -> np.integer:
-    """``byte`` repeated in every byte of a ``dtype`` (uint8 or uint64) scalar."""
-    return dtype.type(int.from_bytes(bytes([byte]) * dtype.itemsize, "little"))
-
-
-def unmove_sign(hi: np.ndarray, lo: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The inverse of :func:`move_sign` on its top plane ``hi`` and the one below, ``lo``
-    (read-only views of a payload, left as they are): new ``(hi, lo)`` arrays."""
-    hi, lo = _words(hi), _words(lo)
-    m80, m7f = _bytes_mask(0x80, hi.dtype), _bytes_mask(0x7F, hi.dtype)
-    old_hi = lo & m80
-    old_hi |= (hi >> hi.dtype.type(1)) & m7f
-    old_lo = (hi << hi.dtype.type(7)) & m80
-    old_lo |= lo & m7f
-    return old_hi.view(np.uint8), old_lo.view(np.uint8)
 
 
 def plane_buffer(k: int, n: int) -> np.ndarray:
@@ -277,23 +204,6 @@ def planes_of(payload: memoryview, element_size: int, raw_length: int,
     if codec == CODEC_EXPONENT_PLANES:
         planes[-1], planes[-2] = unmove_sign(planes[-1], planes[-2])
     return planes
-
-
-def interleave(planes: list[np.ndarray], xor: list[np.ndarray] | None = None,
-               out: np.ndarray | None = None) -> np.ndarray:
-    """The raw bytes whose byte planes are ``planes`` (each XORed with ``xor``'s if given),
-    written into ``out`` (a contiguous uint8 array of all the bytes) or a new array.
-
-    Written in blocks of rows, so the rows stay in cache across all planes.
-    """
-    n, k = len(planes[0]), len(planes)
-    out = np.empty((n, k), np.uint8) if out is None else out.reshape(n, k)
-    for start in range(0, n, _UNPLANE_BLOCK):
-        rows = out[start:start + _UNPLANE_BLOCK]
-        for j, plane in enumerate(planes):
-            block = plane[start:start + _UNPLANE_BLOCK]
-            rows[:, j] = block if xor is None else block ^ xor[j][start:start + _UNPLANE_BLOCK]
-    return out.reshape(-1)
 
 
 def _encode(raw: memoryview | np.ndarray, codec: int, level: int,
@@ -428,13 +338,19 @@ def decode_chunk(data: bytes | memoryview, expected_id: str, raw_length: int,
     Raises:
       CorruptChunkError: any check fails (the message says which; the caller adds step and
         key path).
+      UnsupportedFormatError: the header has the magic but a version or codec number this
+        casstore does not know (a newer writer's chunk, or damage to those bytes).
     """
     if len(data) < HEADER.size:
         raise CorruptChunkError(f"chunk object of {len(data)} bytes is shorter than its header",
                                 chunk_id=expected_id)
     magic, version, codec, element_size, length = HEADER.unpack_from(data)
-    if magic != MAGIC or version != VERSION:
+    if magic != MAGIC or version == 0:
         raise CorruptChunkError("bad chunk header", chunk_id=expected_id)
+    if version != VERSION or codec not in KNOWN_CODECS:  # format.md §10: a newer writer's
+        what = f"chunk header version {version}" if version != VERSION else f"chunk codec {codec}"
+        raise UnsupportedFormatError(what + " (or a damaged chunk)", needs=None,
+                                     reader=READER_VERSION, chunk_id=expected_id)
     if codec in (CODEC_SHUFFLE_ZSTD, *PLANE_CODECS):
         bad = not 2 <= element_size <= MAX_ELEMENT_SIZE or length % element_size
     else:
@@ -455,8 +371,8 @@ def decode_chunk(data: bytes | memoryview, expected_id: str, raw_length: int,
     elif codec in PLANE_CODECS:
         raw = memoryview(interleave(
             planes_of(payload, element_size, raw_length, expected_id, codec), out=out))
-    else:
-        raise CorruptChunkError(f"unknown chunk codec {codec}", chunk_id=expected_id)
+    else:  # codec 3: a delta object, read only by _delta.decode_delta
+        raise CorruptChunkError(f"codec {codec} is a delta object", chunk_id=expected_id)
     if len(raw) != raw_length:
         raise CorruptChunkError(f"chunk decodes to {len(raw)} bytes, expected {raw_length}",
                                 chunk_id=expected_id)

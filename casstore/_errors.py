@@ -98,3 +98,22 @@ class StoreTimeoutError(_Located, TimeoutError):
 class AccessDeniedError(_Located, PermissionError):
     """The storage server refused a request: the credentials lack the permission (HTTP 403,
     S3 ``AccessDenied``), e.g. a write with read-only keys. Not retried."""
+
+
+class UnsupportedFormatError(ManifestError):
+    """The repository, a manifest or a chunk uses a format feature, codec or version that this
+    casstore does not read (format.md §10): written by a newer casstore, so upgrade it.
+
+    Raised before any chunk of the step is read. A :class:`ManifestError` (so a
+    ``ValueError``), as the unknown versions it replaces were. Attributes: ``feature`` (what
+    is unknown, e.g. ``"feature 'codec-9'"``, ``"chunk codec 9"`` or ``"version 3"``),
+    ``needs`` (the casstore version the writer says reads it, or None where not recorded) and
+    ``reader`` (this casstore's format reader version), besides the URL, run, step and chunk
+    id.
+    """
+
+    def __init__(self, feature: str, *, needs: str | None, reader: str, **where):
+        self.feature, self.needs, self.reader = feature, needs, reader
+        upgrade = f"casstore >= {needs} reads it" if needs else "a newer casstore may read it"
+        super().__init__(f"unsupported format {feature}: this casstore reads the format of "
+                         f"casstore {reader}; {upgrade}", **where)

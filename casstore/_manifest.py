@@ -18,6 +18,7 @@ import numpy as np
 from ._chunking import INLINE_LIMIT_BYTES, dtype_from_name
 from ._codec import is_chunk_id
 from ._errors import ManifestError
+from ._format import check_features, min_reader, unsupported_version
 from ._keypath import MAX_DEPTH, is_valid_path
 from ._layout import chunk_key, object_key
 
@@ -139,11 +140,24 @@ class Manifest:
         return {r.key for r in refs} | {chunk_key(r.base) for r in refs if r.base is not None}
 
 
+def features_of(m: Manifest) -> list[str]:
+    """The format features ``m`` uses (format.md §4.1), sorted: ``codec-5`` if it has chunks
+    (this writer may store any chunk in codec 5), ``pack`` if a chunk holds more than one
+    block (§3.4), ``delta`` if a chunk ref has a base (§3.5)."""
+    refs = [(leaf, ref) for leaf in m.leaves for ref in leaf.chunks]
+    packed = any(ref.offset or ref.raw_bytes != math.prod(ref.shape) * dtype_from_name(
+        leaf.dtype).itemsize for leaf, ref in refs)
+    used = {"codec-5": bool(refs), "pack": packed,
+            "delta": any(ref.base is not None for _, ref in refs)}
+    return sorted(name for name, on in used.items() if on)
+
+
 def encode_manifest(m: Manifest) -> bytes:
-    """msgpack bytes of ``m`` in format.md §4.1 field order."""
-    deltas = any(ref.base is not None for leaf in m.leaves for ref in leaf.chunks)
+    """msgpack bytes of ``m`` in format.md §4.1 field order, with the features it uses."""
+    features = features_of(m)
     return msgpack.packb({
-        "format": FORMAT, "version": DELTA_VERSION if deltas else VERSION, "run": m.run,
+        "format": FORMAT, "version": DELTA_VERSION if "delta" in features else VERSION,
+        "features": features, "min_reader": min_reader(features), "run": m.run,
         "step": m.step, "created": m.created, "metadata": m.metadata, "tree": m.tree,
         "leaves": [_encode_leaf(leaf) for leaf in m.leaves],
     }, use_bin_type=True)
@@ -196,6 +210,8 @@ def decode_manifest(data: bytes, *, run: str, step: int, url: str) -> Manifest:
       The validated Manifest.
 
     Raises:
+      UnsupportedFormatError: a version above 2, a feature this casstore does not know or a
+        ``min_reader`` above its own (format.md §10), checked before the leaves.
       ManifestError: the bytes are not a valid version-1 or version-2 manifest for this run
         and step.
     """
@@ -208,8 +224,9 @@ def decode_manifest(data: bytes, *, run: str, step: int, url: str) -> Manifest:
         raise ManifestError(f"not msgpack: {e}", run=run, step=step, url=url) from e
     check(isinstance(raw, dict), "top level is not a map")
     check(raw.get("format") == FORMAT, f"format is {raw.get('format')!r}, not {FORMAT!r}")
-    check(raw.get("version") in (VERSION, DELTA_VERSION),
-          f"unsupported format version {raw.get('version')!r}")
+    where = {"run": run, "step": step, "url": url}
+    unsupported_version("version", raw.get("version"), max(VERSION, DELTA_VERSION), **where)
+    check_features(raw, **where)  # before any leaf: a newer format is named, not misread
     check.version = raw["version"]
     check(raw.get("run") == run and raw.get("step") == step,
           f"names run {raw.get('run')!r} step {raw.get('step')!r}, but its key says otherwise")

@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 import msgpack
 
-from ._errors import ManifestError, StepNotFoundError
+from ._errors import ManifestError, StepNotFoundError, UnsupportedFormatError
+from ._format import FEATURES, READER_VERSION, check_features, min_reader, unsupported_version
 from ._layout import (
     CHUNKS_PREFIX,
     CONFIG_KEY,
@@ -35,28 +36,40 @@ Url = str | os.PathLike | Store
 
 
 def _parse_config(data: bytes, url: str) -> dict:
-    """Validates the config object (format.md §2.1); unknown versions are refused."""
+    """Validates the config object (format.md §2.1).
+
+    Raises:
+      UnsupportedFormatError: a version, hash or feature of a newer format (format.md §10).
+      ManifestError: the object is damaged or not a casstore config.
+    """
     try:
         config = msgpack.unpackb(data, raw=False, max_str_len=4096, max_bin_len=0)
     except Exception as e:  # any msgpack failure means a damaged config
         raise ManifestError(f"config object is not msgpack: {e}", url=url) from e
     if not isinstance(config, dict) or config.get("format") != CONFIG_FORMAT:
         raise ManifestError("not a casstore repository (bad config object)", url=url)
-    if config.get("version") != CONFIG_VERSION or config.get("hash") != HASH:
-        raise ManifestError(f"unsupported repository version {config.get('version')!r} / "
-                            f"hash {config.get('hash')!r}", url=url)
+    unsupported_version("repository version", config.get("version"), CONFIG_VERSION, url=url)
+    if config.get("hash") != HASH:
+        if not isinstance(config.get("hash"), str):
+            raise ManifestError(f"invalid config: bad hash {config.get('hash')!r}", url=url)
+        raise UnsupportedFormatError(f"hash {config['hash']!r}", needs=config.get("min_reader"),
+                                     reader=READER_VERSION, url=url)
+    check_features(config, url=url)
     return config
 
 
 def ensure_config(store: Store) -> None:
-    """Validates the config object, creating it (create-only) if the repository is new."""
+    """Validates the config object, creating it (create-only) if the repository is new; a new
+    one lists the features this writer may use and the oldest casstore that reads them."""
     try:
         _parse_config(store.get(CONFIG_KEY), store.url)
         return
     except FileNotFoundError:
         pass
+    features = sorted(FEATURES)  # what this writer may write into any step
     data = msgpack.packb({"format": CONFIG_FORMAT, "version": CONFIG_VERSION, "hash": HASH,
-                          "created": time.time()})
+                          "created": time.time(), "features": features,
+                          "min_reader": min_reader(features)})
     try:
         store.put_if_absent(CONFIG_KEY, data)
     except FileExistsError:  # a concurrent first save won; validate what it wrote

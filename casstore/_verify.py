@@ -10,7 +10,7 @@ import dataclasses
 import time
 
 from ._delta import DeltaBases
-from ._errors import CasstoreError
+from ._errors import CasstoreError, UnsupportedFormatError
 from ._layout import RUNS_PREFIX, chunk_key, parse_manifest_key
 from ._manifest import ChunkRef, Manifest, decode_manifest
 from ._pool import bounded_map
@@ -20,13 +20,19 @@ from .store import open_store
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Problem:
-    """One thing wrong: where (run, step, key path, chunk id, any may be None) and what."""
+    """One thing wrong: where (run, step, key path, chunk id, any may be None) and what.
+
+    ``kind`` is ``"damage"`` (missing, corrupt or invalid) or ``"unsupported"``: an object of a
+    newer format this casstore does not read (:class:`~casstore.UnsupportedFormatError`,
+    format.md §10), which is no sign of damage; upgrade casstore.
+    """
 
     run: str | None
     step: int | None
     key_path: str | None
     chunk_id: str | None
     message: str
+    kind: str = "damage"
 
     def __str__(self) -> str:
         where = ", ".join(f"{k} {v!r}" for k, v in (("run", self.run), ("step", self.step), (
@@ -57,6 +63,11 @@ class VerifyReport:
     def ok(self) -> bool:
         return not self.problems
 
+    @property
+    def unsupported(self) -> tuple[Problem, ...]:
+        """The problems of kind ``"unsupported"``: a newer format, not damage."""
+        return tuple(p for p in self.problems if p.kind == "unsupported")
+
 
 def verify(url: Url, step: int | None = None, *, run: str | None = None, read_data: bool = True,
            max_workers: int | None = None) -> VerifyReport:
@@ -76,15 +87,22 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
       max_workers: concurrent chunk reads (default the store's).
 
     Returns:
-      A :class:`VerifyReport` naming each bad step, key path and chunk id.
+      A :class:`VerifyReport` naming each bad step, key path and chunk id. A config object,
+      manifest or chunk of a newer format (:class:`~casstore.UnsupportedFormatError`) is a
+      problem of kind ``"unsupported"``, never reported as damage.
 
     Raises:
-      ManifestError: the repository's config object is damaged or of an unknown version.
+      ManifestError: the repository's config object is damaged.
     """
     t0 = time.perf_counter()
     store = open_store(url)
     problems: list[Problem] = []
-    if not check_config(store):
+    try:
+        exists = check_config(store)
+    except UnsupportedFormatError as e:
+        return VerifyReport((_unsupported(run, step, None, e),), (), 0, 0,
+                            time.perf_counter() - t0)
+    if not exists:
         return VerifyReport((Problem(run, step, None, None, "no casstore repository here"),),
                             (), 0, 0, time.perf_counter() - t0)
     present = {info.key for info in list_chunk_objects(store)}
@@ -97,6 +115,8 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
         try:
             manifests.append(decode_manifest(store.get(info.key), run=parsed[0], step=parsed[1],
                                              url=store.url))
+        except UnsupportedFormatError as e:
+            problems.append(_unsupported(parsed[0], parsed[1], None, e))
         except (CasstoreError, FileNotFoundError) as e:
             problems.append(Problem(parsed[0], parsed[1], getattr(e, "key_path", None), None,
                                     f"manifest unreadable: {e}"))
@@ -126,6 +146,8 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
                 data = bases.read(key, ref.id, ref.base)
                 bases.decode(data, ref.id, ref.base, ref.raw_bytes)
                 return len(data), []
+            except UnsupportedFormatError as e:
+                return 0, [_unsupported(r, s, p, e) for r, s, p, _ in users[key]]
             except (CasstoreError, FileNotFoundError) as e:
                 return 0, [Problem(r, s, p, ref.id, f"chunk corrupt: {e}")
                            for r, s, p, _ in users[key]]
@@ -135,3 +157,9 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
             problems += found
     return VerifyReport(tuple(problems), tuple((m.run, m.step) for m in manifests), len(users),
                         bytes_read, time.perf_counter() - t0)
+
+
+def _unsupported(run: str | None, step: int | None, key_path: str | None,
+                 e: UnsupportedFormatError) -> Problem:
+    """A problem of kind ``"unsupported"`` for ``e`` (format.md §10): not damage."""
+    return Problem(run, step, key_path, e.chunk_id, str(e), kind="unsupported")

@@ -189,7 +189,7 @@ def test_a_failing_background_save_does_not_leave_save_blocked():
     mngr = casstore.CheckpointManager(Broken(), max_staging_bytes=2**20,
                                       chunk_size_bytes=256 * 1024)
     mngr.save(1, big)  # returns: the background save failed and abandoned the stream
-    with pytest.raises(PermissionError):
+    with pytest.raises(PermissionError, match="denied"):
         mngr.wait_until_finished()
     assert mngr.latest_step() is None and casstore.list_steps(mngr.store) == []
     mngr.close()
@@ -338,7 +338,7 @@ def test_gc_racing_a_save_breaks_the_step_only_without_locks(tmp_path, monkeypat
     else:
         assert racing.outcome[0].deleted_chunks >= 1
         assert not report.ok  # the committed step references a chunk GC deleted
-        with pytest.raises(casstore.CorruptChunkError):
+        with pytest.raises(casstore.CorruptChunkError, match="unusable chunk: no such object"):
             casstore.restore(store, 1, run=run)
 
 

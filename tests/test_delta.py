@@ -207,7 +207,12 @@ def test_async_manager_saves_deltas_from_staged_numpy_leaves(tmp_path):
     assert casstore.verify(store).ok
 
 
-@pytest.mark.parametrize("mutate", ["truncate", "codec", "element_size", "length", "payload"])
+MESSAGES = {"truncate": "shorter than its header", "codec": r"bad delta object header \(codec 2",
+            "element_size": "element size 3 and", "length": "manifest says",
+            "payload": "zstd|rebuilt bytes do not match|plane lengths"}
+
+
+@pytest.mark.parametrize("mutate", list(MESSAGES))
 def test_a_malformed_delta_object_is_a_corrupt_chunk_error(mutate):
     store = MemoryStore()
     casstore.save(store, 0, {"w": trained(0)}, chunk_size_bytes=CHUNK)
@@ -226,10 +231,11 @@ def test_a_malformed_delta_object_is_a_corrupt_chunk_error(mutate):
         HEADER.pack_into(data, 0, magic, version, codec, k, length * 2)
     else:
         data[-5] ^= 0xFF
-    with pytest.raises(casstore.CorruptChunkError):
+    with pytest.raises(casstore.CorruptChunkError, match=MESSAGES[mutate]):
         decode_delta(bytes(data), base, ref.id, ref.base, ref.raw_bytes)
     store.put(ref.key, bytes(data))
-    with pytest.raises(casstore.CorruptChunkError) as e:
+    with pytest.raises(casstore.CorruptChunkError,
+                       match="unusable chunk: .*" + MESSAGES[mutate]) as e:
         casstore.restore(store, 1)
     assert e.value.step == 1 and e.value.key_path == "w" and e.value.chunk_id == ref.id
 

@@ -64,7 +64,7 @@ def test_flatten_records_structure_and_rebuilds_plain_containers():
 
 
 def test_nul_in_a_key_is_refused(tmp_path):
-    with pytest.raises(casstore.UnsupportedLeafError):
+    with pytest.raises(casstore.UnsupportedLeafError, match="contains NUL"):
         casstore.save(tmp_path, 0, {"a\0b": np.ones(1)})
 
 

@@ -84,7 +84,7 @@ def test_interrupted_copy_finishes_on_rerun_sending_only_the_rest(tmp_path, obje
     dst_url = object_servers["moto"].url()
     options = object_servers["moto"].storage_options
     flaky = FailingAfter(FsspecStore.from_url(dst_url, **options), ok=4)
-    with pytest.raises(ConnectionResetError):
+    with pytest.raises(ConnectionResetError, match="injected: connection reset"):
         casstore.copy(src, flaky, max_workers=1)
     assert casstore.list_steps(flaky) == []  # no manifest without all chunks
     again = CountingStore(FsspecStore.from_url(dst_url, **options))
@@ -105,7 +105,7 @@ def test_copy_verifies_chunks_in_transit(tmp_path):
     data[-1] ^= 1
     open(path, "wb").write(bytes(data))
     dst = LocalStore(tmp_path / "dst")
-    with pytest.raises(casstore.CorruptChunkError) as info:
+    with pytest.raises(casstore.CorruptChunkError, match="source chunk unusable") as info:
         casstore.copy(src, dst)
     assert info.value.chunk_id == cid and info.value.key_path == "x"
     assert casstore.list_steps(dst) == []

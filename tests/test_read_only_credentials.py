@@ -49,7 +49,7 @@ def objects(server, url: str) -> dict[str, bytes]:
 
 def test_the_reader_keys_cannot_write_to_the_server(seaweedfs_identities, repo):
     reader = store_as(seaweedfs_identities, repo, "reader")
-    with pytest.raises(casstore.AccessDeniedError) as info:
+    with pytest.raises(casstore.AccessDeniedError, match="refused access") as info:
         reader.put("probe", b"1")
     assert isinstance(info.value, PermissionError)
     assert f"{repo}/probe" in str(info.value)
@@ -90,7 +90,7 @@ def test_writes_fail_at_once_naming_the_url(seaweedfs_identities, repo, write):
     before = objects(seaweedfs_identities, repo)
     reader = store_as(seaweedfs_identities, repo, "reader")
     t0 = time.perf_counter()
-    with pytest.raises(PermissionError) as info:
+    with pytest.raises(PermissionError, match="refused access") as info:
         WRITES[write](reader)
     assert time.perf_counter() - t0 < 2.0  # refused once, not retried
     assert isinstance(info.value, casstore.AccessDeniedError)
@@ -104,7 +104,7 @@ def test_manager_save_fails_in_the_call_with_read_only_keys(seaweedfs_identities
     with casstore.CheckpointManager(reader, max_to_keep=1) as mngr:
         assert mngr.should_save(3)
         t0 = time.perf_counter()
-        with pytest.raises(PermissionError) as info:
+        with pytest.raises(PermissionError, match="refused access") as info:
             mngr.save(3, tree_for(3))  # asynchronous, yet refused here, not at the next call
         assert time.perf_counter() - t0 < 2.0
         assert repo in str(info.value)
@@ -116,6 +116,6 @@ def test_manager_save_fails_in_the_call_on_a_read_only_store(tmp_path):
     casstore.save(tmp_path, 1, tree_for(1))
     store = casstore.open_store(tmp_path, read_only=True)
     with casstore.CheckpointManager(store) as mngr:
-        with pytest.raises(casstore.ReadOnlyStoreError):
+        with pytest.raises(casstore.ReadOnlyStoreError, match="read-only; cannot write"):
             mngr.save(2, tree_for(2))
     assert casstore.list_steps(tmp_path) == [1]

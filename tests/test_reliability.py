@@ -16,6 +16,7 @@ from casstore._codec import (
     CODEC_PLANES,
     CODEC_SHUFFLE_ZSTD,
     HEADER,
+    KNOWN_CODECS,
     MAGIC,
     _encode,
     chunk_id,
@@ -205,7 +206,7 @@ def check_mutated_manifest(where, value) -> None:
 
 def check_random_bytes(data: bytes) -> None:
     FUZZED["random manifests"] += 1
-    with pytest.raises(casstore.ManifestError):
+    with pytest.raises(casstore.ManifestError, match="^(not msgpack|invalid|unsupported format)"):
         decode_manifest(data, run="default", step=1, url="mem")
 
 
@@ -264,11 +265,17 @@ def hostile_chunks(draw) -> tuple[bytes, bytes, int]:
 
 
 def check_hostile_chunk(case: tuple[bytes, bytes, int]) -> None:
-    """A damaged chunk object gets CorruptChunkError, or decodes to exactly its raw bytes."""
+    """A damaged chunk object gets CorruptChunkError (UnsupportedFormatError where its magic
+    holds and its version or codec is unknown, format.md §10), or decodes to exactly its raw
+    bytes."""
     FUZZED["chunk objects"] += 1
     obj, raw, claimed = case
     try:
         decoded = decode_chunk(obj, chunk_id(raw), claimed)
+    except casstore.UnsupportedFormatError:
+        magic, version, codec, _, _ = HEADER.unpack_from(obj)
+        assert magic == MAGIC and (version != 1 or codec not in KNOWN_CODECS)
+        return
     except casstore.CorruptChunkError:
         return
     assert bytes(decoded) == raw
@@ -303,7 +310,8 @@ def test_hostile_leaf_fields_fail_before_any_allocation(hostile):
     doc = valid_manifest()
     leaf = next(x for x in doc["leaves"] if x["path"] == "a/w")
     leaf.update(hostile)
-    with pytest.raises(casstore.ManifestError) as info:
+    with pytest.raises(casstore.ManifestError,
+                       match="exceeds the limit|bad shape|not an allowed array dtype") as info:
         decode_manifest(msgpack.packb(doc, use_bin_type=True), run="default", step=1, url="m")
     assert info.value.key_path == "a/w"
 
@@ -314,11 +322,11 @@ def test_deeply_nested_tree_and_oversized_strings_are_rejected():
     for _ in range(300):
         node = {"t": "list", "c": [node], "type": "x"}
     doc["tree"] = node
-    with pytest.raises(casstore.ManifestError):
+    with pytest.raises(casstore.ManifestError, match="bad tree node or too deep"):
         decode_manifest(msgpack.packb(doc), run="default", step=1, url="m")
     doc = valid_manifest()
     doc["leaves"][0]["path"] = "p" * 5000
-    with pytest.raises(casstore.ManifestError):
+    with pytest.raises(casstore.ManifestError, match="bad key path"):
         decode_manifest(msgpack.packb(doc), run="default", step=1, url="m")
 
 
@@ -327,7 +335,7 @@ def test_chunk_ids_cannot_name_objects_outside_chunks():
     leaf = next(x for x in doc["leaves"] if x["path"] == "a/w")
     for bad in ("../config0000000000000000000000000", "runs/default/steps/000000000000000"):
         leaf["chunks"][0]["id"] = bad
-        with pytest.raises(casstore.ManifestError):
+        with pytest.raises(casstore.ManifestError, match="bad chunk id"):
             decode_manifest(msgpack.packb(doc), run="default", step=1, url="m")
 
 

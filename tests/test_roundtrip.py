@@ -19,7 +19,7 @@ import casstore
 from casstore._chunking import DTYPE_NAMES, dtype_from_name
 from casstore.store import LocalStore, MemoryStore
 
-from conftest import BACKENDS, make_store
+from conftest import LOCAL_BACKENDS, OBJECT_BACKENDS, make_store, object_store
 
 DTYPES = [dtype_from_name(n) for n in DTYPE_NAMES if dtype_from_name(n) is not None]
 
@@ -111,14 +111,27 @@ def pytrees(draw, depth=0):
     return random_array(np.random.default_rng(seed), shape, dtype)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+def roundtrip(store, tree, chunk: int) -> None:
+    casstore.save(store, 3, tree, chunk_size_bytes=chunk, pack_threshold_bytes=chunk // 2)
+    assert_trees_equal(tree, casstore.restore(store, 3))
+
+
+@pytest.mark.parametrize("backend", LOCAL_BACKENDS)
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                    HealthCheck.data_too_large])
 @given(tree=pytrees(), chunk=st.sampled_from([16, 100, 4096, 2**24]))
 def test_random_pytrees_roundtrip(tmp_path_factory, backend, tree, chunk):
-    store = make_store(backend, tmp_path_factory.mktemp("r"))
-    casstore.save(store, 3, tree, chunk_size_bytes=chunk, pack_threshold_bytes=chunk // 2)
-    assert_trees_equal(tree, casstore.restore(store, 3))
+    roundtrip(make_store(backend, tmp_path_factory.mktemp("r")), tree, chunk)
+
+
+# On the real servers (each example in a fresh bucket): fewer examples, as the property is the
+# tree's and the servers add only transport; the local backends above sample the trees.
+@pytest.mark.parametrize("backend", OBJECT_BACKENDS)
+@settings(max_examples=8, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
+@given(tree=pytrees(), chunk=st.sampled_from([16, 100, 4096, 2**24]))
+def test_random_pytrees_roundtrip_on_object_servers(request, backend, tree, chunk):
+    roundtrip(object_store(request.getfixturevalue("object_servers")[backend]), tree, chunk)
 
 
 def test_noncontiguous_and_big_endian_inputs(repo_store):
@@ -226,7 +239,7 @@ class Opaque:
 @pytest.mark.parametrize("bad", [Opaque(1), np.array(["a", "b"]), np.array([object()]),
                                  lambda x: x, np.arange(3).astype("datetime64[s]")])
 def test_unsupported_leaves_name_their_key_path(repo_store, bad):
-    with pytest.raises(casstore.UnsupportedLeafError) as info:
+    with pytest.raises(casstore.UnsupportedLeafError, match="params/bad") as info:
         casstore.save(repo_store, 0, {"params": {"ok": np.ones(2), "bad": bad}})
     assert info.value.key_path == "params/bad" and "params/bad" in str(info.value)
     assert isinstance(info.value, TypeError)

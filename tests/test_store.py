@@ -32,7 +32,7 @@ class TestLocalStore(StoreContract):
 
     def test_no_temp_files_left_and_hidden_from_list(self, store):
         store.put("a/b", b"1")
-        with pytest.raises(FileExistsError):
+        with pytest.raises(FileExistsError, match="exists"):
             store.put_if_absent("a/b", b"2")
         assert os.listdir(os.path.join(store.root, "a")) == ["b"]
         open(os.path.join(store.root, "a", ".b.tmp"), "wb").close()  # a crashed writer's temp
@@ -72,7 +72,7 @@ def test_open_store_picks_backend(tmp_path):
     assert isinstance(open_store("memory://casstore-open-test"), FsspecStore)
     s = MemoryStore()
     assert open_store(s) is s
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="storage_options are for fsspec URLs"):
         open_store(tmp_path, anon=True)
 
 
@@ -112,7 +112,7 @@ def test_transient_errors_are_retried_and_permanent_ones_are_not(tmp_path):
                                                    TimeoutError("slow")])
     assert store.get("a") == b"1"
     store.fs.cat_file = flaky(store.fs.cat_file, [PermissionError(13, "AccessDenied")])
-    with pytest.raises(PermissionError) as info:
+    with pytest.raises(PermissionError, match="refused access") as info:
         store.get("a")
     assert store.url in "".join(getattr(info.value, "__notes__", [store.url]))
     store.policy.retries = 2
@@ -133,7 +133,7 @@ def test_a_create_that_stored_its_bytes_then_failed_is_not_a_conflict(tmp_path):
 
     store.fs.pipe_file = stores_then_fails
     store.put_if_absent("m", b"mine")  # the retry finds its own bytes: success
-    with pytest.raises(FileExistsError):
+    with pytest.raises(FileExistsError, match="exists"):
         store.put_if_absent("m", b"other")
 
 

@@ -1,0 +1,137 @@
+"""An older reader against a newer format (format.md §10): every unknown feature, codec or
+version is refused with UnsupportedFormatError naming it and the casstore that reads it,
+before any chunk is read, and verify reports it as unsupported, never as damage."""
+
+import msgpack
+import numpy as np
+import pytest
+
+import casstore
+from casstore import _format
+from casstore._codec import HEADER
+from casstore._layout import CHUNKS_PREFIX, manifest_key
+from casstore._manifest import features_of
+from casstore.store import CountingStore, MemoryStore
+
+TREE = {"w": np.arange(64 * 1024, dtype=np.float32) / 3, "b": np.ones(100, np.float32),
+        "c": np.zeros(100, np.float32), "n": 3}
+
+
+@pytest.fixture
+def store() -> MemoryStore:
+    store = MemoryStore()
+    casstore.save(store, 1, TREE, chunk_size_bytes=64 * 1024)
+    return store
+
+
+def rewrite(store: MemoryStore, key: str, **fields) -> None:
+    """Replaces fields of the msgpack map at ``key``, as a newer writer would have written."""
+    doc = msgpack.unpackb(store.get(key), raw=False, strict_map_key=False)
+    doc.update(fields)
+    store.delete(key)
+    store.put(key, msgpack.packb(doc, use_bin_type=True))
+
+
+def test_a_new_save_records_its_features_and_min_reader(store):
+    config = msgpack.unpackb(store.get("config"))
+    assert config["features"] == sorted(_format.FEATURES)
+    assert config["min_reader"] == _format.READER_VERSION
+    doc = msgpack.unpackb(store.get(manifest_key("default", 1)))
+    assert list(doc)[:4] == ["format", "version", "features", "min_reader"]  # §4.1 order
+    assert doc["features"] == ["codec-5", "pack"]  # b and c are packed; no delta yet
+    assert features_of(casstore.read_manifest(store, 1)) == doc["features"]
+    casstore.save(store, 2, {"n": 4})
+    assert msgpack.unpackb(store.get(manifest_key("default", 2)))["features"] == []
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"features": ["codec-5", "codec-9"], "min_reader": "9.1.0"},
+     r"feature 'codec-9'.*casstore >= 9\.1\.0 reads it"),
+    ({"min_reader": "9.1"}, r"min_reader 9\.1.*casstore >= 9\.1 reads it"),
+    ({"version": 3}, r"version 3.*a newer casstore may read it"),
+])
+def test_a_manifest_of_a_newer_format_is_refused_before_any_chunk_is_read(store, fields, named):
+    rewrite(store, manifest_key("default", 1), **fields)
+    counting = CountingStore(store)
+    with pytest.raises(casstore.UnsupportedFormatError, match=named) as e:
+        casstore.restore(counting, 1)
+    assert e.value.step == 1 and e.value.run == "default"
+    assert e.value.reader == _format.READER_VERSION
+    assert not [k for k in counting.keys_read if k.startswith(CHUNKS_PREFIX)]
+    assert isinstance(e.value, casstore.ManifestError)  # as unknown versions always were
+    report = casstore.verify(store)
+    assert not report.ok and report.unsupported == report.problems
+    assert report.problems[0].step == 1 and "unsupported format" in report.problems[0].message
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"features": ["codec-5", "sha256-ids"], "min_reader": "2.0.0"}, "feature 'sha256-ids'"),
+    ({"min_reader": "2.0.0"}, "min_reader 2.0.0"),
+    ({"version": 2}, "repository version 2"),
+    ({"hash": "blake3"}, "hash 'blake3'"),
+])
+def test_a_repository_of_a_newer_format_is_refused_by_every_entry_point(store, fields, named):
+    rewrite(store, "config", **fields)
+    for call in (lambda: casstore.list_steps(store), lambda: casstore.restore(store, 1),
+                 lambda: casstore.save(store, 2, TREE)):
+        with pytest.raises(casstore.UnsupportedFormatError, match=named):
+            call()
+    report = casstore.verify(store)
+    assert [p.kind for p in report.problems] == ["unsupported"]
+    assert named in report.problems[0].message
+
+
+def test_an_older_reader_refuses_a_repository_using_a_feature_it_predates(monkeypatch):
+    """A reader from before delta chunks meets a repository a newer writer made with them."""
+    store = MemoryStore()
+    w = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)
+    casstore.save(store, 1, {"w": w}, chunk_size_bytes=64 * 1024)
+    w[::32] += np.float32(1e-6)
+    casstore.save(store, 2, {"w": w}, chunk_size_bytes=64 * 1024)
+    assert "delta" in msgpack.unpackb(store.get(manifest_key("default", 2)))["features"]
+    # The older reader: it knows no "delta" and reads the format of an earlier release.
+    monkeypatch.setattr(_format, "FEATURES", {"codec-5": "0.0.9", "pack": "0.0.9"})
+    monkeypatch.setattr(_format, "READER_VERSION", "0.0.9")
+    with pytest.raises(casstore.UnsupportedFormatError,
+                       match=r"feature 'delta'.*reads the format of casstore 0\.0\.9.*"
+                             r"casstore >= 0\.1\.0 reads it"):
+        casstore.restore(store, 2)
+    assert casstore.verify(store).unsupported  # reported as such, never as corruption
+
+
+def test_a_chunk_of_an_unknown_codec_is_unsupported_not_corrupt(store):
+    """A newer writer's chunk can sit under an older manifest (dedup): named at decode."""
+    ref = next(leaf for leaf in casstore.read_manifest(store, 1).leaves if leaf.path == "w"
+               ).chunks[0]
+    data = bytearray(store.get(ref.key))
+    magic, version, _, k, length = HEADER.unpack_from(data)
+    HEADER.pack_into(data, 0, magic, version, 9, k, length)
+    store.delete(ref.key)
+    store.put(ref.key, bytes(data))
+    with pytest.raises(casstore.UnsupportedFormatError, match="chunk codec 9") as e:
+        casstore.restore(store, 1)
+    assert e.value.chunk_id == ref.id
+    report = casstore.verify(store)
+    assert [(p.kind, p.key_path, p.chunk_id) for p in report.problems] == [
+        ("unsupported", "w", ref.id)]
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"features": "codec-5"}, "bad features list"), ({"features": [5]}, "bad features list"),
+    ({"min_reader": "latest"}, "bad min_reader"), ({"min_reader": 2}, "bad min_reader"),
+    ({"version": 0}, "bad version 0"), ({"version": "2"}, "bad version '2'"),
+])
+def test_damaged_format_fields_are_damage_not_a_newer_format(store, fields, message):
+    rewrite(store, manifest_key("default", 1), **fields)
+    with pytest.raises(casstore.ManifestError, match=message) as e:
+        casstore.read_manifest(store, 1)
+    assert not isinstance(e.value, casstore.UnsupportedFormatError)
+    assert [p.kind for p in casstore.verify(store).problems] == ["damage"]
+
+
+def test_the_feature_table_is_read_by_this_release():
+    """Every feature a writer may list is readable by READER_VERSION (bump both together)."""
+    assert all(_format.version_tuple(v) <= _format.version_tuple(_format.READER_VERSION)
+               for v in _format.FEATURES.values())
+    assert _format.min_reader(sorted(_format.FEATURES)) == _format.READER_VERSION
+    assert _format.version_tuple("0.10.0") > _format.version_tuple("0.9.1")
