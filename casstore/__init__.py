@@ -13,6 +13,7 @@ from ._errors import AccessDeniedError as AccessDeniedError
 from ._errors import CasstoreError as CasstoreError
 from ._errors import CorruptChunkError as CorruptChunkError
 from ._errors import ManifestError as ManifestError
+from ._errors import MissingChunkError as MissingChunkError
 from ._errors import ObjectNotFoundError as ObjectNotFoundError
 from ._errors import ReadOnlyStoreError as ReadOnlyStoreError
 from ._errors import StepAlreadyExistsError as StepAlreadyExistsError
@@ -35,7 +36,9 @@ from ._repository import read_manifest as read_manifest
 from ._restore import restore as restore
 from ._save import SaveInfo as SaveInfo
 from ._save import save as save
-from ._verify import Problem as Problem
+from ._scan import ManifestScan as ManifestScan
+from ._scan import Problem as Problem
+from ._scan import scan_manifests as scan_manifests
 from ._verify import VerifyReport as VerifyReport
 from ._verify import verify as verify
 from .store import FsspecStore as FsspecStore

@@ -22,7 +22,7 @@ import numpy as np
 
 from ._chunking import Index, dtype_from_name
 from ._delta import DeltaBases
-from ._errors import CorruptChunkError, StoreTimeoutError, TargetMismatchError
+from ._errors import CorruptChunkError, MissingChunkError, StoreTimeoutError, TargetMismatchError
 from ._keypath import SCALAR_TYPES, matches, path_str, unflatten_plain
 from ._manifest import ChunkRef, LeafEntry, Manifest
 from ._pool import bounded_map
@@ -89,7 +89,9 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
       StepNotFoundError: the step (or any step, for None) does not exist.
       ManifestError: the manifest is malformed (names step and key path), or for
         ``sharding="saved"`` a leaf's saved sharding is.
-      CorruptChunkError: a chunk is missing, or its bytes fail the checks (names step, key path
+      MissingChunkError: a chunk object (or a delta chunk's base) is missing (a
+        FileNotFoundError; names step, key path and chunk id).
+      CorruptChunkError: a chunk's bytes fail the checks (names step, key path
         and chunk id).
       StoreTimeoutError: the store did not answer within its deadline (names the object and,
         for a chunk, step, key path and chunk id).
@@ -380,7 +382,8 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
       little-endian saved dtype} without ``place``.
 
     Raises:
-      CorruptChunkError: a chunk is missing or fails its checks; names step, key path, chunk id.
+      CorruptChunkError: a chunk fails its checks; names step, key path, chunk id.
+      MissingChunkError: a chunk object (or a delta chunk's base) is missing; names the same.
     """
     out: dict[int, Any] = {}
     users: dict[str, list[tuple[int, ChunkRef]]] = collections.defaultdict(list)
@@ -416,7 +419,12 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
             data, buffers.read = store.get_into(key, getattr(buffers, "read", None))
             into = _destination(blocks, out)
             raw = bases.decode(data, cid, first.base, first.raw_bytes, into)
-        except (CorruptChunkError, FileNotFoundError) as e:
+        except FileNotFoundError as e:  # the object or its delta base: missing, not corrupt
+            raise MissingChunkError(f"chunk object missing: {e}", url=store.url,
+                                    run=manifest.run, step=manifest.step,
+                                    key_path=manifest.leaves[blocks[0][0]].path,
+                                    chunk_id=cid) from e
+        except CorruptChunkError as e:
             raise CorruptChunkError(f"unusable chunk: {e}", url=store.url, run=manifest.run,
                                     step=manifest.step, key_path=manifest.leaves[blocks[0][0]].path,
                                     chunk_id=cid) from e
