@@ -109,6 +109,13 @@ class StoreTimeoutError(_Located, TimeoutError):
         return located
 
 
+class StoreUnreachableError(_Located, ConnectionError):
+    """No server answers at the store's endpoint: the connection was refused or the host name
+    does not resolve. Raised within a few seconds (a server that accepts and then stalls gets
+    :class:`StoreTimeoutError` at its deadline instead). Carries ``url``; the message names the
+    endpoint the client tried."""
+
+
 class AccessDeniedError(_Located, PermissionError):
     """The storage server refused a request: the credentials lack the permission (HTTP 403,
     S3 ``AccessDenied``), e.g. a write with read-only keys. Not retried."""

@@ -30,10 +30,11 @@ from typing import Any
 import fsspec
 from fsspec.asyn import AsyncFileSystem
 
-from .._errors import AccessDeniedError, CasstoreError, ObjectNotFoundError, StoreTimeoutError
+from .._errors import AccessDeniedError, CasstoreError, ObjectNotFoundError
 from .._pool import default_workers
 from ._adaptive import AdaptiveLimit
 from ._base import ObjectInfo, Store, check_key
+from ._reach import no_answer, retry_deadline
 
 DEFAULT_REQUEST_TIMEOUT_S = 20.0
 DEFAULT_OPERATION_TIMEOUT_S = 60.0
@@ -255,7 +256,7 @@ class FsspecStore(Store):
                 raise AccessDeniedError(f"the server refused access: {e}",
                                         url=f"{self.url}/{key}") from e
             except Exception as e:  # classified by is_transient; anything else is re-raised
-                last = e
+                last, deadline = e, min(deadline, retry_deadline(e))  # refused: within seconds
                 if not is_transient(e) or (self.retries is not None and attempt >= self.retries):
                     if not isinstance(e, FileNotFoundError) and hasattr(e, "add_note"):
                         e.add_note(f"casstore: while accessing {self.url}/{key}")
@@ -269,9 +270,7 @@ class FsspecStore(Store):
                 self._unanswered = False
                 return result
         self._unanswered = True
-        detail = ": ".join(x for x in (type(last).__name__, str(last)) if x)
-        raise StoreTimeoutError(f"no answer within the {budget:g} s deadline (last error: "
-                                f"{detail})", key=key, url=self.url) from last
+        raise no_answer(budget, last, key=key, url=self.url) from last
 
     @classmethod
     def from_url(cls, url: str, *, read_only: bool = False,
