@@ -3,50 +3,102 @@
 Array leaves are cut along shard boundaries into chunks named by the xxh3-128 of their raw bytes,
 zstd-compressed and written once; a msgpack manifest per step, written last and create-only,
 commits the checkpoint. See ``docs/format.md``.
+
+Public names are imported on first use (PEP 562 module ``__getattr__``), so ``import casstore``
+and commands that need no arrays (``casstore --help``, ``casstore ls``) do not import jax.
 """
 
-from importlib.metadata import PackageNotFoundError, version
+from __future__ import annotations
 
-from ._copy import CopyInfo as CopyInfo
-from ._copy import copy as copy
-from ._errors import AccessDeniedError as AccessDeniedError
-from ._errors import CasstoreError as CasstoreError
-from ._errors import CorruptChunkError as CorruptChunkError
-from ._errors import ManifestError as ManifestError
-from ._errors import ObjectNotFoundError as ObjectNotFoundError
-from ._errors import ReadOnlyStoreError as ReadOnlyStoreError
-from ._errors import StepAlreadyExistsError as StepAlreadyExistsError
-from ._errors import StepNotFoundError as StepNotFoundError
-from ._errors import StoreTimeoutError as StoreTimeoutError
-from ._errors import TargetMismatchError as TargetMismatchError
-from ._errors import UnsupportedFormatError as UnsupportedFormatError
-from ._errors import UnsupportedLeafError as UnsupportedLeafError
-from ._gc import GcInfo as GcInfo
-from ._gc import gc as gc
-from ._manager import CheckpointManager as CheckpointManager
-from ._manifest import ChunkRef as ChunkRef
-from ._manifest import LeafEntry as LeafEntry
-from ._manifest import Manifest as Manifest
-from ._orbax import import_orbax as import_orbax
-from ._repository import delete as delete
-from ._repository import latest_step as latest_step
-from ._repository import list_runs as list_runs
-from ._repository import list_steps as list_steps
-from ._repository import read_manifest as read_manifest
-from ._restore import restore as restore
-from ._save import SaveInfo as SaveInfo
-from ._save import save as save
-from ._target import PLACEHOLDER as PLACEHOLDER
-from ._target import abstract_tree as abstract_tree
-from ._verify import Problem as Problem
-from ._verify import VerifyReport as VerifyReport
-from ._verify import verify as verify
-from .store import FsspecStore as FsspecStore
-from .store import LocalStore as LocalStore
-from .store import MemoryStore as MemoryStore
-from .store import ObjectInfo as ObjectInfo
-from .store import Store as Store
-from .store import open_store as open_store
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+# public name -> the private module that defines it
+_WHERE = {
+    "CopyInfo": "_copy", "copy": "_copy",
+    **dict.fromkeys(["AccessDeniedError", "CasstoreError", "CorruptChunkError", "ManifestError",
+                     "MissingChunkError", "ObjectNotFoundError", "ReadOnlyStoreError",
+                     "StepAlreadyExistsError", "StepNotFoundError", "StoreTimeoutError",
+                     "StoreUnreachableError", "TargetMismatchError", "UnsupportedFormatError",
+                     "UnsupportedLeafError"],
+                    "_errors"),
+    "GcInfo": "_gc", "gc": "_gc",
+    "CheckpointManager": "_manager",
+    "ChunkRef": "_manifest", "LeafEntry": "_manifest", "Manifest": "_manifest",
+    "import_orbax": "_orbax",
+    **dict.fromkeys(["delete", "latest_step", "list_runs", "list_steps", "read_manifest"],
+                    "_repository"),
+    "restore": "_restore",
+    "SaveInfo": "_save", "save": "_save",
+    "PLACEHOLDER": "_target", "abstract_tree": "_target",
+    **dict.fromkeys(["ManifestScan", "Problem", "scan_manifests"], "_scan"),
+    "VerifyReport": "_verify", "verify": "_verify",
+    **dict.fromkeys(["FsspecStore", "LocalStore", "MemoryStore", "ObjectInfo", "Store",
+                     "open_store"], "store"),
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    """Imports the module that defines public ``name`` on first use (PEP 562)."""
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'casstore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))
+
+
+if TYPE_CHECKING:  # the names as static tools see them
+    from ._copy import CopyInfo as CopyInfo
+    from ._copy import copy as copy
+    from ._errors import AccessDeniedError as AccessDeniedError
+    from ._errors import CasstoreError as CasstoreError
+    from ._errors import CorruptChunkError as CorruptChunkError
+    from ._errors import ManifestError as ManifestError
+    from ._errors import MissingChunkError as MissingChunkError
+    from ._errors import ObjectNotFoundError as ObjectNotFoundError
+    from ._errors import ReadOnlyStoreError as ReadOnlyStoreError
+    from ._errors import StepAlreadyExistsError as StepAlreadyExistsError
+    from ._errors import StepNotFoundError as StepNotFoundError
+    from ._errors import StoreTimeoutError as StoreTimeoutError
+    from ._errors import StoreUnreachableError as StoreUnreachableError
+    from ._errors import TargetMismatchError as TargetMismatchError
+    from ._errors import UnsupportedFormatError as UnsupportedFormatError
+    from ._errors import UnsupportedLeafError as UnsupportedLeafError
+    from ._gc import GcInfo as GcInfo
+    from ._gc import gc as gc
+    from ._manager import CheckpointManager as CheckpointManager
+    from ._manifest import ChunkRef as ChunkRef
+    from ._manifest import LeafEntry as LeafEntry
+    from ._manifest import Manifest as Manifest
+    from ._orbax import import_orbax as import_orbax
+    from ._repository import delete as delete
+    from ._repository import latest_step as latest_step
+    from ._repository import list_runs as list_runs
+    from ._repository import list_steps as list_steps
+    from ._repository import read_manifest as read_manifest
+    from ._restore import restore as restore
+    from ._save import SaveInfo as SaveInfo
+    from ._save import save as save
+    from ._scan import ManifestScan as ManifestScan
+    from ._scan import Problem as Problem
+    from ._scan import scan_manifests as scan_manifests
+    from ._target import PLACEHOLDER as PLACEHOLDER
+    from ._target import abstract_tree as abstract_tree
+    from ._verify import VerifyReport as VerifyReport
+    from ._verify import verify as verify
+    from .store import FsspecStore as FsspecStore
+    from .store import LocalStore as LocalStore
+    from .store import MemoryStore as MemoryStore
+    from .store import ObjectInfo as ObjectInfo
+    from .store import Store as Store
+    from .store import open_store as open_store
 
 try:
     __version__ = version("casstore")

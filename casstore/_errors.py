@@ -46,6 +46,20 @@ class CorruptChunkError(_Located, ValueError):
     """A chunk's bytes do not decode to its recorded length and content address."""
 
 
+class MissingChunkError(_Located, FileNotFoundError):
+    """A chunk object (or the base chunk a delta chunk is stored against, format.md §3.5) that
+    a manifest references does not exist: deleted by hand, by a GC without locks, or lost.
+
+    Not corruption: the bytes that exist are intact. Carries ``key`` (the missing object's
+    store key) beside the step, key path and chunk id of the first user that needed it; repair
+    it by copying the step from another copy of the repository (docs/recovery.md).
+    """
+
+    def __init__(self, message: str, *, key: str | None = None, **where):
+        self.key = key
+        super().__init__(f"{message}; object {key!r}" if key else message, **where)
+
+
 class ManifestError(_Located, ValueError):
     """A manifest or config object is malformed, out of limits or of an unknown version."""
 
@@ -93,6 +107,13 @@ class StoreTimeoutError(_Located, TimeoutError):
         located = StoreTimeoutError(self.message, key=self.key, **{**now, **where})
         located.__cause__ = self
         return located
+
+
+class StoreUnreachableError(_Located, ConnectionError):
+    """No server answers at the store's endpoint: the connection was refused or the host name
+    does not resolve. Raised within a few seconds (a server that accepts and then stalls gets
+    :class:`StoreTimeoutError` at its deadline instead). Carries ``url``; the message names the
+    endpoint the client tried."""
 
 
 class AccessDeniedError(_Located, PermissionError):

@@ -13,11 +13,10 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from ._layout import RUNS_PREFIX, parse_manifest_key
 from ._locks import GcLease, gc_lock
-from ._manifest import decode_manifest
 from ._pool import bounded_map
 from ._repository import Url, check_config, list_chunk_objects
+from ._scan import require_intact, scan_manifests
 from .store import Store, open_store
 
 DEFAULT_GRACE_PERIOD_S = 3600.0
@@ -25,20 +24,23 @@ DEFAULT_GRACE_PERIOD_S = 3600.0
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GcInfo:
-    """What one :func:`gc` found and did.
+    """What one :func:`gc` found and did. Its counts add up:
+    ``chunks == referenced_chunks + deleted_chunks + young_unreferenced_chunks``.
 
     Attributes:
       manifests: manifests read (all runs).
       chunks: chunk objects listed (under ``chunks/`` and, for delta chunks, ``deltas/``).
-      referenced_chunks: chunk objects referenced by at least one manifest (a delta chunk
-        references its delta object and its base's chunk object, format.md §3.5).
+      referenced_chunks: listed chunk objects that at least one manifest references (a delta
+        chunk references its delta object and its base's chunk object, format.md §3.5).
       deleted_chunks, deleted_bytes: garbage deleted (or, for a dry run, that would be).
       young_unreferenced_chunks: unreferenced chunks spared because they are within the grace
         period.
-      missing_chunks: referenced chunk objects that do not exist (a damaged repository; see
-        verify).
+      missing_chunks: referenced chunk objects that do not exist (a damaged repository, not
+        part of ``chunks``; see verify).
       dry_run: nothing was deleted.
       seconds: wall time.
+      damaged_manifests: manifests that did not read (a dry run only: a real gc refuses).
+        Chunks only they reference count as garbage in a dry run's figures.
     """
 
     manifests: int
@@ -50,6 +52,7 @@ class GcInfo:
     missing_chunks: int
     dry_run: bool
     seconds: float
+    damaged_manifests: int = 0
 
 
 def gc(url: Url, *, grace_period_s: float = DEFAULT_GRACE_PERIOD_S, dry_run: bool = False,
@@ -72,8 +75,8 @@ def gc(url: Url, *, grace_period_s: float = DEFAULT_GRACE_PERIOD_S, dry_run: boo
       A :class:`GcInfo`.
 
     Raises:
-      ManifestError: a manifest does not parse; GC refuses to delete anything, since it cannot
-        know what that step references.
+      ManifestError: not a dry run, and a manifest does not read (named, with every other
+        one); GC refuses to delete anything, since it cannot know what those steps reference.
       CasstoreError: saves still in flight after ``lock_timeout_s``; or the GC lock could not
         be refreshed in time (its lease, format.md §8), so GC stopped deleting midway (what it
         deleted was garbage; running it again finishes).
@@ -94,20 +97,11 @@ def _collect(store: Store, grace_period_s: float, lease: GcLease | None,
     """Marks and sweeps; ``lease`` None is a dry run (nothing deleted)."""
     dry_run = lease is None
     now = time.time()
-    chunks = {info.key: info for info in list_chunk_objects(store)}
-    referenced: set[str] = set()
-    manifests = 0
-    for info in store.list(RUNS_PREFIX):
-        parsed = parse_manifest_key(info.key)
-        if parsed is None:
-            continue
-        try:
-            data = store.get(info.key)
-        except FileNotFoundError:  # deleted (by retention) since the listing: references nothing
-            continue
-        run, step = parsed
-        referenced |= decode_manifest(data, run=run, step=step, url=store.url).object_keys()
-        manifests += 1
+    chunks = {info.key: info for info in list_chunk_objects(store)}  # before the manifests
+    scan = scan_manifests(store, max_workers=max_workers)
+    if not dry_run:
+        require_intact(scan, "gc")
+    referenced = set().union(*(m.object_keys() for m in scan.manifests))
     garbage = [key for key, info in chunks.items()
                if key not in referenced and now - info.mtime >= grace_period_s]
     young = sum(1 for key in chunks if key not in referenced) - len(garbage)
@@ -117,6 +111,7 @@ def _collect(store: Store, grace_period_s: float, lease: GcLease | None,
             store.delete(key)
 
         bounded_map(sweep, garbage, max_workers or store.max_workers)
-    return GcInfo(manifests, len(chunks), len(referenced), len(garbage),
-                  sum(chunks[key].size for key in garbage), young,
-                  len(referenced - chunks.keys()), dry_run, time.perf_counter() - t0)
+    return GcInfo(len(scan.manifests), len(chunks), len(referenced & chunks.keys()),
+                  len(garbage), sum(chunks[key].size for key in garbage), young,
+                  len(referenced - chunks.keys()), dry_run, time.perf_counter() - t0,
+                  len(scan.damaged))

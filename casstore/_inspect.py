@@ -16,27 +16,25 @@ import math
 from ._chunking import dtype_from_name
 from ._layout import chunk_key
 from ._manifest import ChunkRef, LeafEntry, Manifest
-from ._pool import bounded_map
-from ._repository import Url, list_runs, list_steps, read_manifest
-from .store import open_store
+from ._repository import Url
+from ._scan import require_intact, scan_manifests
 
 
 def load_manifests(url: Url, *, runs: list[str] | None = None,
                    max_workers: int | None = None) -> list[Manifest]:
     """Reads every committed manifest of ``runs`` (None: all runs) in repository order.
 
+    For a repository that may be damaged, :func:`~casstore.scan_manifests` reads the rest.
+
     Returns:
       Manifests sorted by ``(created, run, step)``: the order their steps were written.
 
     Raises:
-      ManifestError: a manifest or the config object is invalid.
+      ManifestError: a manifest or the config object is invalid (names every bad manifest).
     """
-    store = open_store(url)
-    pairs = [(run, step) for run in (list_runs(store) if runs is None else runs)
-             for step in list_steps(store, run=run)]
-    manifests = bounded_map(lambda p: read_manifest(store, p[1], run=p[0]), pairs,
-                            max_workers or store.max_workers)
-    return sorted(manifests, key=lambda m: (m.created, m.run, m.step))
+    scan = scan_manifests(url, runs=runs, max_workers=max_workers)
+    require_intact(scan, "reading every manifest")
+    return list(scan.manifests)
 
 
 def object_sizes(manifests: list[Manifest]) -> dict[str, int]:

@@ -19,7 +19,7 @@ import numpy as np
 
 from ._chunking import Index
 from ._delta import DeltaBases
-from ._errors import CorruptChunkError, StoreTimeoutError
+from ._errors import CorruptChunkError, MissingChunkError, StoreTimeoutError
 from ._manifest import ChunkRef, LeafEntry, Manifest
 from ._place import ALIGN, normalize, saved_dtype
 from ._pool import bounded_map
@@ -71,7 +71,8 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
       little-endian saved dtype} without ``place``.
 
     Raises:
-      CorruptChunkError: a chunk is missing or fails its checks; names step, key path, chunk id.
+      CorruptChunkError: a chunk fails its checks; names step, key path, chunk id.
+      MissingChunkError: a chunk object (or a delta chunk's base) is missing; names the same.
     """
     out: dict[int, Any] = {}
     users: dict[str, list[tuple[int, ChunkRef]]] = collections.defaultdict(list)
@@ -107,7 +108,12 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
             data, buffers.read = store.get_into(key, getattr(buffers, "read", None))
             into = _destination(blocks, out)
             raw = bases.decode(data, cid, first.base, first.raw_bytes, into)
-        except (CorruptChunkError, FileNotFoundError) as e:
+        except FileNotFoundError as e:  # the object or its delta base: missing, not corrupt
+            raise MissingChunkError(f"chunk object missing: {e}", url=store.url,
+                                    run=manifest.run, step=manifest.step,
+                                    key_path=manifest.leaves[blocks[0][0]].path,
+                                    chunk_id=cid) from e
+        except CorruptChunkError as e:
             raise CorruptChunkError(f"unusable chunk: {e}", url=store.url, run=manifest.run,
                                     step=manifest.step, key_path=manifest.leaves[blocks[0][0]].path,
                                     chunk_id=cid) from e

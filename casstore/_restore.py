@@ -96,7 +96,9 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
       StepNotFoundError: the step (or any step, for None) does not exist.
       ManifestError: the manifest is malformed (names step and key path), or for
         ``sharding="saved"`` a leaf's saved sharding is.
-      CorruptChunkError: a chunk is missing, or its bytes fail the checks (names step, key path
+      MissingChunkError: a chunk object (or a delta chunk's base) is missing (a
+        FileNotFoundError; names step, key path and chunk id).
+      CorruptChunkError: a chunk's bytes fail the checks (names step, key path
         and chunk id).
       StoreTimeoutError: the store did not answer within its deadline (names the object and,
         for a chunk, step, key path and chunk id).

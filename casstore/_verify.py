@@ -1,56 +1,53 @@
 """Verify a repository: manifests parse, chunks exist, and (optionally) chunks decode right.
 
-restic's ``check`` and ``check --read-data``: every problem is reported, not just the first.
+restic's ``check`` and ``check --read-data``: every problem is reported, not just the first,
+and each damaged object once, with the steps that need it. A missing object is reported as
+missing (kind ``"missing"``), never as corruption; a delta chunk whose base is missing or
+corrupt cannot be rebuilt: the base is the one problem, the delta counts in
+``chunks_unchecked``.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
+from collections.abc import Callable
 
 from ._delta import DeltaBases
 from ._errors import CasstoreError, UnsupportedFormatError
-from ._layout import RUNS_PREFIX, chunk_key, parse_manifest_key
-from ._manifest import ChunkRef, Manifest, decode_manifest
+from ._layout import chunk_key
+from ._manifest import ChunkRef, Manifest
 from ._pool import bounded_map
 from ._repository import Url, check_config, list_chunk_objects
-from .store import open_store
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Problem:
-    """One thing wrong: where (run, step, key path, chunk id, any may be None) and what.
-
-    ``kind`` is ``"damage"`` (missing, corrupt or invalid) or ``"unsupported"``: an object of a
-    newer format this casstore does not read (:class:`~casstore.UnsupportedFormatError`,
-    format.md §10), which is no sign of damage; upgrade casstore.
-    """
-
-    run: str | None
-    step: int | None
-    key_path: str | None
-    chunk_id: str | None
-    message: str
-    kind: str = "damage"
-
-    def __str__(self) -> str:
-        where = ", ".join(f"{k} {v!r}" for k, v in (("run", self.run), ("step", self.step), (
-            "key path", self.key_path), ("chunk", self.chunk_id)) if v is not None)
-        return f"{self.message} ({where})" if where else self.message
+from ._scan import CORRUPT, MISSING, NOT_FOUND, UNSUPPORTED, Problem, scan_manifests
+from .store import Store, open_store
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class VerifyReport:
-    """The result of :func:`verify`.
+    """The result of :func:`verify`. Its counts add up:
+    ``chunks_checked == chunks_ok + chunks_missing + chunks_corrupt + chunks_unsupported +
+    chunks_unchecked`` and ``len(problems) == manifests_damaged + chunks_missing +
+    chunks_corrupt + chunks_unsupported`` (plus one ``"not found"`` problem when the step or
+    repository asked for does not exist, or one ``"unsupported"`` problem for a repository
+    whose config object is of a newer format).
 
     Attributes:
-      ok: no problem found.
-      problems: every problem found.
+      problems: every problem found, one per damaged manifest or object.
       steps_checked: ``(run, step)`` pairs whose manifests were read.
-      chunks_checked: distinct chunk objects (chunks and delta objects) checked for existence.
+      chunks_checked: distinct chunk objects (chunks, delta objects and the bases of delta
+        chunks) the checked steps need.
       bytes_read: chunk bytes read and decoded (0 without ``read_data``).
       seconds: wall time.
+      chunks_ok: objects found intact (without ``read_data``: found at all; a base that no
+        step references whole is checked through the deltas on it).
+      chunks_missing: objects that do not exist.
+      chunks_corrupt: objects whose bytes fail their checks (``read_data`` only).
+      chunks_unsupported: objects of a newer format (an unknown chunk codec): not damage,
+        upgrade casstore (``read_data`` only).
+      chunks_unchecked: delta objects not read because their base is missing, or not
+        rebuilt because their base is corrupt (the base is the problem).
+      manifests_damaged: manifests that did not read or validate.
     """
 
     problems: tuple[Problem, ...]
@@ -58,6 +55,12 @@ class VerifyReport:
     chunks_checked: int
     bytes_read: int
     seconds: float
+    chunks_ok: int = 0
+    chunks_missing: int = 0
+    chunks_corrupt: int = 0
+    chunks_unchecked: int = 0
+    manifests_damaged: int = 0
+    chunks_unsupported: int = 0
 
     @property
     def ok(self) -> bool:
@@ -66,17 +69,18 @@ class VerifyReport:
     @property
     def unsupported(self) -> tuple[Problem, ...]:
         """The problems of kind ``"unsupported"``: a newer format, not damage."""
-        return tuple(p for p in self.problems if p.kind == "unsupported")
+        return tuple(p for p in self.problems if p.kind == UNSUPPORTED)
 
 
 def verify(url: Url, step: int | None = None, *, run: str | None = None, read_data: bool = True,
-           max_workers: int | None = None) -> VerifyReport:
+           max_workers: int | None = None,
+           progress: Callable[[int, int], None] | None = None) -> VerifyReport:
     """Checks that checkpoints are restorable, reporting every problem found.
 
-    Lists ``chunks/`` and ``deltas/`` once; then, for each selected manifest: it must parse and
-    validate (format.md §4.4); every chunk it references must exist, and for a delta chunk its
-    base too (§3.5); with ``read_data`` each distinct chunk object is read once and must decode
-    to its length and chunk id (§3.2), a delta rebuilt on its base (a base shared by
+    Lists ``chunks/`` and ``deltas/`` once; then reads each selected manifest, which must
+    parse and validate (format.md §4.4); every object a step needs must exist: its chunks, and
+    for a delta chunk its base (§3.5); with ``read_data`` each distinct object is read once and
+    must decode to its length and chunk id (§3.2), a delta rebuilt on its base (a base shared by
     deltas read once for all of them). Nothing is written.
 
     Args:
@@ -85,81 +89,135 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
       run: one run to check; None checks every run.
       read_data: read and decode every referenced chunk (slow: reads the data).
       max_workers: concurrent chunk reads (default the store's).
+      progress: called as ``progress(bytes_done, bytes_total)`` (stored bytes) after each
+        object is read, from worker threads; ``bytes_total`` is known once the manifests are.
 
     Returns:
-      A :class:`VerifyReport` naming each bad step, key path and chunk id. A config object,
-      manifest or chunk of a newer format (:class:`~casstore.UnsupportedFormatError`) is a
-      problem of kind ``"unsupported"``, never reported as damage.
+      A :class:`VerifyReport` naming each damaged manifest and object, and the steps that
+      need it.
 
     Raises:
-      ManifestError: the repository's config object is damaged.
+      ManifestError: the repository's config object is damaged or of an unknown version.
+      StoreTimeoutError, AccessDeniedError: the store did not answer or refused.
     """
     t0 = time.perf_counter()
     store = open_store(url)
-    problems: list[Problem] = []
     try:
         exists = check_config(store)
-    except UnsupportedFormatError as e:
-        return VerifyReport((_unsupported(run, step, None, e),), (), 0, 0,
-                            time.perf_counter() - t0)
+    except UnsupportedFormatError as e:  # a newer repository: upgrade, nothing is damaged
+        return VerifyReport((Problem(run, step, None, None, f"needs a newer casstore: {e}",
+                                     UNSUPPORTED),), (), 0, 0, time.perf_counter() - t0)
     if not exists:
-        return VerifyReport((Problem(run, step, None, None, "no casstore repository here"),),
-                            (), 0, 0, time.perf_counter() - t0)
+        return VerifyReport((Problem(run, step, None, None, "no casstore repository here",
+                                     NOT_FOUND),), (), 0, 0, time.perf_counter() - t0)
     present = {info.key for info in list_chunk_objects(store)}
-    manifests: list[Manifest] = []
-    for info in store.list(RUNS_PREFIX):
-        parsed = parse_manifest_key(info.key)
-        if parsed is None or (run is not None and parsed[0] != run) or (
-                step is not None and parsed[1] != step):
-            continue
-        try:
-            manifests.append(decode_manifest(store.get(info.key), run=parsed[0], step=parsed[1],
-                                             url=store.url))
-        except UnsupportedFormatError as e:
-            problems.append(_unsupported(parsed[0], parsed[1], None, e))
-        except (CasstoreError, FileNotFoundError) as e:
-            problems.append(Problem(parsed[0], parsed[1], getattr(e, "key_path", None), None,
-                                    f"manifest unreadable: {e}"))
-    if step is not None and not manifests and not problems:
-        problems.append(Problem(run, step, None, None, "no such step"))
-    # object key -> every (run, step, key path, chunk ref) that references it
-    users: dict[str, list[tuple[str, int, str, ChunkRef]]] = collections.defaultdict(list)
+    scan = scan_manifests(store, runs=None if run is None else [run], step=step,
+                          max_workers=max_workers)
+    problems = list(scan.damaged)
+    if step is not None and not scan.listed:
+        problems.append(Problem(run, step, None, None, "no such step", NOT_FOUND))
+    users = _users(scan.manifests)
+    missing = sorted(k for k in users if k not in present)
+    problems += [_problem(users[k], "chunk missing", MISSING) for k in missing]
+    blocked = [k for k, u in users.items() if k in present and u.ref is not None
+               and u.ref.base is not None and chunk_key(u.ref.base) not in present]
+    found, bytes_read, on_bad_base = [], 0, 0
+    if read_data:
+        readable = [k for k in users if k in present and k not in blocked]
+        bytes_read, found, on_bad_base = _read_all(store, users, readable, max_workers,
+                                                   progress)
+        problems += found
+    n_missing = len(missing) + sum(p.kind == MISSING for p in found)  # gone since the listing
+    n_corrupt = sum(p.kind == CORRUPT for p in found)
+    n_unsupported = sum(p.kind == UNSUPPORTED for p in found)
+    n_unchecked = len(blocked) + on_bad_base
+    return VerifyReport(tuple(problems), tuple((m.run, m.step) for m in scan.manifests),
+                        len(users), bytes_read, time.perf_counter() - t0,
+                        chunks_ok=len(users) - n_missing - n_corrupt - n_unsupported
+                        - n_unchecked, chunks_missing=n_missing, chunks_corrupt=n_corrupt,
+                        chunks_unchecked=n_unchecked, manifests_damaged=len(scan.damaged),
+                        chunks_unsupported=n_unsupported)
+
+
+@dataclasses.dataclass(slots=True)
+class _Users:
+    """Who needs one object: a ref that reads it (None for a base no step references whole),
+    the first key path that needs it, and every (run, step) that does."""
+
+    ref: ChunkRef | None
+    key_path: str
+    steps: set[tuple[str, int]]
+    chunk_id: str
+
+
+def _users(manifests: tuple[Manifest, ...]) -> dict[str, _Users]:
+    """Object key -> its users, for every object the manifests need (bases of deltas too)."""
+    users: dict[str, _Users] = {}
     for m in manifests:
         for leaf in m.leaves:
             for ref in leaf.chunks:
-                users[ref.key].append((m.run, m.step, leaf.path, ref))
-                if ref.key not in present:
-                    problems.append(Problem(m.run, m.step, leaf.path, ref.id, "chunk missing"))
-                elif ref.base is not None and chunk_key(ref.base) not in present:
-                    problems.append(Problem(m.run, m.step, leaf.path, ref.id,
-                                            f"base chunk {ref.base} of a delta chunk missing"))
-    bytes_read = 0
-    if read_data:
-        # deltas on one base side by side, so each base is held only while they are checked
-        readable = sorted((k for k in users if k in present),
-                          key=lambda k: users[k][0][3].base or users[k][0][3].id)
-        bases = DeltaBases(store, [(users[k][0][3].id, users[k][0][3].base) for k in readable])
-
-        def check(key: str) -> tuple[int, list[Problem]]:
-            ref = users[key][0][3]
-            try:
-                data = bases.read(key, ref.id, ref.base)
-                bases.decode(data, ref.id, ref.base, ref.raw_bytes)
-                return len(data), []
-            except UnsupportedFormatError as e:
-                return 0, [_unsupported(r, s, p, e) for r, s, p, _ in users[key]]
-            except (CasstoreError, FileNotFoundError) as e:
-                return 0, [Problem(r, s, p, ref.id, f"chunk corrupt: {e}")
-                           for r, s, p, _ in users[key]]
-
-        for n, found in bounded_map(check, readable, max_workers or store.max_workers):
-            bytes_read += n
-            problems += found
-    return VerifyReport(tuple(problems), tuple((m.run, m.step) for m in manifests), len(users),
-                        bytes_read, time.perf_counter() - t0)
+                keys = [(ref.key, ref, ref.id)]
+                if ref.base is not None:
+                    keys.append((chunk_key(ref.base), None, ref.base))
+                for key, reader, cid in keys:
+                    u = users.setdefault(key, _Users(reader, leaf.path, set(), cid))
+                    u.ref = u.ref or reader
+                    u.steps.add((m.run, m.step))
+    return users
 
 
-def _unsupported(run: str | None, step: int | None, key_path: str | None,
-                 e: UnsupportedFormatError) -> Problem:
-    """A problem of kind ``"unsupported"`` for ``e`` (format.md §10): not damage."""
-    return Problem(run, step, key_path, e.chunk_id, str(e), kind="unsupported")
+def _problem(u: _Users, message: str, kind: str) -> Problem:
+    """The one problem of an object; run and step are set where only one step needs it."""
+    run, step = next(iter(u.steps)) if len(u.steps) == 1 else (None, None)
+    return Problem(run, step, u.key_path, u.chunk_id, message, kind, tuple(sorted(u.steps)))
+
+
+def _read_all(store: Store, users: dict[str, _Users], keys: list[str], max_workers: int | None,
+              progress: Callable[[int, int], None] | None) -> tuple[int, list[Problem], int]:
+    """Reads and decodes each object once.
+
+    A base that no step references whole is read through the deltas on it (DeltaBases), so
+    only objects with a reading ref are read here. A delta whose base is corrupt is not
+    itself damaged: the base gets the one problem (with every step that needs it) and the
+    delta counts as unchecked.
+
+    Returns:
+      Bytes read, one problem per bad object, and the number of deltas left unchecked.
+    """
+    keys = [k for k in keys if users[k].ref is not None]
+    # deltas on one base side by side, so each base is held only while they are checked
+    keys.sort(key=lambda k: users[k].ref.base or users[k].ref.id)
+    bases = DeltaBases(store, [(users[k].ref.id, users[k].ref.base) for k in keys])
+    total = sum(users[k].ref.stored_bytes for k in keys)
+    done = [0]
+
+    def check(key: str) -> tuple[str, int, Problem | None]:
+        """(the key at fault, bytes read, its problem or None)."""
+        ref = users[key].ref
+        try:
+            data = bases.read(key, ref.id, ref.base)
+            bases.decode(data, ref.id, ref.base, ref.raw_bytes)
+            found = None
+        except FileNotFoundError as e:  # deleted since the listing
+            data, found = b"", _problem(users[key], f"chunk missing: {e}", MISSING)
+        except UnsupportedFormatError as e:  # a newer writer's codec: not damage
+            data, found = b"", _problem(users[key], f"needs a newer casstore: {e}", UNSUPPORTED)
+        except CasstoreError as e:
+            if ref.base is not None and f"base chunk {ref.base} is corrupt" in str(e):
+                key = chunk_key(ref.base)  # the base is at fault, not this delta
+            data, found = b"", _problem(users[key], f"chunk corrupt: {e}", CORRUPT)
+        if progress is not None:
+            done[0] += ref.stored_bytes
+            progress(done[0], total)
+        return key, len(data), found
+
+    results = bounded_map(check, keys, max_workers or store.max_workers)
+    problems: dict[str, Problem] = {}
+    unchecked = 0
+    for key, (fault, _, found) in zip(keys, results):
+        if found is None:
+            continue
+        unchecked += fault != key
+        if fault not in problems or fault == key:  # a base's own read names it best
+            problems[fault] = found
+    return sum(n for _, n, _ in results), list(problems.values()), unchecked

@@ -38,6 +38,7 @@ from .store import CountingStore, Store
 
 EXIT_CHECK_FAILED = 1
 EXIT_USAGE = 2
+JSON_SCHEMA_VERSION = 1  # of every --json output; raised when a field changes meaning
 console = Console(highlight=False, markup=False, soft_wrap=True)  # key paths hold "[0]"
 
 
@@ -59,7 +60,9 @@ class _Group(click.Group):
             if where and getattr(e, "url", None) is None:  # casstore errors name their place
                 message += f" ({where})"
             click.echo(f"casstore: error: {message}", err=True)
-            ctx.exit(EXIT_USAGE)
+            damaged = (casstore.ManifestError, casstore.CorruptChunkError,
+                       casstore.MissingChunkError)
+            ctx.exit(EXIT_CHECK_FAILED if isinstance(e, damaged) else EXIT_USAGE)
 
 
 def _parse_options(ctx, param, values: tuple[str, ...]) -> dict:
@@ -117,7 +120,11 @@ def _where(url: str, run: str, step: int | None = None) -> None:
     click.get_current_context().meta["casstore.where"] = where
 
 
-def _emit_json(obj: Any) -> None:
+def _emit_json(obj: Any, *, versioned: bool = True) -> None:
+    """Prints ``obj`` as JSON; a dict gets ``schema_version`` first (JSON_SCHEMA_VERSION)."""
+    if versioned and isinstance(obj, dict):
+        obj = {"schema_version": JSON_SCHEMA_VERSION, **obj}
+
     def default(x: Any) -> Any:
         if isinstance(x, bytes):
             return {"base64": base64.b64encode(x).decode()}
@@ -148,9 +155,31 @@ def _ratio(logical: int, stored: int) -> str:
     return f"{logical / stored:.1f}x" if stored else "-"
 
 
-def _progress(label: str, work: Callable[[], Any], counter: Callable[[], int] | None = None,
-              total: int | None = None) -> Any:
-    """Runs ``work()``; on a terminal shows a bar of ``counter()`` bytes out of ``total``."""
+class _Meter:
+    """Progress of a library call that reports it: ``meter(done, total)`` (bytes)."""
+
+    def __init__(self) -> None:
+        self.done, self.total = 0, None
+
+    def __call__(self, done: int, total: int | None) -> None:
+        self.done, self.total = done, total
+
+    def state(self) -> tuple[int, int | None]:
+        return self.done, self.total
+
+
+class _StoreMeter:
+    """Progress as the bytes a CountingStore read or wrote, out of a known total."""
+
+    def __init__(self, count: Callable[[], int], total: int | None) -> None:
+        self.count, self.start, self.total = count, count(), total
+
+    def state(self) -> tuple[int, int | None]:
+        return self.count() - self.start, self.total
+
+
+def _progress(label: str, work: Callable[[], Any], meter: Any = None) -> Any:
+    """Runs ``work()``; on a terminal shows a bar of ``meter.state()`` (done, total bytes)."""
     if not console.is_terminal:
         return work()
     result: dict[str, Any] = {}
@@ -164,16 +193,16 @@ def _progress(label: str, work: Callable[[], Any], counter: Callable[[], int] | 
     thread = threading.Thread(target=target, daemon=True)
     columns = [SpinnerColumn(), TextColumn(label), BarColumn(),
                TextColumn("{task.fields[done]}"), TimeElapsedColumn()]
-    start = counter() if counter is not None else 0
-    of_total = "" if total is None else f" of {human(total)}"
     with Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task(label, total=total, done="")
+        task = bar.add_task(label, total=None, done="")
         thread.start()
         while thread.is_alive():
             thread.join(0.1)
-            if counter is not None:
-                n = counter() - start
-                bar.update(task, completed=min(n, total or n), done=human(n) + of_total)
+            if meter is not None:
+                n, total = meter.state()
+                of_total = "" if total is None else f" of {human(total)}"
+                bar.update(task, total=total, completed=min(n, total or n),
+                           done=human(n) + of_total)
     if "error" in result:
         raise result["error"]
     return result["value"]
@@ -204,15 +233,37 @@ def ls_command(url: str, run: str | None, options: dict, as_json: bool) -> None:
     """
     store = _open(url, options)
     _check_run(store, url, run)
-    rows = [u for u in _inspect.step_usage(_inspect.load_manifests(store))
-            if run is None or u.run == run]
+    scan = casstore.scan_manifests(store)
+    rows = [u for u in _inspect.step_usage(list(scan.manifests)) if run is None or u.run == run]
+    damaged = [p for p in scan.damaged if run is None or p.run == run]
     if as_json:
-        _emit_json([dataclasses.asdict(u) for u in rows])
+        _emit_json({"url": url, "steps": [dataclasses.asdict(u) for u in rows],
+                    "problems": [_problem_json(p) for p in damaged]})
+    else:
+        _table(f"{url}: {len({u.run for u in rows} | {p.run for p in damaged})} run(s), "
+               f"{len(rows) + len(damaged)} step(s)" + (
+                   f", {len(damaged)} damaged" if damaged else ""),
+               ["run", "step", "time", "leaves", "logical", "added", "shared"],
+               [[u.run, u.step, _time(u.created), u.leaves, human(u.logical_bytes),
+                 human(u.added_bytes), human(u.shared_bytes)] for u in rows]
+               + [[p.run, p.step, "damaged", "-", "-", "-", "-"] for p in damaged])
+    _report_damage(damaged, as_json)
+
+
+def _problem_json(p: casstore.Problem) -> dict:
+    return {**dataclasses.asdict(p), "text": str(p)}
+
+
+def _report_damage(problems: list[casstore.Problem], as_json: bool) -> None:
+    """Names each damaged object on stderr (not in --json mode) and exits 1 if any."""
+    if not problems:
         return
-    _table(f"{url}: {len({u.run for u in rows})} run(s), {len(rows)} step(s)",
-           ["run", "step", "time", "leaves", "logical", "added", "shared"],
-           [[u.run, u.step, _time(u.created), u.leaves, human(u.logical_bytes),
-             human(u.added_bytes), human(u.shared_bytes)] for u in rows])
+    if not as_json:
+        for p in problems:
+            click.echo(f"casstore: damaged: {p}", err=True)
+        click.echo(f"casstore: {len(problems)} damaged object(s); the rest is shown. "
+                   "See docs/recovery.md", err=True)
+    click.get_current_context().exit(EXIT_CHECK_FAILED)
 
 
 def _time(created: float) -> str:
@@ -236,8 +287,8 @@ def show_command(url: str, step: int, run: str, options: dict, as_json: bool) ->
     manifest = casstore.read_manifest(store, step, run=run)
     earlier = [s for s in casstore.list_steps(store, run=run) if s < step]
     shared = {}
-    if earlier:
-        previous = casstore.read_manifest(store, earlier[-1], run=run)
+    previous = _read_or_none(store, earlier[-1], run) if earlier else None
+    if previous is not None:
         shared = {d.path: "no" if d.status == "added" else "yes" if d.status == "unchanged"
                   else "part" if d.changed_bytes < d.bytes_b else "no"
                   for d in _inspect.diff_manifests(previous, manifest)}
@@ -260,6 +311,15 @@ def show_command(url: str, step: int, run: str, options: dict, as_json: bool) ->
              r["shared_with_previous"] or "-"] for r in rows])
 
 
+def _read_or_none(store: Store, step: int, run: str) -> casstore.Manifest | None:
+    """The manifest, or None (and a warning naming it) if it is damaged."""
+    try:
+        return casstore.read_manifest(store, step, run=run)
+    except casstore.ManifestError as e:
+        click.echo(f"casstore: damaged: {e}", err=True)
+        return None
+
+
 def _sharding_str(sharding: Any) -> str:
     if not isinstance(sharding, dict):
         return "-"
@@ -280,7 +340,8 @@ def du_command(url: str, plot_path: str | None, options: dict, as_json: bool) ->
     what only that run (or step) references: what deleting it would free after gc.
     """
     store = _open(url, options)
-    manifests = _inspect.load_manifests(store)
+    scan = casstore.scan_manifests(store)
+    manifests = list(scan.manifests)
     steps, runs = _inspect.step_usage(manifests), _inspect.run_usage(manifests)
     listed = {"chunks": 0, "manifests": 0, "unreferenced": 0}
     referenced = _inspect.object_sizes(manifests)
@@ -297,9 +358,11 @@ def du_command(url: str, plot_path: str | None, options: dict, as_json: bool) ->
               "unreferenced_bytes": listed["unreferenced"],
               "dedup_ratio": logical / stored if stored else None,
               "runs": [dataclasses.asdict(r) for r in runs],
-              "steps": [dataclasses.asdict(u) for u in steps]}
+              "steps": [dataclasses.asdict(u) for u in steps],
+              "problems": [_problem_json(p) for p in scan.damaged]}
     if as_json:
         _emit_json(report)
+        _report_damage(list(scan.damaged), as_json)
         return
     console.print(f"{url}: {human(logical)} logical in {human(stored)} stored "
                   f"({_ratio(logical, stored)}); chunks {human(listed['chunks'])}, manifests "
@@ -312,6 +375,7 @@ def du_command(url: str, plot_path: str | None, options: dict, as_json: bool) ->
              human(u.shared_bytes), human(u.unique_bytes)] for u in steps])
     if plot_path:
         console.print(f"wrote {plot_path}")
+    _report_damage(list(scan.damaged), as_json)
 
 
 def plot_usage(steps: list[_inspect.StepUsage], path: str, *, title: str = "") -> Any:
@@ -415,7 +479,8 @@ def cat_command(url: str, step: int, run: str, options: dict) -> None:
     store = _open(url, options)
     _where(url, run, step)
     manifest = casstore.read_manifest(store, step, run=run)
-    _emit_json(msgpack.unpackb(encode_manifest(manifest), raw=False, strict_map_key=False))
+    _emit_json(msgpack.unpackb(encode_manifest(manifest), raw=False, strict_map_key=False),
+               versioned=False)  # the manifest itself, format.md §4
 
 
 @main.command("verify")
@@ -432,33 +497,35 @@ def verify_command(url: str, step: int | None, run: str | None, read_data: bool,
 
     Exits 1 if a problem is found.
     """
-    store = _counted(_open(url, options))
+    store = _open(url, options)
     _check_run(store, url, run)
-    total = None
-    if read_data:
-        wanted = [m for m in _inspect.load_manifests(store, runs=None if run is None else [run])
-                  if step is None or m.step == step]
-        total = sum(_inspect.object_sizes(wanted).values())
+    meter = _Meter()
     report = _progress("verifying", lambda: casstore.verify(
-        store, step, run=run, read_data=read_data), _bytes_read(store), total)
+        store, step, run=run, read_data=read_data, progress=meter), meter)
     if as_json:
-        _emit_json({"ok": report.ok, **dataclasses.asdict(report)})
+        _emit_json({"ok": report.ok, **dataclasses.asdict(report),
+                    "problems": [_problem_json(p) for p in report.problems]})
     else:
         for p in report.problems:
-            console.print(f"problem: {p}", style="red")
+            console.print(f"problem: {p.kind}: {p}", style="red")
         console.print(f"{'ok' if report.ok else f'{len(report.problems)} problem(s)'}: "
-                      f"{len(report.steps_checked)} step(s), {report.chunks_checked} chunks, "
+                      f"{len(report.steps_checked)} step(s), {report.chunks_checked} chunks "
+                      f"({report.chunks_ok} ok, {report.chunks_missing} missing, "
+                      f"{report.chunks_corrupt} corrupt, {report.chunks_unchecked} unchecked), "
+                      f"{report.manifests_damaged} damaged manifest(s); "
                       f"{human(report.bytes_read)} read in {report.seconds:.1f} s")
     if not report.ok:
         click.get_current_context().exit(EXIT_CHECK_FAILED)
 
 
-def _bytes_read(store: Store) -> Callable[[], int] | None:
-    return (lambda: store.bytes_read) if isinstance(store, CountingStore) else None
+def _bytes_read(store: Store, total: int | None = None) -> _StoreMeter | None:
+    return _StoreMeter(lambda: store.bytes_read, total) if isinstance(
+        store, CountingStore) else None
 
 
-def _bytes_written(store: Store) -> Callable[[], int] | None:
-    return (lambda: store.bytes_written) if isinstance(store, CountingStore) else None
+def _bytes_written(store: Store, total: int | None = None) -> _StoreMeter | None:
+    return _StoreMeter(lambda: store.bytes_written, total) if isinstance(
+        store, CountingStore) else None
 
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd]?)")
@@ -487,20 +554,52 @@ def gc_command(url: str, dry_run: bool, grace_period: float, options: dict,
         store, grace_period_s=grace_period, dry_run=dry_run))
     if as_json:
         _emit_json(dataclasses.asdict(info))
+        if info.damaged_manifests:
+            click.get_current_context().exit(EXIT_CHECK_FAILED)
         return
     verb = "would delete" if dry_run else "deleted"
     console.print(f"{verb} {info.deleted_chunks} chunks ({human(info.deleted_bytes)}); "
-                  f"{info.referenced_chunks} of {info.chunks} chunks referenced by "
-                  f"{info.manifests} manifests; {info.young_unreferenced_chunks} unreferenced "
-                  f"within the grace period; {info.missing_chunks} missing")
+                  f"of {info.chunks} chunks listed, {info.referenced_chunks} referenced by "
+                  f"{info.manifests} manifests, {info.young_unreferenced_chunks} unreferenced "
+                  f"within the grace period; {info.missing_chunks} referenced but missing")
+    if info.damaged_manifests:
+        click.echo(f"casstore: damaged: {info.damaged_manifests} manifest(s) unreadable; the "
+                   "chunks only they reference count as garbage above, and gc without "
+                   "--dry-run refuses to run (see verify, docs/recovery.md)", err=True)
+        click.get_current_context().exit(EXIT_CHECK_FAILED)
 
 
 def _is_local(url: str) -> bool:
     return "://" not in url or url.startswith("file://")
 
 
-def _list_option(text: str | None, kind: Callable[[str], Any]) -> list | None:
-    return None if text is None else [kind(x) for x in text.split(",") if x.strip()]
+def _list_option(text: str | None, kind: Callable[[str], Any], name: str) -> list | None:
+    """A comma-separated option's items, or None; a UsageError names a bad or empty one."""
+    if text is None:
+        return None
+    try:
+        items = [kind(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.UsageError(f"{name} {text!r} is not a comma-separated list of "
+                               f"{'steps (integers)' if kind is int else 'names'}") from None
+    if not items:
+        raise click.UsageError(f"{name} {text!r} names nothing")
+    return items
+
+
+def _check_selection(store: Store, url: str, runs: list[str] | None,
+                     steps: list[int] | None) -> None:
+    """UsageError naming every run and step asked for that ``url`` does not hold."""
+    have = casstore.list_runs(store)
+    unknown = [r for r in runs or [] if r not in have]
+    if unknown:
+        raise click.UsageError(f"run(s) {', '.join(map(repr, unknown))} have no steps in "
+                               f"{url!r} (it has {', '.join(map(repr, have)) or 'none'})")
+    held = {s for r in runs or have for s in casstore.list_steps(store, run=r)}
+    absent = [s for s in steps or [] if s not in held]
+    if absent:
+        raise click.UsageError(f"step(s) {', '.join(map(str, absent))} are in no selected run "
+                               f"of {url!r}")
 
 
 @main.command("copy")
@@ -517,18 +616,19 @@ def copy_command(src: str, dst: str, steps: str | None, runs: str | None, option
                  dst_options: dict, as_json: bool) -> None:
     """Copies steps from SRC to DST, sending only the chunks DST lacks."""
     source = _open(src, {} if _is_local(src) else options)
+    step_list = _list_option(steps, int, "--steps")
+    run_list = _list_option(runs, str, "--runs")
+    _check_selection(source, src, run_list, step_list)  # before DST is touched
     dst_options = dst_options or options
     target = _counted(_open(dst, {} if _is_local(dst) else dst_options, create=True))
     click.get_current_context().meta["casstore.where"] = f"from {src!r} to {dst!r}"
-    step_list = _list_option(steps, int)
-    run_list = _list_option(runs, str)
-    wanted = [m for m in _inspect.load_manifests(source, runs=run_list)
-              if step_list is None or m.step in step_list]
+    wanted = [m for m in casstore.scan_manifests(source, runs=run_list).manifests
+              if step_list is None or m.step in step_list]  # a total from what reads
     present = {i.key for i in list_chunk_objects(target)}
     total = sum(n for k, n in _inspect.object_sizes(wanted).items() if k not in present)
     info = _progress("copying", lambda: casstore.copy(source, target, steps=step_list,
                                                       runs=run_list),
-                     _bytes_written(target), total)
+                     _bytes_written(target, total))
     if as_json:
         _emit_json(dataclasses.asdict(info))
         return
@@ -541,14 +641,31 @@ def copy_command(src: str, dst: str, steps: str | None, runs: str | None, option
 @click.argument("url")
 @click.argument("steps", type=int, nargs=-1, required=True)
 @_run_option
+@click.option("--dry-run", is_flag=True, help="Name the steps that would be deleted; delete "
+              "nothing.")
 @_storage_options
-def rm_command(url: str, steps: tuple[int, ...], run: str, options: dict) -> None:
-    """Deletes STEPS of a run (their manifests); gc reclaims chunks no step uses."""
+@_json_flag
+def rm_command(url: str, steps: tuple[int, ...], run: str, dry_run: bool, options: dict,
+               as_json: bool) -> None:
+    """Deletes STEPS of a run (their manifests); gc reclaims chunks no step uses.
+
+    Every step is checked first: if one is missing, nothing is deleted.
+    """
     store = _open(url, options)
-    for step in steps:
-        _where(url, run, step)
-        casstore.delete(store, step, run=run)
-        console.print(f"deleted run {run!r} step {step}")
+    _where(url, run)
+    have = set(casstore.list_steps(store, run=run))
+    absent = [s for s in dict.fromkeys(steps) if s not in have]
+    if absent:
+        raise click.UsageError(f"step(s) {', '.join(map(str, absent))} not in run {run!r} of "
+                               f"{url!r}; nothing deleted")
+    for step in dict.fromkeys(steps):
+        if not dry_run:
+            _where(url, run, step)
+            casstore.delete(store, step, run=run)
+        if not as_json:
+            console.print(f"{'would delete' if dry_run else 'deleted'} run {run!r} step {step}")
+    if as_json:
+        _emit_json({"run": run, "steps": list(dict.fromkeys(steps)), "dry_run": dry_run})
 
 
 @main.command("export")
@@ -557,15 +674,17 @@ def rm_command(url: str, steps: tuple[int, ...], run: str, options: dict) -> Non
 @click.argument("out", type=click.Path(dir_okay=False))
 @_run_option
 @click.option("--paths", multiple=True, help="Key-path prefix to export (repeatable).")
+@click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
 @_storage_options
 def export_command(url: str, step: int, out: str, run: str, paths: tuple[str, ...],
-                   options: dict) -> None:
+                   force: bool, options: dict) -> None:
     """Writes STEP to a .safetensors or .npz file, one tensor per key path.
 
     Tensor names are the key paths (format.md §5, e.g. params/layers/[0]/kernel); Python
     number leaves become 0-d arrays.
     """
     fmt = _tensorfile.file_format(out)
+    _check_output(out, force)
     store = _counted(_open(url, options))
     _where(url, run, step)
     manifest = casstore.read_manifest(store, step, run=run)
@@ -574,7 +693,7 @@ def export_command(url: str, step: int, out: str, run: str, paths: tuple[str, ..
         raise click.UsageError(f"no key path of step {step} starts with {list(paths)}")
     total = sum(_inspect.leaf_stored_bytes(leaf) for leaf in selected)
     tree = _progress("reading", lambda: casstore.restore(
-        store, step, run=run, paths=list(paths) or None), _bytes_read(store), total)
+        store, step, run=run, paths=list(paths) or None), _bytes_read(store, total))
     flat = flatten(tree)[1]
     if [p for p, _ in flat] != [leaf.path for leaf in selected]:
         raise casstore.CasstoreError("restored leaves do not match the manifest's key paths")
@@ -582,6 +701,15 @@ def export_command(url: str, step: int, out: str, run: str, paths: tuple[str, ..
     _tensorfile.write_tensors(out, arrays, fmt, {"run": run, "step": step})
     console.print(f"wrote {len(arrays)} tensors ({human(sum(a.nbytes for a in arrays.values()))})"
                   f" to {out}")
+
+
+def _check_output(out: str, force: bool) -> None:
+    """UsageError, before any read, if OUT's directory is missing or OUT exists (no --force)."""
+    path = pathlib.Path(out).expanduser()
+    if not path.parent.is_dir():
+        raise click.UsageError(f"the directory of {out!r} does not exist; create it first")
+    if path.exists() and not force:
+        raise click.UsageError(f"{out!r} exists; pass --force to overwrite it")
 
 
 @main.command("import")

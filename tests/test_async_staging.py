@@ -338,7 +338,7 @@ def test_gc_racing_a_save_breaks_the_step_only_without_locks(tmp_path, monkeypat
     else:
         assert racing.outcome[0].deleted_chunks >= 1
         assert not report.ok  # the committed step references a chunk GC deleted
-        with pytest.raises(casstore.CorruptChunkError, match="unusable chunk: no such object"):
+        with pytest.raises(casstore.MissingChunkError, match="chunk object missing"):
             casstore.restore(store, 1, run=run)
 
 

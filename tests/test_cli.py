@@ -66,7 +66,7 @@ def stored(manifest: casstore.Manifest, path: str) -> int:
 
 
 def test_ls_reports_each_steps_added_and_shared_bytes(repo):
-    rows = run_json("ls", repo)
+    rows = run_json("ls", repo)["steps"]
     assert [(r["run"], r["step"]) for r in rows] == [("default", 0), ("default", 1),
                                                        ("default", 2), ("b", 0)]
     for r in rows:
@@ -84,7 +84,7 @@ def test_ls_reports_each_steps_added_and_shared_bytes(repo):
     assert rows[2]["added_bytes"] == stored(m2, "w") + stored(m2, "extra")
     b0 = casstore.read_manifest(repo, 0, run="b")  # another run reuses the frozen chunks
     assert (rows[3]["added_bytes"], rows[3]["shared_bytes"]) == (stored(b0, "w"), unchanged)
-    assert run_json("ls", repo, "--run", "b") == rows[3:]
+    assert run_json("ls", repo, "--run", "b")["steps"] == rows[3:]
     text = run("ls", repo).stdout
     assert "default" in text and "2 run(s), 4 step(s)" in text and "MB" in text
 
@@ -265,7 +265,7 @@ def test_errors_are_one_line_with_exit_code_2(repo, tmp_path):
     for command in ("ls", "verify"):
         assert "run 'nope' has no steps" in run(command, repo, "--run", "nope", code=2).stderr
     result = run("rm", repo, 7, code=2)
-    assert "step 7" in result.stderr
+    assert "step(s) 7 not in run 'default'" in result.stderr
 
 
 def test_parse_storage_options():
@@ -369,7 +369,7 @@ def test_tilde_urls_and_python_dash_m(repo, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "casstore", "ls", "~/repo", "--json"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert len(json.loads(proc.stdout)) == 4
+    assert len(json.loads(proc.stdout)["steps"]) == 4
     proc = subprocess.run([sys.executable, "-m", "casstore", "show", "~/repo", "9"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("casstore: error: no such step")
@@ -383,7 +383,7 @@ def test_commands_on_s3(object_servers, tmp_path):
                                                                    if not isinstance(v, str)
                                                                    else f"{k}={v}")]
     store = FsspecStore.from_url(url, **server.storage_options)
-    rows = run_json("ls", url, *opts)
+    rows = run_json("ls", url, *opts)["steps"]
     assert [(r["run"], r["step"]) for r in rows] == [("default", 0), ("default", 1),
                                                        ("default", 2), ("b", 0)]
     assert rows[1]["shared_bytes"] > 0 and rows[1]["added_bytes"] == stored(
@@ -408,3 +408,137 @@ def test_commands_on_s3(object_servers, tmp_path):
     assert run_json("verify", url, *opts)["ok"]
     result = run("ls", url, code=2)  # no endpoint: the error is one line naming the URL
     assert result.stderr.count("\n") == 1 and url in result.stderr
+
+
+# --- a damaged repository (issue 30): every reading command works on the healthy rest ---
+
+DELTA_CHUNK = 64 * 1024
+
+
+def trained(step: int) -> np.ndarray:
+    """Weights after ``step`` small updates: steps 1.. store delta chunks on step 0's."""
+    base = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32) * 0.02
+    noise = np.random.default_rng(1).standard_normal(base.shape).astype(np.float32)
+    touched = np.arange(base.size).reshape(base.shape) % 32 < step
+    return np.where(touched, base + np.float32(2e-6) * step * noise, base)
+
+
+@pytest.fixture
+def delta_repo(tmp_path) -> str:
+    """Six steps of one run; steps 1-5 hold delta chunks on step 0's chunks."""
+    url = str(tmp_path / "delta")
+    for step in range(6):
+        casstore.save(url, step, {"w": trained(step), "n": step},
+                      chunk_size_bytes=DELTA_CHUNK)
+    refs = [r for s in range(1, 6) for leaf in casstore.read_manifest(url, s).leaves
+            for r in leaf.chunks]
+    assert refs and all(r.base is not None for r in refs), "the fixture wants delta chains"
+    return url
+
+
+def truncate_manifest(url: str, step: int, run: str = "default") -> None:
+    path = pathlib.Path(url) / "runs" / run / "steps" / f"{step:016d}.manifest"
+    path.write_bytes(path.read_bytes()[:100])
+
+
+def test_a_truncated_manifest_costs_its_step_only(delta_repo, tmp_path):
+    truncate_manifest(delta_repo, 4)
+    listed = run_json("ls", delta_repo, code=1)
+    assert [r["step"] for r in listed["steps"]] == [0, 1, 2, 3, 5]
+    assert [(p["run"], p["step"], p["kind"]) for p in listed["problems"]] == [
+        ("default", 4, "manifest")]
+    text = run("ls", delta_repo, code=1)
+    assert "damaged" in text.stdout and "step 4" in text.stderr
+    assert "not msgpack" not in text.stderr.splitlines()[-1]
+    usage = run_json("du", delta_repo, code=1)
+    assert [s["step"] for s in usage["steps"]] == [0, 1, 2, 3, 5]
+    report = run_json("verify", delta_repo, code=1)
+    assert [(p["step"], p["kind"]) for p in report["problems"]] == [(4, "manifest")]
+    assert report["manifests_damaged"] == 1 and report["chunks_ok"] == report["chunks_checked"]
+    assert run_json("verify", delta_repo, 3)["ok"]  # step 3 itself is whole
+    dry = run_json("gc", delta_repo, "--dry-run", code=1)
+    assert dry["damaged_manifests"] == 1 and dry["manifests"] == 5
+    before = sorted(p for p in pathlib.Path(delta_repo).rglob("*") if p.is_file())
+    refused = run("gc", delta_repo, "--grace-period", "0", code=1)
+    assert "gc refused" in refused.stderr and "default@4" in refused.stderr
+    assert sorted(p for p in pathlib.Path(delta_repo).rglob("*") if p.is_file()) == before
+    copied = run_json("copy", delta_repo, tmp_path / "dst", "--steps", "3,5")
+    assert sorted(s for _, s in copied["steps_copied"]) == [3, 5]
+    assert casstore.verify(str(tmp_path / "dst")).ok
+    shown = run("show", delta_repo, 5)  # its previous step is the damaged one
+    assert "step 4" in shown.stderr and "w" in shown.stdout
+
+
+def test_a_deleted_base_chunk_is_one_missing_object_with_the_steps_needing_it(delta_repo):
+    (w,) = [leaf for leaf in casstore.read_manifest(delta_repo, 1).leaves if leaf.path == "w"]
+    base = w.chunks[0].base
+    (pathlib.Path(delta_repo) / "chunks" / base[:2] / base[2:]).unlink()
+    for flag in ("--read-data", "--no-read-data"):
+        report = run_json("verify", delta_repo, flag, code=1)
+        assert [(p["kind"], p["chunk_id"]) for p in report["problems"]] == [("missing", base)]
+        assert report["problems"][0]["needed_by"] == [["default", s] for s in range(6)]
+        assert "corrupt" not in report["problems"][0]["text"]
+        assert report["chunks_missing"] == 1 and report["chunks_corrupt"] == 0
+        assert report["chunks_unchecked"] == 5  # the deltas on it: one per later step
+        assert report["chunks_checked"] == (report["chunks_ok"] + report["chunks_missing"]
+                                            + report["chunks_corrupt"]
+                                            + report["chunks_unchecked"])
+    text = run("verify", delta_repo, code=1).stdout
+    assert text.count("problem:") == 1 and "default@5" in text
+    dry = run_json("gc", delta_repo, "--dry-run", "--grace-period", "0")
+    listed = sum(1 for d in ("chunks", "deltas")
+                 for p in (pathlib.Path(delta_repo) / d).rglob("*") if p.is_file())
+    assert dry["chunks"] == listed and dry["missing_chunks"] == 1
+    assert dry["chunks"] == (dry["referenced_chunks"] + dry["deleted_chunks"]
+                             + dry["young_unreferenced_chunks"])
+    assert f"of {listed} chunks listed, {dry['referenced_chunks']} referenced" in run(
+        "gc", delta_repo, "--dry-run").stdout
+    for step in (0, 3):
+        with pytest.raises(casstore.MissingChunkError,
+                           match=f"missing.*{base[2:]}.*step {step}") as info:
+            casstore.restore(delta_repo, step)
+        assert isinstance(info.value, FileNotFoundError)
+        assert not isinstance(info.value, casstore.CorruptChunkError)
+    assert casstore.restore(delta_repo, 3, paths=["n"])["n"] == 3
+
+
+# --- validate everything first, then act (issue 30 item 4) ---
+
+
+def test_rm_checks_every_step_before_deleting_any(repo):
+    result = run("rm", repo, 1, 99, 2, code=2)
+    assert "99" in result.stderr and "nothing deleted" in result.stderr
+    assert casstore.list_steps(repo) == [0, 1, 2]
+    dry = run("rm", repo, 1, 2, "--dry-run")
+    assert "would delete run 'default' step 2" in dry.stdout
+    assert casstore.list_steps(repo) == [0, 1, 2]
+    assert run_json("rm", repo, 1, 2) == {"schema_version": 1, "run": "default",
+                                          "steps": [1, 2], "dry_run": False}
+    assert casstore.list_steps(repo) == [0]
+
+
+def test_copy_checks_runs_and_steps_before_creating_the_destination(repo, tmp_path):
+    dst = tmp_path / "dst"
+    result = run("copy", repo, dst, "--runs", "typo", code=2)
+    assert "'typo'" in result.stderr and "'default'" in result.stderr
+    result = run("copy", repo, dst, "--runs", "b", "--steps", "0,7", code=2)
+    assert "step(s) 7" in result.stderr
+    assert "not a comma-separated" in run("copy", repo, dst, "--steps", "x", code=2).stderr
+    assert not dst.exists()
+
+
+def test_export_checks_its_output_path_before_reading(repo, tmp_path, monkeypatch):
+    def no_reads(*args, **kwargs):
+        raise AssertionError("export read the step before checking its output")
+
+    monkeypatch.setattr(casstore, "restore", no_reads)
+    result = run("export", repo, 2, tmp_path / "no" / "such" / "t.npz", code=2)
+    assert "does not exist" in result.stderr and "t.npz" in result.stderr
+    existing = tmp_path / "t.npz"
+    existing.write_bytes(b"keep me")
+    result = run("export", repo, 2, existing, code=2)
+    assert "--force" in result.stderr and existing.read_bytes() == b"keep me"
+    monkeypatch.undo()
+    run("export", repo, 2, existing, "--paths", "w", "--force")
+    with np.load(existing) as z:
+        np.testing.assert_array_equal(z["w"], tree(0, 2)["w"])

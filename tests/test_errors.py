@@ -91,11 +91,15 @@ def test_corrupt_chunks_raise_naming_step_path_and_chunk(saved, damage):
     store.delete(key)
     if damage != "delete":
         store.put(key, bytes(data))
-    with pytest.raises(casstore.CorruptChunkError) as info:
+    expected = casstore.MissingChunkError if damage == "delete" else casstore.CorruptChunkError
+    message = "missing" if damage == "delete" else "unusable chunk"
+    with pytest.raises(expected, match=message) as info:
         casstore.restore(store, 5)
     err = info.value
     assert (err.step, err.key_path, err.chunk_id) == (5, "params/w", cid)
-    assert isinstance(err, ValueError)
+    # missing is a FileNotFoundError and never corruption; damaged bytes are a ValueError
+    assert isinstance(err, FileNotFoundError if damage == "delete" else ValueError)
+    assert isinstance(err, casstore.CorruptChunkError) == (damage != "delete")
     for part in ("step 5", "'params/w'", cid):
         assert part in str(err)
     # Leaves in other chunks still restore.

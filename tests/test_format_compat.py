@@ -126,7 +126,7 @@ def test_damaged_format_fields_are_damage_not_a_newer_format(store, fields, mess
     with pytest.raises(casstore.ManifestError, match=message) as e:
         casstore.read_manifest(store, 1)
     assert not isinstance(e.value, casstore.UnsupportedFormatError)
-    assert [p.kind for p in casstore.verify(store).problems] == ["damage"]
+    assert [p.kind for p in casstore.verify(store).problems] == ["manifest"]
 
 
 def test_the_feature_table_is_read_by_this_release():

@@ -1,14 +1,16 @@
 """Garbage collection (safe against concurrent saves) and verify."""
 
+import dataclasses
 import os
 import threading
 import time
+from unittest import mock
 
 import numpy as np
 import pytest
 
 import casstore
-from casstore._layout import chunk_key
+from casstore._layout import chunk_key, manifest_key
 from casstore.store import LocalStore, MemoryStore
 
 from conftest import object_store
@@ -153,13 +155,43 @@ def test_verify_finds_a_deleted_chunk_and_a_flipped_byte(tmp_path):
     data[-1] ^= 0xFF
     store.put(chunk_key(q_id), bytes(data))
     report = casstore.verify(store)
-    found = {(p.step, p.key_path, p.chunk_id, p.message.split(":")[0]) for p in report.problems}
-    assert found == {(1, "p/w", w_id, "chunk missing"), (2, "p/w", w_id, "chunk missing"),
-                     (1, "q", q_id, "chunk corrupt")}
+    found = [(p.needed_by, p.step, p.key_path, p.chunk_id, p.kind) for p in report.problems]
+    # once per object, with every step that needs it; missing is not corrupt
+    assert found == [((("default", 1), ("default", 2)), None, "p/w", w_id, "missing"),
+                     ((("default", 1),), 1, "q", q_id, "corrupt")]
+    assert report.problems[0].message == "chunk missing"
+    assert "needed by default@1, default@2" in str(report.problems[0])
+    assert report.problems[1].message.startswith("chunk corrupt:")
+    assert (report.chunks_missing, report.chunks_corrupt, report.chunks_unchecked) == (1, 1, 0)
+    assert report.chunks_checked == report.chunks_ok + 2
     assert not casstore.verify(store, 2).ok and casstore.verify(store, 2, read_data=False)
     only_existence = casstore.verify(store, read_data=False)
-    assert {p.message for p in only_existence.problems} == {"chunk missing"}
-    assert all(str(w_id) in str(p) for p in only_existence.problems)
+    assert [p.kind for p in only_existence.problems] == ["missing"]
+    assert w_id in str(only_existence.problems[0])
+    assert only_existence.chunks_ok == only_existence.chunks_checked - 1
+
+
+def test_gc_counts_add_up_with_a_missing_chunk_and_a_damaged_manifest(tmp_path):
+    store = LocalStore(tmp_path / "r")
+    for step in range(3):
+        casstore.save(store, step, {"a": np.arange(40_000) + step, "b": np.ones(40_000)})
+    casstore.delete(store, 0)
+    gone = casstore.read_manifest(store, 1).leaves[0].chunks[0].id
+    store.delete(chunk_key(gone))
+    info = casstore.gc(store, dry_run=True, grace_period_s=0)
+    assert info.missing_chunks == 1 and info.deleted_chunks == 1  # step 0's own "a"
+    assert info.chunks == len(list(store.list("chunks/"))) + len(list(store.list("deltas/")))
+    assert info.chunks == (info.referenced_chunks + info.deleted_chunks
+                           + info.young_unreferenced_chunks)
+    assert info.referenced_chunks <= info.chunks
+    store.put(manifest_key("default", 2), store.get(manifest_key("default", 2))[:100])
+    dry = casstore.gc(store, dry_run=True, grace_period_s=0)
+    assert (dry.damaged_manifests, dry.manifests) == (1, 1)
+    assert dry.chunks == dry.referenced_chunks + dry.deleted_chunks + dry.young_unreferenced_chunks
+    with pytest.raises(casstore.ManifestError, match="gc refused.*default@2"):
+        casstore.gc(store, grace_period_s=0)
+    assert casstore.gc(store, dry_run=True, grace_period_s=0) == dataclasses.replace(
+        dry, seconds=mock.ANY)  # nothing was deleted
 
 
 def test_verify_reports_a_garbage_manifest(tmp_path):

@@ -24,8 +24,9 @@ from typing import Any
 
 import fsspec
 
-from .._errors import AccessDeniedError, CasstoreError, StoreTimeoutError
+from .._errors import AccessDeniedError, CasstoreError
 from ._adaptive import AdaptiveLimit
+from ._reach import no_answer, retry_deadline
 
 DEFAULT_REQUEST_TIMEOUT_S = 20.0
 DEFAULT_OPERATION_TIMEOUT_S = 60.0
@@ -189,7 +190,7 @@ class RetryPolicy:
                 raise AccessDeniedError(f"the server refused access: {e}",
                                         url=f"{self.url}/{key}") from e
             except Exception as e:  # classified by is_transient; anything else is re-raised
-                last = e
+                last, deadline = e, min(deadline, retry_deadline(e))  # refused: within seconds
                 if not is_transient(e) or (self.retries is not None and attempt >= self.retries):
                     if not isinstance(e, FileNotFoundError) and hasattr(e, "add_note"):
                         e.add_note(f"casstore: while accessing {self.url}/{key}")
@@ -203,6 +204,4 @@ class RetryPolicy:
                 self._unanswered = False
                 return result
         self._unanswered = True
-        detail = ": ".join(x for x in (type(last).__name__, str(last)) if x)
-        raise StoreTimeoutError(f"no answer within the {budget:g} s deadline (last error: "
-                                f"{detail})", key=key, url=self.url) from last
+        raise no_answer(budget, last, key=key, url=self.url) from last

@@ -1,0 +1,145 @@
+"""Reading a possibly damaged repository: every manifest that can be read, and a
+:class:`Problem` for each that cannot (restic's ``check`` keeps going the same way).
+
+One listing of ``runs/`` finds the manifests (format.md §2); each is read and validated
+(§4.4) on its own, so a truncated or garbled manifest costs its own step, not the others.
+Store failures (a timeout, access denied) are not damage: they propagate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ._errors import AccessDeniedError, CasstoreError, ManifestError, StoreTimeoutError
+from ._layout import RUNS_PREFIX, parse_manifest_key
+from ._manifest import Manifest, decode_manifest
+from ._pool import bounded_map
+from ._repository import Url, check_config
+from .store import Store, open_store
+
+# Problem.kind values: what is wrong, and so what to do (docs/recovery.md).
+MISSING = "missing"  # a referenced object does not exist
+CORRUPT = "corrupt"  # an object's bytes fail their checks
+MANIFEST = "manifest"  # a manifest does not read or validate
+UNSUPPORTED = "unsupported"  # a newer format than this casstore reads: upgrade, not damage
+NOT_FOUND = "not found"  # the step or repository asked for does not exist
+_STORE_FAILURES = (StoreTimeoutError, AccessDeniedError)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Problem:
+    """One thing wrong with a repository, reported once per damaged object.
+
+    Attributes:
+      run, step: the step at fault (a damaged manifest, or an object only it needs), or
+        None for an object several steps need (see ``needed_by``).
+      key_path: a key path that needs the object, or None.
+      chunk_id: the chunk at fault, or None for a manifest.
+      message: what is wrong, one line.
+      kind: ``"missing"``, ``"corrupt"``, ``"manifest"``, ``"unsupported"`` (a format
+        feature newer than this casstore: upgrade, the data is not damaged) or
+        ``"not found"``.
+      needed_by: ``(run, step)`` of every checked step that needs the object, sorted.
+    """
+
+    run: str | None
+    step: int | None
+    key_path: str | None
+    chunk_id: str | None
+    message: str
+    kind: str = CORRUPT
+    needed_by: tuple[tuple[str, int], ...] = ()
+
+    def __str__(self) -> str:
+        where = ", ".join(f"{k} {v!r}" for k, v in (("run", self.run), ("step", self.step), (
+            "key path", self.key_path), ("chunk", self.chunk_id)) if v is not None)
+        if self.needed_by:
+            where += ("; " if where else "") + "needed by " + ", ".join(
+                f"{r}@{s}" for r, s in self.needed_by)
+        return f"{self.message} ({where})" if where else self.message
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ManifestScan:
+    """The result of :func:`scan_manifests`.
+
+    Attributes:
+      manifests: every manifest that read and validated, in repository order (``created``,
+        then run and step: the order the steps were written).
+      damaged: one :class:`Problem` (kind ``"manifest"`` or ``"unsupported"``) per manifest
+        that did not.
+      listed: manifests listed (``len(manifests) + len(damaged)`` plus any deleted between
+        the listing and the read).
+    """
+
+    manifests: tuple[Manifest, ...]
+    damaged: tuple[Problem, ...]
+    listed: int
+
+
+def manifest_problem(run: str, step: int, error: Exception) -> Problem:
+    """The :class:`Problem` for a manifest that failed to read with ``error``.
+
+    This is the one place that tells an unsupported (newer) format from damage.
+    """
+    unsupported = type(error).__name__ == "UnsupportedFormatError"  # format.md's policy
+    kind = UNSUPPORTED if unsupported else MANIFEST
+    what = "needs a newer casstore" if unsupported else "manifest unreadable"
+    return Problem(run, step, getattr(error, "key_path", None), None, f"{what}: {error}", kind,
+                   ((run, step),))
+
+
+def scan_manifests(url: Url, *, runs: list[str] | None = None, step: int | None = None,
+                   max_workers: int | None = None) -> ManifestScan:
+    """Reads every manifest of ``runs`` (None: all) that can be read; reports the rest.
+
+    Args:
+      url: a path, an fsspec URL or a Store.
+      runs: the runs to read; None reads every run.
+      step: only this step of each run; None reads every step.
+      max_workers: concurrent manifest reads (default the store's).
+
+    Returns:
+      A :class:`ManifestScan`; empty where there is no repository.
+
+    Raises:
+      ManifestError: the repository's config object is damaged or of an unknown version.
+      StoreTimeoutError, AccessDeniedError: the store did not answer or refused.
+    """
+    store = open_store(url)
+    if not check_config(store):
+        return ManifestScan((), (), 0)
+    keys = [(info.key, parsed) for info in store.list(RUNS_PREFIX)
+            if (parsed := parse_manifest_key(info.key)) is not None
+            and (runs is None or parsed[0] in runs) and (step is None or parsed[1] == step)]
+    results = bounded_map(lambda kp: _read(store, *kp), keys, max_workers or store.max_workers)
+    manifests = [r for r in results if isinstance(r, Manifest)]
+    damaged = tuple(r for r in results if isinstance(r, Problem))
+    return ManifestScan(tuple(sorted(manifests, key=lambda m: (m.created, m.run, m.step))),
+                        damaged, len(keys))
+
+
+def _read(store: Store, key: str, parsed: tuple[str, int]) -> Manifest | Problem | None:
+    """One manifest, the Problem that stops it, or None if it was deleted since listing."""
+    run, step = parsed
+    try:
+        return decode_manifest(store.get(key), run=run, step=step, url=store.url)
+    except _STORE_FAILURES:
+        raise
+    except FileNotFoundError:
+        return None
+    except (CasstoreError, ValueError) as e:
+        return manifest_problem(run, step, e)
+
+
+def require_intact(scan: ManifestScan, what: str) -> None:
+    """Raises ManifestError naming every damaged manifest if ``scan`` has any.
+
+    Args:
+      what: the operation refused, for the message (e.g. ``"gc"``).
+    """
+    if scan.damaged:
+        steps = ", ".join(f"{p.run}@{p.step}" for p in scan.damaged)
+        raise ManifestError(f"{what} refused: {len(scan.damaged)} manifest(s) unreadable "
+                            f"({steps}); first: {scan.damaged[0].message} (see "
+                            "docs/recovery.md)")
