@@ -136,14 +136,15 @@ class CheckpointManager:
         self.run = run
         self.enable_async_checkpointing = enable_async_checkpointing
         self.gc_after_retention, self.grace_period_s = gc_after_retention, grace_period_s
-        preemption = find(self.save_decision_policy, PreemptionCheckpointingPolicy)
-        self._notice = PreemptionNotice(preemption.signals if preemption else ())
         self._preemption_saved = False
         self._details: dict[int, tuple[Any, datetime.datetime]] = {}
         self._saving: int | None = None  # the step of the save in flight
         self.last_save_blocking_s: float | None = None
         self.last_gc_info: GcInfo | None = None
         self._steps: list[int] = list_steps(self.store, run=self.run)
+        # last: a signal handler is installed only once nothing else can fail
+        preemption = find(self.save_decision_policy, PreemptionCheckpointingPolicy)
+        self._notice = PreemptionNotice(preemption.signals if preemption else ())
 
     @property
     def last_save_info(self) -> SaveInfo | None:
