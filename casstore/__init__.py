@@ -27,6 +27,7 @@ from ._manager import CheckpointManager as CheckpointManager
 from ._manifest import ChunkRef as ChunkRef
 from ._manifest import LeafEntry as LeafEntry
 from ._manifest import Manifest as Manifest
+from ._orbax import UnsupportedItemError as UnsupportedItemError
 from ._orbax import import_orbax as import_orbax
 from ._policies import AnyPreservationPolicy as AnyPreservationPolicy
 from ._policies import AnySavePolicy as AnySavePolicy
