@@ -123,9 +123,9 @@ class AsyncCheckpointer:
           PermissionError: the first save found the store not writable; nothing was stored.
           RuntimeError: the checkpointer is closed.
         """
-        self.start(step, tree, metadata)
+        self._start(step, tree, metadata)
 
-    def start(self, step: int, tree: Any, metadata: Any, *, previous_step: int | None = None,
+    def _start(self, step: int, tree: Any, metadata: Any, *, previous_step: int | None = None,
               then: Callable[[SaveInfo], None] | None = None) -> None:
         """:meth:`save` for :class:`CheckpointManager`: ``metadata`` is the manifest's as is.
 

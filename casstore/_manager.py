@@ -225,7 +225,7 @@ class CheckpointManager:
         started = utc_now()
         self._saving = step
         try:
-            self._saver.start(step, tree, {"metrics": metrics, "user": metadata},
+            self._saver._start(step, tree, {"metrics": metrics, "user": metadata},
                               previous_step=self.latest_step(),
                               then=lambda _: self._committed(step, metrics, started))
         finally:
