@@ -30,8 +30,7 @@ from ._policies import (
     PreservationPolicy,
     SaveDecisionPolicy,
     find,
-    preservation_policy_of,
-    save_policy_of,
+    manager_policies,
     utc_now,
 )
 from ._preemption import PreemptionNotice
@@ -122,13 +121,10 @@ class CheckpointManager:
                  max_staging_bytes: int | None = None,
                  chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES,
                  zstd_level: int = DEFAULT_ZSTD_LEVEL, delta: bool = True, **storage_options):
-        self.save_decision_policy = _one_of(
-            "save_decision_policy", save_decision_policy,
-            {"save_interval_steps": save_interval_steps}, save_policy_of)
-        self.preservation_policy = _one_of(
-            "preservation_policy", preservation_policy,
-            {"max_to_keep": max_to_keep, "keep_period": keep_period, "best_fn": best_fn},
-            lambda *a: preservation_policy_of(*a, best_mode, keep_checkpoints_without_metrics))
+        self.save_decision_policy, self.preservation_policy = manager_policies(
+            save_decision_policy, preservation_policy, save_interval_steps=save_interval_steps,
+            max_to_keep=max_to_keep, keep_period=keep_period, best_fn=best_fn,
+            best_mode=best_mode, keep_checkpoints_without_metrics=keep_checkpoints_without_metrics)
         self._saver = AsyncCheckpointer(url, run=run, max_staging_bytes=max_staging_bytes,
                                         chunk_size_bytes=chunk_size_bytes,
                                         zstd_level=zstd_level, delta=delta, **storage_options)
@@ -370,17 +366,3 @@ class CheckpointManager:
     def __repr__(self) -> str:
         return f"CheckpointManager({self.store!r}, run={self.run!r})"
 
-
-def _one_of(name: str, policy: Any, options: dict[str, Any], make: Callable) -> Any:
-    """``policy``, or the policy ``make(*options.values())`` builds from the keyword arguments.
-
-    Raises:
-      ValueError: both ``policy`` and one of ``options`` are given.
-    """
-    if policy is None:
-        return make(*options.values())
-    given = [key for key, value in options.items() if value is not None]
-    if given:
-        raise ValueError(f"{name}= replaces {', '.join(given)}=: pass one or the other "
-                         f"(as orbax's CheckpointManagerOptions)")
-    return policy

@@ -294,23 +294,49 @@ def _check_positive(name: str, value: Any, *, none_ok: bool = False) -> None:
                          f"not {value!r}")
 
 
-def save_policy_of(save_interval_steps: int | None) -> SaveDecisionPolicy:
-    """The policy of orbax's ``save_interval_steps``: every ``save_interval_steps`` (1 if None)
-    steps, and at jax's preemption sync point (no signal handler)."""
-    interval = FixedIntervalPolicy(1 if save_interval_steps is None else save_interval_steps)
-    return AnySavePolicy([interval, PreemptionCheckpointingPolicy(signals=())])
+def manager_policies(save_decision_policy: SaveDecisionPolicy | None,
+                     preservation_policy: PreservationPolicy | None, *,
+                     save_interval_steps: int | None, max_to_keep: int | None,
+                     keep_period: int | None, best_fn: Callable[[Any], float] | None,
+                     best_mode: str, keep_checkpoints_without_metrics: bool,
+                     ) -> tuple[SaveDecisionPolicy, PreservationPolicy]:
+    """CheckpointManager's two policies: those given, or those of orbax's keyword arguments.
 
-
-def preservation_policy_of(max_to_keep: int | None, keep_period: int | None,
-                           best_fn: Callable[[Any], float] | None, best_mode: str,
-                           keep_checkpoints_without_metrics: bool) -> PreservationPolicy:
-    """The policy of orbax's keyword arguments (see :class:`CheckpointManager`).
+    ``save_interval_steps=s`` is ``FixedIntervalPolicy(s)`` (1 if None) with jax's preemption
+    sync point (orbax's default; no signal handler). ``max_to_keep=n`` is ``LatestN(n)``, or
+    with ``best_fn`` ``BestN(get_metric_fn=best_fn, reverse=best_mode == "min", n=n,
+    keep_checkpoints_without_metrics=...)``; ``keep_period=k`` adds ``EveryNSteps(k)``.
 
     Raises:
-      ValueError: ``best_mode`` is not ``"max"`` / ``"min"``, or a count is not positive.
+      ValueError: a policy is given with a keyword argument it replaces (set to other than its
+        default), ``best_mode`` is not ``"max"`` / ``"min"``, or a count is not positive.
     """
     if best_mode not in ("max", "min"):
         raise ValueError(f"best_mode must be 'max' or 'min', not {best_mode!r}")
+    replaced = {"save_decision_policy": {"save_interval_steps": save_interval_steps},
+                "preservation_policy": {
+                    "max_to_keep": max_to_keep, "keep_period": keep_period, "best_fn": best_fn,
+                    "best_mode": None if best_mode == "max" else best_mode,
+                    "keep_checkpoints_without_metrics":
+                        None if keep_checkpoints_without_metrics else False}}
+    for name, policy in (("save_decision_policy", save_decision_policy),
+                         ("preservation_policy", preservation_policy)):
+        given = [key for key, value in replaced[name].items() if value is not None]
+        if policy is not None and given:
+            raise ValueError(f"{name}= replaces {', '.join(k + '=' for k in given)}: pass one "
+                             "or the other (as orbax's CheckpointManagerOptions)")
+    if save_decision_policy is None:
+        interval = FixedIntervalPolicy(1 if save_interval_steps is None else save_interval_steps)
+        save_decision_policy = AnySavePolicy([interval,
+                                              PreemptionCheckpointingPolicy(signals=())])
+    if preservation_policy is None:
+        preservation_policy = _preservation_of(max_to_keep, keep_period, best_fn, best_mode,
+                                               keep_checkpoints_without_metrics)
+    return save_decision_policy, preservation_policy
+
+
+def _preservation_of(max_to_keep, keep_period, best_fn, best_mode,
+                     keep_checkpoints_without_metrics) -> PreservationPolicy:
     if best_fn is None:
         policy: PreservationPolicy = LatestN(max_to_keep)
     else:

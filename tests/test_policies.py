@@ -135,8 +135,14 @@ def test_a_policy_and_the_keywords_it_replaces_are_refused():
     with pytest.raises(ValueError, match="save_decision_policy= replaces save_interval_steps="):
         casstore.CheckpointManager(MemoryStore(), save_decision_policy=FixedIntervalPolicy(1),
                                    save_interval_steps=5)
+    with pytest.raises(ValueError, match="replaces best_mode=, keep_checkpoints_without_metrics="):
+        casstore.CheckpointManager(MemoryStore(), preservation_policy=LatestN(1),
+                                   best_mode="min", keep_checkpoints_without_metrics=False)
     with pytest.raises(ValueError, match="best_mode must be 'max' or 'min'"):
         casstore.CheckpointManager(MemoryStore(), best_mode="up")
+    for bad in ({"save_interval_steps": 0}, {"max_to_keep": 0}, {"keep_period": -1}):
+        with pytest.raises(ValueError, match="must be a positive int"):
+            casstore.CheckpointManager(MemoryStore(), **bad)
 
 
 class GatedStore(MemoryStore):
