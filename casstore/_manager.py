@@ -52,10 +52,10 @@ class CheckpointManager:
     default policy follows orbax's keyword arguments: with ``best_fn``, the ``max_to_keep``
     steps whose metrics score best (``best_mode`` ``"max"`` or ``"min"``), plus the steps
     without metrics if ``keep_checkpoints_without_metrics``; without it the ``max_to_keep``
-    latest; steps divisible by ``keep_period`` always. Policies are the classes of
-    ``casstore._policies`` with orbax's names (``LatestN``, ``BestN``, ``EveryNSteps``,
-    ``FixedIntervalPolicy``, ``ContinuousCheckpointingPolicy``,
-    ``PreemptionCheckpointingPolicy``, ...), composable with ``|``.
+    latest; steps divisible by ``keep_period`` always. Policies are casstore's classes with
+    orbax's names (``casstore.LatestN``, ``BestN``, ``EveryNSteps``, ``FixedIntervalPolicy``,
+    ``ContinuousCheckpointingPolicy``, ``PreemptionCheckpointingPolicy``, ...), composable
+    with ``|``.
 
     Preemption: :meth:`reached_preemption` tells the loop the job will be stopped (jax's
     preemption sync point; in one process, SIGTERM where the save policy holds a

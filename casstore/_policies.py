@@ -87,6 +87,13 @@ class SaveDecisionPolicy:
     def should_save(self, step: PolicyCheckpointInfo,
                     previous_steps: Sequence[PolicyCheckpointInfo], *,
                     context: DecisionContext) -> bool:
+        """True to save ``step`` (its ``time`` is now).
+
+        Args:
+          step: the step asked about.
+          previous_steps: the run's committed steps, ascending.
+          context: what else the decision may depend on.
+        """
         raise NotImplementedError
 
     def __or__(self, other: SaveDecisionPolicy) -> AnySavePolicy:
@@ -180,6 +187,8 @@ class PreservationPolicy:
 
     def should_preserve(self, checkpoints: Sequence[PolicyCheckpointInfo], *,
                         context: PreservationContext) -> list[bool]:
+        """One flag per step of ``checkpoints`` (the run's committed steps, ascending,
+        the one just saved included): True keeps it, False lets the manager delete it."""
         raise NotImplementedError
 
     def __or__(self, other: PreservationPolicy) -> AnyPreservationPolicy:
