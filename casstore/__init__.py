@@ -26,7 +26,15 @@ _WHERE = {
     "GcInfo": "_gc", "gc": "_gc",
     "CheckpointManager": "_manager",
     "ChunkRef": "_manifest", "LeafEntry": "_manifest", "Manifest": "_manifest",
-    "import_orbax": "_orbax",
+    "import_orbax": "_orbax", "UnsupportedItemError": "_orbax",
+    "AsyncCheckpointer": "_async_save",
+    **dict.fromkeys(["AnyPreservationPolicy", "AnySavePolicy", "BestN",
+                     "ContinuousCheckpointingPolicy", "CustomSteps", "DecisionContext",
+                     "EveryNSteps", "FixedIntervalPolicy", "InitialSavePolicy", "LatestN",
+                     "PolicyCheckpointInfo", "PreemptionCheckpointingPolicy",
+                     "PreservationContext", "PreservationPolicy", "PreserveAll",
+                     "SaveDecisionPolicy", "SpecificStepsPolicy"],
+                    "_policies"),
     **dict.fromkeys(["delete", "latest_step", "list_runs", "list_steps", "read_manifest"],
                     "_repository"),
     "restore": "_restore",
@@ -55,6 +63,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # the names as static tools see them
+    from ._async_save import AsyncCheckpointer as AsyncCheckpointer
     from ._copy import CopyInfo as CopyInfo
     from ._copy import copy as copy
     from ._errors import AccessDeniedError as AccessDeniedError
@@ -77,7 +86,25 @@ if TYPE_CHECKING:  # the names as static tools see them
     from ._manifest import ChunkRef as ChunkRef
     from ._manifest import LeafEntry as LeafEntry
     from ._manifest import Manifest as Manifest
+    from ._orbax import UnsupportedItemError as UnsupportedItemError
     from ._orbax import import_orbax as import_orbax
+    from ._policies import AnyPreservationPolicy as AnyPreservationPolicy
+    from ._policies import AnySavePolicy as AnySavePolicy
+    from ._policies import BestN as BestN
+    from ._policies import ContinuousCheckpointingPolicy as ContinuousCheckpointingPolicy
+    from ._policies import CustomSteps as CustomSteps
+    from ._policies import DecisionContext as DecisionContext
+    from ._policies import EveryNSteps as EveryNSteps
+    from ._policies import FixedIntervalPolicy as FixedIntervalPolicy
+    from ._policies import InitialSavePolicy as InitialSavePolicy
+    from ._policies import LatestN as LatestN
+    from ._policies import PolicyCheckpointInfo as PolicyCheckpointInfo
+    from ._policies import PreemptionCheckpointingPolicy as PreemptionCheckpointingPolicy
+    from ._policies import PreservationContext as PreservationContext
+    from ._policies import PreservationPolicy as PreservationPolicy
+    from ._policies import PreserveAll as PreserveAll
+    from ._policies import SaveDecisionPolicy as SaveDecisionPolicy
+    from ._policies import SpecificStepsPolicy as SpecificStepsPolicy
     from ._repository import delete as delete
     from ._repository import latest_step as latest_step
     from ._repository import list_runs as list_runs

@@ -1,103 +1,103 @@
 """CheckpointManager: periodic, asynchronous saves with retention (orbax's names and semantics).
 
-``save`` stages the arrays (``_staging``: numpy blocks copied, accelerator blocks dispatched to
-pinned host memory, CPU-device arrays viewed in place) and returns; hashing, compression,
-upload, the manifest commit, retention and (optionally) garbage collection run on one
-background thread. The manager keeps the list of its run's steps and reads it from the store
-only on construction and :meth:`CheckpointManager.reload`.
+The manager is the loop's side of three modules: save decisions and retention are policies
+(``_policies``: orbax's ``save_decision_policy`` / ``preservation_policy``), preemption notices
+come from ``_preemption``, and each save is staged and written in the background by an
+:class:`~casstore.AsyncCheckpointer` (``_async_save``). The manager keeps the list of its run's
+steps and reads it from the store only on construction and :meth:`CheckpointManager.reload`.
 """
 
 from __future__ import annotations
 
-import atexit
-import concurrent.futures as cf
 import contextlib
-import functools
-import threading
+import datetime
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from ._chunking import DEFAULT_CHUNK_SIZE_BYTES, DEFAULT_PACK_THRESHOLD_BYTES
+from ._async_save import AsyncCheckpointer
+from ._chunking import DEFAULT_CHUNK_SIZE_BYTES
 from ._codec import DEFAULT_ZSTD_LEVEL
-from ._errors import StoreTimeoutError
 from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, gc
-from ._locks import check_write_access
+from ._policies import (
+    BestN,
+    DecisionContext,
+    PolicyCheckpointInfo,
+    PreemptionCheckpointingPolicy,
+    PreservationContext,
+    PreservationPolicy,
+    SaveDecisionPolicy,
+    find,
+    manager_policies,
+    utc_now,
+)
+from ._preemption import PreemptionNotice
 from ._repository import Url, delete, list_steps, read_manifest
 from ._restore import restore
-from ._save import SaveInfo, inflight_window, plan_jobs, prepare, write
-from ._staging import StagingStream
-from .store import Store, open_store
-
-
-def _finish_at_exit(ref: weakref.ref) -> None:
-    """At interpreter exit, lets an in-flight background save finish (or fail) first."""
-    manager = ref()
-    if manager is not None and manager._pending is not None:
-        manager._pending.exception()  # waits; a failed save has written no manifest
-
-
-def _register_exit_hook(manager: CheckpointManager) -> None:
-    # concurrent.futures forbids new thread pools once its own exit hook has run, and the save
-    # uses pools; threading's exit hooks run in reverse order, so this one runs before it.
-    register = getattr(threading, "_register_atexit", atexit.register)
-    register(functools.partial(_finish_at_exit, weakref.ref(manager)))
+from ._save import SaveInfo
+from .store import Store
 
 
 class CheckpointManager:
-    """Saves a run's steps periodically and keeps only what the retention policy says.
+    """Saves a run's steps when a policy says so and keeps the steps a policy keeps.
 
-    Host memory of an asynchronous save: ``save`` returns once every array is staged, and the
-    staged copies live until their chunks are stored. Numpy leaves are copied (their bytes
-    once more in host memory); accelerator arrays are copied block by block to pinned host
-    memory (their bytes once, in memory jax's pinned allocator keeps and reuses for the next
-    save, as torch.distributed.checkpoint's pinned staging does); CPU-device jax arrays cost
-    nothing (zero-copy views; jax copies a buffer donated while the save runs). Python scalars,
-    str and bytes are immutable and read at ``save``. With ``max_staging_bytes`` the copies held
-    at once never exceed that many bytes: ``save`` then stages what fits and waits for the
-    background save to store chunks before staging more.
+    Save decisions (:meth:`should_save`, and :meth:`save` without ``force``): a step newer than
+    the latest (committed or in flight) is saved when ``save_decision_policy`` says so; by
+    default every ``save_interval_steps`` steps and at jax's preemption sync point
+    (orbax's defaults). Retention, after each successful save: the steps
+    ``preservation_policy`` does not keep are deleted (their manifests; with
+    ``gc_after_retention`` garbage collection then frees the chunks no step references). The
+    default policy follows orbax's keyword arguments: with ``best_fn``, the ``max_to_keep``
+    steps whose metrics score best (``best_mode`` ``"max"`` or ``"min"``), plus the steps
+    without metrics if ``keep_checkpoints_without_metrics``; without it the ``max_to_keep``
+    latest; steps divisible by ``keep_period`` always. Policies are casstore's classes with
+    orbax's names (``casstore.LatestN``, ``BestN``, ``EveryNSteps``, ``FixedIntervalPolicy``,
+    ``ContinuousCheckpointingPolicy``, ``PreemptionCheckpointingPolicy``, ...), composable
+    with ``|``.
 
-    The list of the run's steps is read from the store on construction and on :meth:`reload`
-    only; saves and deletes through this manager keep it current, so :meth:`should_save` and
+    Preemption: :meth:`reached_preemption` tells the loop the job will be stopped (jax's
+    preemption sync point; in one process, SIGTERM where the save policy holds a
+    ``PreemptionCheckpointingPolicy()``); the first step asked after it is saved.
+
+    Saving: ``save`` stages the arrays and returns (see :class:`casstore.AsyncCheckpointer`
+    for what is copied and what it costs in host memory, and ``max_staging_bytes``); the
+    commit, retention and GC run on one background thread. Saves never overlap. The list of the
+    run's steps is read from the store on construction and on :meth:`reload` only; saves and
+    deletes through this manager keep it current, so :meth:`should_save` and
     :meth:`latest_step` make no request. Call :meth:`reload` when another process may have
     written or deleted steps of this run.
 
     Thread-safety: NOT thread-safe (call it from one training loop). At interpreter exit an
     in-flight background save is finished first; a save killed with the process leaves no
-    manifest, never a partial step. Multi-process: every
-    process of a ``jax.distributed`` job calls ``save`` with the same steps in the same order;
-    process 0 commits. Saves of one manager never overlap: a save waits for the previous one.
-
-    Retention (after each successful save): with ``best_fn``, keep the ``max_to_keep`` steps whose
-    metrics score best (``best_mode`` ``"max"`` or ``"min"``), plus the steps without metrics if
-    ``keep_checkpoints_without_metrics``; without it, keep the ``max_to_keep`` latest steps.
-    Steps divisible by ``keep_period`` are always kept. Deleting a step deletes its manifest;
-    with ``gc_after_retention`` garbage collection then frees the chunks no step references.
+    manifest, never a partial step. Multi-process: every process of a ``jax.distributed`` job
+    calls ``save`` with the same steps in the same order; process 0 commits and deletes.
 
     Args:
       url: a path, an fsspec URL or a Store.
       run: the run this manager saves and restores.
-      max_to_keep: steps to keep (None keeps all).
-      keep_period: keep every step divisible by this, whatever ``max_to_keep`` says.
-      best_fn: ``metrics -> float`` ranking steps for retention; None ranks by step.
+      save_decision_policy: when to save (a ``SaveDecisionPolicy``); not with
+        ``save_interval_steps``.
+      preservation_policy: which steps to keep (a ``PreservationPolicy``); not with
+        ``max_to_keep``, ``keep_period`` or ``best_fn``.
+      max_to_keep: steps to keep (None keeps all): ``LatestN`` / ``BestN``'s ``n``.
+      keep_period: keep every step divisible by this: ``EveryNSteps(keep_period)``.
+      best_fn: ``metrics -> float`` ranking steps: ``BestN(get_metric_fn=best_fn)``.
       best_mode: ``"max"`` (higher is better) or ``"min"``.
       keep_checkpoints_without_metrics: with ``best_fn``, keep steps saved without metrics.
-      save_interval_steps: ``should_save`` is true every this many steps.
+      save_interval_steps: save every this many steps: ``FixedIntervalPolicy`` (default 1).
       enable_async_checkpointing: return from ``save`` once arrays are on the host; False
         makes ``save`` return once the step is committed.
       gc_after_retention: run garbage collection after retention deleted steps.
       grace_period_s: the GC grace period, seconds.
-      max_staging_bytes: the most host memory, bytes, that staged copies of an asynchronous
-        save hold at once (None: no limit); at least ``chunk_size_bytes``.
-      chunk_size_bytes, zstd_level, delta: as for :func:`casstore.save`; deltas are taken
-        against the manager's latest step.
+      max_staging_bytes, chunk_size_bytes, zstd_level, delta: as for
+        :class:`casstore.AsyncCheckpointer`; deltas are taken against the latest step.
       **storage_options: passed to fsspec for URLs.
 
     Raises:
-      ValueError: a retention or staging argument is out of range.
+      ValueError: a retention or staging argument is out of range, or a policy is given
+        together with the keyword arguments it replaces.
 
     Example:
       >>> import numpy as np, casstore
@@ -109,72 +109,92 @@ class CheckpointManager:
       [2, 3]
     """
 
-    def __init__(self, url: Url, *, run: str = "default", max_to_keep: int | None = None,
-                 keep_period: int | None = None,
-                 best_fn: Callable[[dict], float] | None = None, best_mode: str = "max",
-                 keep_checkpoints_without_metrics: bool = True, save_interval_steps: int = 1,
+    def __init__(self, url: Url, *, run: str = "default",
+                 save_decision_policy: SaveDecisionPolicy | None = None,
+                 preservation_policy: PreservationPolicy | None = None,
+                 max_to_keep: int | None = None, keep_period: int | None = None,
+                 best_fn: Callable[[Any], float] | None = None, best_mode: str = "max",
+                 keep_checkpoints_without_metrics: bool = True,
+                 save_interval_steps: int | None = None,
                  enable_async_checkpointing: bool = True, gc_after_retention: bool = False,
                  grace_period_s: float = DEFAULT_GRACE_PERIOD_S,
                  max_staging_bytes: int | None = None,
                  chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES,
                  zstd_level: int = DEFAULT_ZSTD_LEVEL, delta: bool = True, **storage_options):
-        if best_mode not in ("max", "min"):
-            raise ValueError(f"best_mode must be 'max' or 'min', not {best_mode!r}")
-        for name, value in (("max_to_keep", max_to_keep), ("keep_period", keep_period),
-                            ("save_interval_steps", save_interval_steps)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, not {value!r}")
-        if max_staging_bytes is not None and max_staging_bytes < chunk_size_bytes:
-            raise ValueError(f"max_staging_bytes={max_staging_bytes} is smaller than one chunk "
-                             f"(chunk_size_bytes={chunk_size_bytes})")
-        self.store: Store = open_store(url, **storage_options)
+        self.save_decision_policy, self.preservation_policy = manager_policies(
+            save_decision_policy, preservation_policy, save_interval_steps=save_interval_steps,
+            max_to_keep=max_to_keep, keep_period=keep_period, best_fn=best_fn,
+            best_mode=best_mode, keep_checkpoints_without_metrics=keep_checkpoints_without_metrics)
+        self._saver = AsyncCheckpointer(url, run=run, max_staging_bytes=max_staging_bytes,
+                                        chunk_size_bytes=chunk_size_bytes,
+                                        zstd_level=zstd_level, delta=delta, **storage_options)
+        self.store: Store = self._saver.store
         self.run = run
-        self.max_to_keep, self.keep_period = max_to_keep, keep_period
-        self.best_fn, self.best_mode = best_fn, best_mode
-        self.keep_checkpoints_without_metrics = keep_checkpoints_without_metrics
-        self.save_interval_steps = save_interval_steps
         self.enable_async_checkpointing = enable_async_checkpointing
         self.gc_after_retention, self.grace_period_s = gc_after_retention, grace_period_s
-        self.max_staging_bytes = max_staging_bytes
-        self.chunk_size_bytes, self.zstd_level = chunk_size_bytes, zstd_level
-        self.delta = delta
-        self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix="casstore-save")
-        self._pending: cf.Future | None = None
-        self._metrics: dict[int, Any] = {}
-        self._closed = False
-        self._writable = False  # write access checked by the first save
+        self._preemption_saved = False
+        self._details: dict[int, tuple[Any, datetime.datetime]] = {}
+        self._saving: int | None = None  # the step of the save in flight
         self.last_save_blocking_s: float | None = None
-        self.last_save_info: SaveInfo | None = None
         self.last_gc_info: GcInfo | None = None
-        self.last_staging_peak_bytes: int | None = None
         self._steps: list[int] = list_steps(self.store, run=self.run)
-        _register_exit_hook(self)
+        # last: a signal handler is installed only once nothing else can fail
+        preemption = find(self.save_decision_policy, PreemptionCheckpointingPolicy)
+        self._notice = PreemptionNotice(preemption.signals if preemption else ())
 
-    # -- saving ------------------------------------------------------------------------------
+    @property
+    def last_save_info(self) -> SaveInfo | None:
+        """The :class:`casstore.SaveInfo` of the last committed save."""
+        return self._saver.last_save_info
+
+    @property
+    def last_staging_peak_bytes(self) -> int | None:
+        """The most bytes of staged copies the last save held at once."""
+        return self._saver.last_staging_peak_bytes
+
+    # -- deciding ----------------------------------------------------------------------------
+
+    def reached_preemption(self, step: int) -> bool:
+        """True once the job was told it will be stopped (see the class docstring).
+
+        The loop asks it at every step (every process, with several) and, when true, waits
+        for the save (:meth:`wait_until_finished`) and stops. Makes no request.
+        """
+        return self._notice.reached(step)
 
     def should_save(self, step: int) -> bool:
-        """True if ``step`` is due (every ``save_interval_steps``) and newer than the latest.
+        """True if ``step`` is newer than the latest step and the save decision policy says so.
 
         Makes no request: the latest step is the one this manager knows (see the class
-        docstring).
+        docstring), the one in flight included.
         """
         latest = self.latest_step()
-        return (latest is None or step > latest) and step % self.save_interval_steps == 0
+        if self._saving is not None and self._saver.is_saving_in_progress():
+            latest = self._saving if latest is None else max(latest, self._saving)
+        if latest is not None and step <= latest:
+            return False
+        context = DecisionContext(
+            is_saving_in_progress=self._saver.is_saving_in_progress(),
+            reached_preemption=self.reached_preemption(step) and not self._preemption_saved)
+        return bool(self.save_decision_policy.should_save(
+            PolicyCheckpointInfo(step), self._infos(), context=context))
+
+    # -- saving ------------------------------------------------------------------------------
 
     def save(self, step: int, tree: Any, *, metrics: dict | None = None, metadata: Any = None,
              force: bool = False) -> bool:
         """Saves ``tree`` as ``step`` if it is due (or ``force``).
 
-        Waits for the previous save, stages the arrays (see the class docstring for what is
-        copied and what it costs in host memory), then saves in the background, or right away
-        without async checkpointing. Once this returns the caller may overwrite its numpy
-        arrays and donate or delete its jax arrays: the step holds the values at this call.
-        ``last_save_blocking_s`` records how long this call blocked, in seconds.
+        Decides first (a save still in flight counts for :class:`ContinuousCheckpointingPolicy`),
+        then waits for the previous save, stages the arrays and saves in the background (or
+        right away without async checkpointing). Once this returns the caller may overwrite its
+        numpy arrays and donate or delete its jax arrays: the step holds the values at this
+        call. ``last_save_blocking_s`` records how long this call blocked, in seconds.
 
         Args:
           step: the step number.
           tree: the pytree (see :func:`casstore.save`).
-          metrics: msgpack-able metrics for ``best_fn``, stored in the manifest.
+          metrics: msgpack-able metrics for the preservation policy, stored in the manifest.
           metadata: user metadata, stored in the manifest.
           force: save even if ``should_save(step)`` is false.
 
@@ -186,52 +206,34 @@ class CheckpointManager:
             fails it within the store's deadline (StoreTimeoutError naming the step).
           StepAlreadyExistsError: ``force`` with an existing step (from the background save).
           UnsupportedLeafError: a leaf cannot be stored (raised here, before any write).
-          PermissionError: the first save found the store not writable (a read-only store or
-            credentials, checked by writing and deleting one lock object); nothing was stored.
+          PermissionError: the first save found the store not writable; nothing was stored.
           RuntimeError: the manager is closed.
         """
         t0 = time.perf_counter()
-        if self._closed:
+        if self._saver.closed:
             raise RuntimeError("CheckpointManager is closed")
-        self.wait_until_finished()
+        if not self._saver.is_saving_in_progress():
+            self._saver.wait_until_finished()  # a failed save's error, without waiting
         if not force and not self.should_save(step):
             return False
-        if not self._writable:  # fail here, not at the next call, without write access
-            check_write_access(self.store)
-            self._writable = True
-        prepared, arrays = prepare(tree, {"metrics": metrics, "user": metadata})
-        inline, jobs = plan_jobs(prepared, arrays, self.chunk_size_bytes,
-                                 DEFAULT_PACK_THRESHOLD_BYTES)
-        del arrays
-        stream = StagingStream(jobs, self.max_staging_bytes, self.chunk_size_bytes)
-        self._pending = self._executor.submit(self._save_and_retain, step, prepared, inline,
-                                              stream, metrics)
+        self._preemption_saved |= self.reached_preemption(step)
+        self._saver.wait_until_finished()
+        started = utc_now()
+        self._saving = step
         try:
-            stream.fill()
+            self._saver._start(step, tree, {"metrics": metrics, "user": metadata},
+                              previous_step=self.latest_step(),
+                              then=lambda _: self._committed(step, metrics, started))
         finally:
-            self.last_staging_peak_bytes = stream.peak_bytes
             self.last_save_blocking_s = time.perf_counter() - t0
         if not self.enable_async_checkpointing:
             self.wait_until_finished()
         return True
 
-    def _save_and_retain(self, step: int, prepared: Any, inline: dict, stream: StagingStream,
-                         metrics: Any) -> None:
-        workers = self.store.max_workers
-        try:
-            self.last_save_info = write(
-                self.store, step, prepared, inline, stream, run=self.run,
-                zstd_level=self.zstd_level, shuffle=self.store.shuffle, max_workers=workers,
-                window=inflight_window(workers, self.chunk_size_bytes), delta=self.delta,
-                previous_step=self.latest_step())
-        except StoreTimeoutError as e:  # surfaces on the next save(): name the step
-            stream.abandon()
-            raise e.at(run=self.run, step=step) from e
-        except BaseException:
-            stream.abandon()
-            raise
+    def _committed(self, step: int, metrics: Any, started: datetime.datetime) -> None:
+        """After the commit, on the background thread: the step list, retention and GC."""
         self._steps = sorted({*self._steps, step})
-        self._metrics[step] = metrics
+        self._details[step] = (metrics, started)
         deleted = self._apply_retention()
         if deleted and self.gc_after_retention and jax.process_index() == 0:
             self.last_gc_info = gc(self.store, grace_period_s=self.grace_period_s)
@@ -242,23 +244,19 @@ class CheckpointManager:
         Raises:
           The background save's error, if it failed (once; the next call succeeds).
         """
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        self._saver.wait_until_finished()
 
     def close(self) -> None:
-        """Waits for the background save, then stops its thread. Idempotent.
+        """Waits for the background save, then stops its thread and puts back any signal
+        handler it installed. Idempotent.
 
         Raises:
           The background save's error, if it failed; the thread is stopped either way.
         """
-        if self._closed:
-            return
-        self._closed = True
         try:
-            self.wait_until_finished()
+            self._saver.close()
         finally:
-            self._executor.shutdown(wait=True)
+            self._notice.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -268,38 +266,29 @@ class CheckpointManager:
 
     # -- retention ---------------------------------------------------------------------------
 
-    def _metrics_of(self, step: int) -> Any:
-        if step not in self._metrics:
-            metadata = read_manifest(self.store, step, run=self.run).metadata
-            self._metrics[step] = metadata.get("metrics") if isinstance(metadata, dict) else None
-        return self._metrics[step]
+    def _step_details(self, step: int) -> tuple[Any, datetime.datetime]:
+        """(metrics, save time) of ``step``: remembered, or read from its manifest once."""
+        if step not in self._details:
+            manifest = read_manifest(self.store, step, run=self.run)
+            metadata = manifest.metadata
+            metrics = metadata.get("metrics") if isinstance(metadata, dict) else None
+            created = datetime.datetime.fromtimestamp(manifest.created, datetime.timezone.utc)
+            self._details[step] = (metrics, created)
+        return self._details[step]
 
-    def _steps_to_keep(self, steps: list[int]) -> set[int]:
-        """The retention policy (see the class docstring)."""
-        if self.max_to_keep is None:
-            return set(steps)
-        if self.best_fn is None:
-            keep = set(steps[-self.max_to_keep:])
-        else:
-            scored = [s for s in steps if self._metrics_of(s) is not None]
-            ranked = sorted(scored, key=lambda s: self.best_fn(self._metrics_of(s)),
-                            reverse=self.best_mode == "max")
-            keep = set(ranked[:self.max_to_keep])
-            if self.keep_checkpoints_without_metrics:
-                keep |= set(steps) - set(scored)
-        if self.keep_period:
-            keep |= {s for s in steps if s % self.keep_period == 0}
-        return keep
+    def _infos(self) -> list[PolicyCheckpointInfo]:
+        return [PolicyCheckpointInfo(s, details=self._step_details) for s in self._steps]
 
     def _apply_retention(self) -> list[int]:
         """Deletes the steps the policy drops (process 0 only; every process forgets them)."""
-        steps = self.all_steps()
-        doomed = [s for s in steps if s not in self._steps_to_keep(steps)]
+        infos = self._infos()
+        keep = self.preservation_policy.should_preserve(infos, context=PreservationContext())
+        doomed = [info.step for info, kept in zip(infos, keep, strict=True) if not kept]
         for step in doomed:
             if jax.process_index() == 0:
                 with contextlib.suppress(FileNotFoundError):  # already gone: the same outcome
                     delete(self.store, step, run=self.run)
-            self._metrics.pop(step, None)
+            self._details.pop(step, None)
         self._steps = [s for s in self._steps if s not in doomed]
         return doomed
 
@@ -329,15 +318,17 @@ class CheckpointManager:
         self._steps = list_steps(self.store, run=self.run)
 
     def best_step(self) -> int | None:
-        """The committed step whose metrics score best by ``best_fn``; the latest without one."""
+        """The committed step whose metrics rank best by the preservation policy's ``BestN``
+        (``best_fn``); the latest step without one; None if no step has metrics."""
         steps = self.all_steps()
-        if self.best_fn is None:
+        best = find(self.preservation_policy, BestN)
+        if best is None:
             return steps[-1] if steps else None
-        scored = [s for s in steps if self._metrics_of(s) is not None]
+        scored = [(s, m) for s in steps if (m := self._step_details(s)[0]) is not None]
         if not scored:
             return None
-        pick = max if self.best_mode == "max" else min
-        return pick(scored, key=lambda s: self.best_fn(self._metrics_of(s)))
+        pick = min if best.reverse else max
+        return pick(scored, key=lambda sm: best.get_metric_fn(sm[1]))[0]
 
     def restore(self, step: int | None = None, *, target: Any = None,
                 paths: list[str] | None = None, partial: bool = False, strict: bool = True,
@@ -369,8 +360,9 @@ class CheckpointManager:
         """
         self.wait_until_finished()
         delete(self.store, step, run=self.run)
-        self._metrics.pop(step, None)
+        self._details.pop(step, None)
         self._steps = [s for s in self._steps if s != step]
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.store!r}, run={self.run!r})"
+

@@ -1,84 +1,164 @@
-"""Migration from orbax: one orbax checkpoint written as a casstore step.
+"""Migration from orbax: one orbax checkpoint (every item of it) written as a casstore step.
 
 orbax itself reads the checkpoint (``orbax-checkpoint`` must be installed; casstore does not
 depend on it otherwise), arrays to host numpy arrays in their saved dtype, so the import needs
 neither the devices nor the mesh the checkpoint was written from. The tree is then saved with
 :func:`casstore.save`: a checkpoint is committed by its manifest, written last.
+
+Items of a ``CheckpointManager`` step: pytree items (``StandardSave``, ``PyTreeSave``) and JSON
+items (``JsonSave``) are imported; any other item (``ArraySave``, ``ProtoSave``, a dataset
+iterator's handler, ...) makes the import refuse, naming it, before anything is written.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
 import jax
 import numpy as np
 
+from ._errors import CasstoreError
 from ._repository import Url
 from ._save import SaveInfo, save
 
 _METADATA = "_METADATA"  # the file orbax's PyTree handler writes into every item directory
+_STEP_METADATA = "_CHECKPOINT_METADATA"  # a manager step's: names each item's handler
+_JSON_FILE = "metadata"  # JsonCheckpointHandler's default file name
+_PYTREE_HANDLERS = ("StandardCheckpointHandler", "PyTreeCheckpointHandler")
+_JSON_HANDLERS = ("JsonCheckpointHandler",)
+
+
+class UnsupportedItemError(CasstoreError, ValueError):
+    """An orbax step holds items :func:`casstore.import_orbax` cannot import.
+
+    Attributes:
+      items: item name -> the orbax handler that wrote it (its class name, or None if the step
+        does not say).
+    """
+
+    def __init__(self, message: str, items: dict[str, str | None]):
+        super().__init__(message)
+        self.items = items
 
 
 def import_orbax(orbax_dir: str | os.PathLike, url: Url, step: int, *, run: str = "default",
                  item: str | None = None, metadata: Any = None) -> SaveInfo:
     """Reads one orbax checkpoint with orbax and writes it as casstore step ``step`` of ``run``.
 
+    What becomes the step's tree:
+
+    - a ``StandardCheckpointer`` / ``PyTreeCheckpointer`` directory: its pytree;
+    - a ``CheckpointManager`` step directory (``<root>/<step>``) with one item: that item;
+    - a step with several items (``item_names=`` / ``ocp.args.Composite``): a dict
+      ``{item name: item}``, as orbax's ``Composite`` restore gives them, so
+      ``restore(url, step)["state"]`` or ``paths=["extra"]`` reads one;
+    - with ``item=``: that item only.
+
+    A pytree item keeps its arrays' shapes, dtypes and bits; orbax's Python scalars come back
+    as 0-d numpy arrays of their saved dtype (int64, float64) and are stored as such. A JSON
+    item (``ocp.args.JsonSave``) becomes leaves: dicts and lists as containers, str / int /
+    float / bool / None as Python scalar leaves (restored as the same Python values). The
+    orbax step's own metadata (metrics, custom metadata) is not imported: pass ``metadata=``.
+
     Args:
-      orbax_dir: a directory (local or any path orbax's ``etils.epath`` opens, e.g. gs://)
-        orbax wrote one pytree into: that of
-        ``ocp.StandardCheckpointer().save(path, tree)`` / ``ocp.PyTreeCheckpointer``, or a
-        ``ocp.CheckpointManager`` step directory (``<root>/<step>``) whose item is taken from
-        ``item`` or, when the step has exactly one item, found.
+      orbax_dir: the checkpoint or step directory (local or any path orbax's ``etils.epath``
+        opens, e.g. gs://).
       url: the casstore repository: a path, an fsspec URL or a Store.
       step: the casstore step to write (usually the orbax step).
       run: the casstore run name.
-      item: the item name inside a CheckpointManager step (``"default"`` for a manager with a
-        single unnamed item, or the name given in ``ocp.args.Composite``).
+      item: import only this item of a manager step (``"default"`` for a manager with a single
+        unnamed item).
       metadata: user metadata for the casstore manifest.
 
     Returns:
-      The :class:`casstore.SaveInfo` of the save. Arrays keep their saved shapes, dtypes and
-      bits; orbax's Python scalars come back as 0-d numpy arrays of their saved dtype (int64,
-      float64) and are stored as such.
+      The :class:`casstore.SaveInfo` of the save.
 
     Raises:
       ImportError: orbax-checkpoint is not installed.
-      FileNotFoundError: ``orbax_dir`` (or its item) holds no orbax pytree checkpoint.
+      FileNotFoundError: ``orbax_dir`` (or its ``item``) holds no orbax checkpoint.
+      UnsupportedItemError: an item (``item``, or any item of the step without it) was written
+        by an orbax handler other than the pytree and JSON ones; names every such item and its
+        handler. Nothing was written.
       StepAlreadyExistsError: the casstore step exists; nothing was written.
-      UnsupportedLeafError: a leaf orbax restored is of a type casstore cannot store.
+      UnsupportedLeafError: a leaf is of a type casstore cannot store (e.g. a JSON integer
+        beyond 64 bits); names its key path; nothing was written.
     """
     try:
         import orbax.checkpoint as ocp
     except ImportError as e:
         raise ImportError("import_orbax needs orbax-checkpoint: pip install "
                           "orbax-checkpoint") from e
-    path = _item_dir(os.fspath(orbax_dir), item)
+    from etils import epath  # orbax's path library (local, gs://, ...), installed with it
+
+    root = epath.Path(os.fspath(orbax_dir))
+    items = _items(root, item)
+    trees = {name: _read(ocp, kind, path) for name, (kind, path) in items.items()}
+    tree = trees.popitem()[1] if len(trees) == 1 else trees
+    return save(url, step, tree, run=run, metadata=metadata)
+
+
+def _read(ocp, kind: str, path) -> Any:
+    """One item's tree: a pytree item through orbax, a JSON item as Python values."""
+    if kind == "json":
+        return json.loads((path / _JSON_FILE).read_text())
     checkpointer = ocp.PyTreeCheckpointer()
     tree_metadata = checkpointer.metadata(path).item_metadata.tree
     restore_args = jax.tree.map(
         lambda m: ocp.RestoreArgs(restore_type=np.ndarray)
         if isinstance(m, ocp.metadata.ArrayMetadata) else ocp.RestoreArgs(), tree_metadata)
-    tree = checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
-    return save(url, step, tree, run=run, metadata=metadata)
+    return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
 
 
-def _item_dir(orbax_dir: str, item: str | None):
-    """The directory holding the pytree: ``orbax_dir``, or its item ``item`` (or only item)."""
-    from etils import epath  # orbax's path library (local, gs://, ...), installed with it
+def _items(root, item: str | None) -> dict[str | None, tuple[str, Any]]:
+    """The items to import: name (None for a plain checkpoint) -> (kind, directory).
 
-    root = epath.Path(orbax_dir)
+    Raises:
+      FileNotFoundError, UnsupportedItemError: as :func:`import_orbax`.
+    """
+    handlers = _handlers(root)
+    if item is None and (root / _METADATA).exists() and not handlers:
+        return {None: ("pytree", root)}
     if item is not None:
-        path = root / item
-    elif (root / _METADATA).exists():
-        path = root
+        names = [item]
     else:
-        items = sorted(d.name for d in root.iterdir() if (d / _METADATA).exists())
-        if len(items) != 1:
-            raise FileNotFoundError(f"{orbax_dir!r} is not an orbax pytree checkpoint and holds "
-                                    f"{len(items)} items ({items}); pass item=")
-        path = root / items[0]
-    if not (path / _METADATA).exists():
-        raise FileNotFoundError(f"{str(path)!r} is not an orbax pytree checkpoint "
-                                f"(no {_METADATA})")
-    return path
+        names = sorted(handlers) or sorted(
+            d.name for d in root.iterdir() if d.is_dir() and _kind(d, None) is not None)
+    if not names:
+        raise FileNotFoundError(f"{str(root)!r} is not an orbax checkpoint: no {_METADATA} "
+                                f"and no item directories")
+    for name in names:
+        if not (root / name).is_dir():
+            raise FileNotFoundError(f"{str(root / name)!r} is not an orbax pytree checkpoint "
+                                    f"or item (no such directory)")
+    kinds = {name: _kind(root / name, handlers.get(name)) for name in names}
+    refused = {name: handlers.get(name) for name, kind in kinds.items() if kind is None}
+    if refused:
+        importable = sorted(set(names) - set(refused))
+        raise UnsupportedItemError(
+            f"{str(root)!r}: import_orbax imports pytree and JSON items only, not "
+            + ", ".join(f"{n!r} ({h or 'unknown handler'})" for n, h in refused.items())
+            + (f"; pass item= to import one of {importable}" if importable else ""), refused)
+    return {name: (kinds[name], root / name) for name in names}
+
+
+def _handlers(root) -> dict[str, str]:
+    """Item name -> handler class name, from a manager step's metadata ({} without it)."""
+    path = root / _STEP_METADATA
+    if not path.exists():
+        return {}
+    handlers = json.loads(path.read_text()).get("item_handlers")
+    if not isinstance(handlers, dict):
+        return {}
+    return {name: str(h).rsplit(".", 1)[-1] for name, h in handlers.items()}
+
+
+def _kind(path, handler: str | None) -> str | None:
+    """"pytree", "json", or None for an item casstore cannot import."""
+    if handler is not None:
+        return ("pytree" if handler in _PYTREE_HANDLERS else
+                "json" if handler in _JSON_HANDLERS else None)
+    if (path / _METADATA).exists():
+        return "pytree"
+    return "json" if (path / _JSON_FILE).is_file() else None

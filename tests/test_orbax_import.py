@@ -54,8 +54,6 @@ def test_checkpoint_manager_steps_with_named_items(tmp_path):
                 extra=ocp.args.StandardSave({"seen": np.arange(step + 1)})))
         mngr.wait_until_finished()
     url = str(tmp_path / "cas")
-    with pytest.raises(FileNotFoundError, match="pass item="):
-        casstore.import_orbax(tmp_path / "orbax" / "2", url, 2)
     for step in (1, 2):
         casstore.import_orbax(tmp_path / "orbax" / str(step), url, step, item="state")
     assert casstore.list_steps(url) == [1, 2]
@@ -64,6 +62,52 @@ def test_checkpoint_manager_steps_with_named_items(tmp_path):
     manifests = [casstore.read_manifest(url, s) for s in (1, 2)]
     ids = [{ref.id for leaf in m.leaves for ref in leaf.chunks} for m in manifests]
     assert ids[0] == ids[1] and ids[0]
+    casstore.import_orbax(tmp_path / "orbax" / "2", url, 3)  # every item, under its name
+    assert_bit_exact(casstore.restore(url, 3),
+                     {"state": tree, "extra": {"seen": np.arange(3)}})
+
+
+def test_every_item_of_a_step_is_imported_json_items_as_leaves(tmp_path):
+    """A manager with item_names=("state", "extra"), StandardSave + JsonSave (issue 29)."""
+    tree = make_tree()
+    extra = {"epoch": 3, "names": ["a", "b"], "lr": 0.1, "done": False, "note": None,
+             "nested": {"k": [1, 2.5]}}
+    with ocp.CheckpointManager(tmp_path / "orbax", item_names=("state", "extra")) as mngr:
+        mngr.save(5, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
+                                             extra=ocp.args.JsonSave(extra)))
+        mngr.wait_until_finished()
+        orbax_restored = mngr.restore(5)
+    assert orbax_restored.extra == extra
+    url = str(tmp_path / "cas")
+    casstore.import_orbax(tmp_path / "orbax" / "5", url, 5)
+    restored = casstore.restore(url, 5)
+    assert sorted(restored) == ["extra", "state"]
+    assert_bit_exact(restored["state"], tree)
+    assert restored["extra"] == extra  # the same Python values, types included
+    assert [type(v) for v in jax.tree.leaves(restored["extra"])] == [
+        type(v) for v in jax.tree.leaves(extra)]
+    assert casstore.restore(url, 5, paths=["extra"])["extra"]["names"] == ["a", "b"]
+    casstore.import_orbax(tmp_path / "orbax" / "5", url, 6, item="extra")
+    assert casstore.restore(url, 6) == extra
+
+
+def test_items_it_cannot_import_are_refused_by_name_and_nothing_is_written(tmp_path):
+    tree = make_tree()
+    with ocp.CheckpointManager(tmp_path / "orbax", item_names=("state", "arr")) as mngr:
+        mngr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
+                                             arr=ocp.args.ArraySave(np.ones(4))))
+        mngr.wait_until_finished()
+    url = str(tmp_path / "cas")
+    with pytest.raises(casstore.UnsupportedItemError,
+                       match=r"not 'arr' \(ArrayCheckpointHandler\); pass item= .*'state'") as e:
+        casstore.import_orbax(tmp_path / "orbax" / "1", url, 1)
+    assert e.value.items == {"arr": "ArrayCheckpointHandler"}
+    assert isinstance(e.value, ValueError)
+    with pytest.raises(casstore.UnsupportedItemError, match="'arr'"):
+        casstore.import_orbax(tmp_path / "orbax" / "1", url, 1, item="arr")
+    assert casstore.list_steps(url) == []
+    casstore.import_orbax(tmp_path / "orbax" / "1", url, 1, item="state")
+    assert_bit_exact(casstore.restore(url, 1), tree)
 
 
 def test_single_item_is_found_and_missing_checkpoints_are_named(tmp_path):
@@ -73,7 +117,9 @@ def test_single_item_is_found_and_missing_checkpoints_are_named(tmp_path):
     url = str(tmp_path / "cas")
     casstore.import_orbax(tmp_path / "orbax" / "7", url, 7)
     assert_bit_exact(casstore.restore(url, 7), tree)
-    with pytest.raises(FileNotFoundError, match="not an orbax pytree checkpoint"):
+    with pytest.raises(FileNotFoundError, match="not an orbax pytree checkpoint or item"):
         casstore.import_orbax(tmp_path / "orbax" / "7", url, 8, item="nope")
+    with pytest.raises(FileNotFoundError, match="is not an orbax checkpoint"):
+        casstore.import_orbax(tmp_path, url, 8)
     with pytest.raises(casstore.StepAlreadyExistsError):
         casstore.import_orbax(tmp_path / "orbax" / "7", url, 7)

@@ -1,0 +1,219 @@
+"""AsyncCheckpointer: one save at a time in the background, after the arrays are staged.
+
+This is the staging and background half of :class:`casstore.CheckpointManager` (which adds
+save decisions and retention on top) and, on its own, orbax's ``AsyncCheckpointer``: ``save``
+stages the arrays (``_staging``: numpy blocks copied, accelerator blocks dispatched to pinned
+host memory, CPU-device arrays viewed in place) and returns; hashing, compression, upload and
+the manifest commit run on one background thread; :meth:`AsyncCheckpointer.wait_until_finished`
+waits for them and raises their error.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures as cf
+import functools
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from ._chunking import DEFAULT_CHUNK_SIZE_BYTES, DEFAULT_PACK_THRESHOLD_BYTES
+from ._codec import DEFAULT_ZSTD_LEVEL
+from ._errors import StoreTimeoutError
+from ._layout import check_run, check_step
+from ._locks import check_write_access
+from ._repository import Url
+from ._save import SaveInfo, inflight_window, plan_jobs, prepare, write
+from ._staging import StagingStream
+from .store import Store, open_store
+
+
+def _finish_at_exit(ref: weakref.ref) -> None:
+    """At interpreter exit, lets an in-flight background save finish (or fail) first."""
+    saver = ref()
+    if saver is not None and saver._pending is not None:
+        saver._pending.exception()  # waits; a failed save has written no manifest
+
+
+def _register_exit_hook(saver: AsyncCheckpointer) -> None:
+    # concurrent.futures forbids new thread pools once its own exit hook has run, and the save
+    # uses pools; threading's exit hooks run in reverse order, so this one runs before it.
+    register = getattr(threading, "_register_atexit", atexit.register)
+    register(functools.partial(_finish_at_exit, weakref.ref(saver)))
+
+
+class AsyncCheckpointer:
+    """Saves steps in the background, one at a time (orbax's ``AsyncCheckpointer``).
+
+    ``save`` returns once every array is staged; the step is committed in the background and
+    :meth:`wait_until_finished` waits for it and raises its error. Once ``save`` returns the
+    caller may overwrite its numpy arrays and donate or delete its jax arrays: the step holds
+    the values at the call. Host memory: numpy leaves are copied (their bytes once more);
+    accelerator arrays are copied block by block to pinned host memory; CPU-device jax arrays
+    are zero-copy views (jax copies a buffer donated while the save runs); Python scalars, str
+    and bytes are read at ``save``. With ``max_staging_bytes`` the copies held at once never
+    exceed that many bytes: ``save`` then stages what fits and waits for the background save
+    to store chunks before staging more.
+
+    Thread-safety: NOT thread-safe (call it from one thread). At interpreter exit an in-flight
+    save is finished first; a save killed with the process leaves no manifest, never a partial
+    step. Multi-process: every process of a ``jax.distributed`` job calls ``save`` with the same
+    steps in the same order; process 0 commits.
+
+    Args:
+      url: a path, an fsspec URL or a Store.
+      run: the run the steps are saved in.
+      max_staging_bytes: the most host memory, bytes, that staged copies hold at once (None:
+        no limit); at least ``chunk_size_bytes``.
+      chunk_size_bytes, zstd_level, delta: as for :func:`casstore.save`.
+      **storage_options: passed to fsspec for URLs.
+
+    Raises:
+      ValueError: ``max_staging_bytes`` is smaller than one chunk, or ``run`` is invalid.
+
+    Example:
+      >>> import numpy as np, casstore
+      >>> store = casstore.MemoryStore()
+      >>> with casstore.AsyncCheckpointer(store) as ckptr:
+      ...     w = np.zeros(3)
+      ...     ckptr.save(0, {"w": w})
+      ...     w += 1  # the step keeps the zeros
+      ...     ckptr.wait_until_finished()
+      >>> casstore.restore(store, 0)["w"].tolist()
+      [0.0, 0.0, 0.0]
+    """
+
+    def __init__(self, url: Url, *, run: str = "default", max_staging_bytes: int | None = None,
+                 chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES,
+                 zstd_level: int = DEFAULT_ZSTD_LEVEL, delta: bool = True, **storage_options):
+        if max_staging_bytes is not None and max_staging_bytes < chunk_size_bytes:
+            raise ValueError(f"max_staging_bytes={max_staging_bytes} is smaller than one chunk "
+                             f"(chunk_size_bytes={chunk_size_bytes})")
+        self.store: Store = open_store(url, **storage_options)
+        self.run = check_run(run)
+        self.max_staging_bytes = max_staging_bytes
+        self.chunk_size_bytes, self.zstd_level, self.delta = chunk_size_bytes, zstd_level, delta
+        self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix="casstore-save")
+        self._pending: cf.Future | None = None
+        self._closed = False
+        self._writable = False  # write access checked by the first save
+        self.last_save_blocking_s: float | None = None
+        self.last_save_info: SaveInfo | None = None
+        self.last_staging_peak_bytes: int | None = None
+        _register_exit_hook(self)
+
+    def save(self, step: int, tree: Any, *, metadata: Any = None) -> None:
+        """Starts saving ``tree`` as ``step``; returns once its arrays are staged.
+
+        Waits for the previous save first. ``last_save_blocking_s`` records how long this call
+        blocked, in seconds; ``last_save_info`` holds the :class:`casstore.SaveInfo` of the
+        last save once :meth:`wait_until_finished` returned.
+
+        Args:
+          step: the step number, ``0 <= step < 10**16``.
+          tree: the pytree (see :func:`casstore.save`).
+          metadata: user metadata stored in the manifest (as :func:`casstore.save`'s).
+
+        Raises:
+          Any error of the previous background save (never only logged).
+          UnsupportedLeafError: a leaf cannot be stored (raised here, before any write).
+          ValueError: an invalid ``step``.
+          PermissionError: the first save found the store not writable; nothing was stored.
+          RuntimeError: the checkpointer is closed.
+        """
+        self._start(step, tree, metadata)
+
+    def _start(self, step: int, tree: Any, metadata: Any, *, previous_step: int | None = None,
+              then: Callable[[SaveInfo], None] | None = None) -> None:
+        """:meth:`save` for :class:`CheckpointManager`: ``metadata`` is the manifest's as is.
+
+        Args:
+          previous_step: the run's latest committed step as the caller knows it (the base of
+            deltas); None reads it from the store.
+          then: called on the background thread with the save's info after the commit (the
+            manager's retention); its error is the save's.
+        """
+        t0 = time.perf_counter()
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed")
+        check_step(step)
+        self.wait_until_finished()
+        if not self._writable:  # fail here, not at the next call, without write access
+            check_write_access(self.store)
+            self._writable = True
+        prepared, arrays = prepare(tree, metadata)
+        inline, jobs = plan_jobs(prepared, arrays, self.chunk_size_bytes,
+                                 DEFAULT_PACK_THRESHOLD_BYTES)
+        del arrays
+        stream = StagingStream(jobs, self.max_staging_bytes, self.chunk_size_bytes)
+        self._pending = self._executor.submit(self._write, step, prepared, inline, stream,
+                                              previous_step, then)
+        try:
+            stream.fill()
+        finally:
+            self.last_staging_peak_bytes = stream.peak_bytes
+            self.last_save_blocking_s = time.perf_counter() - t0
+
+    def _write(self, step: int, prepared: Any, inline: dict, stream: StagingStream,
+               previous_step: int | None, then: Callable[[SaveInfo], None] | None) -> None:
+        workers = self.store.max_workers
+        try:
+            self.last_save_info = write(
+                self.store, step, prepared, inline, stream, run=self.run,
+                zstd_level=self.zstd_level, shuffle=self.store.shuffle, max_workers=workers,
+                window=inflight_window(workers, self.chunk_size_bytes), delta=self.delta,
+                previous_step=previous_step)
+        except StoreTimeoutError as e:  # surfaces from wait_until_finished: name the step
+            stream.abandon()
+            raise e.at(run=self.run, step=step) from e
+        except BaseException:
+            stream.abandon()
+            raise
+        if then is not None:
+            then(self.last_save_info)
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._closed
+
+    def is_saving_in_progress(self) -> bool:
+        """True while a background save is running (no wait, no error)."""
+        return self._pending is not None and not self._pending.done()
+
+    def wait_until_finished(self) -> None:
+        """Blocks until the background save is committed.
+
+        Raises:
+          The background save's error, if it failed (once; the next call succeeds); a store
+            that stalls fails it within the store's deadline (StoreTimeoutError naming the
+            step). StepAlreadyExistsError: the step existed; nothing was written.
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Waits for the background save, then stops its thread. Idempotent.
+
+        Raises:
+          The background save's error, if it failed; the thread is stopped either way.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait_until_finished()
+        finally:
+            self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> AsyncCheckpointer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.store!r}, run={self.run!r})"

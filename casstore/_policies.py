@@ -1,0 +1,368 @@
+"""Save-decision and preservation policies for CheckpointManager, with orbax's names.
+
+A save-decision policy answers "save this step?" (``should_save(step, previous_steps, *,
+context) -> bool``); a preservation policy answers "keep which of the committed steps?"
+(``should_preserve(checkpoints, *, context) -> list[bool]``, one flag per step, ascending).
+Both take :class:`PolicyCheckpointInfo` objects, whose ``metrics`` and ``time`` are read from
+the step's manifest only when a policy asks for them. Policies compose with
+:class:`AnySavePolicy` / :class:`AnyPreservationPolicy`, or with ``|``. Any object with the
+method works as a policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import signal
+from collections.abc import Callable, Container, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+
+class PolicyCheckpointInfo:
+    """One step as policies see it.
+
+    Attributes:
+      step: the step number.
+      metrics: the metrics saved with it (None without), read on first use.
+      time: when it was saved (``datetime`` in UTC), read on first use.
+
+    Args:
+      step: the step number.
+      metrics, time: the values, or leave them out and give ``details``.
+      details: ``step -> (metrics, time)``, called on the first access of either.
+    """
+
+    def __init__(self, step: int, metrics: Any = None, time: datetime.datetime | None = None,
+                 *, details: Callable[[int], tuple[Any, datetime.datetime]] | None = None):
+        self.step = step
+        self._details = details
+        self._values = None if details else (metrics, time or utc_now())
+
+    def _get(self) -> tuple[Any, datetime.datetime]:
+        if self._values is None:
+            self._values = self._details(self.step)
+        return self._values
+
+    @property
+    def metrics(self) -> Any:
+        return self._get()[0]
+
+    @property
+    def time(self) -> datetime.datetime:
+        return self._get()[1]
+
+    def __repr__(self) -> str:
+        return f"PolicyCheckpointInfo(step={self.step})"
+
+
+def utc_now() -> datetime.datetime:
+    return datetime.datetime.now(tz=datetime.timezone.utc)
+
+
+@dataclasses.dataclass(kw_only=True)
+class DecisionContext:
+    """What a save decision may depend on besides the steps.
+
+    Attributes:
+      is_saving_in_progress: a background save is still running.
+      reached_preemption: the job was told it will be stopped (see
+        :meth:`CheckpointManager.reached_preemption`) and has not saved since.
+    """
+
+    is_saving_in_progress: bool = False
+    reached_preemption: bool = False
+
+
+@dataclasses.dataclass(kw_only=True)
+class PreservationContext:
+    """Context of a preservation decision (empty; orbax's shape)."""
+
+
+class SaveDecisionPolicy:
+    """Base of the save-decision policies: ``a | b`` saves when either says so."""
+
+    def should_save(self, step: PolicyCheckpointInfo,
+                    previous_steps: Sequence[PolicyCheckpointInfo], *,
+                    context: DecisionContext) -> bool:
+        """True to save ``step`` (its ``time`` is now).
+
+        Args:
+          step: the step asked about.
+          previous_steps: the run's committed steps, ascending.
+          context: what else the decision may depend on.
+        """
+        raise NotImplementedError
+
+    def __or__(self, other: SaveDecisionPolicy) -> AnySavePolicy:
+        return AnySavePolicy([self, other])
+
+
+@dataclasses.dataclass
+class FixedIntervalPolicy(SaveDecisionPolicy):
+    """Saves every step divisible by ``interval`` (a positive int)."""
+
+    interval: int
+
+    def __post_init__(self):
+        _check_positive("interval", self.interval)
+
+    def should_save(self, step, previous_steps, *, context) -> bool:
+        return step.step % self.interval == 0
+
+
+@dataclasses.dataclass
+class SpecificStepsPolicy(SaveDecisionPolicy):
+    """Saves the steps in ``steps``."""
+
+    steps: Container[int]
+
+    def should_save(self, step, previous_steps, *, context) -> bool:
+        return step.step in self.steps
+
+
+@dataclasses.dataclass(kw_only=True)
+class ContinuousCheckpointingPolicy(SaveDecisionPolicy):
+    """Saves whenever no save is in progress and ``minimum_interval_secs`` (seconds, None for
+    none) passed since the latest step was saved. With several processes, process 0 decides
+    and the others follow (a collective; every process asks at every step)."""
+
+    minimum_interval_secs: float | None = None
+
+    def should_save(self, step, previous_steps, *, context) -> bool:
+        due = not context.is_saving_in_progress and (
+            not previous_steps or self.minimum_interval_secs is None
+            or (step.time - previous_steps[-1].time).total_seconds()
+            >= self.minimum_interval_secs)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            due = bool(multihost_utils.broadcast_one_to_all(np.int32(due)))
+        return due
+
+
+@dataclasses.dataclass
+class PreemptionCheckpointingPolicy(SaveDecisionPolicy):
+    """Saves the first step asked after a preemption notice.
+
+    The notice is jax's preemption sync point
+    (``jax.experimental.multihost_utils.reached_preemption_sync_point``, which agrees across
+    processes; jax turns SIGTERM into it when ``jax.distributed`` runs the preemption
+    service) and, in a single-process job, any of ``signals``: the manager then installs a
+    handler that records the signal (and calls the handler it replaced, if that was a Python
+    function) until it is closed. The default ``(SIGTERM,)`` keeps the process alive after
+    SIGTERM so that the loop can save and stop: ask :meth:`CheckpointManager.reached_preemption`.
+    ``signals=()`` listens to jax only.
+    """
+
+    signals: tuple[int, ...] = (signal.SIGTERM,)
+
+    def should_save(self, step, previous_steps, *, context) -> bool:
+        return context.reached_preemption
+
+
+class InitialSavePolicy(SaveDecisionPolicy):
+    """Saves when the run has no step yet."""
+
+    def should_save(self, step, previous_steps, *, context) -> bool:
+        return not previous_steps
+
+    def __repr__(self) -> str:
+        return "InitialSavePolicy()"
+
+
+@dataclasses.dataclass
+class AnySavePolicy(SaveDecisionPolicy):
+    """Saves when any of ``policies`` says so (each is asked, in order, until one does)."""
+
+    policies: Sequence[SaveDecisionPolicy]
+
+    def should_save(self, step, previous_steps, *, context) -> bool:
+        return any(p.should_save(step, previous_steps, context=context) for p in self.policies)
+
+
+class PreservationPolicy:
+    """Base of the preservation policies: ``a | b`` keeps what either keeps."""
+
+    def should_preserve(self, checkpoints: Sequence[PolicyCheckpointInfo], *,
+                        context: PreservationContext) -> list[bool]:
+        """One flag per step of ``checkpoints`` (the run's committed steps, ascending,
+        the one just saved included): True keeps it, False lets the manager delete it."""
+        raise NotImplementedError
+
+    def __or__(self, other: PreservationPolicy) -> AnyPreservationPolicy:
+        return AnyPreservationPolicy([self, other])
+
+
+class PreserveAll(PreservationPolicy):
+    """Keeps every step."""
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        return [True] * len(checkpoints)
+
+    def __repr__(self) -> str:
+        return "PreserveAll()"
+
+
+@dataclasses.dataclass
+class LatestN(PreservationPolicy):
+    """Keeps the ``n`` latest steps (None: all)."""
+
+    n: int | None = None
+
+    def __post_init__(self):
+        _check_positive("n", self.n, none_ok=True)
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        first = 0 if self.n is None else max(0, len(checkpoints) - self.n)
+        return [i >= first for i in range(len(checkpoints))]
+
+
+@dataclasses.dataclass
+class EveryNSteps(PreservationPolicy):
+    """Keeps the steps divisible by ``interval_steps`` (``exact_interval``) or, without it,
+    each step at least ``interval_steps`` after the previous kept one (the first is kept);
+    of those, the ``max_to_keep`` latest (None: all)."""
+
+    interval_steps: int
+    exact_interval: bool = True
+    max_to_keep: int | None = None
+
+    def __post_init__(self):
+        _check_positive("interval_steps", self.interval_steps)
+        _check_positive("max_to_keep", self.max_to_keep, none_ok=True)
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        keep, last = [], None
+        for c in checkpoints:
+            if self.exact_interval:
+                keep.append(c.step % self.interval_steps == 0)
+            else:
+                keep.append(last is None or c.step - last >= self.interval_steps)
+                last = c.step if keep[-1] else last
+        kept = [i for i, k in enumerate(keep) if k]
+        if self.max_to_keep is not None:
+            for i in kept[:-self.max_to_keep]:
+                keep[i] = False
+        return keep
+
+
+@dataclasses.dataclass(kw_only=True)
+class BestN(PreservationPolicy):
+    """Keeps the ``n`` steps (None: all) whose metrics rank best by ``get_metric_fn``.
+
+    ``get_metric_fn(metrics) -> float``; the highest values are best, the lowest with
+    ``reverse=True`` (orbax's semantics). Steps saved without metrics are kept with
+    ``keep_checkpoints_without_metrics``, dropped without.
+    """
+
+    get_metric_fn: Callable[[Any], float]
+    reverse: bool = False
+    n: int | None = None
+    keep_checkpoints_without_metrics: bool = True
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        if self.n is None:
+            return [True] * len(checkpoints)
+        scored = [c for c in checkpoints if c.metrics is not None]
+        ranked = sorted(scored, key=lambda c: self.get_metric_fn(c.metrics),
+                        reverse=not self.reverse)
+        keep = {c.step for c in ranked[:self.n]}
+        return [c.step in keep or (c.metrics is None and self.keep_checkpoints_without_metrics)
+                for c in checkpoints]
+
+
+@dataclasses.dataclass
+class CustomSteps(PreservationPolicy):
+    """Keeps the steps in ``steps``."""
+
+    steps: Container[int]
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        return [c.step in self.steps for c in checkpoints]
+
+
+@dataclasses.dataclass
+class AnyPreservationPolicy(PreservationPolicy):
+    """Keeps a step if any of ``policies`` keeps it."""
+
+    policies: Sequence[PreservationPolicy]
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        votes = [p.should_preserve(checkpoints, context=context) for p in self.policies]
+        return [any(v) for v in zip(*votes, strict=True)] if votes else [False] * len(
+            checkpoints)
+
+
+def _check_positive(name: str, value: Any, *, none_ok: bool = False) -> None:
+    if value is None and none_ok:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int{' or None' if none_ok else ''}, "
+                         f"not {value!r}")
+
+
+def manager_policies(save_decision_policy: SaveDecisionPolicy | None,
+                     preservation_policy: PreservationPolicy | None, *,
+                     save_interval_steps: int | None, max_to_keep: int | None,
+                     keep_period: int | None, best_fn: Callable[[Any], float] | None,
+                     best_mode: str, keep_checkpoints_without_metrics: bool,
+                     ) -> tuple[SaveDecisionPolicy, PreservationPolicy]:
+    """CheckpointManager's two policies: those given, or those of orbax's keyword arguments.
+
+    ``save_interval_steps=s`` is ``FixedIntervalPolicy(s)`` (1 if None) with jax's preemption
+    sync point (orbax's default; no signal handler). ``max_to_keep=n`` is ``LatestN(n)``, or
+    with ``best_fn`` ``BestN(get_metric_fn=best_fn, reverse=best_mode == "min", n=n,
+    keep_checkpoints_without_metrics=...)``; ``keep_period=k`` adds ``EveryNSteps(k)``.
+
+    Raises:
+      ValueError: a policy is given with a keyword argument it replaces (set to other than its
+        default), ``best_mode`` is not ``"max"`` / ``"min"``, or a count is not positive.
+    """
+    if best_mode not in ("max", "min"):
+        raise ValueError(f"best_mode must be 'max' or 'min', not {best_mode!r}")
+    replaced = {"save_decision_policy": {"save_interval_steps": save_interval_steps},
+                "preservation_policy": {
+                    "max_to_keep": max_to_keep, "keep_period": keep_period, "best_fn": best_fn,
+                    "best_mode": None if best_mode == "max" else best_mode,
+                    "keep_checkpoints_without_metrics":
+                        None if keep_checkpoints_without_metrics else False}}
+    for name, policy in (("save_decision_policy", save_decision_policy),
+                         ("preservation_policy", preservation_policy)):
+        given = [key for key, value in replaced[name].items() if value is not None]
+        if policy is not None and given:
+            raise ValueError(f"{name}= replaces {', '.join(k + '=' for k in given)}: pass one "
+                             "or the other (as orbax's CheckpointManagerOptions)")
+    if save_decision_policy is None:
+        interval = FixedIntervalPolicy(1 if save_interval_steps is None else save_interval_steps)
+        save_decision_policy = AnySavePolicy([interval,
+                                              PreemptionCheckpointingPolicy(signals=())])
+    if preservation_policy is None:
+        preservation_policy = _preservation_of(max_to_keep, keep_period, best_fn, best_mode,
+                                               keep_checkpoints_without_metrics)
+    return save_decision_policy, preservation_policy
+
+
+def _preservation_of(max_to_keep, keep_period, best_fn, best_mode,
+                     keep_checkpoints_without_metrics) -> PreservationPolicy:
+    if best_fn is None:
+        policy: PreservationPolicy = LatestN(max_to_keep)
+    else:
+        _check_positive("max_to_keep", max_to_keep, none_ok=True)
+        policy = BestN(get_metric_fn=best_fn, reverse=best_mode == "min", n=max_to_keep,
+                       keep_checkpoints_without_metrics=keep_checkpoints_without_metrics)
+    if keep_period is not None:
+        policy = AnyPreservationPolicy([policy, EveryNSteps(keep_period)])
+    return policy
+
+
+def find(policy: Any, kind: type) -> Any:
+    """The first policy of class ``kind`` in ``policy`` or its ``Any*`` children, or None."""
+    if isinstance(policy, kind):
+        return policy
+    for child in getattr(policy, "policies", ()):
+        found = find(child, kind)
+        if found is not None:
+            return found
+    return None

@@ -1,0 +1,75 @@
+"""Preemption notices: jax's preemption sync point and, in one process, a signal (SIGTERM).
+
+A cluster scheduler tells a job it will be stopped by sending SIGTERM some time before it
+kills it. In a ``jax.distributed`` job with jax's preemption service, jax catches the signal
+and agrees with every process on a step to save at (its sync point); a single process has no
+one to agree with, so :class:`PreemptionNotice` records the signal itself.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Sequence
+
+import jax
+
+
+def reached_sync_point(step: int) -> bool:
+    """jax's ``reached_preemption_sync_point(step)``; False where jax runs no preemption
+    service (no ``jax.distributed``, or the service disabled)."""
+    try:
+        from jax.experimental import multihost_utils
+        return bool(multihost_utils.reached_preemption_sync_point(step))
+    except (ImportError, RuntimeError):  # RuntimeError: no preemption sync manager
+        return False
+
+
+class PreemptionNotice:
+    """Answers "was this job told it will be stopped?", step by step.
+
+    Args:
+      signals: signals that mean a preemption notice in a single-process job; a handler is
+        installed for each (from the main thread only) until :meth:`close`. The handler it
+        replaces is called too when it is a Python function. Ignored with several processes,
+        where only jax's sync point agrees across processes.
+
+    Raises:
+      ValueError: ``signals`` given but this is not the main thread (Python installs signal
+        handlers there only).
+    """
+
+    def __init__(self, signals: Sequence[int] = ()):
+        self.signal_received: int | None = None
+        self._previous: dict[int, object] = {}
+        self._step: int | None = None  # the step the notice was first seen at
+        if not signals or jax.process_count() > 1:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            raise ValueError("a preemption policy with signals= needs the manager to be made "
+                             "in the main thread (pass signals=() to listen to jax only)")
+        for sig in signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame) -> None:
+        self.signal_received = signum
+        previous = self._previous.get(signum)
+        if callable(previous):
+            previous(signum, frame)
+
+    def reached(self, step: int) -> bool:
+        """True from the first step asked after a notice on (the job is going away).
+
+        Every process of a multi-process job must ask at every step (jax's protocol).
+        """
+        if self._step is None and (self.signal_received is not None
+                                   or reached_sync_point(step)):
+            self._step = step
+        return self._step is not None and step >= self._step
+
+    def close(self) -> None:
+        """Puts back the signal handlers it replaced. Idempotent."""
+        for sig, previous in self._previous.items():
+            if signal.getsignal(sig) == self._handle:
+                signal.signal(sig, previous)
+        self._previous = {}

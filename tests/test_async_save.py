@@ -1,0 +1,113 @@
+"""AsyncCheckpointer: save returns once staged, the step keeps the values of the call, errors
+surface from wait_until_finished."""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import casstore
+from casstore.store import MemoryStore
+
+
+class GatedStore(MemoryStore):
+    """Holds every chunk write until ``gate`` is set; counts the writes it held."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+
+    def _put(self, key, data, *, exclusive):
+        if key.startswith("chunks/"):
+            assert self.gate.wait(60)
+        super()._put(key, data, exclusive=exclusive)
+
+
+def test_numpy_buffers_overwritten_after_save_returns_keep_the_saved_values():
+    store = GatedStore()
+    big = np.arange(400_000, dtype=np.float32)  # chunked (256 KiB chunks below)
+    small = np.arange(7, dtype=np.int16)  # packed
+    with casstore.AsyncCheckpointer(store, run="r", chunk_size_bytes=256 * 1024) as ckptr:
+        assert ckptr.save(3, {"big": big, "small": small}, metadata={"note": "a"}) is None
+        assert ckptr.is_saving_in_progress() and casstore.list_steps(store, run="r") == []
+        big[:] = -1.0  # into the saved buffers
+        small *= 0
+        store.gate.set()
+        ckptr.wait_until_finished()
+        assert not ckptr.is_saving_in_progress()
+        assert ckptr.last_save_info.step == 3 and ckptr.last_staging_peak_bytes > 0
+    restored = casstore.restore(store, 3, run="r")
+    np.testing.assert_array_equal(restored["big"], np.arange(400_000, dtype=np.float32))
+    assert restored["small"].dtype == np.int16 and restored["small"].tolist() == list(range(7))
+    assert casstore.read_manifest(store, 3, run="r").metadata == {"note": "a"}
+    assert casstore.verify(store).ok
+
+
+def test_jax_arrays_donated_or_deleted_after_save_returns_keep_the_saved_values():
+    store = GatedStore()
+    donating = jax.jit(lambda w: w * 3 + 1, donate_argnums=0)
+    w = jnp.ones((512, 512), jnp.float32)
+    b = jnp.arange(100_000, dtype=jnp.int32)
+    with casstore.AsyncCheckpointer(store) as ckptr:
+        ckptr.save(0, {"w": w, "b": b})
+        assert casstore.list_steps(store) == []
+        for _ in range(3):
+            w = donating(w)  # the saved buffer is donated while the save is in flight
+        b.delete()
+        jax.block_until_ready(w)
+        store.gate.set()
+        ckptr.wait_until_finished()
+    restored = casstore.restore(store, 0)
+    np.testing.assert_array_equal(restored["w"], np.ones((512, 512), np.float32))
+    np.testing.assert_array_equal(restored["b"], np.arange(100_000, dtype=np.int32))
+    assert restored["w"].dtype == np.float32 and restored["b"].dtype == np.int32
+
+
+def test_consecutive_saves_wait_for_each_other_and_all_commit(tmp_path):
+    with casstore.AsyncCheckpointer(tmp_path) as ckptr:
+        for step in range(3):
+            ckptr.save(step, {"w": np.full(50_000, step, np.float32)})
+        ckptr.wait_until_finished()
+    assert casstore.list_steps(tmp_path) == [0, 1, 2]
+    assert casstore.restore(tmp_path, 1)["w"][0] == 1.0
+
+
+class FailingStore(MemoryStore):
+    def _put(self, key, data, *, exclusive):
+        if key.startswith("chunks/"):
+            raise OSError("injected: disk full")
+        super()._put(key, data, exclusive=exclusive)
+
+
+def test_errors_surface_from_wait_until_finished_and_the_next_save():
+    store = FailingStore()
+    ckptr = casstore.AsyncCheckpointer(store)
+    ckptr.save(0, {"w": np.ones(1000)})  # returns: the failure happens in the background
+    with pytest.raises(OSError, match="disk full"):
+        ckptr.wait_until_finished()
+    ckptr.wait_until_finished()  # reported once
+    ckptr.save(1, {"w": np.ones(1000)})
+    with pytest.raises(OSError, match="disk full"):
+        ckptr.save(2, {"w": np.ones(1000)})
+    assert casstore.list_steps(store) == []
+    ckptr.close()
+    with pytest.raises(RuntimeError, match="AsyncCheckpointer is closed"):
+        ckptr.save(3, {"w": np.ones(3)})
+
+
+def test_an_existing_step_and_bad_arguments_are_refused():
+    store = MemoryStore()
+    casstore.save(store, 5, {"w": np.ones(3)})
+    with casstore.AsyncCheckpointer(store) as ckptr:
+        with pytest.raises(ValueError, match="invalid step"):
+            ckptr.save(-1, {"w": np.ones(3)})
+        with pytest.raises(casstore.UnsupportedLeafError):
+            ckptr.save(6, {"w": object()})
+        ckptr.save(5, {"w": np.zeros(3)})
+        with pytest.raises(casstore.StepAlreadyExistsError):
+            ckptr.wait_until_finished()
+    assert casstore.restore(store, 5)["w"].tolist() == [1.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="smaller than one chunk"):
+        casstore.AsyncCheckpointer(store, max_staging_bytes=10, chunk_size_bytes=1024)

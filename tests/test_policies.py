@@ -1,0 +1,225 @@
+"""Save-decision and preservation policies (orbax's names), alone and on CheckpointManager."""
+
+import datetime
+import os
+import signal
+import threading
+
+import numpy as np
+import pytest
+
+import casstore
+from casstore import (
+    AnyPreservationPolicy,
+    AnySavePolicy,
+    BestN,
+    ContinuousCheckpointingPolicy,
+    CustomSteps,
+    DecisionContext,
+    EveryNSteps,
+    FixedIntervalPolicy,
+    InitialSavePolicy,
+    LatestN,
+    PolicyCheckpointInfo,
+    PreemptionCheckpointingPolicy,
+    PreservationContext,
+    PreserveAll,
+    SpecificStepsPolicy,
+)
+from casstore.store import MemoryStore
+
+T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+
+
+def infos(steps, metrics=None, seconds=None):
+    metrics = metrics or [None] * len(steps)
+    seconds = seconds or list(range(len(steps)))
+    return [PolicyCheckpointInfo(s, m, T0 + datetime.timedelta(seconds=t))
+            for s, m, t in zip(steps, metrics, seconds)]
+
+
+def kept(policy, steps, metrics=None):
+    flags = policy.should_preserve(infos(steps, metrics), context=PreservationContext())
+    return [s for s, keep in zip(steps, flags) if keep]
+
+
+def test_preservation_policies():
+    steps = list(range(0, 12))
+    assert kept(LatestN(3), steps) == [9, 10, 11]
+    assert kept(LatestN(None), steps) == steps and kept(PreserveAll(), steps) == steps
+    assert kept(EveryNSteps(4), steps) == [0, 4, 8]
+    assert kept(EveryNSteps(4, max_to_keep=2), steps) == [4, 8]
+    assert kept(EveryNSteps(5, exact_interval=False), [1, 3, 6, 7, 11, 20]) == [1, 6, 11, 20]
+    assert kept(CustomSteps({2, 5}), steps) == [2, 5]
+    assert kept(LatestN(2) | EveryNSteps(5), steps) == [0, 5, 10, 11]
+    assert kept(AnyPreservationPolicy([LatestN(1), CustomSteps([3])]), steps) == [3, 11]
+    losses = [{"loss": v} for v in (5.0, 1.0, None, 3.0, 2.0)]
+    losses[2] = None
+    best = BestN(get_metric_fn=lambda m: m["loss"], reverse=True, n=2)
+    assert kept(best, [0, 1, 2, 3, 4], losses) == [1, 2, 4]  # lowest losses, + no metrics
+    best.keep_checkpoints_without_metrics = False
+    assert kept(best, [0, 1, 2, 3, 4], losses) == [1, 4]
+    highest = BestN(get_metric_fn=lambda m: m["loss"], n=1, keep_checkpoints_without_metrics=False)
+    assert kept(highest, [0, 1, 2, 3, 4], losses) == [0]
+    with pytest.raises(ValueError, match="n must be a positive int or None, not 0"):
+        LatestN(0)
+    with pytest.raises(ValueError, match="interval_steps must be a positive int"):
+        EveryNSteps(0)
+
+
+def decide(policy, step, previous=(), seconds=None, **context):
+    current = PolicyCheckpointInfo(step, None, T0 + datetime.timedelta(seconds=seconds or 0))
+    return policy.should_save(current, infos(list(previous), seconds=[0] * len(previous)),
+                              context=DecisionContext(**context))
+
+
+def test_save_decision_policies():
+    assert [s for s in range(10) if decide(FixedIntervalPolicy(4), s)] == [0, 4, 8]
+    assert [s for s in range(10) if decide(SpecificStepsPolicy([3, 7]), s)] == [3, 7]
+    assert decide(InitialSavePolicy(), 5) and not decide(InitialSavePolicy(), 5, previous=[1])
+    continuous = ContinuousCheckpointingPolicy(minimum_interval_secs=60)
+    assert decide(continuous, 1)  # nothing saved yet
+    assert not decide(continuous, 2, previous=[1], seconds=59)
+    assert decide(continuous, 2, previous=[1], seconds=60)
+    assert not decide(continuous, 2, previous=[1], seconds=600, is_saving_in_progress=True)
+    assert decide(ContinuousCheckpointingPolicy(), 2, previous=[1])
+    preemption = PreemptionCheckpointingPolicy()
+    assert decide(preemption, 5, reached_preemption=True) and not decide(preemption, 5)
+    either = FixedIntervalPolicy(100) | PreemptionCheckpointingPolicy()
+    assert isinstance(either, AnySavePolicy)
+    assert [s for s in range(150) if decide(either, s, reached_preemption=s == 37)] == [0, 37, 100]
+    with pytest.raises(ValueError, match="interval must be a positive int"):
+        FixedIntervalPolicy(0)
+
+
+def state(step):
+    return {"w": np.full(100, step, np.float32)}
+
+
+def run_loop(mngr, steps, metrics=None):
+    saved = [s for s in steps if mngr.save(s, state(s), metrics=metrics and metrics(s))]
+    mngr.wait_until_finished()
+    return saved
+
+
+def test_policies_on_the_manager_match_the_keyword_arguments():
+    with casstore.CheckpointManager(MemoryStore(), max_to_keep=2, keep_period=4,
+                                    save_interval_steps=2) as by_keywords:
+        assert run_loop(by_keywords, range(13)) == [0, 2, 4, 6, 8, 10, 12]
+    with casstore.CheckpointManager(MemoryStore(),
+                                    save_decision_policy=FixedIntervalPolicy(2),
+                                    preservation_policy=LatestN(2) | EveryNSteps(4)) as by_policy:
+        assert run_loop(by_policy, range(13)) == [0, 2, 4, 6, 8, 10, 12]
+    assert by_keywords.all_steps() == by_policy.all_steps() == [0, 4, 8, 10, 12]
+
+
+def test_best_n_on_the_manager_and_best_step():
+    losses = [3.0, 1.0, 2.0, 0.5, 4.0]
+    policy = BestN(get_metric_fn=lambda m: m["loss"], reverse=True, n=2)
+    with casstore.CheckpointManager(MemoryStore(), preservation_policy=policy) as mngr:
+        run_loop(mngr, range(5), metrics=lambda s: {"loss": losses[s]})
+        assert mngr.all_steps() == [1, 3] and mngr.best_step() == 3
+    store = MemoryStore()
+    with casstore.CheckpointManager(store, max_to_keep=2, best_fn=lambda m: m["loss"],
+                                    best_mode="min") as mngr:
+        run_loop(mngr, range(5), metrics=lambda s: {"loss": losses[s]})
+        assert mngr.all_steps() == [1, 3]
+    with casstore.CheckpointManager(store, max_to_keep=2, best_fn=lambda m: m["loss"],
+                                    best_mode="min") as reopened:  # metrics read from manifests
+        assert reopened.best_step() == 3
+
+
+def test_a_policy_and_the_keywords_it_replaces_are_refused():
+    with pytest.raises(ValueError, match="preservation_policy= replaces max_to_keep="):
+        casstore.CheckpointManager(MemoryStore(), preservation_policy=LatestN(1), max_to_keep=2)
+    with pytest.raises(ValueError, match="save_decision_policy= replaces save_interval_steps="):
+        casstore.CheckpointManager(MemoryStore(), save_decision_policy=FixedIntervalPolicy(1),
+                                   save_interval_steps=5)
+    with pytest.raises(ValueError, match="replaces best_mode=, keep_checkpoints_without_metrics="):
+        casstore.CheckpointManager(MemoryStore(), preservation_policy=LatestN(1),
+                                   best_mode="min", keep_checkpoints_without_metrics=False)
+    with pytest.raises(ValueError, match="best_mode must be 'max' or 'min'"):
+        casstore.CheckpointManager(MemoryStore(), best_mode="up")
+    for bad in ({"save_interval_steps": 0}, {"max_to_keep": 0}, {"keep_period": -1}):
+        with pytest.raises(ValueError, match="must be a positive int"):
+            casstore.CheckpointManager(MemoryStore(), **bad)
+
+
+class GatedStore(MemoryStore):
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+
+    def _put(self, key, data, *, exclusive):
+        if key.startswith("chunks/"):
+            assert self.gate.wait(60)
+        super()._put(key, data, exclusive=exclusive)
+
+
+def test_continuous_checkpointing_skips_steps_while_a_save_is_in_flight():
+    store = GatedStore()
+    with casstore.CheckpointManager(store,
+                                    save_decision_policy=ContinuousCheckpointingPolicy()) as mngr:
+        assert mngr.save(0, state(0))
+        assert [s for s in range(1, 6) if mngr.save(s, state(s))] == []  # none blocks
+        store.gate.set()
+        mngr.wait_until_finished()
+        assert mngr.save(6, state(6)) and not mngr.save(6, state(6))
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [0, 6]
+    with casstore.CheckpointManager(
+            store, save_decision_policy=ContinuousCheckpointingPolicy(minimum_interval_secs=3600)
+            ) as mngr:  # the latest step's time comes from its manifest
+        assert not mngr.should_save(7)
+
+
+def test_sigterm_saves_the_next_step_once_and_the_loop_stops():
+    calls = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    try:
+        policy = FixedIntervalPolicy(100) | PreemptionCheckpointingPolicy()
+        with casstore.CheckpointManager(MemoryStore(), save_decision_policy=policy) as mngr:
+            saved, stopped_at = [], None
+            for step in range(1, 50):
+                if step == 5:
+                    os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's notice
+                if mngr.save(step, state(step)):
+                    saved.append(step)
+                if mngr.reached_preemption(step):
+                    mngr.wait_until_finished()
+                    stopped_at = step
+                    break
+            assert saved == [stopped_at] and 5 <= stopped_at <= 7
+            assert not mngr.should_save(stopped_at + 1)  # one preemption save, not one per step
+            assert mngr.restore(stopped_at)["w"][0] == stopped_at
+        assert calls == [signal.SIGTERM]  # the handler it replaced was called too
+        assert signal.getsignal(signal.SIGTERM) is not None
+        assert signal.getsignal(signal.SIGTERM).__name__ == "<lambda>"  # put back at close
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_the_default_policy_saves_at_jax_preemption_sync_point(monkeypatch):
+    assert not casstore._preemption.reached_sync_point(3)  # no jax.distributed here
+    monkeypatch.setattr(casstore._preemption, "reached_sync_point", lambda step: step == 7)
+    before = signal.getsignal(signal.SIGTERM)
+    with casstore.CheckpointManager(MemoryStore(), save_interval_steps=5) as mngr:
+        assert signal.getsignal(signal.SIGTERM) == before  # keywords install no handler
+        assert run_loop(mngr, range(12)) == [0, 5, 7, 10]
+        assert not mngr.reached_preemption(6) and mngr.reached_preemption(11)
+
+
+def test_a_signal_policy_needs_the_main_thread():
+    errors = []
+
+    def make():
+        try:
+            casstore.CheckpointManager(MemoryStore(),
+                                       save_decision_policy=PreemptionCheckpointingPolicy())
+        except ValueError as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=make)
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and "main thread" in str(errors[0])
