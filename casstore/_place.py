@@ -113,7 +113,8 @@ def cast(host: np.ndarray, entry: LeafEntry, dtype: Any, fail: Fail) -> Any:
         raise fail(f"the saved {host.dtype} values hold {why}, which {dtype} cannot hold; "
                    "ask for a dtype that holds them", entry.path)
     real = _kind(host.dtype) == "c" and _kind(dtype) != "c"  # imaginary parts checked 0
-    out = (host.real if real else host).astype(dtype)
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused just below
+        out = (host.real if real else host).astype(dtype)
     if (_kind(dtype) in "fc" and not np.can_cast(host.dtype, dtype, "safe")
             and np.any(np.isfinite(host) & ~np.isfinite(out))):
         raise fail(f"the saved {host.dtype} values overflow {dtype} (they would become inf or "
