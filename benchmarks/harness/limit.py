@@ -149,10 +149,11 @@ def medians(limits: Iterable[dict]) -> dict:
 def rows(limit: dict) -> list[list[str]]:
     """Markdown table rows ``[what, MB/s]`` of a limit."""
     w, per_core = limit["workers"], f"1 thread x {limit['workers']} workers"
-    read = "page cache dropped" if limit["read_cold"] else "warm page cache"
+    read = ("" if limit["store"] != "local disk" else ", page cache dropped"
+            if limit["read_cold"] else ", warm page cache")
     return [[f"{limit['store']} write{', fsync' if limit['store'] == 'local disk' else ''} "
              f"({limit['threads']} threads)", fmt(limit["write_bps"], "MB")],
-            [f"{limit['store']} read, {read} ({limit['threads']} threads)",
+            [f"{limit['store']} read{read} ({limit['threads']} threads)",
              fmt(limit["read_bps"], "MB")],
             *([f"{name} ({per_core})", fmt(limit[f"{key}_bps"], "MB")] for key, name in (
                 ("copy", "page-cache copy"), ("hash", "xxh3-128 hash"),
