@@ -38,7 +38,14 @@ def test_save_restore_benchmark_reports_every_figure_for_every_system(tmp_path, 
         assert limit[f"{rate}_bps"] > 1e6, rate  # above 1 MB/s, whatever the load
     assert 0.5 < limit["encoded_fraction"] < 1  # codec 5 on N(0, 0.02) float32 keeps ~0.83
     assert set(result["limits"]) == {"first_save_s", "changed_save_s", "restore_s"}
-    assert all(0 < s < casstore[k] for k, s in result["limits"].items())
+    assert all(s > 0 for s in result["limits"].values())
+    # The first save's limit is the slower of hashing + encoding and writing what casstore
+    # wrote, or of hashing and writing it raw, whichever is faster (harness/limit.py).
+    hash_s, encode_s, write_s = (result["logical_bytes"] / limit[f"{r}_bps"]
+                                 for r in ("hash", "encode", "write"))
+    stored_s = casstore["first_save_written_bytes"] / limit["write_bps"]
+    assert math.isclose(result["limits"]["first_save_s"],
+                        min(max(hash_s + encode_s, stored_s), max(hash_s, write_s)))
 
     printed = capsys.readouterr().out
     for _, label, _ in bench.FIGURES:
