@@ -1,21 +1,13 @@
 """casstore vs orbax-checkpoint: blocking time of an asynchronous save; casstore GC of 50 steps.
 
-Part 1. The train state of ``harness.train_state`` (1.49 GB; ``--size gpt2-xl``: 18.7 GB made
-on the device) as jax arrays on ``--device`` is saved as steps 1..3 (from step 2 the last 2
-blocks, ``ln_f`` and ``count`` are new) by casstore's ``CheckpointManager(dir,
-enable_async_checkpointing=True)`` and orbax's ``StandardCheckpointer`` (an
-``AsyncCheckpointer`` of a ``StandardCheckpointHandler``): ``save`` is the blocking part, then
-``wait_until_finished``; the caller's arrays are deleted as soon as ``save`` returns. Medians
-over all saves, step 1 apart; the total is from the ``save`` call until finished, also as a
-fraction of the machine's limit measured in the run (``harness.limit``); peak extra RSS over it.
-Every step is then restored and checked bit-exact, and a proof step overwrites the caller's
-donated buffers (``x + 1``) while its save runs, then restores bit-exact.
-
-Part 2 (casstore). 50 steps of 64 float32 matrices of 512 KiB (16 change per step); steps 0..39
-deleted; a dry run with the default grace period must spare every unreferenced chunk; with the
-chunk files' mtime 2 hours back, ``gc(grace_period_s=0, dry_run=True)`` and ``gc(...)`` are
-timed and must delete exactly the chunks only deleted steps referenced; a second GC finds
-nothing, ``verify`` is ok and the 10 kept steps restore bit-exact (AssertionError otherwise).
+Part 1: ``harness.train_state`` (``--size``) as jax arrays on ``--device``, saved as steps
+1..3 by casstore's ``CheckpointManager(enable_async_checkpointing=True)`` and orbax's
+``StandardCheckpointer`` (``harness.peers``); ``save`` blocks, ``wait_until_finished``
+finishes, the caller's arrays are deleted in between; every step and a proof step (the caller's
+donated buffers overwritten while its save runs) restore bit-exact; step 1's total is also a
+fraction of the machine's limit (``harness.limit``). Part 2: 50 steps, 40 deleted, GC timed and
+checked to delete exactly the unreferenced chunks (AssertionError otherwise). README.md's
+``async_gc.py`` section describes both.
 
 Usage::
 

@@ -1,17 +1,12 @@
 """casstore vs plain s3fs on an S3 server: save and restore a GPT-2-small train state.
 
-The state of ``save_restore.py`` (``harness.train_state`` / ``changed_state``, 1.49 GB). Each
-system's run gets its own fresh SeaweedFS (``weed mini`` on 127.0.0.1, ``harness.s3_server``),
-or uses ``--endpoint URL`` (fresh prefixes in a new bucket). In the same run (``harness.peers``):
-casstore (``open_store("s3://bucket/cas-...")`` in a ``CountingStore``: ``save`` step 1,
-``restore`` into jax arrays and again into numpy, ``save`` step 2 with the last 2 blocks,
-``ln_f`` and ``count`` new, and step 3 unchanged) and plain s3fs (one object per leaf, one
-``fs.pipe`` per step, one ``fs.cat`` per restore), the same phases. Figures per phase: wall and
-CPU time (and a server's this process started), bytes stored and written, S3 requests by
-operation (a botocore ``before-call`` hook), casstore's store calls; each save and restore also
-as a fraction of the machine's limit measured on the same kind of server in the same run
-(``harness.limit``: the store's rates through ``fs.pipe`` / ``fs.cat`` of 16 MiB objects and
-the codec's). Every restore is checked bit-exact outside the timed region (raises otherwise).
+casstore (``open_store("s3://...")`` in a ``CountingStore``) and plain s3fs (an object per leaf,
+one ``fs.pipe`` per step, one ``fs.cat`` per restore), through ``harness.peers``, each on a
+fresh SeaweedFS on loopback (or ``--endpoint``): a first save, restores into jax and numpy
+(checked bit-exact), a save with the last 2 blocks new and an unchanged one. Figures per phase:
+wall, CPU and server CPU time, bytes, S3 requests by operation, casstore's store calls; saves and
+restores also as fractions of the machine's limit measured on the same kind of server in the
+run (``harness.limit``). README.md's ``object_store.py`` section says more.
 
 Usage::
 

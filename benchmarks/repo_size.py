@@ -1,17 +1,12 @@
 """casstore: the cost of a save in a repository holding 200,000 chunks vs in a fresh one.
 
-Issue 11 item 3: a save's cost must follow the size of the state, not of the repository. On
-local disk and on S3 (SeaweedFS on loopback, ``harness.s3_server``, or ``--endpoint``), a full
-repository gets step 0 of a tiny tree, then ``--chunks`` distinct chunk objects of 64 random
-bytes (``casstore._codec.encode_chunk`` under ``casstore._layout.chunk_key``, format.md §2, §3;
-local disk through ``LocalStore(fsync=False).put_many`` and one ``os.sync()``, anonymous S3
-through plain HTTP PUTs from 16 threads); a sample is read back and decoded and a listing must
-count them all. A fresh repository gets the same step 0 for every timed save. The same tree,
-new random values each time, is then saved into both in a rotating order: 12 float32 leaves of
-100 kB and 32 of 4 MiB (``--large-mib``). Figures per store: the seconds of each save (median of
-``--repeat``), full / fresh, ``SaveInfo.written_bytes`` in both (must be equal), and each save
-as a fraction of the machine's limit on that store, measured in the run (``harness.limit``).
-Target: full / fresh <= 2x with the same bytes written.
+Issue 11 item 3. On local disk and on S3 (SeaweedFS on loopback, or ``--endpoint``), a full
+repository gets ``--chunks`` distinct 64-byte chunk objects (``casstore._codec.encode_chunk``
+under ``casstore._layout.chunk_key``; a sample read back, a listing must count them all); then
+the same tree, new values each time, is saved into it and into fresh repositories in a rotating
+order (1.2 MB, and ``--large-mib``). Figures per store: seconds (medians), full / fresh, bytes
+written (must be equal), each save as a fraction of the machine's limit on that store
+(``harness.limit``). Target: full / fresh <= 2x. README.md's ``repo_size.py`` section.
 
 Usage::
 

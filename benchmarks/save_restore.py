@@ -1,17 +1,11 @@
 """casstore vs orbax-checkpoint vs safetensors: save and restore a GPT-2-small train state.
 
-The state (``harness.train_state``): 124M float32 parameters plus adam ``mu`` and ``nu`` and an
-int32 ``count``, 1.49 GB of random values made with numpy; ``--size gpt2-xl`` is 18.7 GB made
-with ``jax.random`` on the device. Every system saves it to local disk, durably, in the same
-run (``harness.peers``): casstore (default codecs), casstore-raw (``shuffle=False``), orbax
-(``StandardCheckpointer``) and safetensors; casstore and orbax get jax arrays on ``--device``
-and restore onto it with an abstract target, safetensors numpy arrays. Figures, each also as a
-ratio to orbax's and, for saves and the restore, as a fraction of the machine's limit measured
-in the same run (``harness.limit``): 1. first save (time, CPU time, bytes on disk); 2. a save
-where the last 2 blocks, ``ln_f`` and ``count`` are new (time, bytes written, against the
-changed leaves' zstd-1 size); 3. a save of the unchanged state; 4. restore of step 3, checked
-bit-exact outside the timed region (raises otherwise); 5. peak extra RSS of the first save and
-the restore. ``--drop-caches`` drops the page cache before each phase (needs root).
+Every system (``harness.peers``: casstore, casstore-raw with ``shuffle=False``, orbax,
+safetensors) saves ``harness.train_state`` (1.49 GB; ``--size gpt2-xl``: 18.7 GB made on the
+device) to local disk, then a state with the last 2 blocks new, then the unchanged state, and
+restores it, checked bit-exact (AssertionError otherwise); each figure beside its ratio to
+orbax's and, for saves and the restore, its fraction of the machine's limit measured in the same
+run (``harness.limit``). README.md's ``save_restore.py`` section describes every figure.
 
 Usage::
 

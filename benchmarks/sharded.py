@@ -1,15 +1,12 @@
 """casstore vs orbax-checkpoint on a sharded state: save, restore onto the same and another mesh.
 
-The state lives on 8 CPU devices (``XLA_FLAGS=--xla_force_host_platform_device_count=8``, set
-before jax is imported): 1.14 GB of random float32, ``a`` and ``b`` 8192x8192 ``P('data',
-'model')`` on ``Mesh((4, 2), ('data', 'model'))``, ``rows`` 16384x4096 ``P('data', None)``,
-``cols`` 4096x16384 ``P(None, 'model')``, ``rep`` 4096x4096 replicated. Both systems
-(``harness.peers``) save it to local disk and restore it onto the same sharding and onto
-``Mesh((8,), ('x',))`` with ``P('x')``; every restore is checked bit-exact and for its sharding
-outside the timed region (AssertionError otherwise). Saves and restores are also reported as
-fractions of the machine's limit measured in the run (``harness.limit``). casstore only: bytes
-read for one device's region of ``a`` vs the whole of ``a`` (``casstore._restore.read_regions``,
-through a ``CountingStore``) and the peak extra RSS of the restore onto the other mesh.
+1.14 GB of float32 in 5 leaves sharded over 8 CPU devices (``XLA_FLAGS``, set before jax is
+imported) on ``Mesh((4, 2), ('data', 'model'))``, saved to local disk by both systems
+(``harness.peers``) and restored onto the same sharding and onto ``Mesh((8,), ('x',))`` with
+``P('x')``, checked bit-exact and for their sharding (AssertionError otherwise); saves and
+restores also as fractions of the machine's limit (``harness.limit``). casstore only: the bytes
+read for one device's region of ``a`` vs all of ``a`` (``casstore._restore.read_regions``) and
+the peak extra RSS of the restore onto the other mesh. README.md's ``sharded.py`` section.
 
 Usage::
 
