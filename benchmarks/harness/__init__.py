@@ -27,7 +27,6 @@ from .report import (
 )
 from .states import (
     CHANGED_BLOCKS,
-    JAX_SIZES,
     SIZES,
     abstract_of,
     changed_state,
@@ -57,5 +56,4 @@ from .timing import (
     rotated,
     seconds,
     settle,
-    timed,
 )

@@ -148,7 +148,7 @@ def medians(limits: Iterable[dict]) -> dict:
 
 def rows(limit: dict) -> list[list[str]]:
     """Markdown table rows ``[what, MB/s]`` of a limit."""
-    w, per_core = limit["workers"], f"1 thread x {limit['workers']} workers"
+    per_core = f"1 thread x {limit['workers']} workers"
     read = ("" if limit["store"] != "local disk" else ", page cache dropped"
             if limit["read_cold"] else ", warm page cache")
     return [[f"{limit['store']} write{', fsync' if limit['store'] == 'local disk' else ''} "
@@ -158,4 +158,4 @@ def rows(limit: dict) -> list[list[str]]:
             *([f"{name} ({per_core})", fmt(limit[f"{key}_bps"], "MB")] for key, name in (
                 ("copy", "page-cache copy"), ("hash", "xxh3-128 hash"),
                 ("encode", "codec encode (codec 5)"), ("decode", "codec decode + hash check"))),
-            [f"encoded / raw of the sample ({w} workers)", f"{limit['encoded_fraction']:.3f}"]]
+            ["codec 5's encoded / raw bytes of the sample", f"{limit['encoded_fraction']:.3f}"]]
