@@ -1,39 +1,13 @@
 """casstore vs orbax-checkpoint: blocking time of an asynchronous save; casstore GC of 50 steps.
 
-Part 1, asynchronous save. The GPT-2-small train state of ``harness.train_state`` (124M float32
-parameters plus adam ``mu`` and ``nu`` and an int32 ``count``, about 1.49 GB of random values;
-``--size gpt2-xl``: 18.7 GB made with ``jax.random`` on the device), as jax arrays on
-``--device`` (default: jax's default device, a GPU when there is one; ``cpu``: the CPU device),
-is saved to local disk several times (steps 1..3; from step 2 on the last 2 blocks, ``ln_f``
-and ``count`` have new values) by
-
-- casstore: ``CheckpointManager(dir, enable_async_checkpointing=True)``: ``mngr.save(step,
-  state)`` is the blocking part (``mngr.last_save_blocking_s`` is recorded too), then
-  ``mngr.wait_until_finished()``;
-- orbax: ``ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler())`` (``ocp.StandardCheckpointer``
-  is a subclass of it in orbax 0.12): ``ckptr.save(path, args=ocp.args.StandardSave(state))``
-  is the blocking part, then ``ckptr.wait_until_finished()``.
-
-As soon as ``save`` returns, the caller's arrays are deleted (``jax.Array.delete``); the total is
-the wall time from the ``save`` call until ``wait_until_finished`` returns. Medians over all saves
-are reported, and the blocking time of step 1 (everything new) apart from the later steps'; the
-peak extra host RSS from the ``save`` call until the save finished is sampled too. With
-``--drop-caches`` the page cache is dropped before each save (needs root). Outside the timed
-region every step is restored and compared bit for bit with the state it was made from; then one
-more save (the proof step) is followed, while the save runs in the background, by a jitted update
-that donates the caller's buffers and overwrites them (``x + 1``), and is then restored and
-compared bit for bit too. These checks raise ``AssertionError`` on any difference.
-
-Part 2, garbage collection (casstore only). A repository gets 50 steps of a state of 64 float32
-matrices of 512 KiB plus 64 small biases (32 MiB); each step gives 16 matrices and their biases
-new values (rotating, so every matrix changes every 4 steps). Steps 0..39 are deleted
-(``casstore.delete``, manifests only), leaving the latest 10. A dry run with the default grace
-period must spare every unreferenced chunk; then the chunk files' mtime is set 2 hours back
-(``os.utime``) and ``casstore.gc(repo, grace_period_s=0, dry_run=True)`` and ``casstore.gc(repo,
-grace_period_s=0)`` are timed. The chunks deleted must be exactly those referenced only by the
-deleted steps (computed from the manifests beforehand), the bytes freed must match the files'
-sizes, a second GC must find nothing, ``casstore.verify(repo)`` must be ok and all 10 remaining
-steps must restore bit-exact.
+Part 1: ``harness.train_state`` (``--size``) as jax arrays on ``--device``, saved as steps
+1..3 by casstore's ``CheckpointManager(enable_async_checkpointing=True)`` and orbax's
+``StandardCheckpointer`` (``harness.peers``); ``save`` blocks, ``wait_until_finished``
+finishes, the caller's arrays are deleted in between; every step and a proof step (the caller's
+donated buffers overwritten while its save runs) restore bit-exact; step 1's total is also a
+fraction of the machine's limit (``harness.limit``). Part 2: 50 steps, 40 deleted, GC timed and
+checked to delete exactly the unreferenced chunks (AssertionError otherwise). README.md's
+``async_gc.py`` section describes both.
 
 Usage::
 
@@ -49,7 +23,6 @@ import pathlib
 import statistics
 import sys
 import time
-from typing import Any
 
 import jax
 import numpy as np
@@ -60,16 +33,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import harness as h  # noqa: E402
 
 SYSTEMS = ("casstore", "orbax")
-ASYNC_SAVES = 3  # steps 1..3; the proof step is ASYNC_SAVES + 1
-GC_STEPS, GC_KEEP = 50, 10
-GC_SIZES = {  # matrices per step, float32 elements per matrix, bias elements, changed per step
-    "gpt2": dict(matrices=64, elements=128 * 1024, bias=256, changed=16),
-    "tiny": dict(matrices=8, elements=32 * 1024, bias=16, changed=2),
-}
-# How far back chunk mtimes are set: twice casstore.gc's default grace period.
+PEERS = {"casstore": h.peers.CasstoreManager, "orbax": h.peers.Orbax}
+ASYNC_SAVES, GC_STEPS, GC_KEEP = 3, 50, 10  # steps 1..3; the proof step is ASYNC_SAVES + 1
+GC_SIZES = {"gpt2": (64, 128 * 1024, 256, 16), "tiny": (8, 32 * 1024, 16, 2)}  # matrices,
+# float32 elements per matrix, bias elements, matrices changed per step
 AGE_S = 2 * inspect.signature(casstore.gc).parameters["grace_period_s"].default
-
-# Per-system figures of part 1: (key, label, unit). "s" seconds, "MB" bytes in MB.
 ASYNC_FIGURES = [
     ("blocking_s", "`save()` blocking, median", "s"),
     ("first_blocking_s", "`save()` blocking, step 1 (everything new)", "s"),
@@ -81,413 +49,221 @@ ASYNC_FIGURES = [
     ("written_bytes", "written per save, median", "MB"),
     ("rss_extra_bytes", "peak extra RSS, `save()` call to finished, median", "MB"),
 ]
-# Figures of part 2, each for the dry run and the real GC: (GcInfo attribute, label).
-GC_FIGURES = [
-    ("seconds", "seconds"),
-    ("manifests", "manifests read"),
-    ("chunks", "chunks listed"),
-    ("referenced_chunks", "chunks referenced"),
-    ("deleted_chunks", "chunks deleted (dry run: would be)"),
-    ("deleted_bytes", "MB freed (dry run: would be)"),
-]
+GC_FIGURES = [("seconds", "seconds"), ("manifests", "manifests read"),
+              ("chunks", "chunks listed"), ("referenced_chunks", "chunks referenced"),
+              ("deleted_chunks", "chunks deleted (dry run: would be)"),
+              ("deleted_bytes", "MB freed (dry run: would be)")]
+_plus_one_donated = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)
 
 
-# -- helpers -----------------------------------------------------------------------------------
-
-def to_device(state: Any, dev: jax.Device) -> Any:
-    """Fresh jax arrays on ``dev`` for every leaf (the caller's buffers, owned by jax)."""
-    return h.to_jax([state], dev, copy=True)[0]
-
-
-def delete_arrays(state: Any) -> None:
+def delete_arrays(state: object) -> None:
     """Frees every jax buffer of ``state``, as a training loop that moves on would."""
     for leaf in jax.tree.leaves(state):
         leaf.delete()
 
 
-def _plus_one(state: Any) -> Any:
-    return jax.tree.map(lambda x: x + 1, state)
-
-
-# A training step's shape: it consumes the state's buffers and may write the result into them.
-_plus_one_donated = jax.jit(_plus_one, donate_argnums=0)
-
-
-# -- part 1: asynchronous save -----------------------------------------------------------------
-
-class _Casstore:
-    """casstore's CheckpointManager behind the interface the async benchmark drives."""
-
-    def __init__(self, root: pathlib.Path):
-        self.mngr = casstore.CheckpointManager(str(root / "repo"),
-                                               enable_async_checkpointing=True)
-
-    def save(self, step: int, state: Any) -> None:
-        h.check(self.mngr.save(step, state), f"casstore did not save step {step}")
-
-    def wait(self) -> None:
-        self.mngr.wait_until_finished()
-
-    def reported_blocking_s(self) -> float:
-        return self.mngr.last_save_blocking_s
-
-    def written_bytes(self, step: int) -> int:
-        return self.mngr.last_save_info.written_bytes
-
-    def restore(self, step: int, abstract: Any) -> Any:
-        return self.mngr.restore(step, target=abstract)
-
-    def close(self) -> None:
-        self.mngr.close()
-
-
-class _Orbax:
-    """orbax's AsyncCheckpointer(StandardCheckpointHandler()), one directory per step."""
-
-    def __init__(self, root: pathlib.Path):
-        import orbax.checkpoint as ocp
-
-        self.ocp, self.root = ocp, root
-        self.ckptr = ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler())
-
-    def save(self, step: int, state: Any) -> None:
-        self.ckptr.save(self.root / str(step), args=self.ocp.args.StandardSave(state))
-
-    def wait(self) -> None:
-        self.ckptr.wait_until_finished()
-
-    def reported_blocking_s(self) -> float:
-        return float("nan")
-
-    def written_bytes(self, step: int) -> int:
-        return h.du(self.root / str(step))[1]  # orbax rewrites the whole state every step
-
-    def restore(self, step: int, abstract: Any) -> Any:
-        return self.ckptr.restore(self.root / str(step),
-                                  args=self.ocp.args.StandardRestore(abstract))
-
-    def close(self) -> None:
-        self.ckptr.close()
-
-
-CHECKPOINTERS = {"casstore": _Casstore, "orbax": _Orbax}
-
-
-def bench_async(system: str, root: pathlib.Path, np_states: list[Any], proof_state: Any,
-                abstract: Any, dev: jax.Device, drop: bool) -> dict:
-    """Times ``len(np_states)`` asynchronous saves of ``system`` of states put on ``dev``, then
-    checks every step. With ``drop`` the page cache is dropped before each save.
-
-    Returns the per-save figures (``saves``), their medians, the steps verified bit-exact and
-    the proof step's outcome.
-    """
-    ckpt = CHECKPOINTERS[system](root)
+def bench_async(system: str, root: pathlib.Path, np_states: list, proof_state: object,
+                abstract: object, dev: jax.Device, drop: bool) -> dict:
+    """Times ``system``'s asynchronous saves of ``np_states`` (put on ``dev``), checks every
+    step and the proof step; returns the per-save figures under ``saves`` and their medians."""
     saves = []
-    try:
+    with PEERS[system](root) as ckpt:
         for step, np_state in enumerate(np_states, start=1):
-            state = to_device(np_state, dev)
+            state = h.to_jax([np_state], dev, copy=True)[0]
             h.settle(drop=drop)
             with h.PeakRss() as rss:
                 t0 = time.perf_counter()
-                ckpt.save(step, state)
+                ckpt.save_async(step, state)
                 t1 = time.perf_counter()
                 delete_arrays(state)  # the caller moves on: its buffers are gone
                 del state
                 t2 = time.perf_counter()
                 ckpt.wait()
                 t3 = time.perf_counter()
-            saves.append({"step": step, "blocking_s": t1 - t0,
-                          "reported_blocking_s": ckpt.reported_blocking_s(),
-                          "wait_s": t3 - t2, "total_s": t3 - t0,
-                          "written_bytes": ckpt.written_bytes(step),
+            saves.append({"step": step, "blocking_s": t1 - t0, "wait_s": t3 - t2,
+                          "reported_blocking_s": ckpt.reported_blocking_s(), "total_s": t3 - t0,
+                          "written_bytes": ckpt.saved(step)["written_bytes"],
                           "rss_extra_bytes": rss.extra})
         for step, np_state in enumerate(np_states, start=1):
-            restored = jax.block_until_ready(ckpt.restore(step, abstract))
-            h.verify_equal(np_state, h.flatten(restored), f"{system} step {step}", True)
-            del restored
-        proof = _proof_step(ckpt, len(np_states) + 1, proof_state, abstract, system, dev)
-    finally:
-        ckpt.close()
-    out = _save_medians(saves)
-    out["verified_steps"] = len(np_states)
-    out["saves"], out["proof"] = saves, proof
-    return out
+            h.verify_equal(np_state, h.flatten(ckpt.restore(step, abstract)), system, True)
+        # The proof step: the update donates the saved arrays, so XLA writes into their
+        # buffers whenever nothing else holds them; then garbage reuses any freed memory.
+        delete_arrays(_plus_one_donated(h.to_jax([proof_state], dev, copy=True)[0]))
+        state = h.to_jax([proof_state], dev, copy=True)[0]
+        ckpt.save_async(len(np_states) + 1, state)
+        updated = jax.block_until_ready(_plus_one_donated(state))
+        donated = all(x.is_deleted() for x in jax.tree.leaves(state))
+        if not donated:  # jax copied instead (the buffers were still referenced)
+            delete_arrays(state)
+        garbage = h.to_jax([jax.tree.map(np.zeros_like, proof_state)], dev, copy=True)[0]
+        delete_arrays(updated)
+        ckpt.wait()
+        h.verify_equal(proof_state, h.flatten(ckpt.restore(len(np_states) + 1, abstract)),
+                       f"{system} proof step", True)
+        delete_arrays(garbage)
+    return {"saves": saves, "verified_steps": len(np_states), "proof_verified": True,
+            "buffers_donated_in_place": donated}
 
 
-def _save_medians(saves: list[dict]) -> dict:
-    """Medians of the per-save figures over ``saves`` (in step order, runs concatenated), and
-    the first save's total and blocking time apart from the later saves' blocking time."""
-    out: dict[str, Any] = {key: statistics.median(s[key] for s in saves)
-                           for key in saves[0] if key != "step"}
-    first, later = ([s for s in saves if s["step"] == 1], [s for s in saves if s["step"] > 1])
+def save_medians(saves: list[dict]) -> dict:
+    """Medians of the per-save figures, and step 1's total and blocking time apart."""
+    out = {key: statistics.median(s[key] for s in saves) for key in saves[0] if key != "step"}
+    first, later = [s for s in saves if s["step"] == 1], [s for s in saves if s["step"] > 1]
     out["first_total_s"] = statistics.median(s["total_s"] for s in first)
     out["first_blocking_s"] = statistics.median(s["blocking_s"] for s in first)
     out["later_blocking_s"] = statistics.median(s["blocking_s"] for s in later or first)
     return out
 
 
-def _proof_step(ckpt: Any, step: int, np_state: Any, abstract: Any, system: str,
-                dev: jax.Device) -> dict:
-    """Saves, overwrites the caller's buffers in place while the save runs, checks the restore.
-
-    The update ``x + 1`` donates the saved arrays, so XLA writes the new values into their
-    buffers whenever nothing else holds them. Raises AssertionError if the restored step is not
-    bit-exact ``np_state``.
-    """
-    delete_arrays(_plus_one_donated(to_device(np_state, dev)))  # compile outside the proof
-    state = to_device(np_state, dev)
-    ckpt.save(step, state)
-    updated = jax.block_until_ready(_plus_one_donated(state))
-    donated = all(x.is_deleted() for x in jax.tree.leaves(state))
-    if not donated:  # jax copied instead (the buffers were still referenced): free them now
-        delete_arrays(state)
-    del state
-    zeros = jax.tree.map(lambda x: np.zeros(np.shape(x), x.dtype), np_state)
-    garbage = to_device(zeros, dev)  # reuse any freed memory
-    delete_arrays(updated)
-    ckpt.wait()
-    restored = jax.block_until_ready(ckpt.restore(step, abstract))
-    h.verify_equal(np_state, h.flatten(restored), f"{system} proof step {step}", True)
-    delete_arrays(garbage)
-    return {"step": step, "verified": True, "buffers_donated_in_place": donated}
-
-
-def host_copy_s(np_state: Any, dev: jax.Device) -> float:
-    """Seconds to copy a fresh device state to new host memory (np.array(copy=True) per leaf).
-
-    The floor for any snapshot that copies the caller's arrays, measured for comparison.
-    """
-    state = to_device(np_state, dev)
-    h.settle()
-    seconds, copies = h.seconds(lambda: [np.array(x, copy=True) for x in jax.tree.leaves(state)])
-    delete_arrays(state)
-    del copies
-    return seconds
-
-
-# -- part 2: garbage collection ----------------------------------------------------------------
-
-def gc_states(size: str, steps: int = GC_STEPS, seed: int = 0) -> list[dict]:
-    """``steps`` states; each gives ``changed`` matrices and their biases new random values.
-
-    Unchanged leaves are the same numpy objects as in the previous state.
-    """
-    cfg = GC_SIZES[size]
-    rng = np.random.default_rng(seed)
-
-    def layer() -> dict:
-        return {"w": rng.standard_normal(cfg["elements"], dtype=np.float32),
-                "b": rng.standard_normal(cfg["bias"], dtype=np.float32)}
-
-    layers = [layer() for _ in range(cfg["matrices"])]
+def gc_states(size: str, steps: int = GC_STEPS) -> list[dict]:
+    """``steps`` states, each giving ``changed`` matrices and their biases new values (the
+    others are the previous state's objects)."""
+    matrices, elements, bias, changed = GC_SIZES[size]
+    rng = np.random.default_rng(0)
+    layer = lambda: {"w": rng.standard_normal(elements, dtype=np.float32),  # noqa: E731
+                     "b": rng.standard_normal(bias, dtype=np.float32)}
+    layers = [layer() for _ in range(matrices)]
     states = [{"layers": list(layers), "step": np.int64(0)}]
     for step in range(1, steps):
-        start = (step - 1) * cfg["changed"]
-        for i in range(start, start + cfg["changed"]):
-            layers[i % cfg["matrices"]] = layer()
+        for i in range((step - 1) * changed, step * changed):
+            layers[i % matrices] = layer()
         states.append({"layers": list(layers), "step": np.int64(step)})
     return states
 
 
 def bench_gc(root: pathlib.Path, size: str, drop: bool = False) -> dict:
-    """Builds the 50-step repository, deletes 40 steps, times GC, then checks the repository.
-
-    With ``drop`` the page cache is dropped before the timed GCs."""
-    repo = root / "gc-repo"
-    states = gc_states(size)
-    build_s = 0.0
-    for step, state in enumerate(states):
-        seconds, _ = h.seconds(lambda: casstore.save(str(repo), step, state))  # noqa: B023
-        build_s += seconds
-    refs = {s: casstore.read_manifest(str(repo), s).chunk_ids() for s in range(len(states))}
+    """Builds the 50-step repository, deletes 40 steps, times GC and checks it (module doc)."""
+    repo, states = str(root / "gc-repo"), gc_states(size)
+    build_s = sum(h.seconds(lambda s=s, t=t: casstore.save(repo, s, t))[0]
+                  for s, t in enumerate(states))
+    refs = {s: casstore.read_manifest(repo, s).chunk_ids() for s in range(len(states))}
     keep, doomed = list(refs)[-GC_KEEP:], list(refs)[:-GC_KEEP]
     live = set().union(*(refs[s] for s in keep))
     garbage = set().union(*(refs[s] for s in doomed)) - live
-    chunk_dir = repo / "chunks"
+    chunk_dir = root / "gc-repo" / "chunks"
     garbage_bytes = sum((chunk_dir / c[:2] / c[2:]).stat().st_size for c in garbage)
     chunks_before, bytes_before = h.du(chunk_dir)
     for step in doomed:
-        casstore.delete(str(repo), step)
-
-    young = casstore.gc(str(repo), dry_run=True)  # default grace period: nothing is old enough
+        casstore.delete(repo, step)
+    young = casstore.gc(repo, dry_run=True)  # default grace period: nothing is old enough
     h.check(young.deleted_chunks == 0 and young.young_unreferenced_chunks == len(garbage), young)
-    past = time.time() - AGE_S
     for path in chunk_dir.rglob("*"):
-        if path.is_file():
-            os.utime(path, (past, past))
+        os.utime(path, (time.time() - AGE_S,) * 2)
     h.settle(drop=drop)
-    load = os.getloadavg()
-    dry = casstore.gc(str(repo), grace_period_s=0, dry_run=True)
-    real = casstore.gc(str(repo), grace_period_s=0)
+    dry, real = (casstore.gc(repo, grace_period_s=0, dry_run=d) for d in (True, False))
     for info in (dry, real):
         h.check((info.deleted_chunks, info.deleted_bytes) == (len(garbage), garbage_bytes), info)
         h.check(info.manifests == GC_KEEP and info.chunks == chunks_before, info)
         h.check(info.referenced_chunks == len(live) and info.missing_chunks == 0, info)
     chunks_after, bytes_after = h.du(chunk_dir)
     h.check((chunks_after, bytes_after) == (chunks_before - len(garbage),
-                                          bytes_before - garbage_bytes),
-          f"chunks/ holds {chunks_after} files, {bytes_after} bytes after GC")
-    again = casstore.gc(str(repo), grace_period_s=0)
-    h.check(again.deleted_chunks == 0, again)
-
-    report = casstore.verify(str(repo))
-    h.check(report.ok, [str(p) for p in report.problems])
+                                            bytes_before - garbage_bytes), "GC left too much")
+    again, report = casstore.gc(repo, grace_period_s=0), casstore.verify(repo)
+    h.check(again.deleted_chunks == 0 and report.ok, (again, report.problems))
     h.check(sorted(s for _, s in report.steps_checked) == keep, report.steps_checked)
     for step in keep:
-        restored = casstore.restore(str(repo), step)
-        h.verify_equal(states[step], h.flatten(restored), f"gc step {step}", False)
+        h.verify_equal(states[step], h.flatten(casstore.restore(repo, step)), "gc", False)
+    as_dict = lambda info: {k: getattr(info, k) for k, _ in GC_FIGURES}  # noqa: E731
     return {"steps": len(states), "kept_steps": keep, "deleted_steps": len(doomed),
-            "state_bytes": sum(np.asarray(x).nbytes for x in jax.tree.leaves(states[0])),
-            "build_s": build_s, "chunks_before": chunks_before, "bytes_before": bytes_before,
+            "state_bytes": h.state_bytes(states[0]), "build_s": build_s,
+            "chunks_before": chunks_before, "bytes_before": bytes_before,
             "chunks_after": chunks_after, "bytes_after": bytes_after,
-            "young_dry_run_spared": young.young_unreferenced_chunks,
-            "dry_run": _gc_dict(dry), "gc": _gc_dict(real),
-            "second_gc_deleted": again.deleted_chunks,
-            "verify_ok": report.ok, "verify_s": report.seconds,
-            "verify_chunks": report.chunks_checked, "verify_bytes_read": report.bytes_read,
-            "restored_steps": len(keep), "load_during_gc": load}
+            "young_dry_run_spared": young.young_unreferenced_chunks, "dry_run": as_dict(dry),
+            "gc": as_dict(real), "second_gc_deleted": again.deleted_chunks,
+            "verify_ok": report.ok, "verify_chunks": report.chunks_checked,
+            "verify_s": report.seconds, "verify_bytes_read": report.bytes_read,
+            "restored_steps": len(keep)}
 
 
-def _gc_dict(info: casstore.GcInfo) -> dict:
-    return {key: getattr(info, key) for key in
-            ("seconds", "manifests", "chunks", "referenced_chunks", "deleted_chunks",
-             "deleted_bytes", "young_unreferenced_chunks", "missing_chunks")}
-
-
-# -- running -----------------------------------------------------------------------------------
-
-def run(size: str = "gpt2", base_dir: str | None = None, repeat: int = 1,
-        device: str = "default", drop: bool = False) -> dict:
-    """Runs part 1 for both systems and part 2, ``repeat`` times each; returns all figures.
-
-    Part 1's states live on ``device`` (``"default"`` or ``"cpu"``, see ``harness.device``);
-    part 2 saves numpy states (its ``gpt2`` size for every size but ``tiny``). With ``drop`` the
-    page cache is dropped before each save and each GC.
-
-    Raises:
-      AssertionError: a restore was not bit-exact or GC did not do exactly what it should.
-    """
-    env, load_before = h.environment("orbax-checkpoint", "tensorstore"), os.getloadavg()
-    dev = h.device(device)
-    t0 = time.perf_counter()
+def run(args) -> dict:
+    """Part 1 for both systems and part 2, ``args.repeat`` times each; returns all figures.
+    Raises AssertionError if a restore was not bit-exact or GC did not do what it should."""
+    result = {"environment": h.environment("orbax-checkpoint", "tensorstore")}
+    size, dev = "tiny" if args.tiny else args.size, h.device(args.device)
     np_states = [h.train_state(size, device=dev)]
-    for step in range(2, ASYNC_SAVES + 1):
+    for step in range(2, ASYNC_SAVES + 2):
         np_states.append(h.changed_state(np_states[-1], seed=step))
-    proof_state = h.changed_state(np_states[-1], seed=ASYNC_SAVES + 1)
-    jax.block_until_ready((np_states, proof_state))
-    generate_s = time.perf_counter() - t0
-    abstract = h.abstract_of(np_states[0], dev)
-    logical_bytes = h.state_bytes(np_states[0])
-    runs: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
-    copy_s = []
-    for r in range(repeat):
-        copy_s.append(host_copy_s(np_states[0], dev))
-        for system in h.rotated(SYSTEMS, r):
-            with h.scratch(base_dir, system) as root:
-                load = os.getloadavg()
-                figures = bench_async(system, root, np_states, proof_state, abstract, dev,
-                                      drop)
-            figures["load_before"] = load
-            runs[system].append(figures)
-            h.settle()
-    async_results = {}
-    for system, rs in runs.items():
-        med = _save_medians([s for r in rs for s in r["saves"]])
-        med["verified_steps"] = sum(r["verified_steps"] for r in rs)
-        med["proof_verified"] = all(r["proof"]["verified"] for r in rs)
-        med["buffers_donated_in_place"] = all(r["proof"]["buffers_donated_in_place"]
-                                              for r in rs)
-        med["saves_measured"] = sum(len(r["saves"]) for r in rs)
-        async_results[system] = med
-    del np_states, proof_state, abstract
-    h.settle()
+    proof_state = np_states.pop()
+    abstract, logical = h.abstract_of(np_states[0], dev), h.state_bytes(np_states[0])
+    copy_s, limits = [], []
+
+    def one(system: str) -> dict:
+        if system == SYSTEMS[0]:
+            state = h.to_jax([np_states[0]], dev, copy=True)[0]
+            leaves = jax.tree.leaves(state)
+            copy_s.append(h.seconds(lambda: [np.array(x, copy=True) for x in leaves])[0])
+            delete_arrays(state)
+            with h.scratch(args.dir, "limit") as root:
+                limits.append(h.limit.measure(root, min(logical, 256 << 20)))
+        with h.scratch(args.dir, system) as root:
+            return bench_async(system, root, np_states, proof_state, abstract, dev,
+                               args.drop_caches)
+
+    runs, _ = h.interleave(SYSTEMS, args.repeat, one)
+    med = {s: {**save_medians([x for r in rs for x in r["saves"]]), "saves_measured": sum(
+        len(r["saves"]) for r in rs), "verified_steps": sum(r["verified_steps"] for r in rs),
+        **{k: all(r[k] for r in rs) for k in ("proof_verified", "buffers_donated_in_place")}}
+        for s, rs in runs.items()}
     gc_runs = []
-    for _ in range(repeat):
-        with h.scratch(base_dir, "gc") as root:
-            gc_runs.append(bench_gc(root, "tiny" if size == "tiny" else "gpt2", drop))
-        h.settle()
-    gc_result = h.medians(gc_runs)
-    for part in ("dry_run", "gc"):
-        gc_result[part] = h.medians([g[part] for g in gc_runs])
-    return {"size": size, "device": str(dev), "logical_bytes": logical_bytes,
-            "async_saves_per_run": ASYNC_SAVES, "repeat": repeat, "generate_s": generate_s,
-            "drop_caches_requested": drop,
-            "load_before": load_before, "load_after": os.getloadavg(), "environment": env,
-            "host_copy_s": statistics.median(copy_s), "host_copy_runs_s": copy_s,
-            "async": async_results, "async_runs": runs, "gc": gc_result, "gc_runs": gc_runs}
+    for _ in range(args.repeat):
+        with h.scratch(args.dir, "gc") as root:
+            gc_runs.append(bench_gc(root, "tiny" if size == "tiny" else "gpt2", args.drop_caches))
+    lim = h.limit.medians(limits)
+    result.update(size=size, device=str(dev), logical_bytes=logical, repeat=args.repeat,
+                  async_saves_per_run=ASYNC_SAVES, drop_caches_requested=args.drop_caches,
+                  host_copy_s=statistics.median(copy_s), host_copy_runs_s=copy_s,
+                  async_runs=runs, limit=lim, gc_runs=gc_runs, gc={
+                      **h.medians(gc_runs), **{p: h.medians([g[p] for g in gc_runs])
+                                               for p in ("dry_run", "gc")}},
+                  limits={"first_total_s": h.limit.save_s(
+                      lim, logical, runs["casstore"][0]["saves"][0]["written_bytes"])})
+    result["async"] = med
+    return result
 
-
-# -- reporting ---------------------------------------------------------------------------------
 
 def table(result: dict) -> str:
-    """Part 1 as a markdown table (figure, casstore, orbax, ratio), then part 2, then notes."""
+    """Part 1 with casstore / orbax ratios and the limit, then part 2, then notes."""
     a, g = result["async"], result["gc"]
-    rows = []
-    for key, label, unit in ASYNC_FIGURES:
-        c, o = a["casstore"][key], a["orbax"][key]
-        rows.append([f"{label} ({unit})", h.fmt(c, unit), h.fmt(o, unit),
-                     h.fmt(h.ratio(c, o), "x")])
-    lines = h.md_table(["figure", "casstore", "orbax", "casstore / orbax"], rows)
-    ratio = h.ratio(a["casstore"]["blocking_s"], a["orbax"]["blocking_s"])
-    lines += [
-        "",
-        f"- state: {result['logical_bytes'] / 1e6:.1f} MB ({result['size']}, on "
-        f"{result['device']}); "
-        f"{a['casstore']['saves_measured']} saves per system ({result['async_saves_per_run']} "
-        f"per run x {result['repeat']}); every step and the proof step restored bit-exact "
-        f"(casstore: {a['casstore']['verified_steps']} + proof "
-        f"{'ok' if a['casstore']['proof_verified'] else 'FAILED'}; orbax: "
-        f"{a['orbax']['verified_steps']} + proof "
-        f"{'ok' if a['orbax']['proof_verified'] else 'FAILED'})",
-        f"- proof step: the caller's buffers were donated and overwritten in place: casstore "
-        f"{'yes' if a['casstore']['buffers_donated_in_place'] else 'no (jax copied instead)'}"
-        ", orbax "
-        f"{'yes' if a['orbax']['buffers_donated_in_place'] else 'no (jax copied instead)'}",
-        f"- a plain copy of the state to new host memory (np.array(copy=True) per leaf) took "
-        f"{result['host_copy_s']:.3f} s (median)",
-        f"- target: casstore's blocking time <= orbax's: {ratio:.3g}x "
-        f"({'met' if ratio <= 1 else 'NOT met'})",
-        "",
-        f"GC of a repository of {g['steps']} steps of {g['state_bytes'] / 1e6:.1f} MB "
-        f"({g['deleted_steps']} deleted, {len(g['kept_steps'])} kept; built in "
-        f"{g['build_s']:.1f} s):",
-        "",
-    ]
+    lines = h.figure_table(a, ASYNC_FIGURES, list(SYSTEMS), "orbax", result["limits"])
+    lines += h.limit_lines(result["limit"])
+    c, o, yes = a["casstore"], a["orbax"], lambda b: "yes" if b else "no (jax copied instead)"
+    lines += ["", f"- state: {result['logical_bytes'] / 1e6:.1f} MB ({result['size']}, on "
+              f"{result['device']}); {c['saves_measured']} saves per system; every step and "
+              f"the proof step restored bit-exact (casstore {c['verified_steps']}, orbax "
+              f"{o['verified_steps']})",
+              f"- proof step: the caller's buffers were donated and overwritten in place: "
+              f"casstore {yes(c['buffers_donated_in_place'])}, orbax "
+              f"{yes(o['buffers_donated_in_place'])}",
+              f"- a plain copy of the state to new host memory (np.array per leaf) took "
+              f"{result['host_copy_s']:.3f} s (median)",
+              *h.target_lines([("casstore's blocking time <= orbax's", h.ratio(
+                  c["blocking_s"], o["blocking_s"]), 1.0)]), "",
+              f"GC of a repository of {g['steps']} steps of {g['state_bytes'] / 1e6:.1f} MB "
+              f"({g['deleted_steps']} deleted, {len(g['kept_steps'])} kept; built in "
+              f"{g['build_s']:.1f} s):", ""]
     units = {"seconds": "s", "deleted_bytes": "MB"}
-    lines += h.md_table(["GC figure", "dry run", "gc"],
-                        [[label, h.fmt(g["dry_run"][key], units.get(key, "n")),
-                          h.fmt(g["gc"][key], units.get(key, "n"))]
-                         for key, label in GC_FIGURES])
-    env = result["environment"]
-    lines += [
-        "",
-        f"- chunks: {g['chunks_before']:.0f} ({g['bytes_before'] / 1e6:.1f} MB) before GC, "
-        f"{g['chunks_after']:.0f} ({g['bytes_after'] / 1e6:.1f} MB) after; a dry run with the "
-        f"default grace period spared {g['young_dry_run_spared']:.0f} young unreferenced chunks; "
-        f"a second GC deleted {g['second_gc_deleted']:.0f}",
-        f"- after GC: verify {'ok' if g['verify_ok'] else 'FAILED'} ({g['verify_chunks']:.0f} "
-        f"chunks, {g['verify_bytes_read'] / 1e6:.1f} MB read, {g['verify_s']:.2f} s); "
-        f"{g['restored_steps']:.0f} remaining steps restored bit-exact",
-        f"- {env['cpus']} cores, {env['memory_bytes'] / 2**30:.0f} GiB; load average "
-        f"{'/'.join(f'{x:.2f}' for x in result['load_before'])} before, "
-        f"{'/'.join(f'{x:.2f}' for x in result['load_after'])} after; {env['date']}; "
-        f"orbax-checkpoint {env['versions'].get('orbax-checkpoint')}, "
-        f"jax {env['versions'].get('jax')}",
-    ]
+    lines += h.md_table(["GC figure", "dry run", "gc"], [
+        [label, *(h.fmt(g[p][key], units.get(key, "n")) for p in ("dry_run", "gc"))]
+        for key, label in GC_FIGURES])
+    lines += ["", f"- chunks: {g['chunks_before']:.0f} ({g['bytes_before'] / 1e6:.1f} MB) before "
+              f"GC, {g['chunks_after']:.0f} ({g['bytes_after'] / 1e6:.1f} MB) after; a dry run "
+              f"with the default grace period spared {g['young_dry_run_spared']:.0f} young "
+              f"unreferenced chunks; a second GC deleted {g['second_gc_deleted']:.0f}; verify "
+              f"{'ok' if g['verify_ok'] else 'FAILED'} ({g['verify_chunks']:.0f} chunks, "
+              f"{g['verify_bytes_read'] / 1e6:.1f} MB read, {g['verify_s']:.2f} s); "
+              f"{g['restored_steps']:.0f} remaining "
+              f"steps restored bit-exact", f"- {h.machine_note(result)}"]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = h.parser(__doc__, "dir", "repeat", "tiny", "drop-caches", "device", "json",
+    ap = h.parser(__doc__, "dir", "repeat", "tiny", "drop-caches", "device",
                   repeat="runs of each part; medians over all saves and runs are shown",
                   tiny="tiny states (smoke test): 3 blocks of width 64, 50 GC steps of 1 MiB")
     ap.add_argument("--size", choices=("gpt2", "gpt2-xl", "tiny"), default="gpt2",
-                    help="part 1's state: gpt2 (1.49 GB), gpt2-xl (18.7 GB, made on the "
-                         "device) or tiny")
+                    help="part 1's state: gpt2 (1.49 GB), gpt2-xl (18.7 GB, on the device)")
     args = h.parse(ap, argv)
-    result = run("tiny" if args.tiny else args.size, args.dir, args.repeat, args.device,
-                 args.drop_caches)
-    return h.report(result, table(result), args.json)
+    return h.report(run(args), table, args)
 
 
 if __name__ == "__main__":

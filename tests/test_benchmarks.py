@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import pytest
 
@@ -30,14 +31,31 @@ def test_save_restore_benchmark_reports_every_figure_for_every_system(tmp_path, 
     # Nothing is left behind in --dir.
     assert list((tmp_path / "work").iterdir()) == []
 
+    # The machine's limit was measured in the run, and saves and the restore are judged by it.
+    limit = result["limit"]
+    assert limit["workers"] == len(os.sched_getaffinity(0))
+    for rate in ("write", "read", "copy", "hash", "encode", "decode"):
+        assert limit[f"{rate}_bps"] > 1e6, rate  # above 1 MB/s, whatever the load
+    assert 0.5 < limit["encoded_fraction"] < 1  # codec 5 on N(0, 0.02) float32 keeps ~0.83
+    assert set(result["limits"]) == {"first_save_s", "changed_save_s", "restore_s"}
+    assert all(s > 0 for s in result["limits"].values())
+    # The first save's limit is the slower of hashing + encoding and writing what casstore
+    # wrote, or of hashing and writing it raw, whichever is faster (harness/limit.py).
+    hash_s, encode_s, write_s = (result["logical_bytes"] / limit[f"{r}_bps"]
+                                 for r in ("hash", "encode", "write"))
+    stored_s = casstore["first_save_written_bytes"] / limit["write_bps"]
+    assert math.isclose(result["limits"]["first_save_s"],
+                        min(max(hash_s + encode_s, stored_s), max(hash_s, write_s)))
+
     printed = capsys.readouterr().out
     for _, label, _ in bench.FIGURES:
         assert f"| {label}" in printed
+    assert "casstore: limit / figure" in printed and "| codec encode (codec 5)" in printed
     assert json.loads(out.read_text())["results"].keys() == set(bench.SYSTEMS)
 
 
 def test_restore_check_raises_on_a_flipped_bit():
-    bench = load_benchmark("harness")
+    bench = load_benchmark("save_restore").h
     state = bench.train_state("tiny")
     restored = {k: v.copy() for k, v in bench.flatten(state).items()}
     restored["params/wpe"].view("uint32")[3, 5] ^= 1
@@ -49,7 +67,7 @@ def test_gpt2_xl_state_has_the_issue_12_shape_without_being_built():
     """1.56B float32 params + adam mu and nu = 18.7 GB in 1741 leaves (jax.eval_shape only)."""
     import jax
 
-    harness = load_benchmark("harness")
+    harness = load_benchmark("save_restore").h
     shapes = jax.eval_shape(lambda: harness.train_state("gpt2-xl", device=jax.devices()[0]))
     leaves = jax.tree.leaves(shapes)
     params = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes["params"]))
@@ -64,13 +82,13 @@ def test_jax_built_state_is_reproducible_and_changed_state_keeps_unchanged_leave
     import jax
     import numpy as np
 
-    harness = load_benchmark("harness")
-    harness.JAX_SIZES = ("tiny",)
+    harness = load_benchmark("save_restore").h
+    harness.states.JAX_SIZES = ("tiny",)
     try:
         dev = jax.devices("cpu")[0]
         a, b = harness.train_state("tiny", device=dev), harness.train_state("tiny", device=dev)
     finally:
-        harness.JAX_SIZES = ("gpt2-xl",)
+        harness.states.JAX_SIZES = ("gpt2-xl",)
     flat_a = harness.flatten(a)
     assert all(isinstance(x, jax.Array) for k, x in flat_a.items() if k != "opt_state/count")
     assert harness.verify_equal(a, harness.flatten(b), "same seed", want_jax=False) == 121

@@ -56,9 +56,14 @@ def test_async_gc_benchmark_reports_every_figure_and_its_checks_pass(tmp_path, c
     # Nothing is left behind in --dir.
     assert list((tmp_path / "work").iterdir()) == []
 
+    # The first save's total is judged by the machine's limit, measured in the run.
+    assert result["limit"]["workers"] >= 1 and result["limit"]["encode_bps"] > 0
+    assert 0 < result["limits"]["first_total_s"] < math.inf
+
     printed = capsys.readouterr().out
     for _, label, _ in bench.ASYNC_FIGURES:
-        assert f"| {label} (" in printed
+        assert f"| {label}" in printed
+    assert "casstore: limit / figure" in printed
     for _, label in bench.GC_FIGURES:
         assert f"| {label} |" in printed
     assert json.loads(out.read_text())["async"].keys() == set(bench.SYSTEMS)

@@ -39,8 +39,13 @@ def test_repo_size_benchmark_reports_every_figure_and_its_checks_pass(tmp_path, 
             assert math.isclose(r[f"{name}_ratio"],
                                 r[f"{name}_full_s"] / r[f"{name}_fresh_s"])
 
+        # Each store's limit was measured on it in the run, and the saves are judged by it.
+        assert r["limit"]["store"] == {"local": "local disk", "s3": "S3"}[kind]
+        assert all(r[f"{name}_limit_s"] > 0 for name in result["trees"])
+
     printed = capsys.readouterr().out
     assert "| ... full / fresh (x) |" in printed
+    assert "| ... limit / figure, fresh and full |" in printed
     assert printed.count("- target, ") == len(bench.STORES) * len(result["trees"])
     assert json.loads(out.read_text())["results"].keys() == set(bench.STORES)
 

@@ -41,5 +41,9 @@ def test_sharded_benchmark_reports_every_figure_and_its_checks_pass(tmp_path):
     # One device's region is an eighth of the array and never needs more bytes than the whole.
     assert casstore_figures["single_raw_bytes"] * 8 == casstore_figures["whole_raw_bytes"]
     assert casstore_figures["single_bytes_read"] <= casstore_figures["whole_bytes_read"]
-    assert len(result["load_before"]) == 3
+    assert len(result["environment"]["load_before"]) == 3
+    # Save and restores are judged by the machine's limit, measured in the run.
+    assert set(result["limits"]) == set(TIMED)
+    assert all(0 < result["limits"][k] < math.inf for k in TIMED)
+    assert "casstore: limit / figure" in proc.stdout
     assert "| save (s) |" in proc.stdout

@@ -1,0 +1,185 @@
+"""What a benchmark prints and writes: the run's environment, markdown tables of figures with
+ratios to a peer and fractions of the machine's limit, targets, JSON, a plot, and the command
+line the scripts share."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import pathlib
+import platform
+import subprocess
+from collections.abc import Callable
+
+import psutil
+
+import casstore
+
+
+def environment(*dists: str) -> dict:
+    """Date, machine, versions of casstore, jax, numpy and ``dists``, casstore's git commit."""
+    versions = {}
+    for dist in ("casstore", "jax", "jaxlib", "numpy", *dists):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[dist] = importlib.metadata.version(dist)
+    sha = None
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        src = pathlib.Path(casstore.__file__).parent
+        sha = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=src, check=True,
+                             capture_output=True, text=True).stdout.strip() or None
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cpus": os.cpu_count(), "memory_bytes": psutil.virtual_memory().total,
+            "platform": platform.platform(), "python": platform.python_version(),
+            "casstore_path": os.path.dirname(casstore.__file__), "casstore_git": sha,
+            "versions": versions, "load_before": os.getloadavg()}
+
+
+def machine_note(result: dict) -> str:
+    """Where and when it ran: cores, memory, load average (1 min) before and after, date and
+    casstore's commit, from ``result["environment"]`` (``load_after`` set by :func:`report`)."""
+    env = result["environment"]
+    return (f"{env['cpus']} cores, {env['memory_bytes'] / 2**30:.0f} GiB; load average "
+            f"{env['load_before'][0]:.2f} before, {env.get('load_after', [math.nan])[0]:.2f} "
+            f"after; {env['date']}; casstore "
+            f"{env['casstore_git'] or env['versions'].get('casstore')}")
+
+
+def fmt(value: float, unit: str) -> str:
+    """A figure for a table: ``s`` seconds, ``x`` a ratio, ``B`` bytes (B / kB / MB), ``MB``
+    bytes in MB (of a rate: MB/s), ``n`` a count; NaN as ``n/a``."""
+    if not isinstance(value, (int, float)) or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    if unit in ("s", "x"):
+        return f"{value:.3f}" if unit == "s" or value >= 0.01 else f"{value:.2e}"
+    if unit in ("MB", "n"):
+        return f"{value / 1e6:.2f}" if unit == "MB" else f"{value:.0f}"
+    if value >= 1e6:
+        return f"{value / 1e6:.1f} MB"
+    return f"{value / 1e3:.1f} kB" if value >= 1e3 else f"{value:.0f} B"
+
+
+def ratio(a: float, b: float) -> float:
+    """``a / b``, NaN if ``b`` is 0 or either is NaN."""
+    return a / b if b and not math.isnan(a) and not math.isnan(b) else float("nan")
+
+
+def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Lines of a markdown table: the first column left-aligned, the others right-aligned."""
+    return (["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+            + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def figure_table(res: dict[str, dict], figures: list[tuple[str, str, str]], cols: list[str],
+                 ref: str | None = None, limits: dict[str, float] | None = None) -> list[str]:
+    """A markdown table of ``figures`` ``(key, label, unit)``: a column per system of ``cols``
+    (``res[system][key]``), then each other system's ratio to ``ref``'s figure, then, for the
+    keys of ``limits`` (figure key -> the machine's limit in seconds), the limit and each
+    system's fraction of it (limit / figure; 1.0 is at the limit)."""
+    ref = ref if ref in res else None
+    ours = [s for s in cols if s != ref] if ref else []
+    limits = limits or {}
+    rows = []
+    for key, label, unit in figures:
+        vals = [res[s].get(key, math.nan) for s in cols]
+        rows.append([f"{label}{f' ({unit})' if unit not in ('B', 'MB') else ''}",
+                     *(fmt(v, unit) for v in vals),
+                     *(fmt(ratio(res[s].get(key, math.nan), res[ref][key]), "x") for s in ours)])
+        if limits:
+            lim = limits.get(key)
+            rows[-1] += ([fmt(lim, "s"), *(fmt(ratio(lim, v), "x") for v in vals)]
+                         if lim is not None else [""] * (1 + len(cols)))
+    header = ["figure", *cols, *(f"{s} / {ref}" for s in ours)]
+    if limits:
+        header += ["machine's limit (s)", *(f"{s}: limit / figure" for s in cols)]
+    return md_table(header, rows)
+
+
+def limit_lines(limit: dict, title: str = "The machine's limit, measured in this run") -> list:
+    """The limit's rates as a markdown table (``limit.rows``) under ``title``."""
+    from .limit import rows
+
+    return ["", f"{title} (benchmarks/harness/limit.py; MB/s):", "",
+            *md_table(["rate", "MB/s"], rows(limit))]
+
+
+def target_lines(targets: list[tuple[str, float, float]]) -> list[str]:
+    """``- target: text: value (met|NOT met)`` per ``(text, value, limit)``; met if value <=
+    limit."""
+    return [f"- target: {text}: {value:.3g} ({'met' if value <= limit else 'NOT met'})"
+            for text, value, limit in targets]
+
+
+OPTIONS = {  # the command-line options benchmarks share: name -> argparse keywords
+    "dir": dict(default=None,
+                help="where to write (a fresh temp dir inside it; default: under /tmp)"),
+    "repeat": dict(type=int, default=1, help="runs per system; medians are shown"),
+    "tiny": dict(action="store_true", help="a tiny state, the smoke test's setting"),
+    "drop-caches": dict(action="store_true",
+                        help="drop the OS page cache before each timed phase (needs root)"),
+    "no-warm": dict(action="store_true",
+                    help="do not warm memory before each timed phase (timing.settle)"),
+    "device": dict(choices=("default", "cpu"), default="default",
+                   help="where the state lives: jax's default device (an accelerator when "
+                        "there is one) or the CPU"),
+    "endpoint": dict(default=None,
+                     help="an existing S3 server's URL (default: start SeaweedFS on loopback)"),
+    "key": dict(default=None, help="with --endpoint: access key (default anonymous)"),
+    "secret": dict(default=None, help="with --endpoint: secret key"),
+    "json": dict(default=None, help="also write all figures as JSON here"),
+    "plot": dict(default=None, help="also plot the ratios and fractions of the limit here (PNG)"),
+}
+
+
+def parser(doc: str, *names: str, **helps: str) -> argparse.ArgumentParser:
+    """An argument parser with the shared options ``names`` (keys of :data:`OPTIONS`) and
+    ``--json`` and ``--plot``; ``helps`` replace help texts, keyed by dest (``drop_caches``)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    for name in (*names, "json", "plot"):
+        spec = dict(OPTIONS[name])
+        spec["help"] = helps.get(name.replace("-", "_"), spec["help"])
+        ap.add_argument(f"--{name}", **spec)
+    return ap
+
+
+def parse(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parses ``argv``; exits with a usage error if ``--repeat`` is below 1."""
+    args = ap.parse_args(argv)
+    if getattr(args, "repeat", 1) < 1:
+        ap.error("--repeat must be >= 1")
+    return args
+
+
+def plot(bars: dict[str, float], path: str, title: str) -> None:
+    """A horizontal bar chart of ``bars`` (label -> ratio), a line at 1.0, saved as ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 0.4 * len(bars) + 1.2))
+    ax.barh(list(bars), [0 if math.isnan(v) else v for v in bars.values()])
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.invert_yaxis()
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def report(result: dict, table: Callable[[dict], str], args: argparse.Namespace,
+           bars: Callable[[dict], dict[str, float]] | None = None) -> dict:
+    """Sets ``result["environment"]["load_after"]``, prints ``table(result)``, writes ``result``
+    as JSON to ``args.json`` and ``bars(result)`` as a plot to ``args.plot`` if given; returns
+    ``result``."""
+    result["environment"]["load_after"] = os.getloadavg()
+    print(table(result))
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    if args.plot and bars:
+        plot(bars(result), args.plot, pathlib.Path(args.plot).stem)
+    return result
