@@ -1,0 +1,55 @@
+"""Save decisions agree across the processes of a jax.distributed job (2 local processes)."""
+
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+
+import casstore
+
+WORKER = pathlib.Path(__file__).with_name("policies_worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(mode: str, repo, timeout_s: float = 180) -> list[tuple[list[int], int]]:
+    """Runs 2 worker processes; returns each one's (saved steps, step it stopped at)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(port), "2", str(i), mode,
+                               str(repo)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    results = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+        assert p.returncode == 0 and "OK" in out, out[-3000:]
+        found = re.search(r"SAVED \[([\d, ]*)\] STOPPED (\d+)", out)
+        assert found, out[-3000:]
+        saved = [int(s) for s in found[1].split(",") if s.strip()]
+        results.append((saved, int(found[2])))
+    return results
+
+
+def test_sigterm_to_one_process_saves_every_process_at_jax_sync_point(tmp_path):
+    (saved0, stop0), (saved1, stop1) = run_job("preemption", tmp_path / "repo")
+    assert stop0 == stop1 and stop0 > 5  # the step jax's preemption service agreed on
+    assert saved0 == saved1 == [stop0]  # interval 1000: the preemption save only
+    assert casstore.list_steps(tmp_path / "repo") == [stop0]
+    assert casstore.restore(tmp_path / "repo", stop0)["w"].tolist() == [stop0] * 4
+
+
+def test_continuous_policy_follows_process_0_when_clocks_disagree(tmp_path):
+    (saved0, _), (saved1, _) = run_job("continuous", tmp_path / "repo")
+    assert saved0 == saved1 == [0]  # process 1 alone would have saved again
+    assert casstore.list_steps(tmp_path / "repo") == [0]
