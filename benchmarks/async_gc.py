@@ -13,6 +13,7 @@ Usage::
 
     python benchmarks/async_gc.py [--dir DIR] [--repeat N] [--tiny] [--size gpt2|gpt2-xl|tiny]
                                   [--device default|cpu] [--drop-caches] [--json PATH]
+                                  [--plot PNG]
 """
 
 from __future__ import annotations
@@ -257,13 +258,13 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = h.parser(__doc__, "dir", "repeat", "tiny", "drop-caches", "device",
+    ap = h.parser(__doc__, "dir", "repeat", "tiny", "drop-caches", "device", "plot",
                   repeat="runs of each part; medians over all saves and runs are shown",
                   tiny="tiny states (smoke test): 3 blocks of width 64, 50 GC steps of 1 MiB")
     ap.add_argument("--size", choices=("gpt2", "gpt2-xl", "tiny"), default="gpt2",
                     help="part 1's state: gpt2 (1.49 GB), gpt2-xl (18.7 GB, on the device)")
     args = h.parse(ap, argv)
-    return h.report(run(args), table, args)
+    return h.report(run(args), table, args, ("casstore", "orbax", "async"))
 
 
 if __name__ == "__main__":

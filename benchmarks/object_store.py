@@ -183,22 +183,15 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def bars(result: dict) -> dict[str, float]:
-    """casstore's ratios to plain s3fs and its fractions of the limit, for ``--plot``."""
-    c = result["results"]["casstore"]
-    return {**{t["target"][:40]: t["ratio"] for t in result["targets"]},
-            **{f"limit / {k}": h.ratio(v, c[k]) for k, v in result["limits"].items()}}
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = h.parser(__doc__, "repeat", "tiny", "dir", "drop-caches", "no-warm", "endpoint", "key",
-                  "secret", tiny="same as --scale tiny",
+                  "secret", "plot", tiny="same as --scale tiny",
                   dir="where SeaweedFS keeps its data (a fresh temp dir inside; default /tmp)",
                   drop_caches="drop the OS page cache before each restore (needs root)")
     ap.add_argument("--scale", choices=("gpt2", "small", "tiny"), default="gpt2",
                     help="gpt2 (1.49 GB), small (width 256, 0.27 GB) or tiny (2.6 MB)")
     args = h.parse(ap, argv)
-    return h.report(run(args), table, args, bars)
+    return h.report(run(args), table, args, ("casstore", "s3fs"))
 
 
 if __name__ == "__main__":

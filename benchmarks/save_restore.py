@@ -164,17 +164,8 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def bars(result: dict) -> dict[str, float]:
-    """casstore's ratios to orbax and its fractions of the limit, for ``--plot``."""
-    c, o = result["results"].get("casstore", {}), result["results"].get("orbax", {})
-    return {**{f"{k} / orbax": h.ratio(c.get(k, float("nan")), o.get(k, float("nan")))
-               for k in result["limits"]},
-            **{f"limit / {k}": h.ratio(v, c.get(k, float("nan")))
-               for k, v in result["limits"].items()}}
-
-
 def main(argv: list[str] | None = None) -> dict:
-    ap = h.parser(__doc__, "dir", "repeat", "tiny", "drop-caches", "no-warm", "device",
+    ap = h.parser(__doc__, "dir", "repeat", "tiny", "drop-caches", "no-warm", "device", "plot",
                   tiny="same as --size tiny (3 blocks of width 64)")
     ap.add_argument("--size", choices=tuple(h.SIZES), default="gpt2",
                     help="gpt2 (1.49 GB), gpt2-xl (18.7 GB, made on the device), small "
@@ -184,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.systems = tuple(s for s in SYSTEMS if s in args.systems.split(","))
     if not args.systems:
         ap.error("need at least one known system")
-    return h.report(run(args), table, args, bars)
+    return h.report(run(args), table, args, ("casstore", "orbax"))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ the peak extra RSS of the restore onto the other mesh. README.md's ``sharded.py`
 Usage::
 
     python benchmarks/sharded.py [--dir DIR] [--repeat N] [--drop-caches] [--tiny]
-                                 [--json PATH]
+                                 [--json PATH] [--plot PNG]
 """
 
 from __future__ import annotations
@@ -163,11 +163,11 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = h.parser(__doc__, "dir", "repeat", "tiny", "drop-caches",
+    ap = h.parser(__doc__, "dir", "repeat", "tiny", "drop-caches", "plot",
                   tiny=f"arrays {TINY_DIV}x smaller per axis",
                   drop_caches="drop the page cache before each restore (needs root)")
     args = h.parse(ap, argv)
-    return h.report(run(args), table, args)
+    return h.report(run(args), table, args, ("casstore", "orbax", "figures"))
 
 
 if __name__ == "__main__":

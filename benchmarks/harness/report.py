@@ -137,9 +137,9 @@ OPTIONS = {  # the command-line options benchmarks share: name -> argparse keywo
 
 def parser(doc: str, *names: str, **helps: str) -> argparse.ArgumentParser:
     """An argument parser with the shared options ``names`` (keys of :data:`OPTIONS`) and
-    ``--json`` and ``--plot``; ``helps`` replace help texts, keyed by dest (``drop_caches``)."""
+    ``--json``; ``helps`` replace help texts, keyed by dest (``drop_caches``)."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
-    for name in (*names, "json", "plot"):
+    for name in (*names, "json"):
         spec = dict(OPTIONS[name])
         spec["help"] = helps.get(name.replace("-", "_"), spec["help"])
         ap.add_argument(f"--{name}", **spec)
@@ -171,15 +171,23 @@ def plot(bars: dict[str, float], path: str, title: str) -> None:
     plt.close(fig)
 
 
+def bars(result: dict, ours: str, ref: str, where: str = "results") -> dict[str, float]:
+    """For each figure of ``result["limits"]``: system ``ours``'s ratio to ``ref``'s and its
+    fraction of the limit (``result[where][system][key]``), the bars of ``--plot``."""
+    a, b = result[where][ours], result[where][ref]
+    return {**{f"{k} / {ref}": ratio(a[k], b[k]) for k in result["limits"]},
+            **{f"limit / {k}": ratio(v, a[k]) for k, v in result["limits"].items()}}
+
+
 def report(result: dict, table: Callable[[dict], str], args: argparse.Namespace,
-           bars: Callable[[dict], dict[str, float]] | None = None) -> dict:
+           vs: tuple[str, ...] | None = None) -> dict:
     """Sets ``result["environment"]["load_after"]``, prints ``table(result)``, writes ``result``
-    as JSON to ``args.json`` and ``bars(result)`` as a plot to ``args.plot`` if given; returns
-    ``result``."""
+    as JSON to ``args.json`` and, given ``vs`` (:func:`bars`' ours, ref and optionally where),
+    the bars as a plot to ``args.plot`` (an option of :func:`parser`); returns ``result``."""
     result["environment"]["load_after"] = os.getloadavg()
     print(table(result))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
-    if args.plot and bars:
-        plot(bars(result), args.plot, pathlib.Path(args.plot).stem)
+    if getattr(args, "plot", None) and vs and set(vs[:2]) <= set(result[(*vs, "results")[2]]):
+        plot(bars(result, *vs), args.plot, pathlib.Path(args.plot).stem)
     return result
