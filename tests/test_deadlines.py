@@ -16,8 +16,10 @@ from casstore.store import FsspecStore, MemoryStore
 REQUEST_S, OPERATION_S = 0.5, 2.0
 DEADLINES = {"request_timeout_s": REQUEST_S, "operation_timeout_s": OPERATION_S}
 # The bound of docs/reliability.md: one operation's deadline, then the failed save's lock
-# release and in-flight requests at one request timeout each; 1.5 s of slack for a busy CI.
-BOUND_S = OPERATION_S + 2 * REQUEST_S + 1.5
+# release and in-flight requests at one request timeout each; 3 s of slack for a busy 2-core
+# machine (scheduling, the proxy's threads, the server). Without deadlines a stalled store
+# hangs forever, and casstore retries until the operation's deadline, so this still fails.
+BOUND_S = OPERATION_S + 2 * REQUEST_S + 3.0
 CHUNK = 16_384  # bytes: a trickled 16 KiB answer takes 4 s, past one attempt's 1 s
 
 
@@ -162,7 +164,7 @@ def test_manager_surfaces_a_stalled_background_save_and_recovers(object_servers)
         proxy.set("stall")
         t0 = time.monotonic()
         assert mngr.save(1, tree_for(1), force=True)  # returns at once: the save is queued
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 0.75 * OPERATION_S  # a save that waited would not be
         with pytest.raises(casstore.StoreTimeoutError,
                            match="no answer within the .* deadline") as info:
             mngr.save(2, tree_for(2))

@@ -28,10 +28,19 @@ def measure(kind: str, url: str, leaves: int = 8) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+# glibc keeps freed encode buffers in per-thread arenas, and on a busy machine descheduled
+# threads hold theirs longer: a peak 1.9 MB over the 64 MiB allowance was seen with two
+# CPU-bound processes beside the suite. 64 MiB more is far below what a failure adds (an
+# unbounded window or a copy of the 2 GiB state adds hundreds of MiB to gigabytes).
+LOADED_MACHINE_SLACK = 64 * 2**20
+
+
 def save_bound(m: dict) -> int:
     """What a save of in-place blocks may add: the encoded copies in the in-flight window,
-    half a chunk of working memory per encoding thread, and 64 MiB for threads and heap."""
-    return m["inflight_bytes"] + m["workers"] * DEFAULT_CHUNK_SIZE_BYTES // 2 + 64 * 2**20
+    half a chunk of working memory per encoding thread, 64 MiB for threads and heap, and
+    :data:`LOADED_MACHINE_SLACK`."""
+    return (m["inflight_bytes"] + m["workers"] * DEFAULT_CHUNK_SIZE_BYTES // 2 + 64 * 2**20
+            + LOADED_MACHINE_SLACK)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +87,7 @@ def test_a_restore_places_leaves_before_its_last_chunk_arrives(monkeypatch):
     class SlowGets(MemoryStore):
         def get(self, key):
             if key.startswith("chunks/"):
-                time.sleep(0.05)
+                time.sleep(0.1)  # the placing thread has 0.5 s per leaf even when descheduled
                 gets.append(time.monotonic())
             return super().get(key)
 

@@ -92,7 +92,9 @@ def test_writes_fail_at_once_naming_the_url(seaweedfs_identities, repo, write):
     t0 = time.perf_counter()
     with pytest.raises(PermissionError, match="refused access") as info:
         WRITES[write](reader)
-    assert time.perf_counter() - t0 < 2.0  # refused once, not retried
+    # Refused once, not retried: retries would go on to the 60 s operation deadline; 10 s
+    # leaves a busy 2-core machine room for the one request.
+    assert time.perf_counter() - t0 < 10.0
     assert isinstance(info.value, casstore.AccessDeniedError)
     assert repo in str(info.value)
     assert objects(seaweedfs_identities, repo) == before
@@ -106,7 +108,7 @@ def test_manager_save_fails_in_the_call_with_read_only_keys(seaweedfs_identities
         t0 = time.perf_counter()
         with pytest.raises(PermissionError, match="refused access") as info:
             mngr.save(3, tree_for(3))  # asynchronous, yet refused here, not at the next call
-        assert time.perf_counter() - t0 < 2.0
+        assert time.perf_counter() - t0 < 10.0  # not retried to the 60 s deadline
         assert repo in str(info.value)
         assert mngr.all_steps() == [1, 2]  # retention did not run either
     assert objects(seaweedfs_identities, repo) == before

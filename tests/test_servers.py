@@ -131,7 +131,7 @@ def test_fake_gcs_on_a_taken_port_fails_fast_with_its_log(tmp_path, taken_port):
     with pytest.raises(servers.ServerError, match="address already in use") as info:
         with servers.fake_gcs_server(tmp_path, port=taken_port):
             pass
-    assert info.value.exited and time.monotonic() - t0 < 5
+    assert info.value.exited and time.monotonic() - t0 < 10  # its start timeout is 15 s
 
 
 def test_moto_on_a_taken_port_fails_fast(taken_port, monkeypatch):
@@ -142,7 +142,7 @@ def test_moto_on_a_taken_port_fails_fast(taken_port, monkeypatch):
     with pytest.raises(servers.ServerError, match="thread died"):
         with servers.moto_server(port=taken_port):
             pass
-    assert time.monotonic() - t0 < 5 and died == [SystemExit]
+    assert time.monotonic() - t0 < 8 and died == [SystemExit]  # its start timeout is 10 s
 
 
 def test_seaweedfs_exiting_after_another_server_answered_its_probe_fails(tmp_path):
@@ -189,4 +189,4 @@ def test_a_server_that_never_answers_times_out_without_retries(tmp_path, taken_p
     t0 = time.monotonic()
     with pytest.raises(servers.ServerError, match="not ready after 0.3 s"):
         servers._spawn(["sleep", "30"], tmp_path / "log", f"http://127.0.0.1:{taken_port}/", 0.3)
-    assert time.monotonic() - t0 < 2  # and the sleep was stopped by SIGTERM, not waited for
+    assert time.monotonic() - t0 < 10  # the sleep (30 s) was stopped by SIGTERM, not waited for
