@@ -8,6 +8,7 @@ commits the checkpoint. See ``docs/format.md``.
 from importlib.metadata import PackageNotFoundError, version
 
 from ._copy import CopyInfo as CopyInfo
+from ._copy import CopyProgress as CopyProgress
 from ._copy import copy as copy
 from ._errors import AccessDeniedError as AccessDeniedError
 from ._errors import CasstoreError as CasstoreError
