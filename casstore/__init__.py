@@ -21,6 +21,7 @@ from ._errors import StepNotFoundError as StepNotFoundError
 from ._errors import StoreTimeoutError as StoreTimeoutError
 from ._errors import TargetMismatchError as TargetMismatchError
 from ._errors import UnsupportedLeafError as UnsupportedLeafError
+from ._fallback import FallbackStore as FallbackStore
 from ._gc import GcInfo as GcInfo
 from ._gc import gc as gc
 from ._manager import CheckpointManager as CheckpointManager
@@ -36,6 +37,7 @@ from ._repository import read_manifest as read_manifest
 from ._restore import restore as restore
 from ._save import SaveInfo as SaveInfo
 from ._save import save as save
+from ._tiers import PersistError as PersistError
 from ._verify import Problem as Problem
 from ._verify import VerifyReport as VerifyReport
 from ._verify import verify as verify

@@ -72,7 +72,8 @@ class CopyProgress:
     """Where a :func:`copy` stands, passed to its ``progress`` callback.
 
     Attributes:
-      chunks_done, chunks_total: objects sent so far, and to send in all.
+      chunks_done, chunks_total: objects sent (or, for a persist, found there) so far, and
+        to send in all.
       bytes_done: stored bytes sent so far.
       steps_done, steps_total: manifests written so far, and to write in all.
     """
@@ -161,16 +162,18 @@ def select_steps(src: Store, *, steps: list[int] | None = None,
 
 def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
                   present: dict[str, int], *, max_workers: int | None = None,
-                  verify: bool = False,
+                  verify: bool = False, probe: bool = False,
                   progress: Callable[[CopyProgress], None] | None = None) -> CopyInfo:
     """The engine of :func:`copy` (and of the manager's persist): copies ``selected`` steps
-    from ``src`` to ``dst`` given ``present``, the destination's object keys and sizes, which
-    it updates with what it sends. The caller holds the destination's save lock."""
+    from ``src`` to ``dst`` given ``present``, destination object keys and sizes known to be
+    there, which it updates with what it sends or finds. With ``probe``, an object not in
+    ``present`` is looked up (one ``stat``) before it is sent, so ``present`` may hold only
+    what is known, not everything. The caller holds the destination's save lock."""
     t0 = time.perf_counter()
     plan, skipped_steps = _plan(src, dst, selected)
     needed: dict[str, tuple[str, str | None, int, str, _Step]] = {}
     for s in plan:
-        for obj, (cid, base, raw, path) in _needed_objects(s.manifest).items():
+        for obj, (cid, base, raw, path) in needed_objects(s.manifest).items():
             needed.setdefault(obj, (cid, base, raw, path, s))
     order = {id(s): i for i, s in enumerate(plan)}
     # In step order (a step's manifest goes up as soon as its objects are in), and within a
@@ -179,8 +182,8 @@ def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
                      key=lambda k: (order[id(needed[k][4])], needed[k][1] or needed[k][0]))
     skipped = [k for k in needed if k in present]
     for s in plan:
-        s.waiting = {k for k in _needed_objects(s.manifest) if k not in present}
-    engine = _Engine(src, dst, plan, needed, len(missing), verify, progress)
+        s.waiting = {k for k in needed_objects(s.manifest) if k not in present}
+    engine = _Engine(src, dst, plan, needed, len(missing), verify, progress, probe)
     engine.commit_ready()
     # With verify, a base that deltas share is read from the source once for all of them;
     # without, no base is decoded, so none is held.
@@ -188,6 +191,8 @@ def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
     bounded_map(engine.transfer, missing, max_workers or dst.max_workers)
     engine.commit_ready()
     present.update(engine.sent)
+    present.update(engine.found)
+    skipped += list(engine.found)
     return CopyInfo(tuple(engine.committed), tuple(skipped_steps + engine.raced),
                     len(engine.sent), sum(engine.sent.values()), len(skipped),
                     sum(present[k] for k in skipped), time.perf_counter() - t0)
@@ -217,11 +222,12 @@ class _Engine:
     """The shared state of one copy: objects sent, manifests committed in step order."""
 
     def __init__(self, src: Store, dst: Store, plan: list[_Step], needed: dict, total: int,
-                 verify: bool, progress: Callable[[CopyProgress], None] | None):
+                 verify: bool, progress: Callable[[CopyProgress], None] | None, probe: bool):
         self.src, self.dst, self.plan, self.needed = src, dst, plan, needed
-        self.total, self.verify, self.progress = total, verify, progress
+        self.total, self.verify, self.progress, self.probe = total, verify, progress, probe
         self.bases: DeltaBases | None = None
         self.sent: dict[str, int] = {}
+        self.found: dict[str, int] = {}  # probed and found at the destination
         self.committed: list[tuple[str, int]] = []
         self.raced: list[tuple[str, int]] = []
         self.next = 0  # index in plan of the next manifest to write
@@ -231,6 +237,8 @@ class _Engine:
     def transfer(self, obj: str) -> None:
         cid, base, raw_length, path, s = self.needed[obj]
         try:
+            if self.probe and self._found(obj):
+                return
             data = self.bases.read(obj, cid, base)
             if self.verify:
                 self.bases.decode(data, cid, base, raw_length)
@@ -242,8 +250,19 @@ class _Engine:
                                     step=s.step, key_path=path, chunk_id=cid) from e
         except StoreTimeoutError as e:
             raise e.at(run=s.run, step=s.step, key_path=path, chunk_id=cid) from e
+        self._done(obj, self.sent, len(data))
+
+    def _found(self, obj: str) -> bool:
+        try:
+            size = self.dst.stat(obj).size
+        except FileNotFoundError:
+            return False
+        self._done(obj, self.found, size)
+        return True
+
+    def _done(self, obj: str, record: dict[str, int], size: int) -> None:
         with self.lock:
-            self.sent[obj] = len(data)
+            record[obj] = size
             for step in self.plan[self.next:]:
                 step.waiting.discard(obj)
         self.commit_ready()
@@ -269,8 +288,8 @@ class _Engine:
     def _report(self) -> None:
         if self.progress is not None:
             with self.lock:
-                state = CopyProgress(len(self.sent), self.total, sum(self.sent.values()),
-                                     self.next, len(self.plan))
+                state = CopyProgress(len(self.sent) + len(self.found), self.total,
+                                     sum(self.sent.values()), self.next, len(self.plan))
             self.progress(state)
 
 
@@ -333,7 +352,7 @@ def _check_frame_size(frame: memoryview, size: int, bad: Callable) -> None:
         raise bad(f"zstd frame declares {declared} bytes, expected {size}")
 
 
-def _needed_objects(manifest: Manifest) -> dict[str, tuple[str, str | None, int, str]]:
+def needed_objects(manifest: Manifest) -> dict[str, tuple[str, str | None, int, str]]:
     """Object key -> ``(chunk id, base or None, raw bytes, key path)`` for every object a
     restore of ``manifest`` reads: chunk objects, delta objects and their bases (format.md
     §3.5)."""

@@ -24,12 +24,14 @@ import jax
 from ._chunking import DEFAULT_CHUNK_SIZE_BYTES, DEFAULT_PACK_THRESHOLD_BYTES
 from ._codec import DEFAULT_ZSTD_LEVEL
 from ._errors import StoreTimeoutError
+from ._fallback import FallbackStore
 from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, gc
 from ._locks import check_write_access
 from ._repository import Url, delete, list_steps, read_manifest
 from ._restore import restore
 from ._save import SaveInfo, inflight_window, plan_jobs, prepare, write
 from ._staging import StagingStream
+from ._tiers import PersistPolicy, start_persister
 from .store import Store, open_store
 
 
@@ -94,6 +96,14 @@ class CheckpointManager:
         save hold at once (None: no limit); at least ``chunk_size_bytes``.
       chunk_size_bytes, zstd_level, delta: as for :func:`casstore.save`; deltas are taken
         against the manager's latest step.
+      persistent: None, or a URL or Store: the persistent tier (``docs/tiers.md``). Every
+        eligible step is copied there in the background after its local commit, moving only
+        the chunks it lacks; ``save`` never waits for it. :meth:`latest_step` and
+        :meth:`all_steps` cover both tiers; :meth:`restore` reads each chunk from ``url`` and
+        one missing or damaged there from the persistent tier.
+      persist_interval_steps: a step divisible by this is persisted.
+      persistent_max_to_keep: persisted steps kept on the persistent tier (None keeps all);
+        ``gc_after_retention`` and ``grace_period_s`` apply to it too.
       **storage_options: passed to fsspec for URLs.
 
     Raises:
@@ -117,7 +127,9 @@ class CheckpointManager:
                  grace_period_s: float = DEFAULT_GRACE_PERIOD_S,
                  max_staging_bytes: int | None = None,
                  chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES,
-                 zstd_level: int = DEFAULT_ZSTD_LEVEL, delta: bool = True, **storage_options):
+                 zstd_level: int = DEFAULT_ZSTD_LEVEL, delta: bool = True,
+                 persistent: Url | None = None, persist_interval_steps: int = 1,
+                 persistent_max_to_keep: int | None = None, **storage_options):
         if best_mode not in ("max", "min"):
             raise ValueError(f"best_mode must be 'max' or 'min', not {best_mode!r}")
         for name, value in (("max_to_keep", max_to_keep), ("keep_period", keep_period),
@@ -148,6 +160,11 @@ class CheckpointManager:
         self.last_gc_info: GcInfo | None = None
         self.last_staging_peak_bytes: int | None = None
         self._steps: list[int] = list_steps(self.store, run=self.run)
+        # tiers hook (_tiers.py): the persister, which resumes what a killed manager left
+        self.persister = None if persistent is None else start_persister(
+            self.store, persistent, run, self._steps, PersistPolicy(
+                persist_interval_steps, persistent_max_to_keep, gc_after_retention,
+                grace_period_s))
         _register_exit_hook(self)
 
     # -- saving ------------------------------------------------------------------------------
@@ -223,7 +240,7 @@ class CheckpointManager:
                 self.store, step, prepared, inline, stream, run=self.run,
                 zstd_level=self.zstd_level, shuffle=self.store.shuffle, max_workers=workers,
                 window=inflight_window(workers, self.chunk_size_bytes), delta=self.delta,
-                previous_step=self.latest_step())
+                previous_step=self._steps[-1] if self._steps else None)  # tiers: local
         except StoreTimeoutError as e:  # surfaces on the next save(): name the step
             stream.abandon()
             raise e.at(run=self.run, step=step) from e
@@ -231,6 +248,8 @@ class CheckpointManager:
             stream.abandon()
             raise
         self._steps = sorted({*self._steps, step})
+        if self.persister is not None and jax.process_index() == 0:  # tiers hook
+            self.persister.submit(step)
         self._metrics[step] = metrics
         deleted = self._apply_retention()
         if deleted and self.gc_after_retention and jax.process_index() == 0:
@@ -245,6 +264,23 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
+        if self.persister is not None:  # tiers hook: a failed persist surfaces, no wait
+            self.persister.raise_error()
+
+    def wait_until_persisted(self, timeout_s: float | None = None) -> bool:
+        """Waits for the background save, then for the persists it queued (tiers).
+
+        Returns:
+          False if ``timeout_s`` seconds passed with a persist still running, else True.
+
+        Raises:
+          The background save's error; a persist's error (:class:`~casstore.PersistError` or
+          :class:`~casstore.StoreTimeoutError`, naming the step and the persistent URL).
+        """
+        self.wait_until_finished()
+        done = self.persister is None or self.persister.wait(timeout_s)
+        self.wait_until_finished()
+        return done
 
     def close(self) -> None:
         """Waits for the background save, then stops its thread. Idempotent.
@@ -259,6 +295,10 @@ class CheckpointManager:
             self.wait_until_finished()
         finally:
             self._executor.shutdown(wait=True)
+            if self.persister is not None:  # tiers hook: finish the backlog
+                self.persister.close()
+        if self.persister is not None:
+            self.persister.raise_error()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -270,7 +310,7 @@ class CheckpointManager:
 
     def _metrics_of(self, step: int) -> Any:
         if step not in self._metrics:
-            metadata = read_manifest(self.store, step, run=self.run).metadata
+            metadata = read_manifest(self._reader(), step, run=self.run).metadata  # tiers
             self._metrics[step] = metadata.get("metrics") if isinstance(metadata, dict) else None
         return self._metrics[step]
 
@@ -293,8 +333,9 @@ class CheckpointManager:
 
     def _apply_retention(self) -> list[int]:
         """Deletes the steps the policy drops (process 0 only; every process forgets them)."""
-        steps = self.all_steps()
-        doomed = [s for s in steps if s not in self._steps_to_keep(steps)]
+        steps = list(self._steps)  # tiers: local steps; a pending persist keeps its step
+        pending = self.persister.pending() if self.persister is not None else set()
+        doomed = [s for s in steps if s not in self._steps_to_keep(steps) and s not in pending]
         for step in doomed:
             if jax.process_index() == 0:
                 with contextlib.suppress(FileNotFoundError):  # already gone: the same outcome
@@ -313,11 +354,13 @@ class CheckpointManager:
         """
         if read:
             self.reload()
+        if self.persister is not None:  # tiers hook: both tiers
+            return sorted({*self._steps, *self.persister.steps()})
         return list(self._steps)
 
     def latest_step(self) -> int | None:
         """The run's latest committed step as this manager knows it, or None; no request."""
-        steps = self._steps
+        steps = self.all_steps()  # tiers: both tiers
         return steps[-1] if steps else None
 
     def reload(self) -> None:
@@ -327,6 +370,8 @@ class CheckpointManager:
         """
         self.wait_until_finished()
         self._steps = list_steps(self.store, run=self.run)
+        if self.persister is not None:  # tiers hook
+            self.persister.reload()
 
     def best_step(self) -> int | None:
         """The committed step whose metrics score best by ``best_fn``; the latest without one."""
@@ -347,7 +392,7 @@ class CheckpointManager:
         :func:`casstore.restore` for ``target``, ``paths``, ``partial``, ``strict``,
         ``sharding``, ``transforms`` and ``fill_missing``."""
         self.wait_until_finished()
-        return restore(self.store, step, run=self.run, target=target, paths=paths,
+        return restore(self._reader(), step, run=self.run, target=target, paths=paths,
                        partial=partial, strict=strict, sharding=sharding,
                        transforms=transforms, fill_missing=fill_missing)
 
@@ -358,7 +403,7 @@ class CheckpointManager:
           StepNotFoundError: no such step.
         """
         self.wait_until_finished()
-        metadata = read_manifest(self.store, step, run=self.run).metadata
+        metadata = read_manifest(self._reader(), step, run=self.run).metadata
         return metadata.get("user") if isinstance(metadata, dict) else metadata
 
     def delete(self, step: int) -> None:
@@ -371,6 +416,12 @@ class CheckpointManager:
         delete(self.store, step, run=self.run)
         self._metrics.pop(step, None)
         self._steps = [s for s in self._steps if s != step]
+
+    def _reader(self) -> Store:
+        """tiers hook: the store restores read, with the persistent tier as fallback."""
+        if self.persister is None:
+            return self.store
+        return FallbackStore(self.store, [self.persister.persistent])
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.store!r}, run={self.run!r})"

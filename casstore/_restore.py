@@ -23,6 +23,7 @@ import numpy as np
 from ._chunking import Index, dtype_from_name
 from ._delta import DeltaBases
 from ._errors import CorruptChunkError, StoreTimeoutError, TargetMismatchError
+from ._fallback import log_tiers, reread_chunk, with_fallback
 from ._keypath import SCALAR_TYPES, matches, path_str, unflatten_plain
 from ._manifest import ChunkRef, LeafEntry, Manifest
 from ._pool import bounded_map
@@ -37,7 +38,8 @@ _ALIGN = 64  # bytes: jax's CPU client adopts buffers aligned so (DLPack import)
 def restore(url: Url, step: int | None = None, *, run: str = "default", target: Any = None,
             paths: list[str] | None = None, partial: bool = False, strict: bool = True,
             sharding: str | None = None, transforms: dict[str, str | None] | None = None,
-            fill_missing: bool = False, max_workers: int | None = None) -> Any:
+            fill_missing: bool = False, max_workers: int | None = None,
+            fallback: Any = None) -> Any:
     """Restores checkpoint ``step`` of ``run``.
 
     Reads the manifest, then only the chunks of the selected leaves, each verified against its
@@ -78,6 +80,12 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
         ``transforms``) unchanged instead of failing: orbax's ``use_fallback``. Only concrete
         target leaves (jax or numpy arrays, Python scalars) can be filled.
       max_workers: threads fetching and decoding chunks (default the store's).
+      fallback: None, or a URL / Store (or a list of them, tried in order) holding copies of
+        the repository (the persistent tier, ``docs/tiers.md``): a manifest or chunk object
+        missing from ``url``, or a chunk failing its checks there, is read from the first
+        fallback with a good copy; the latest step is the latest of all of them. Logs the
+        bytes read from each (INFO, logger ``casstore``); pass a :class:`FallbackStore` as
+        ``url`` to read its ``bytes_read`` instead, or to write recovered objects back.
 
     Returns:
       Without a target: the saved tree as plain dict / list / tuple containers (namedtuples and
@@ -103,7 +111,7 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
       ValueError: ``transforms`` or ``fill_missing`` without a target; ``sharding`` neither
         None nor ``"saved"``, or given with a target.
     """
-    store = open_store(url)
+    store = with_fallback(open_store(url), fallback)  # tiers: _fallback.py
     manifest = read_manifest(store, step, run=run)
     workers = max_workers or store.max_workers
     if sharding is not None:
@@ -117,6 +125,7 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
         regions = read_regions(store, manifest, {i: _regions_for(manifest.leaves[i], None)
                                                  for i in arrays}, workers)
         values = {i: _plain_value(manifest.leaves[i], regions.get(i)) for i in selected}
+        log_tiers(store, f"restore of step {manifest.step}")
         return unflatten_plain(manifest.tree, values, None if paths is None else set(selected))
     flat, treedef = tu.tree_flatten_with_path(target)
     plan = _match_target(manifest, flat, store, paths=paths, partial=partial, strict=strict,
@@ -132,6 +141,7 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
         fitted = _read_fitted(store, manifest, requests, workers)
         placed = {i: _place(manifest.leaves[i], regions, targets[i])
                   for i, regions in fitted.items()}
+    log_tiers(store, f"restore of step {manifest.step}")
     return tu.tree_unflatten(treedef, [
         t if i is None else placed[i] if i in placed else _place(manifest.leaves[i], None, t)
         for t, i in plan])
@@ -412,14 +422,16 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
         blocks = users[key]
         first = blocks[0][1]
         cid = first.id
+        into = _destination(blocks, out)
         try:
             data, buffers.read = store.get_into(key, getattr(buffers, "read", None))
-            into = _destination(blocks, out)
             raw = bases.decode(data, cid, first.base, first.raw_bytes, into)
         except (CorruptChunkError, FileNotFoundError) as e:
-            raise CorruptChunkError(f"unusable chunk: {e}", url=store.url, run=manifest.run,
-                                    step=manifest.step, key_path=manifest.leaves[blocks[0][0]].path,
-                                    chunk_id=cid) from e
+            raw = reread_chunk(store, key, first, into)  # tiers: a good copy elsewhere
+            if raw is None:
+                raise CorruptChunkError(
+                    f"unusable chunk: {e}", url=store.url, run=manifest.run, step=manifest.step,
+                    key_path=manifest.leaves[blocks[0][0]].path, chunk_id=cid) from e
         except StoreTimeoutError as e:
             raise e.at(run=manifest.run, step=manifest.step, chunk_id=cid,
                        key_path=manifest.leaves[blocks[0][0]].path) from e
