@@ -159,6 +159,7 @@ class CheckpointManager:
         self.last_save_info: SaveInfo | None = None
         self.last_gc_info: GcInfo | None = None
         self.last_staging_peak_bytes: int | None = None
+        self.last_restore_bytes: dict[str, int] | None = None
         self._steps: list[int] = list_steps(self.store, run=self.run)
         # tiers hook (_tiers.py): the persister, which resumes what a killed manager left
         self.persister = None if persistent is None else start_persister(
@@ -390,11 +391,16 @@ class CheckpointManager:
                 fill_missing: bool = False) -> Any:
         """Restores ``step`` (None: the latest), after any save in flight; see
         :func:`casstore.restore` for ``target``, ``paths``, ``partial``, ``strict``,
-        ``sharding``, ``transforms`` and ``fill_missing``."""
+        ``sharding``, ``transforms`` and ``fill_missing``. With a persistent tier,
+        ``last_restore_bytes`` then holds ``{url: stored bytes read}`` for each tier.
+        """
         self.wait_until_finished()
-        return restore(self._reader(), step, run=self.run, target=target, paths=paths,
-                       partial=partial, strict=strict, sharding=sharding,
-                       transforms=transforms, fill_missing=fill_missing)
+        reader = self._reader()
+        restored = restore(reader, step, run=self.run, target=target, paths=paths,
+                           partial=partial, strict=strict, sharding=sharding,
+                           transforms=transforms, fill_missing=fill_missing)
+        self.last_restore_bytes = getattr(reader, "bytes_read", None)  # tiers hook
+        return restored
 
     def metadata(self, step: int | None = None) -> Any:
         """The user metadata saved with ``step`` (None: the latest).

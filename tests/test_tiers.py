@@ -3,6 +3,7 @@ fake-gcs-server): background persists of every N-th step moving only new chunks,
 falling back per chunk, a replaced node, a stalled persistent tier, resume and retention."""
 
 import contextlib
+import logging
 import shutil
 import time
 
@@ -110,7 +111,7 @@ def _damage_local(local: LocalStore, step: int) -> tuple[list[str], list[str]]:
 
 
 def test_restore_takes_missing_and_damaged_local_chunks_from_the_persistent_tier(
-        tmp_path, remote):
+        tmp_path, remote, caplog):
     local = LocalStore(tmp_path / "local")
     with manager(local, remote, persist_interval_steps=1) as mngr:
         for step in range(3):
@@ -121,8 +122,11 @@ def test_restore_takes_missing_and_damaged_local_chunks_from_the_persistent_tier
         with pytest.raises(casstore.CorruptChunkError):
             casstore.restore(local, 2)
         assert_bit_exact(mngr.restore(2), 2)
+        assert mngr.last_restore_bytes[remote.url] > 0 and mngr.last_restore_bytes[local.url] > 0
     # The plain API: fallback=, and a FallbackStore that reports bytes per tier.
-    assert_bit_exact(casstore.restore(local, 2, fallback=remote), 2)
+    with caplog.at_level(logging.INFO, logger="casstore"):
+        assert_bit_exact(casstore.restore(local, 2, fallback=remote), 2)
+    assert f"bytes from {remote.url}" in caplog.text and "restore of step 2" in caplog.text
     tiered = casstore.FallbackStore(local, [remote])
     assert_bit_exact(casstore.restore(tiered, 2), 2)
     remote_sizes = {k: remote.stat(k).size for k in deleted + corrupted}
