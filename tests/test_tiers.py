@@ -4,9 +4,14 @@ falling back per chunk, a replaced node, a stalled persistent tier, resume and r
 
 import contextlib
 import logging
+import pathlib
+import re
 import shutil
+import subprocess
+import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 from faultproxy import fault_proxy
@@ -14,6 +19,7 @@ from faultproxy import fault_proxy
 import casstore
 from casstore._copy import needed_objects
 from casstore._layout import is_object_key
+from casstore._repository import list_chunk_objects
 from casstore.store import CountingStore, FsspecStore, LocalStore
 
 from conftest import object_store
@@ -244,3 +250,22 @@ def test_local_retention_never_deletes_a_step_whose_persist_is_pending(tmp_path,
         mngr.close()
         assert casstore.list_steps(tmp_path / "local") == [5]
         assert 4 in casstore.list_steps(remote)
+
+
+def test_the_example_persists_every_nth_step_and_prints_the_bytes(tmp_path):
+    example = pathlib.Path(__file__).parents[1] / "examples" / "finetune_minilm.py"
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    out = subprocess.run([sys.executable, str(example), "--url", str(local), "--steps", "3",
+                          "--persistent", str(remote), "--persist-interval", "2"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = re.findall(r"^\s*(\d+)\s+[\d.]+\s+[\d.]+\s+([\d.]+)\s.*x\s+[\d.]+(?:\s+([\d.]+))?$",
+                      out.stdout, re.M)
+    persisted = {int(step): float(mb) for step, _, mb in rows if mb}
+    assert [int(r[0]) for r in rows] == [0, 1, 2] and set(persisted) == {0, 2}
+    assert casstore.list_steps(remote) == [0, 2]
+    stored = sum(i.size for i in list_chunk_objects(LocalStore(remote)))
+    assert abs(sum(persisted.values()) - stored / 1e6) < 0.02  # rounding of the printed MB
+    assert_same = casstore.restore(remote, 2), casstore.restore(local, 2)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(
+        *(jax.tree.leaves(t) for t in assert_same)))
