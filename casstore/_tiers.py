@@ -39,9 +39,10 @@ class PersistError(CasstoreError, OSError):
     where (the cause is chained). The local tier has the step; a later persist or a reopened
     manager tries the newest steps again."""
 
-    def __init__(self, message: str, *, step: int, url: str, run: str):
+    def __init__(self, message: str, *, step: int | None, url: str, run: str):
         self.step, self.url, self.run = step, url, run
-        super().__init__(f"{message} (url {url!r}, run {run!r}, step {step})")
+        where = f", step {step}" if step is not None else ""
+        super().__init__(f"{message} (url {url!r}, run {run!r}{where})")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -83,11 +84,15 @@ class Persister:
         self.persisted: dict[int, CopyInfo] = {}
         self.dropped: list[int] = []
         self.last_gc_info: GcInfo | None = None
-        self._remote_steps = set(list_steps(persistent, run=run))
+        self._error: BaseException | None = None
+        try:
+            self._remote_steps = set(list_steps(persistent, run=run))
+        except Exception as e:  # noqa: BLE001 - the local tier works on; surfaces on save()
+            self._remote_steps = set()
+            self._error = _located(e, None, persistent.url, run)
         self._known: dict[str, int] = {}  # objects the latest persisted step references
         self._running: int | None = None
         self._queued: int | None = None
-        self._error: BaseException | None = None
         self._closed = False
         self._configured = False
         self._cond = threading.Condition()
@@ -225,7 +230,7 @@ def start_persister(local: Store, persistent, run: str, local_steps: list[int],
     return persister
 
 
-def _located(e: BaseException, step: int, url: str, run: str) -> BaseException:
+def _located(e: BaseException, step: int | None, url: str, run: str) -> BaseException:
     """The error to surface for a failed persist of ``step``, naming the step and URL."""
     if isinstance(e, StoreTimeoutError):
         return e.at(run=run, step=step)

@@ -7,6 +7,7 @@ import logging
 import pathlib
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -269,3 +270,27 @@ def test_the_example_persists_every_nth_step_and_prints_the_bytes(tmp_path):
     assert_same = casstore.restore(remote, 2), casstore.restore(local, 2)
     assert all(a.tobytes() == b.tobytes() for a, b in zip(
         *(jax.tree.leaves(t) for t in assert_same)))
+
+
+def test_an_unreachable_persistent_tier_leaves_the_local_tier_working(tmp_path, object_servers):
+    server = object_servers["seaweedfs"]
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    remote = FsspecStore.from_url(server.url_for("unreachable"), **{
+        **server.storage_options, "endpoint_url": f"http://127.0.0.1:{port}"}, **DEADLINES)
+    remote.backoff_s = 0.05
+    mngr = manager(tmp_path / "local", remote, persist_interval_steps=1)
+    errors = []
+    for step in range(3):
+        try:
+            mngr.save(step, tree_for(step), force=True)
+        except (casstore.PersistError, casstore.StoreTimeoutError) as e:
+            errors.append(e)
+    with contextlib.suppress(casstore.PersistError, casstore.StoreTimeoutError):
+        mngr.close()
+    assert errors and all(f"127.0.0.1:{port}" in str(e) or remote.url in str(e)
+                          for e in errors)
+    assert casstore.list_steps(tmp_path / "local")  # saves went on locally
+    for step in casstore.list_steps(tmp_path / "local"):
+        assert_bit_exact(casstore.restore(tmp_path / "local", step), step)
