@@ -217,16 +217,17 @@ def start_persister(local: Store, persistent, run: str, local_steps: list[int],
     """A :class:`Persister` from ``local`` to ``persistent`` (a URL or Store), which has
     queued the eligible ``local_steps`` a killed manager left unpersisted.
 
+    With several ``jax.distributed`` processes only process 0 persists (and resumes), from the
+    local tier as it sees it: every process must write its chunks where process 0 reads them
+    (one machine, or a shared filesystem). The other processes list the persistent tier's steps
+    and restore through it.
+
     Raises:
-      NotImplementedError: several ``jax.distributed`` processes (each would need to persist
-        the chunks it wrote before one commits; not built yet).
       ValueError: a policy value is out of range.
     """
-    if jax.process_count() > 1:
-        raise NotImplementedError("a persistent tier is single-process for now "
-                                  f"(jax.process_count() is {jax.process_count()})")
     persister = Persister(local, open_store(persistent), run, policy)
-    persister.resume(local_steps)
+    if jax.process_index() == 0:
+        persister.resume(local_steps)
     return persister
 
 
