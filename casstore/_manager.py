@@ -409,7 +409,7 @@ class CheckpointManager:
           StepNotFoundError: no such step.
         """
         self.wait_until_finished()
-        metadata = read_manifest(self._reader(), step, run=self.run).metadata
+        metadata = read_manifest(self._reader(), step, run=self.run).metadata  # tiers
         return metadata.get("user") if isinstance(metadata, dict) else metadata
 
     def delete(self, step: int) -> None:

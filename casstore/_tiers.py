@@ -58,10 +58,12 @@ class PersistPolicy:
     grace_period_s: float = DEFAULT_GRACE_PERIOD_S
 
     def __post_init__(self):
-        for name in ("interval_steps", "max_to_keep"):
+        for name, arg in (("interval_steps", "persist_interval_steps"),
+                          ("max_to_keep", "persistent_max_to_keep")):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"persist {name} must be a positive int, not {value!r}")
+            if (value is not None or name == "interval_steps") and (
+                    not isinstance(value, int) or value < 1):
+                raise ValueError(f"{arg} must be a positive int, not {value!r}")
 
 
 class Persister:

@@ -327,3 +327,11 @@ def test_two_jax_processes_save_locally_and_process_0_persists(tmp_path, object_
         w = np.arange(64 * 48, dtype=np.float32).reshape(64, 48) * step
         assert restored["state"]["w"].tobytes() == w.tobytes()
         assert restored["state"]["b"].tobytes() == np.full(48, step, np.float32).tobytes()
+
+
+@pytest.mark.parametrize("kwargs, named", [({"persist_interval_steps": 0}, "persist_interval"),
+                                           ({"persist_interval_steps": None}, "persist_interval"),
+                                           ({"persistent_max_to_keep": 0}, "persistent_max")])
+def test_bad_tier_arguments_are_refused_naming_them(tmp_path, kwargs, named):
+    with pytest.raises(ValueError, match=named):
+        casstore.CheckpointManager(tmp_path / "local", persistent=tmp_path / "remote", **kwargs)
