@@ -335,3 +335,19 @@ def test_two_jax_processes_save_locally_and_process_0_persists(tmp_path, object_
 def test_bad_tier_arguments_are_refused_naming_them(tmp_path, kwargs, named):
     with pytest.raises(ValueError, match=named):
         casstore.CheckpointManager(tmp_path / "local", persistent=tmp_path / "remote", **kwargs)
+
+
+def test_with_half_the_local_chunks_gone_only_those_are_read_remotely(tmp_path, remote):
+    local = LocalStore(tmp_path / "local")
+    casstore.save(local, 1, tree_for(1), chunk_size_bytes=CHUNK, delta=False)
+    casstore.copy(local, remote)
+    keys = sorted(object_keys(local, [1]))
+    gone = keys[::2]
+    sizes = {k: local.stat(k).size for k in keys}
+    for key in gone:
+        local.delete(key)
+    tiered = casstore.FallbackStore(local, [remote])
+    assert_bit_exact(casstore.restore(tiered, 1), 1)
+    assert tiered.bytes_read[remote.url] == sum(sizes[k] for k in gone)
+    assert tiered.objects_recovered == len(gone)
+    assert not any(local.exists(k) for k in gone)  # no write-back unless asked
