@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 # public name -> the private module that defines it
 _WHERE = {
-    "CopyInfo": "_copy", "copy": "_copy",
+    "CopyInfo": "_copy", "CopyProgress": "_copy", "copy": "_copy",
+    "FallbackStore": "_fallback", "PersistError": "_tiers",
     **dict.fromkeys(["AccessDeniedError", "CasstoreError", "CorruptChunkError", "ManifestError",
                      "MissingChunkError", "ObjectNotFoundError", "ReadOnlyStoreError",
                      "StepAlreadyExistsError", "StepNotFoundError", "StoreTimeoutError",
@@ -65,6 +66,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # the names as static tools see them
     from ._async_save import AsyncCheckpointer as AsyncCheckpointer
     from ._copy import CopyInfo as CopyInfo
+    from ._copy import CopyProgress as CopyProgress
     from ._copy import copy as copy
     from ._errors import AccessDeniedError as AccessDeniedError
     from ._errors import CasstoreError as CasstoreError
@@ -80,6 +82,7 @@ if TYPE_CHECKING:  # the names as static tools see them
     from ._errors import TargetMismatchError as TargetMismatchError
     from ._errors import UnsupportedFormatError as UnsupportedFormatError
     from ._errors import UnsupportedLeafError as UnsupportedLeafError
+    from ._fallback import FallbackStore as FallbackStore
     from ._gc import GcInfo as GcInfo
     from ._gc import gc as gc
     from ._manager import CheckpointManager as CheckpointManager
@@ -118,6 +121,7 @@ if TYPE_CHECKING:  # the names as static tools see them
     from ._scan import scan_manifests as scan_manifests
     from ._target import PLACEHOLDER as PLACEHOLDER
     from ._target import abstract_tree as abstract_tree
+    from ._tiers import PersistError as PersistError
     from ._verify import VerifyReport as VerifyReport
     from ._verify import verify as verify
     from .store import FsspecStore as FsspecStore

@@ -1,42 +1,60 @@
 """Copy checkpoints between repositories (local, S3, GCS, any pair), moving only missing chunks.
 
-Follows the commit rule of format.md §7 at the destination: a step's chunks are all stored
-(each verified against its chunk id as it passes) before its manifest is written create-only,
-so an interrupted copy leaves no partial step, and running it again sends only what is missing.
+Follows the commit rule of format.md §7 at the destination: a step's chunk objects are all
+stored before its manifest is written create-only, so an interrupted copy leaves no partial
+step, and running it again sends only what is missing. The copy is planned first (every
+selected manifest read and validated, every object the destination lacks assigned to the first
+step that needs it), then the objects of all steps go through one bounded pool, and each step's
+manifest is written, in step order, as soon as the objects it needs are in.
+
+Integrity of each object as it passes (``verify``):
+
+- ``verify=False`` (the default) checks the object's framing without decoding it: the header
+  (format.md §3.2: magic, version, codec, element size, the raw length the manifest gives), the
+  payload's length for a raw chunk, the plane table of codecs 3, 4 and 5 (lengths that add up to
+  the payload), and the content size each zstd frame declares. A truncated, mis-sized or
+  foreign object is refused; a changed byte inside a payload is not seen here. It is seen by
+  every restore and ``verify`` of the destination (the chunk id is checked on every read, so
+  damage is never restored silently), and a tiered restore then takes the chunk from the other
+  tier (``docs/tiers.md``).
+- ``verify=True`` decodes every object (a delta on its base) and checks it against its chunk
+  id before it is sent: nothing damaged at the source reaches the destination.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import struct
 import threading
 import time
+from collections.abc import Callable
 
+import zstandard
+
+from ._codec import HEADER, MAGIC, MAX_ELEMENT_SIZE, VERSION
 from ._delta import DeltaBases
 from ._errors import CorruptChunkError, StepNotFoundError, StoreTimeoutError
 from ._layout import chunk_key, manifest_key
 from ._locks import save_lock
-from ._manifest import Manifest
+from ._manifest import Manifest, decode_manifest
 from ._pool import bounded_map
-from ._repository import (
-    Url,
-    ensure_config,
-    list_chunk_objects,
-    list_runs,
-    list_steps,
-    read_manifest,
-)
-from .store import open_store
+from ._repository import Url, ensure_config, list_chunk_objects, list_runs, list_steps
+from .store import Store, open_store
+
+_CODEC_RAW, _CODEC_ZSTD, _CODEC_SHUFFLE, _CODEC_DELTA = 0, 1, 2, 3
+_PLANES = (3, 4, 5)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CopyInfo:
-    """What one :func:`copy` did.
+    """What one :func:`copy` did. Each chunk object the selected steps need is counted once:
+    either copied, or skipped because the destination had it before the copy began.
 
     Attributes:
       steps_copied: ``(run, step)`` pairs whose manifests were written at the destination.
       steps_skipped: ``(run, step)`` pairs the destination already had.
-      chunks_copied, bytes_copied: chunk objects sent (stored bytes).
-      chunks_skipped, bytes_skipped: referenced chunks the destination already had.
+      chunks_copied, bytes_copied: chunk and delta objects sent, and their stored bytes.
+      chunks_skipped, bytes_skipped: objects the steps need that the destination already had.
       seconds: wall time.
     """
 
@@ -49,88 +67,292 @@ class CopyInfo:
     seconds: float
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class CopyProgress:
+    """Where a :func:`copy` stands, passed to its ``progress`` callback.
+
+    Attributes:
+      chunks_done, chunks_total: objects sent (or, for a persist, found there) so far, and
+        to send in all.
+      bytes_done: stored bytes sent so far.
+      steps_done, steps_total: manifests written so far, and to write in all.
+    """
+
+    chunks_done: int
+    chunks_total: int
+    bytes_done: int
+    steps_done: int
+    steps_total: int
+
+
+@dataclasses.dataclass(slots=True)
+class _Step:
+    run: str
+    step: int
+    manifest: Manifest
+    data: bytes  # the manifest as stored at the source, written as is
+    waiting: set[str]  # object keys not yet at the destination
+
+
 def copy(src_url: Url, dst_url: Url, *, steps: list[int] | None = None,
-         runs: list[str] | None = None, max_workers: int | None = None) -> CopyInfo:
+         runs: list[str] | None = None, max_workers: int | None = None, verify: bool = False,
+         progress: Callable[[CopyProgress], None] | None = None) -> CopyInfo:
     """Copies checkpoints from one repository to another.
 
-    Lists the destination's chunks once, then for each selected step: reads and validates the
-    source manifest, copies the chunk objects the destination lacks, delta objects and their
-    bases included (reading each from the source, checking its length and chunk id, a delta
-    rebuilt on its base, and writing it as read), and writes the manifest last, create-only.
-    The destination holds a save lock meanwhile, so its garbage collection cannot interfere.
+    Checks the selected runs and steps first (nothing is written if one is missing), lists
+    the destination's chunk objects once, reads and validates every selected source manifest,
+    then sends the objects the destination lacks (delta objects and their bases included)
+    through one pool of ``max_workers`` threads across all steps, and writes each step's
+    manifest create-only, in step order, once its objects are in. The destination holds a save
+    lock meanwhile, so its garbage collection cannot interfere.
 
     Args:
       src_url, dst_url: paths, fsspec URLs or Stores.
       steps: the steps to copy (in every selected run); None copies all.
       runs: the runs to copy; None copies every run of the source.
-      max_workers: concurrent chunk transfers (default the destination store's).
+      max_workers: concurrent object transfers (default the destination store's).
+      verify: decode each object and check its chunk id before sending it (see the module
+        docstring for what the default, a framing check, guarantees).
+      progress: called with a :class:`CopyProgress` after each object sent and each manifest
+        written, from the copying threads (one call at a time).
 
     Returns:
       A :class:`CopyInfo`.
 
     Raises:
-      StepNotFoundError: a step named in ``steps`` is in none of the selected runs.
-      CorruptChunkError: a source chunk fails its checks (nothing more of that step is written;
-        its manifest is not written).
-      ManifestError: a source manifest is invalid.
+      StepNotFoundError: a run named in ``runs`` has no step in the source, or a step named in
+        ``steps`` is in none of the selected runs (nothing is written).
+      CorruptChunkError: a source object fails its checks or is missing (names run, step, key
+        path and chunk id); no manifest that needs it is written.
+      ManifestError: a source manifest is invalid (nothing is written).
       StoreTimeoutError: either store did not answer within its deadline (names the object and,
-        for a chunk, run, step, key path and chunk id); the step's manifest is not written.
+        for a chunk, run, step, key path and chunk id); manifests that need it are not written.
     """
-    t0 = time.perf_counter()
     src, dst = open_store(src_url), open_store(dst_url)
-    selected = [(run, step) for run in (runs if runs is not None else list_runs(src))
+    selected = select_steps(src, steps=steps, runs=runs)
+    ensure_config(dst)
+    with save_lock(dst):
+        present = {info.key: info.size for info in list_chunk_objects(dst)}
+        return copy_selected(src, dst, selected, present, max_workers=max_workers,
+                             verify=verify, progress=progress)
+
+
+def select_steps(src: Store, *, steps: list[int] | None = None,
+                 runs: list[str] | None = None) -> list[tuple[str, int]]:
+    """The ``(run, step)`` pairs of the source a copy selects, in run then step order.
+
+    Raises:
+      StepNotFoundError: a run in ``runs`` has no committed step, or a step in ``steps`` is
+        in none of the selected runs.
+      ValueError: a run name is invalid.
+    """
+    all_runs = list_runs(src)
+    for run in runs or ():
+        if run not in all_runs:
+            raise StepNotFoundError(f"run {run!r} has no committed step in the source "
+                                    f"(runs there: {', '.join(all_runs) or 'none'})",
+                                    url=src.url, run=run)
+    selected = [(run, step) for run in (runs if runs is not None else all_runs)
                 for step in list_steps(src, run=run) if steps is None or step in steps]
     for step in steps or ():
         if not any(s == step for _, s in selected):
             raise StepNotFoundError("step not in the source", url=src.url, step=step)
-    ensure_config(dst)
-    copied, skipped_steps = [], []
-    counts = {"copied": 0, "bytes_copied": 0, "skipped": 0, "bytes_skipped": 0}
-    lock = threading.Lock()
-    with save_lock(dst):
-        present = {info.key: info.size for info in list_chunk_objects(dst)}
-        for run, step in selected:
-            key = manifest_key(run, step)
-            if dst.exists(key):
-                skipped_steps.append((run, step))
-                continue
-            manifest = read_manifest(src, step, run=run)
-            needed = _needed_objects(manifest)
-            # A base and the deltas on it side by side, read from the source once for all.
-            missing = sorted((k for k in needed if k not in present),
-                             key=lambda k: needed[k][1] or needed[k][0])
-            bases = DeltaBases(src, [needed[k][:2] for k in missing])
-            with lock:
-                counts["skipped"] += len(needed) - len(missing)
-                counts["bytes_skipped"] += sum(present[k] for k in needed if k in present)
+    return selected
 
-            def transfer(obj: str, run=run, step=step, needed=needed, bases=bases) -> None:
-                cid, base, raw_length, path = needed[obj]
+
+def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
+                  present: dict[str, int], *, max_workers: int | None = None,
+                  verify: bool = False, probe: bool = False,
+                  progress: Callable[[CopyProgress], None] | None = None) -> CopyInfo:
+    """The engine of :func:`copy` (and of the manager's persist): copies ``selected`` steps
+    from ``src`` to ``dst`` given ``present``, destination object keys and sizes known to be
+    there, which it updates with what it sends or finds. With ``probe``, an object not in
+    ``present`` is looked up (one ``stat``) before it is sent, so ``present`` may hold only
+    what is known, not everything. The caller holds the destination's save lock."""
+    t0 = time.perf_counter()
+    plan, skipped_steps = _plan(src, dst, selected)
+    needed: dict[str, tuple[str, str | None, int, str, _Step]] = {}
+    for s in plan:
+        for obj, (cid, base, raw, path) in needed_objects(s.manifest).items():
+            needed.setdefault(obj, (cid, base, raw, path, s))
+    order = {id(s): i for i, s in enumerate(plan)}
+    # In step order (a step's manifest goes up as soon as its objects are in), and within a
+    # step a base beside the deltas on it.
+    missing = sorted((k for k in needed if k not in present),
+                     key=lambda k: (order[id(needed[k][4])], needed[k][1] or needed[k][0]))
+    skipped = [k for k in needed if k in present]
+    for s in plan:
+        s.waiting = {k for k in needed_objects(s.manifest) if k not in present}
+    engine = _Engine(src, dst, plan, needed, len(missing), verify, progress, probe)
+    engine.commit_ready()
+    # With verify, a base that deltas share is read from the source once for all of them;
+    # without, no base is decoded, so none is held.
+    engine.bases = DeltaBases(src, [needed[k][:2] for k in missing] if verify else [])
+    bounded_map(engine.transfer, missing, max_workers or dst.max_workers)
+    engine.commit_ready()
+    present.update(engine.sent)
+    present.update(engine.found)
+    skipped += list(engine.found)
+    return CopyInfo(tuple(engine.committed), tuple(skipped_steps + engine.raced),
+                    len(engine.sent), sum(engine.sent.values()), len(skipped),
+                    sum(present[k] for k in skipped), time.perf_counter() - t0)
+
+
+def _plan(src: Store, dst: Store, selected: list[tuple[str, int]]
+          ) -> tuple[list[_Step], list[tuple[str, int]]]:
+    """Reads and validates the manifests of the selected steps the destination lacks."""
+    have = {(run, step) for run in dict.fromkeys(r for r, _ in selected)
+            for step in list_steps(dst, run=run)}
+    plan, skipped = [], []
+    for run, step in selected:
+        if (run, step) in have:
+            skipped.append((run, step))
+            continue
+        try:
+            data = src.get(manifest_key(run, step))
+        except FileNotFoundError:
+            raise StepNotFoundError("step deleted from the source during the copy",
+                                    url=src.url, run=run, step=step) from None
+        manifest = decode_manifest(data, run=run, step=step, url=src.url)
+        plan.append(_Step(run, step, manifest, data, set()))
+    return plan, skipped
+
+
+class _Engine:
+    """The shared state of one copy: objects sent, manifests committed in step order."""
+
+    def __init__(self, src: Store, dst: Store, plan: list[_Step], needed: dict, total: int,
+                 verify: bool, progress: Callable[[CopyProgress], None] | None, probe: bool):
+        self.src, self.dst, self.plan, self.needed = src, dst, plan, needed
+        self.total, self.verify, self.progress, self.probe = total, verify, progress, probe
+        self.bases: DeltaBases | None = None
+        self.sent: dict[str, int] = {}
+        self.found: dict[str, int] = {}  # probed and found at the destination
+        self.committed: list[tuple[str, int]] = []
+        self.raced: list[tuple[str, int]] = []
+        self.next = 0  # index in plan of the next manifest to write
+        self.lock = threading.Lock()  # guards sent and waiting
+        self.commit_lock = threading.Lock()  # one writer of manifests (and of progress)
+
+    def transfer(self, obj: str) -> None:
+        cid, base, raw_length, path, s = self.needed[obj]
+        try:
+            if self.probe and self._found(obj):
+                return
+            data = self.bases.read(obj, cid, base)
+            if self.verify:
+                self.bases.decode(data, cid, base, raw_length)
+            else:
+                check_framing(data, cid, raw_length, delta=base is not None)
+            self.dst.put(obj, data)
+        except (CorruptChunkError, FileNotFoundError) as e:
+            raise CorruptChunkError(f"source chunk unusable: {e}", url=self.src.url, run=s.run,
+                                    step=s.step, key_path=path, chunk_id=cid) from e
+        except StoreTimeoutError as e:
+            raise e.at(run=s.run, step=s.step, key_path=path, chunk_id=cid) from e
+        self._done(obj, self.sent, len(data))
+
+    def _found(self, obj: str) -> bool:
+        try:
+            size = self.dst.stat(obj).size
+        except FileNotFoundError:
+            return False
+        self._done(obj, self.found, size)
+        return True
+
+    def _done(self, obj: str, record: dict[str, int], size: int) -> None:
+        with self.lock:
+            record[obj] = size
+            for step in self.plan[self.next:]:
+                step.waiting.discard(obj)
+        self.commit_ready()
+
+    def commit_ready(self) -> None:
+        """Writes, in step order, the manifests whose objects are all in."""
+        with self.commit_lock:
+            while self.next < len(self.plan):
+                s = self.plan[self.next]
+                with self.lock:
+                    if s.waiting:
+                        break
                 try:
-                    data = bases.read(obj, cid, base)
-                    bases.decode(data, cid, base, raw_length)
-                    dst.put(obj, data)
-                except CorruptChunkError as e:
-                    raise CorruptChunkError(f"source chunk unusable: {e}", url=src.url, run=run,
-                                            step=step, key_path=path, chunk_id=cid) from e
+                    self.dst.put_if_absent(manifest_key(s.run, s.step), s.data)
+                    self.committed.append((s.run, s.step))
+                except FileExistsError:  # written concurrently by someone else
+                    self.raced.append((s.run, s.step))
                 except StoreTimeoutError as e:
-                    raise e.at(run=run, step=step, key_path=path, chunk_id=cid) from e
-                with lock:
-                    present[obj] = len(data)
-                    counts["copied"] += 1
-                    counts["bytes_copied"] += len(data)
+                    raise e.at(run=s.run, step=s.step) from e
+                self.next += 1
+            self._report()
 
-            bounded_map(transfer, missing, max_workers or dst.max_workers)
-            try:
-                dst.put_if_absent(key, src.get(key))
-                copied.append((run, step))
-            except FileExistsError:  # written concurrently by someone else
-                skipped_steps.append((run, step))
-    return CopyInfo(tuple(copied), tuple(skipped_steps), counts["copied"], counts["bytes_copied"],
-                    counts["skipped"], counts["bytes_skipped"], time.perf_counter() - t0)
+    def _report(self) -> None:
+        if self.progress is not None:
+            with self.lock:
+                state = CopyProgress(len(self.sent) + len(self.found), self.total,
+                                     sum(self.sent.values()), self.next, len(self.plan))
+            self.progress(state)
 
 
-def _needed_objects(manifest: Manifest) -> dict[str, tuple[str, str | None, int, str]]:
+def check_framing(data: bytes | memoryview, cid: str, raw_length: int, *,
+                  delta: bool = False) -> None:
+    """Checks a stored chunk or delta object's framing without decoding it (format.md §3.2,
+    §3.5): header, raw length, payload length of a raw chunk, plane table, and the content size
+    of each zstd frame.
+
+    Raises:
+      CorruptChunkError: a check fails (names the chunk id).
+    """
+    def bad(why: str) -> CorruptChunkError:
+        return CorruptChunkError(f"bad chunk object: {why}", chunk_id=cid)
+
+    if len(data) < HEADER.size:
+        raise bad(f"{len(data)} bytes, shorter than the header")
+    magic, version, codec, k, length = HEADER.unpack_from(data)
+    if magic != MAGIC or version != VERSION:
+        raise bad("wrong magic or version")
+    if length != raw_length:
+        raise bad(f"header says {length} raw bytes, manifest says {raw_length}")
+    if delta != (codec == _CODEC_DELTA):
+        raise bad(f"codec {codec} in a {'delta' if delta else 'chunk'} object")
+    payload = memoryview(data)[HEADER.size:]
+    if codec == _CODEC_RAW:
+        if k != 0 or len(payload) != raw_length:
+            raise bad(f"raw payload of {len(payload)} bytes for {raw_length}")
+    elif codec in (_CODEC_ZSTD, _CODEC_SHUFFLE):
+        if (k != 0) if codec == _CODEC_ZSTD else not 2 <= k <= MAX_ELEMENT_SIZE:
+            raise bad(f"element size {k} for codec {codec}")
+        _check_frame_size(payload, raw_length, bad)
+    elif codec in _PLANES:
+        if not (1 if codec == _CODEC_DELTA else 2) <= k <= MAX_ELEMENT_SIZE or length % k:
+            raise bad(f"element size {k} for codec {codec} and {length} raw bytes")
+        _check_planes(payload, k, raw_length // k, bad)
+    else:
+        raise bad(f"unknown codec {codec}")
+
+
+def _check_planes(payload: memoryview, k: int, n: int, bad: Callable) -> None:
+    if len(payload) < 4 * k:
+        raise bad("payload shorter than its plane table")
+    lengths = struct.unpack_from(f"<{k}I", payload)
+    if max(lengths) > n or sum(lengths) != len(payload) - 4 * k:
+        raise bad(f"plane lengths {list(lengths)} do not fit the payload")
+    position = 4 * k
+    for length in lengths:
+        if length < n:
+            _check_frame_size(payload[position:position + length], n, bad)
+        position += length
+
+
+def _check_frame_size(frame: memoryview, size: int, bad: Callable) -> None:
+    try:
+        declared = zstandard.frame_content_size(frame)
+    except zstandard.ZstdError as e:
+        raise bad(f"not a zstd frame: {e}") from e
+    if declared != size:
+        raise bad(f"zstd frame declares {declared} bytes, expected {size}")
+
+
+def needed_objects(manifest: Manifest) -> dict[str, tuple[str, str | None, int, str]]:
     """Object key -> ``(chunk id, base or None, raw bytes, key path)`` for every object a
     restore of ``manifest`` reads: chunk objects, delta objects and their bases (format.md
     §3.5)."""

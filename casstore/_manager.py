@@ -20,6 +20,7 @@ import jax
 from ._async_save import AsyncCheckpointer
 from ._chunking import DEFAULT_CHUNK_SIZE_BYTES
 from ._codec import DEFAULT_ZSTD_LEVEL
+from ._fallback import FallbackStore
 from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, gc
 from ._policies import (
     BestN,
@@ -37,6 +38,7 @@ from ._preemption import PreemptionNotice
 from ._repository import Url, delete, list_steps, read_manifest
 from ._restore import restore
 from ._save import SaveInfo
+from ._tiers import PersistPolicy, start_persister
 from .store import Store
 
 
@@ -93,6 +95,14 @@ class CheckpointManager:
       grace_period_s: the GC grace period, seconds.
       max_staging_bytes, chunk_size_bytes, zstd_level, delta: as for
         :class:`casstore.AsyncCheckpointer`; deltas are taken against the latest step.
+      persistent: None, or a URL or Store: the persistent tier (``docs/tiers.md``). Every
+        eligible step is copied there in the background after its local commit, moving only
+        the chunks it lacks; ``save`` never waits for it. :meth:`latest_step` and
+        :meth:`all_steps` cover both tiers; :meth:`restore` reads each chunk from ``url`` and
+        one missing or damaged there from the persistent tier.
+      persist_interval_steps: a step divisible by this is persisted.
+      persistent_max_to_keep: persisted steps kept on the persistent tier (None keeps all);
+        ``gc_after_retention`` and ``grace_period_s`` apply to it too.
       **storage_options: passed to fsspec for URLs.
 
     Raises:
@@ -120,7 +130,9 @@ class CheckpointManager:
                  grace_period_s: float = DEFAULT_GRACE_PERIOD_S,
                  max_staging_bytes: int | None = None,
                  chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES,
-                 zstd_level: int = DEFAULT_ZSTD_LEVEL, delta: bool = True, **storage_options):
+                 zstd_level: int = DEFAULT_ZSTD_LEVEL, delta: bool = True,
+                 persistent: Url | None = None, persist_interval_steps: int = 1,
+                 persistent_max_to_keep: int | None = None, **storage_options):
         self.save_decision_policy, self.preservation_policy = manager_policies(
             save_decision_policy, preservation_policy, save_interval_steps=save_interval_steps,
             max_to_keep=max_to_keep, keep_period=keep_period, best_fn=best_fn,
@@ -137,7 +149,13 @@ class CheckpointManager:
         self._saving: int | None = None  # the step of the save in flight
         self.last_save_blocking_s: float | None = None
         self.last_gc_info: GcInfo | None = None
+        self.last_restore_bytes: dict[str, int] | None = None
         self._steps: list[int] = list_steps(self.store, run=self.run)
+        # tiers (_tiers.py): the persister, which resumes what a killed manager left
+        self.persister = None if persistent is None else start_persister(
+            self.store, persistent, run, self._steps, PersistPolicy(
+                persist_interval_steps, persistent_max_to_keep, gc_after_retention,
+                grace_period_s))
         # last: a signal handler is installed only once nothing else can fail
         preemption = find(self.save_decision_policy, PreemptionCheckpointingPolicy)
         self._notice = PreemptionNotice(preemption.signals if preemption else ())
@@ -222,7 +240,7 @@ class CheckpointManager:
         self._saving = step
         try:
             self._saver._start(step, tree, {"metrics": metrics, "user": metadata},
-                              previous_step=self.latest_step(),
+                              previous_step=self._steps[-1] if self._steps else None,
                               then=lambda _: self._committed(step, metrics, started))
         finally:
             self.last_save_blocking_s = time.perf_counter() - t0
@@ -234,6 +252,8 @@ class CheckpointManager:
         """After the commit, on the background thread: the step list, retention and GC."""
         self._steps = sorted({*self._steps, step})
         self._details[step] = (metrics, started)
+        if self.persister is not None and jax.process_index() == 0:
+            self.persister.submit(step)
         deleted = self._apply_retention()
         if deleted and self.gc_after_retention and jax.process_index() == 0:
             self.last_gc_info = gc(self.store, grace_period_s=self.grace_period_s)
@@ -242,9 +262,28 @@ class CheckpointManager:
         """Blocks until the background save (and its retention) is done.
 
         Raises:
-          The background save's error, if it failed (once; the next call succeeds).
+          The background save's error, if it failed (once; the next call succeeds); else a
+          failed persist's error (:class:`~casstore.PersistError` or StoreTimeoutError, naming
+          the step and the persistent URL), without waiting for the persistent tier.
         """
         self._saver.wait_until_finished()
+        if self.persister is not None:
+            self.persister.raise_error()
+
+    def wait_until_persisted(self, timeout_s: float | None = None) -> bool:
+        """Waits for the background save, then for the persists it queued (tiers).
+
+        Returns:
+          False if ``timeout_s`` seconds passed with a persist still running, else True.
+
+        Raises:
+          The background save's error; a persist's error (:class:`~casstore.PersistError` or
+          :class:`~casstore.StoreTimeoutError`, naming the step and the persistent URL).
+        """
+        self.wait_until_finished()
+        done = self.persister is None or self.persister.wait(timeout_s)
+        self.wait_until_finished()
+        return done
 
     def close(self) -> None:
         """Waits for the background save, then stops its thread and puts back any signal
@@ -257,6 +296,10 @@ class CheckpointManager:
             self._saver.close()
         finally:
             self._notice.close()
+            if self.persister is not None:  # finish the backlog
+                self.persister.close()
+        if self.persister is not None:
+            self.persister.raise_error()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -269,7 +312,7 @@ class CheckpointManager:
     def _step_details(self, step: int) -> tuple[Any, datetime.datetime]:
         """(metrics, save time) of ``step``: remembered, or read from its manifest once."""
         if step not in self._details:
-            manifest = read_manifest(self.store, step, run=self.run)
+            manifest = read_manifest(self._reader(), step, run=self.run)
             metadata = manifest.metadata
             metrics = metadata.get("metrics") if isinstance(metadata, dict) else None
             created = datetime.datetime.fromtimestamp(manifest.created, datetime.timezone.utc)
@@ -281,9 +324,11 @@ class CheckpointManager:
 
     def _apply_retention(self) -> list[int]:
         """Deletes the steps the policy drops (process 0 only; every process forgets them)."""
-        infos = self._infos()
+        infos = self._infos()  # local steps; a step whose persist is pending is kept
         keep = self.preservation_policy.should_preserve(infos, context=PreservationContext())
-        doomed = [info.step for info, kept in zip(infos, keep, strict=True) if not kept]
+        pending = self.persister.pending() if self.persister is not None else set()
+        doomed = [info.step for info, kept in zip(infos, keep, strict=True)
+                  if not kept and info.step not in pending]
         for step in doomed:
             if jax.process_index() == 0:
                 with contextlib.suppress(FileNotFoundError):  # already gone: the same outcome
@@ -302,11 +347,13 @@ class CheckpointManager:
         """
         if read:
             self.reload()
+        if self.persister is not None:  # both tiers
+            return sorted({*self._steps, *self.persister.steps()})
         return list(self._steps)
 
     def latest_step(self) -> int | None:
         """The run's latest committed step as this manager knows it, or None; no request."""
-        steps = self._steps
+        steps = self.all_steps()  # both tiers
         return steps[-1] if steps else None
 
     def reload(self) -> None:
@@ -316,6 +363,8 @@ class CheckpointManager:
         """
         self.wait_until_finished()
         self._steps = list_steps(self.store, run=self.run)
+        if self.persister is not None:
+            self.persister.reload()
 
     def best_step(self) -> int | None:
         """The committed step whose metrics rank best by the preservation policy's ``BestN``
@@ -336,11 +385,16 @@ class CheckpointManager:
                 fill_missing: bool = False) -> Any:
         """Restores ``step`` (None: the latest), after any save in flight; see
         :func:`casstore.restore` for ``target``, ``paths``, ``partial``, ``strict``,
-        ``sharding``, ``transforms`` and ``fill_missing``."""
+        ``sharding``, ``transforms`` and ``fill_missing``. With a persistent tier,
+        ``last_restore_bytes`` then holds ``{url: stored bytes read}`` for each tier.
+        """
         self.wait_until_finished()
-        return restore(self.store, step, run=self.run, target=target, paths=paths,
-                       partial=partial, strict=strict, sharding=sharding,
-                       transforms=transforms, fill_missing=fill_missing)
+        reader = self._reader()
+        restored = restore(reader, step, run=self.run, target=target, paths=paths,
+                           partial=partial, strict=strict, sharding=sharding,
+                           transforms=transforms, fill_missing=fill_missing)
+        self.last_restore_bytes = getattr(reader, "bytes_read", None)
+        return restored
 
     def metadata(self, step: int | None = None) -> Any:
         """The user metadata saved with ``step`` (None: the latest).
@@ -349,7 +403,7 @@ class CheckpointManager:
           StepNotFoundError: no such step.
         """
         self.wait_until_finished()
-        metadata = read_manifest(self.store, step, run=self.run).metadata
+        metadata = read_manifest(self._reader(), step, run=self.run).metadata
         return metadata.get("user") if isinstance(metadata, dict) else metadata
 
     def delete(self, step: int) -> None:
@@ -362,6 +416,12 @@ class CheckpointManager:
         delete(self.store, step, run=self.run)
         self._details.pop(step, None)
         self._steps = [s for s in self._steps if s != step]
+
+    def _reader(self) -> Store:
+        """The store restores read: with the persistent tier as fallback where there is one."""
+        if self.persister is None:
+            return self.store
+        return FallbackStore(self.store, [self.persister.persistent])
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.store!r}, run={self.run!r})"

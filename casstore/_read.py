@@ -20,6 +20,7 @@ import numpy as np
 from ._chunking import Index
 from ._delta import DeltaBases
 from ._errors import CorruptChunkError, MissingChunkError, StoreTimeoutError
+from ._fallback import reread_chunk
 from ._manifest import ChunkRef, LeafEntry, Manifest
 from ._place import ALIGN, normalize, saved_dtype
 from ._pool import bounded_map
@@ -104,19 +105,14 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
         blocks = users[key]
         first = blocks[0][1]
         cid = first.id
+        into = _destination(blocks, out)
         try:
             data, buffers.read = store.get_into(key, getattr(buffers, "read", None))
-            into = _destination(blocks, out)
             raw = bases.decode(data, cid, first.base, first.raw_bytes, into)
-        except FileNotFoundError as e:  # the object or its delta base: missing, not corrupt
-            raise MissingChunkError(f"chunk object missing: {e}", url=store.url,
-                                    run=manifest.run, step=manifest.step,
-                                    key_path=manifest.leaves[blocks[0][0]].path,
-                                    chunk_id=cid) from e
-        except CorruptChunkError as e:
-            raise CorruptChunkError(f"unusable chunk: {e}", url=store.url, run=manifest.run,
-                                    step=manifest.step, key_path=manifest.leaves[blocks[0][0]].path,
-                                    chunk_id=cid) from e
+        except (FileNotFoundError, CorruptChunkError) as e:
+            raw = reread_chunk(store, key, first, into)  # tiers: a good copy elsewhere
+            if raw is None:
+                raise _unusable(e, store, manifest, blocks[0][0], cid) from e
         except StoreTimeoutError as e:
             raise e.at(run=manifest.run, step=manifest.step, chunk_id=cid,
                        key_path=manifest.leaves[blocks[0][0]].path) from e
@@ -135,6 +131,17 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
         finish(i)
     bounded_map(fetch, users, max_workers)
     return out
+
+
+def _unusable(e: Exception, store: Store, manifest: Manifest, leaf: int,
+              cid: str) -> MissingChunkError | CorruptChunkError:
+    """The error for a chunk no tier has a good copy of: missing (the object or its delta
+    base does not exist) or corrupt, located at its step, key path and chunk id."""
+    missing = isinstance(e, FileNotFoundError)
+    error = MissingChunkError if missing else CorruptChunkError
+    return error(f"{'chunk object missing' if missing else 'unusable chunk'}: {e}",
+                 url=store.url, run=manifest.run, step=manifest.step,
+                 key_path=manifest.leaves[leaf].path, chunk_id=cid)
 
 
 def _destination(blocks: list[tuple[int, ChunkRef]], out: dict[int, Any]) -> np.ndarray | None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 
+from ._fallback import log_tiers, with_fallback
 from ._keypath import matches, unflatten_plain
 from ._manifest import Manifest
 from ._place import place, plain_value
@@ -29,7 +30,8 @@ tu = jax.tree_util
 def restore(url: Url, step: int | None = None, *, run: str = "default", target: Any = None,
             paths: list[str] | None = None, partial: bool = False, strict: bool = True,
             sharding: str | None = None, transforms: dict[str, str | None] | None = None,
-            fill_missing: bool = False, max_workers: int | None = None) -> Any:
+            fill_missing: bool = False, max_workers: int | None = None,
+            fallback: Any = None) -> Any:
     """Restores checkpoint ``step`` of ``run``.
 
     Reads the manifest, then only the chunks of the selected leaves, each verified against its
@@ -85,6 +87,12 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
         ``transforms``) unchanged instead of failing: orbax's ``use_fallback``. Only concrete
         target leaves (jax or numpy arrays, Python scalars) can be filled.
       max_workers: threads fetching and decoding chunks (default the store's).
+      fallback: None, or a URL / Store (or a list of them, tried in order) holding copies of
+        the repository (the persistent tier, ``docs/tiers.md``): a manifest or chunk object
+        missing from ``url``, or a chunk failing its checks there, is read from the first
+        fallback with a good copy; the latest step is the latest of all of them. Logs the
+        bytes read from each (INFO, logger ``casstore``); pass a :class:`FallbackStore` as
+        ``url`` to read its ``bytes_read`` instead, or to write recovered objects back.
 
     Returns:
       Without a target: the saved tree as plain dict / list / tuple containers (namedtuples and
@@ -114,7 +122,7 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
       ValueError: ``transforms`` or ``fill_missing`` without a target; ``sharding`` neither
         None nor ``"saved"``, or given with a target.
     """
-    store = open_store(url)
+    store = with_fallback(open_store(url), fallback)
     manifest = read_manifest(store, step, run=run)
     workers = max_workers or store.max_workers
     if sharding is not None:
@@ -128,6 +136,7 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
         regions = read_regions(store, manifest, {i: regions_for(manifest.leaves[i], None)
                                                  for i in arrays}, workers)
         values = {i: plain_value(manifest.leaves[i], regions.get(i)) for i in selected}
+        log_tiers(store, f"restore of step {manifest.step}")
         return unflatten_plain(manifest.tree, values, None if paths is None else set(selected))
     flat, treedef = tu.tree_flatten_with_path(target)
     plan = match_target(manifest, flat, store, paths=paths, partial=partial, strict=strict,
@@ -150,6 +159,7 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
     else:
         fitted = read_fitted(store, manifest, requests, workers)
         placed = {i: place_leaf(i, regions) for i, regions in fitted.items()}
+    log_tiers(store, f"restore of step {manifest.step}")
     return tu.tree_unflatten(treedef, [
         t if i is None else placed[i] if i in placed else place_leaf(i, None)
         for t, i in plan])

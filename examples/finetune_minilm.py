@@ -17,6 +17,12 @@ written without deltas. A run that already has steps resumes from its latest one
     python examples/finetune_minilm.py                       # into ./checkpoints
     python examples/finetune_minilm.py --run lr-3e-4 --lr 3e-4
     python examples/finetune_minilm.py --run full --full --lr 1e-4
+    python examples/finetune_minilm.py --persistent s3://bucket/ckpts --persist-interval 5
+
+With ``--persistent`` every ``--persist-interval``-th step is also copied to a second repository
+(a tier on object storage, ``docs/tiers.md``) with ``casstore.copy``, which sends only the chunks
+that repository lacks; the table's last column shows the MB persisted per step.
+``casstore.CheckpointManager(..., persistent=URL)`` does the same in the background.
 """
 
 from __future__ import annotations
@@ -254,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seeds the head and the batch order")
     ap.add_argument("--full", action="store_true",
                     help="train every layer and the head (default: the last layer and the head)")
+    ap.add_argument("--persistent", help="a second repository (path or URL) that every "
+                    "--persist-interval-th step is copied to, sending only missing chunks")
+    ap.add_argument("--persist-interval", type=int, default=5, help="steps between persists")
     args = ap.parse_args(argv)
     started = time.perf_counter()
 
@@ -284,9 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     train_step = make_train_step(labels, optimizer)
     rng = np.random.default_rng(args.seed + start)
     batch_size = min(args.batch_size, len(train[2]))
-    written = whole = logical = save_seconds = 0.0
+    written = whole = logical = save_seconds = persisted = 0.0
     print(f"{'step':>5} {'loss':>8} {'logical MB':>11} {'written MB':>11} {'no-delta MB':>12} "
-          f"{'deltas':>7} {'dedup':>7} {'save s':>7}")
+          f"{'deltas':>7} {'dedup':>7} {'save s':>7}"
+          + (f" {'persisted MB':>12}" if args.persistent else ""))
     for step in range(start, start + args.steps):
         batch = rng.choice(len(train[2]), batch_size, replace=False)
         state, loss = train_step(state, *(a[batch] for a in train))
@@ -298,10 +308,15 @@ def main(argv: list[str] | None = None) -> int:
         whole += without_deltas
         logical += info.logical_bytes
         save_seconds += info.seconds
+        sent = None
+        if args.persistent and step % args.persist_interval == 0:
+            sent = casstore.copy(args.url, args.persistent, runs=[args.run],
+                                 steps=[step]).bytes_copied
+            persisted += sent
         print(f"{step:>5} {float(loss):>8.4f} {info.logical_bytes / MB:>11.2f} "
               f"{info.written_bytes / MB:>11.2f} {without_deltas / MB:>12.2f} "
-              f"{info.delta_chunks:>7} {info.dedup_ratio:>6.1f}x {info.seconds:>7.3f}",
-              flush=True)
+              f"{info.delta_chunks:>7} {info.dedup_ratio:>6.1f}x {info.seconds:>7.3f}"
+              + (f" {sent / MB:>12.2f}" if sent is not None else ""), flush=True)
 
     print(f"eval accuracy after training: {accuracy(state['params'], held_out):.3f} "
           f"on {len(held_out[2])} held-out sentences")
@@ -323,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"summary: run {args.run!r}, {args.steps} steps, {written / MB:.2f} MB written for "
           f"{logical / MB:.2f} MB of checkpoints ({logical / max(written, 1):.1f}x; "
           f"{whole / MB:.2f} MB without deltas), {save_seconds:.1f} s saving, "
-          f"{time.perf_counter() - started:.1f} s in all")
+          + (f"{persisted / MB:.2f} MB persisted to {args.persistent}, " if args.persistent
+             else "")
+          + f"{time.perf_counter() - started:.1f} s in all")
     return 0
 
 

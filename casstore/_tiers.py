@@ -1,0 +1,249 @@
+"""Tiered checkpoints: persisting a manager's local steps to a persistent tier in the background.
+
+A :class:`Persister` runs one background thread that copies committed steps of one run from
+the local tier (where every save goes) to the persistent tier (an object store), each through
+the copy engine (``_copy.copy_selected``): only the chunk objects the persistent tier lacks are
+sent, then the step's manifest is written there create-only, so a persist killed midway leaves
+no partial step (format.md §7). ``docs/tiers.md`` describes the whole feature.
+
+Backlog: at most one step is persisting and one is queued. A step submitted while another is
+queued replaces it (the newest pending step wins); the replaced step stays on the local tier
+only, and is listed in :attr:`Persister.dropped`. So a persistent tier slower than the save
+interval costs neither memory nor local disk: local retention only keeps the two pending steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import threading
+import weakref
+
+import jax
+
+from ._copy import CopyInfo, copy_selected, needed_objects
+from ._errors import CasstoreError, StoreTimeoutError
+from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, gc
+from ._layout import manifest_key
+from ._locks import save_lock
+from ._repository import delete, ensure_config, list_steps, read_manifest
+from .store import Store, open_store
+
+log = logging.getLogger("casstore")
+
+
+class PersistError(CasstoreError, OSError):
+    """Persisting a step to the persistent tier failed; ``step`` and ``url`` say which and
+    where (the cause is chained). The local tier has the step; a later persist or a reopened
+    manager tries the newest steps again."""
+
+    def __init__(self, message: str, *, step: int | None, url: str, run: str):
+        self.step, self.url, self.run = step, url, run
+        where = f", step {step}" if step is not None else ""
+        super().__init__(f"{message} (url {url!r}, run {run!r}{where})")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PersistPolicy:
+    """How a manager persists: ``interval_steps`` (a step divisible by it is persisted),
+    ``max_to_keep`` (persisted steps kept on the persistent tier, latest first; None keeps all),
+    ``gc_after_retention`` and ``grace_period_s`` (garbage collection of the persistent tier
+    after its retention deleted steps)."""
+
+    interval_steps: int = 1
+    max_to_keep: int | None = None
+    gc_after_retention: bool = False
+    grace_period_s: float = DEFAULT_GRACE_PERIOD_S
+
+    def __post_init__(self):
+        for name, arg in (("interval_steps", "persist_interval_steps"),
+                          ("max_to_keep", "persistent_max_to_keep")):
+            value = getattr(self, name)
+            if (value is not None or name == "interval_steps") and (
+                    not isinstance(value, int) or value < 1):
+                raise ValueError(f"{arg} must be a positive int, not {value!r}")
+
+
+class Persister:
+    """Copies committed local steps of ``run`` to ``persistent`` on a background thread.
+
+    Args:
+      local, persistent: the two tiers' stores.
+      run: the run persisted.
+      policy: a :class:`PersistPolicy`.
+
+    Attributes:
+      persisted: ``{step: CopyInfo}`` of the persists this object did (``bytes_copied``: the
+        stored bytes of chunk objects sent; chunks the tier had are not sent).
+      dropped: steps replaced in the backlog by newer ones (never persisted).
+      last_gc_info: the persistent tier's last :class:`GcInfo`, if GC ran.
+    """
+
+    def __init__(self, local: Store, persistent: Store, run: str, policy: PersistPolicy):
+        self.local, self.persistent, self.run, self.policy = local, persistent, run, policy
+        self.persisted: dict[int, CopyInfo] = {}
+        self.dropped: list[int] = []
+        self.last_gc_info: GcInfo | None = None
+        self._error: BaseException | None = None
+        try:
+            self._remote_steps = set(list_steps(persistent, run=run))
+        except Exception as e:  # noqa: BLE001 - the local tier works on; surfaces on save()
+            self._remote_steps = set()
+            self._error = _located(e, None, persistent.url, run)
+        self._known: dict[str, int] = {}  # objects the latest persisted step references
+        self._running: int | None = None
+        self._queued: int | None = None
+        self._closed = False
+        self._configured = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name="casstore-persist", daemon=True)
+        self._thread.start()
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:  # let an in-flight persist finish before the interpreter exits
+            register(functools.partial(_drain_at_exit, weakref.ref(self)))
+
+    def eligible(self, step: int) -> bool:
+        """Whether ``step`` is one the policy persists."""
+        return step % self.policy.interval_steps == 0
+
+    def submit(self, step: int) -> None:
+        """Queues a committed local step for persisting if the policy says so (see the module
+        docstring for the backlog rule). Never waits on the persistent tier."""
+        if not self.eligible(step) or step in self._remote_steps:
+            return
+        with self._cond:
+            if self._queued is not None and self._queued != step:
+                self.dropped.append(self._queued)
+                log.warning("casstore: persisting to %s fell behind; step %d will not be "
+                            "persisted (step %d replaces it)", self.persistent.url,
+                            self._queued, step)
+            self._queued = step
+            self._cond.notify_all()
+
+    def resume(self, local_steps: list[int]) -> None:
+        """Submits the eligible local steps newer than the newest persisted one (what a killed
+        manager left), oldest first, so the backlog rule keeps the newest."""
+        newest = max(self._remote_steps, default=-1)
+        for step in sorted(local_steps):
+            if step > newest:
+                self.submit(step)
+
+    def reload(self) -> None:
+        """Re-lists the persistent tier's steps (another process may have changed them)."""
+        self._remote_steps = set(list_steps(self.persistent, run=self.run))
+
+    def pending(self) -> set[int]:
+        """The steps persisting or queued: local retention must keep them."""
+        with self._cond:
+            return {s for s in (self._running, self._queued) if s is not None}
+
+    def steps(self) -> set[int]:
+        """The steps known to be on the persistent tier."""
+        return set(self._remote_steps)
+
+    def raise_error(self) -> None:
+        """Raises the last persist's error, once, without waiting (a :class:`PersistError` or a
+        :class:`~casstore.StoreTimeoutError`, naming step and URL)."""
+        with self._cond:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Waits until nothing is persisting or queued; False if ``timeout_s`` passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._running is None and self._queued is None,
+                                       timeout_s)
+
+    def close(self) -> None:
+        """Waits for the backlog, then stops the thread. Idempotent."""
+        self.wait()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queued is not None or self._closed)
+                if self._queued is None:
+                    return
+                self._running, self._queued = self._queued, None
+            step = self._running
+            try:
+                self._persist(step)
+            except BaseException as e:  # noqa: BLE001 - surfaces on the next save()
+                error = _located(e, step, self.persistent.url, self.run)
+                log.warning("casstore: %s", error)
+                with self._cond:
+                    self._error = error
+            finally:
+                with self._cond:
+                    self._running = None
+                    self._cond.notify_all()
+
+    def _persist(self, step: int) -> None:
+        if not self.local.exists(manifest_key(self.run, step)):
+            return  # deleted locally before its turn (not by retention, which waits for it)
+        if not self._configured:
+            ensure_config(self.persistent)
+            self._configured = True
+        with save_lock(self.persistent):
+            present = dict(self._known)
+            info = copy_selected(self.local, self.persistent, [(self.run, step)], present,
+                                 probe=True)
+        self.persisted[step] = info
+        self._remote_steps.add(step)
+        manifest = read_manifest(self.local, step, run=self.run)
+        self._known = {k: present[k] for k in needed_objects(manifest) if k in present}
+        self._retain()
+
+    def _retain(self) -> None:
+        keep = self.policy.max_to_keep
+        if keep is None:
+            return
+        doomed = sorted(self._remote_steps)[:-keep]
+        for step in doomed:
+            with contextlib.suppress(FileNotFoundError):
+                delete(self.persistent, step, run=self.run)
+            self._remote_steps.discard(step)
+        if doomed and self.policy.gc_after_retention:
+            self.last_gc_info = gc(self.persistent, grace_period_s=self.policy.grace_period_s)
+
+
+def start_persister(local: Store, persistent, run: str, local_steps: list[int],
+                    policy: PersistPolicy) -> Persister:
+    """A :class:`Persister` from ``local`` to ``persistent`` (a URL or Store), which has
+    queued the eligible ``local_steps`` a killed manager left unpersisted.
+
+    With several ``jax.distributed`` processes only process 0 persists (and resumes), from the
+    local tier as it sees it: every process must write its chunks where process 0 reads them
+    (one machine, or a shared filesystem). The other processes list the persistent tier's steps
+    and restore through it.
+
+    Raises:
+      ValueError: a policy value is out of range.
+    """
+    persister = Persister(local, open_store(persistent), run, policy)
+    if jax.process_index() == 0:
+        persister.resume(local_steps)
+    return persister
+
+
+def _located(e: BaseException, step: int | None, url: str, run: str) -> BaseException:
+    """The error to surface for a failed persist of ``step``, naming the step and URL."""
+    if isinstance(e, StoreTimeoutError):
+        return e.at(run=run, step=step)
+    error = PersistError(f"persisting to the persistent tier failed: {type(e).__name__}: {e}",
+                         step=step, url=url, run=run)
+    error.__cause__ = e
+    return error
+
+
+def _drain_at_exit(ref: weakref.ref) -> None:
+    persister = ref()
+    if persister is not None and not persister._closed:
+        persister.wait()

@@ -1,0 +1,166 @@
+"""casstore.copy: counts, checks before writing, one pool across steps, per-step commits in
+order, framing checks and verify=True, progress (local directories and SeaweedFS)."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import casstore
+from casstore._layout import parse_manifest_key
+from casstore._repository import list_chunk_objects
+from casstore.store import CountingStore, LocalStore, MemoryStore
+
+from conftest import object_store
+
+ROWS = 2_000  # rows of 64 float32: 512 KB a leaf; 64 KB chunks -> 8 chunks a leaf
+
+
+def shared_steps(store, n=4):
+    """n steps sharing a frozen base, each with its own head; returns the trees."""
+    rng = np.random.default_rng(0)
+    base = rng.normal(size=(ROWS, 64)).astype(np.float32)
+    trees = []
+    for step in range(n):
+        tree = {"base": base, "head": rng.normal(size=(500, 64)).astype(np.float32)}
+        casstore.save(store, step, tree, chunk_size_bytes=64_000, delta=False)
+        trees.append(tree)
+    return trees
+
+
+@pytest.fixture(params=["local", "seaweedfs"])
+def dst(request, tmp_path):
+    if request.param == "local":
+        return LocalStore(tmp_path / "dst")
+    return object_store(request.getfixturevalue("object_servers")["seaweedfs"])
+
+
+def test_counts_each_needed_object_once_copied_or_already_there(tmp_path, dst):
+    src = LocalStore(tmp_path / "src")
+    trees = shared_steps(src)
+    objects = {i.key: i.size for i in list_chunk_objects(src)}
+    first = casstore.copy(src, dst)
+    assert first.chunks_skipped == 0 and first.bytes_skipped == 0  # the destination was empty
+    assert first.chunks_copied == len(objects)
+    assert first.bytes_copied == sum(objects.values())
+    assert {i.key: i.size for i in list_chunk_objects(dst)} == objects
+    again = casstore.copy(src, dst)
+    assert again.chunks_copied == 0 and again.steps_copied == ()
+    assert len(again.steps_skipped) == len(trees)
+    for step, tree in enumerate(trees):
+        restored = casstore.restore(dst, step)
+        for key, value in tree.items():
+            np.testing.assert_array_equal(restored[key], value)
+
+
+def test_a_later_copy_skips_what_an_earlier_one_sent(tmp_path):
+    src, dst = LocalStore(tmp_path / "src"), LocalStore(tmp_path / "dst")
+    shared_steps(src)
+    first = casstore.copy(src, dst, steps=[0])
+    second = casstore.copy(src, dst, steps=[1, 2])
+    step0 = casstore.read_manifest(src, 0).chunk_ids()
+    later = casstore.read_manifest(src, 1).chunk_ids() | casstore.read_manifest(src, 2).chunk_ids()
+    assert first.chunks_copied == len(step0)
+    assert second.chunks_skipped == len(step0 & later)
+    assert second.chunks_copied == len(later - step0)
+
+
+@pytest.mark.parametrize("kwargs, named", [({"runs": ["typo"]}, "typo"),
+                                           ({"steps": [0, 99]}, "99")])
+def test_a_missing_run_or_step_fails_before_anything_is_written(tmp_path, kwargs, named):
+    src = LocalStore(tmp_path / "src")
+    shared_steps(src, n=2)
+    with pytest.raises(casstore.StepNotFoundError, match=named):
+        casstore.copy(src, tmp_path / "dst", **kwargs)
+    assert not (tmp_path / "dst").exists()
+
+
+class Recording(CountingStore):
+    """Records each put with the number of puts in flight at its start."""
+
+    def __init__(self, inner, delay_s=0.0):
+        super().__init__(inner)
+        self.delay_s, self.in_flight, self.peak = delay_s, 0, 0
+        self.order: list[str] = []
+        self.guard = threading.Lock()
+
+    def _put(self, key, data, *, exclusive):
+        with self.guard:
+            self.in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
+        try:
+            time.sleep(self.delay_s)
+            super()._put(key, data, exclusive=exclusive)
+        finally:
+            with self.guard:
+                self.in_flight -= 1
+                self.order.append(key)
+
+
+def test_steps_of_one_new_chunk_each_go_through_one_pool(tmp_path):
+    src = MemoryStore()
+    for step in range(8):
+        casstore.save(src, step, {"w": np.full(1000, step, np.float32)})
+    dst = Recording(MemoryStore(), delay_s=0.05)
+    info = casstore.copy(src, dst, max_workers=8)
+    assert info.chunks_copied == 8 and len(info.steps_copied) == 8
+    assert dst.peak > 1  # chunks of different steps were in flight together
+
+
+def test_manifests_are_written_in_step_order_as_soon_as_their_chunks_are_in(tmp_path):
+    src = MemoryStore()
+    shared_steps(src, n=4)
+    dst = Recording(MemoryStore())
+    casstore.copy(src, dst, max_workers=1)
+    manifests = [(i, parse_manifest_key(k)[1]) for i, k in enumerate(dst.order)
+                 if parse_manifest_key(k)]
+    assert [s for _, s in manifests] == [0, 1, 2, 3]
+    for position, step in manifests:  # every object of the step came before, none after
+        needed = {r.key for leaf in casstore.read_manifest(src, step).leaves for r in leaf.chunks}
+        assert needed <= set(dst.order[:position])
+    chunk_positions = [i for i, k in enumerate(dst.order) if k.startswith("chunks/")]
+    assert manifests[0][0] < chunk_positions[-1]  # step 0 committed before the last chunk
+
+
+def test_progress_reports_objects_bytes_and_steps(tmp_path):
+    src = MemoryStore()
+    shared_steps(src, n=3)
+    seen = []
+    info = casstore.copy(src, MemoryStore(), progress=seen.append)
+    last = seen[-1]
+    assert last.chunks_done == last.chunks_total == info.chunks_copied
+    assert last.bytes_done == info.bytes_copied
+    assert last.steps_done == last.steps_total == 3
+    assert [p.chunks_done for p in seen] == sorted(p.chunks_done for p in seen)
+
+
+def _damage(store, step, how):
+    cid = sorted(casstore.read_manifest(store, step).chunk_ids())[0]
+    path = store._path(f"chunks/{cid[:2]}/{cid[2:]}")
+    data = bytearray(open(path, "rb").read())
+    data = data[:-10] if how == "truncate" else data[:-1] + bytes([data[-1] ^ 1])
+    open(path, "wb").write(bytes(data))
+    return cid
+
+
+def test_the_framing_check_refuses_a_truncated_object_without_decoding(tmp_path):
+    src = LocalStore(tmp_path / "src")
+    casstore.save(src, 1, {"x": np.arange(100_000)})
+    cid = _damage(src, 1, "truncate")
+    with pytest.raises(casstore.CorruptChunkError, match="bad chunk object") as info:
+        casstore.copy(src, tmp_path / "dst")
+    assert info.value.chunk_id == cid and info.value.step == 1
+    assert casstore.list_steps(tmp_path / "dst") == []
+
+
+def test_verify_true_refuses_a_changed_byte_the_framing_check_lets_through(tmp_path):
+    src = LocalStore(tmp_path / "src")
+    casstore.save(src, 1, {"x": np.random.default_rng(0).normal(size=50_000)})
+    cid = _damage(src, 1, "flip")
+    with pytest.raises(casstore.CorruptChunkError) as info:
+        casstore.copy(src, tmp_path / "checked", verify=True)
+    assert info.value.chunk_id == cid and casstore.list_steps(tmp_path / "checked") == []
+    casstore.copy(src, tmp_path / "fast")  # framing intact: passed on as stored
+    with pytest.raises(casstore.CorruptChunkError, match=cid):
+        casstore.restore(tmp_path / "fast", 1)  # and caught by the id check on every read

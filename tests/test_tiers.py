@@ -1,0 +1,353 @@
+"""Tiered checkpoints: a local tier in a temp dir and a persistent tier on SeaweedFS (and
+fake-gcs-server): background persists of every N-th step moving only new chunks, restores
+falling back per chunk, a replaced node, a stalled persistent tier, resume and retention."""
+
+import contextlib
+import json
+import logging
+import os
+import pathlib
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from faultproxy import fault_proxy
+
+import casstore
+from casstore._copy import needed_objects
+from casstore._layout import is_object_key
+from casstore._repository import list_chunk_objects
+from casstore.store import CountingStore, FsspecStore, LocalStore
+
+from conftest import object_store
+
+CHUNK = 32_768
+DEADLINES = {"request_timeout_s": 0.5, "operation_timeout_s": 2.0}
+
+
+def tree_for(step: int) -> dict:
+    """A frozen base, a head trained a little every step, and a step counter."""
+    base = np.random.default_rng(0).normal(size=(256, 64)).astype(np.float32)
+    head = np.random.default_rng(1).normal(size=(64, 64)).astype(np.float32)
+    head += np.float32(1e-3) * step
+    return {"base": base, "head": head, "bias": np.full(64, step, np.int32), "step": step}
+
+
+def assert_bit_exact(restored, step: int) -> None:
+    expected = tree_for(step)
+    for key in ("base", "head", "bias"):
+        assert restored[key].tobytes() == expected[key].tobytes(), (step, key)
+    assert restored["step"] == step
+
+
+@pytest.fixture(params=["seaweedfs"])
+def remote(request, object_servers):
+    return object_store(object_servers[request.param])
+
+
+def manager(local, remote, **kwargs):
+    return casstore.CheckpointManager(local, persistent=remote, chunk_size_bytes=CHUNK,
+                                      **kwargs)
+
+
+def object_keys(store, steps, run="default") -> set[str]:
+    return {k for s in steps for k in needed_objects(casstore.read_manifest(store, s, run=run))}
+
+
+def test_every_nth_step_is_persisted_sending_only_new_chunks(tmp_path, object_servers):
+    remote = CountingStore(object_store(object_servers["seaweedfs"]))
+    with manager(tmp_path / "local", remote, persist_interval_steps=5, max_to_keep=3) as mngr:
+        for step in range(30):
+            assert mngr.save(step, tree_for(step))
+            if step % 10 == 9:
+                assert mngr.wait_until_persisted()
+        assert mngr.wait_until_persisted()
+        persisted = casstore.list_steps(remote)
+        assert set(persisted) <= set(range(0, 30, 5)) and persisted[-1] == 25
+        assert set(mngr.persister.dropped) | set(persisted) == set(range(0, 30, 5))
+        assert mngr.all_steps() == sorted({27, 28, 29, *persisted})
+        assert mngr.latest_step() == 29
+    sent = [k for k in remote.keys_written if is_object_key(k)]
+    assert len(sent) == len(set(sent))  # each object once
+    assert set(sent) == object_keys(remote, persisted)  # exactly the persisted steps' objects
+    sizes = {info.key: info.size for prefix in ("chunks/", "deltas/")
+             for info in remote.inner.list(prefix)}
+    infos = mngr.persister.persisted.values()
+    assert sum(i.bytes_copied for i in infos) == sum(sizes[k] for k in sent)
+    assert casstore.verify(remote).ok
+    for step in persisted:
+        assert_bit_exact(casstore.restore(remote, step), step)
+
+
+@pytest.mark.parametrize("backend", ["seaweedfs", "fake-gcs"])
+def test_a_manager_on_an_empty_local_dir_restores_the_newest_persisted_step(
+        tmp_path, object_servers, backend):
+    remote = object_store(object_servers[backend])
+    with manager(tmp_path / "local", remote, persist_interval_steps=4) as mngr:
+        for step in range(10):
+            mngr.save(step, tree_for(step))
+        mngr.wait_until_persisted()
+    shutil.rmtree(tmp_path / "local")  # the node was replaced
+    with manager(tmp_path / "local", remote, persist_interval_steps=4) as fresh:
+        assert fresh.latest_step() == 8 and fresh.all_steps() == [0, 4, 8]
+        restored = fresh.restore()
+        assert_bit_exact(restored, 8)
+        assert fresh.metadata(8) is None
+        assert not fresh.save(8, tree_for(8))  # not due: training resumes after step 8
+        assert fresh.save(9, tree_for(9))
+        fresh.wait_until_finished()
+        assert_bit_exact(fresh.restore(9), 9)
+
+
+def _damage_local(local: LocalStore, step: int) -> tuple[list[str], list[str]]:
+    """Deletes every other object of ``step`` and flips a byte in the rest; returns both."""
+    keys = sorted(object_keys(local, [step]))
+    deleted, corrupted = keys[::2], keys[1::2]
+    for key in deleted:
+        local.delete(key)
+    for key in corrupted:
+        path = local._path(key)
+        data = bytearray(open(path, "rb").read())
+        data[len(data) // 2] ^= 0x10
+        open(path, "wb").write(bytes(data))
+    return deleted, corrupted
+
+
+def test_restore_takes_missing_and_damaged_local_chunks_from_the_persistent_tier(
+        tmp_path, remote, caplog):
+    local = LocalStore(tmp_path / "local")
+    with manager(local, remote, persist_interval_steps=1) as mngr:
+        for step in range(3):
+            mngr.save(step, tree_for(step))
+        mngr.wait_until_persisted()
+        deleted, corrupted = _damage_local(local, 2)
+        assert deleted and corrupted
+        with pytest.raises(casstore.CorruptChunkError):
+            casstore.restore(local, 2)
+        assert_bit_exact(mngr.restore(2), 2)
+        assert mngr.last_restore_bytes[remote.url] > 0 and mngr.last_restore_bytes[local.url] > 0
+    # The plain API: fallback=, and a FallbackStore that reports bytes per tier.
+    with caplog.at_level(logging.INFO, logger="casstore"):
+        assert_bit_exact(casstore.restore(local, 2, fallback=remote), 2)
+    assert f"bytes from {remote.url}" in caplog.text and "restore of step 2" in caplog.text
+    tiered = casstore.FallbackStore(local, [remote])
+    assert_bit_exact(casstore.restore(tiered, 2), 2)
+    remote_sizes = {k: remote.stat(k).size for k in deleted + corrupted}
+    assert tiered.bytes_read[remote.url] >= sum(remote_sizes.values())
+    assert tiered.objects_recovered >= len(deleted) + len(corrupted)
+    assert tiered.bytes_read[local.url] > 0
+
+
+def test_write_back_repairs_the_local_tier(tmp_path, remote):
+    local = LocalStore(tmp_path / "local")
+    for step in range(2):
+        casstore.save(local, step, tree_for(step), chunk_size_bytes=CHUNK)
+    casstore.copy(local, remote)
+    _damage_local(local, 1)
+    assert not casstore.verify(local).ok
+    assert_bit_exact(casstore.restore(casstore.FallbackStore(local, [remote], write_back=True),
+                                      1), 1)
+    assert casstore.verify(local).ok
+    assert_bit_exact(casstore.restore(local, 1), 1)
+
+
+def test_a_chunk_no_tier_has_intact_fails_naming_it(tmp_path, remote):
+    local = LocalStore(tmp_path / "local")
+    casstore.save(local, 1, tree_for(1), chunk_size_bytes=CHUNK)
+    casstore.copy(local, remote)
+    key = sorted(object_keys(local, [1]))[0]
+    local.delete(key)
+    remote.delete(key)
+    with pytest.raises(casstore.CorruptChunkError, match="no such object in any tier"):
+        casstore.restore(local, 1, fallback=remote)
+
+
+def test_a_stalled_persistent_tier_never_blocks_save_and_its_error_names_step_and_url(
+        tmp_path, object_servers):
+    server = object_servers["seaweedfs"]
+    url = server.url_for("stalled")
+    with fault_proxy(server.endpoint_url) as proxy:
+        remote = FsspecStore.from_url(url, **{**server.storage_options,
+                                              "endpoint_url": proxy.endpoint_url}, **DEADLINES)
+        remote.backoff_s = 0.05
+        mngr = manager(tmp_path / "local", remote, persist_interval_steps=1)
+        mngr.save(0, tree_for(0))
+        assert mngr.wait_until_persisted()
+        proxy.set("stall")
+        blocked = []
+        error = None
+        for step in range(1, 40):
+            t0 = time.monotonic()
+            try:
+                mngr.save(step, tree_for(step))
+            except (casstore.PersistError, casstore.StoreTimeoutError) as e:
+                error = e
+                break
+            finally:
+                blocked.append(time.monotonic() - t0)
+            time.sleep(0.1)
+        assert error is not None, "the stalled persist never surfaced"
+        assert max(blocked) < 1.5, blocked  # a local save, never the 2 s persistent deadline
+        assert error.step is not None and f"step {error.step}" in str(error)
+        assert error.url is not None and error.url.startswith(remote.url.split("/")[0])
+        assert error.step not in casstore.list_steps(FsspecStore.from_url(
+            url, **server.storage_options))  # no partial step
+        proxy.set(None)
+        with contextlib.suppress(casstore.PersistError, casstore.StoreTimeoutError):
+            mngr.wait_until_persisted()  # a persist begun during the stall may fail too
+        last = mngr.latest_step()
+        assert mngr.save(last + 1, tree_for(last + 1))
+        assert mngr.wait_until_persisted()
+        assert last + 1 in casstore.list_steps(remote)
+        mngr.close()
+
+
+def test_a_reopened_manager_persists_what_a_killed_one_left(tmp_path, remote):
+    local = LocalStore(tmp_path / "local")
+    with casstore.CheckpointManager(local, chunk_size_bytes=CHUNK) as plain:  # no tier yet
+        for step in range(7):
+            plain.save(step, tree_for(step))
+    with manager(local, remote, persist_interval_steps=3) as mngr:
+        assert mngr.wait_until_persisted()
+        assert casstore.list_steps(remote)[-1] == 6  # the newest eligible step
+    assert_bit_exact(casstore.restore(remote, 6), 6)
+
+
+def test_persistent_retention_and_gc_run_on_the_persistent_tier(tmp_path, remote):
+    with manager(tmp_path / "local", remote, persist_interval_steps=1, persistent_max_to_keep=2,
+                 gc_after_retention=True, grace_period_s=0) as mngr:
+        for step in range(5):
+            mngr.save(step, tree_for(step))
+            mngr.wait_until_persisted()
+        assert casstore.list_steps(remote) == [3, 4]
+        assert mngr.all_steps() == [0, 1, 2, 3, 4]  # local keeps all (max_to_keep=None)
+    assert casstore.verify(remote).ok
+    assert casstore.gc(remote, grace_period_s=0, dry_run=True).deleted_chunks == 0
+
+
+def test_local_retention_never_deletes_a_step_whose_persist_is_pending(tmp_path, object_servers):
+    server = object_servers["seaweedfs"]
+    url = server.url_for("pending")
+    with fault_proxy(server.endpoint_url) as proxy:
+        remote = FsspecStore.from_url(url, **{**server.storage_options,
+                                              "endpoint_url": proxy.endpoint_url})
+        mngr = manager(tmp_path / "local", remote, persist_interval_steps=2, max_to_keep=1)
+        proxy.set("trickle", rate_bytes_s=200_000)
+        held = False
+        for step in range(5):
+            mngr.save(step, tree_for(step))
+            mngr.wait_until_finished()
+            local_steps = casstore.list_steps(tmp_path / "local")
+            assert mngr.persister.pending() <= set(local_steps), local_steps
+            held = held or len(local_steps) > 1  # max_to_keep=1 waited for a persist
+        assert held
+        proxy.set(None)
+        assert mngr.wait_until_persisted()
+        mngr.save(5, tree_for(5))
+        mngr.close()
+        assert casstore.list_steps(tmp_path / "local") == [5]
+        assert 4 in casstore.list_steps(remote)
+
+
+def test_the_example_persists_every_nth_step_and_prints_the_bytes(tmp_path):
+    example = pathlib.Path(__file__).parents[1] / "examples" / "finetune_minilm.py"
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    out = subprocess.run([sys.executable, str(example), "--url", str(local), "--steps", "3",
+                          "--persistent", str(remote), "--persist-interval", "2"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = re.findall(r"^\s*(\d+)\s+[\d.]+\s+[\d.]+\s+([\d.]+)\s.*x\s+[\d.]+(?:\s+([\d.]+))?$",
+                      out.stdout, re.M)
+    persisted = {int(step): float(mb) for step, _, mb in rows if mb}
+    assert [int(r[0]) for r in rows] == [0, 1, 2] and set(persisted) == {0, 2}
+    assert casstore.list_steps(remote) == [0, 2]
+    stored = sum(i.size for i in list_chunk_objects(LocalStore(remote)))
+    assert abs(sum(persisted.values()) - stored / 1e6) < 0.02  # rounding of the printed MB
+    assert_same = casstore.restore(remote, 2), casstore.restore(local, 2)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(
+        *(jax.tree.leaves(t) for t in assert_same)))
+
+
+def test_an_unreachable_persistent_tier_leaves_the_local_tier_working(tmp_path, object_servers):
+    server = object_servers["seaweedfs"]
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    remote = FsspecStore.from_url(server.url_for("unreachable"), **{
+        **server.storage_options, "endpoint_url": f"http://127.0.0.1:{port}"}, **DEADLINES)
+    remote.backoff_s = 0.05
+    mngr = manager(tmp_path / "local", remote, persist_interval_steps=1)
+    errors = []
+    for step in range(3):
+        try:
+            mngr.save(step, tree_for(step), force=True)
+        except (casstore.PersistError, casstore.StoreTimeoutError) as e:
+            errors.append(e)
+    with contextlib.suppress(casstore.PersistError, casstore.StoreTimeoutError):
+        mngr.close()
+    assert errors and all(f"127.0.0.1:{port}" in str(e) or remote.url in str(e)
+                          for e in errors)
+    assert casstore.list_steps(tmp_path / "local")  # saves went on locally
+    for step in casstore.list_steps(tmp_path / "local"):
+        assert_bit_exact(casstore.restore(tmp_path / "local", step), step)
+
+
+def test_two_jax_processes_save_locally_and_process_0_persists(tmp_path, object_servers):
+    server = object_servers["seaweedfs"]
+    remote = object_store(server)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, CASSTORE_MULTIHOST_TIMEOUT_S="8", PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)
+    worker = pathlib.Path(__file__).with_name("tiers_multiprocess_worker.py")
+    procs = [subprocess.Popen([sys.executable, str(worker), str(port), str(i),
+                               str(tmp_path / "local"), remote.url,
+                               json.dumps(server.storage_options), "5"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+        assert p.returncode == 0 and "OK" in out, out[-3000:]
+    persisted = casstore.list_steps(remote)
+    assert set(persisted) <= {0, 2, 4} and persisted[-1] == 4  # step 2 may lose the backlog
+    assert casstore.verify(remote).ok
+    for step in persisted:
+        restored = casstore.restore(remote, step)
+        w = np.arange(64 * 48, dtype=np.float32).reshape(64, 48) * step
+        assert restored["state"]["w"].tobytes() == w.tobytes()
+        assert restored["state"]["b"].tobytes() == np.full(48, step, np.float32).tobytes()
+
+
+@pytest.mark.parametrize("kwargs, named", [({"persist_interval_steps": 0}, "persist_interval"),
+                                           ({"persist_interval_steps": None}, "persist_interval"),
+                                           ({"persistent_max_to_keep": 0}, "persistent_max")])
+def test_bad_tier_arguments_are_refused_naming_them(tmp_path, kwargs, named):
+    with pytest.raises(ValueError, match=named):
+        casstore.CheckpointManager(tmp_path / "local", persistent=tmp_path / "remote", **kwargs)
+
+
+def test_with_half_the_local_chunks_gone_only_those_are_read_remotely(tmp_path, remote):
+    local = LocalStore(tmp_path / "local")
+    casstore.save(local, 1, tree_for(1), chunk_size_bytes=CHUNK, delta=False)
+    casstore.copy(local, remote)
+    keys = sorted(object_keys(local, [1]))
+    gone = keys[::2]
+    sizes = {k: local.stat(k).size for k in keys}
+    for key in gone:
+        local.delete(key)
+    tiered = casstore.FallbackStore(local, [remote])
+    assert_bit_exact(casstore.restore(tiered, 1), 1)
+    assert tiered.bytes_read[remote.url] == sum(sizes[k] for k in gone)
+    assert tiered.objects_recovered == len(gone)
+    assert not any(local.exists(k) for k in gone)  # no write-back unless asked

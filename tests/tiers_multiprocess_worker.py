@@ -1,0 +1,47 @@
+"""One process of a two-process JAX job saving through a tiered manager; launched by
+test_tiers.py. Both processes write to one local tier (a directory both see); process 0
+persists every other step to the persistent tier once the step is committed.
+
+Usage: tiers_multiprocess_worker.py PORT PROCESS_ID LOCAL PERSISTENT_URL OPTIONS_JSON STEPS
+Prints ``OK`` on success.
+"""
+
+import json
+import os
+import sys
+
+port, pid, local, url, options, steps = sys.argv[1:]
+pid, steps = int(pid), int(steps)
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import casstore  # noqa: E402
+
+
+def expected(step: int) -> dict:
+    """The global state's values, identical on every process (test_tiers.py checks them)."""
+    return {"w": np.arange(64 * 48, dtype=np.float32).reshape(64, 48) * step,
+            "b": np.full(48, step, np.float32)}
+
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                           process_id=pid)
+mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+SHARDINGS = {"w": NamedSharding(mesh, P("data", "model")), "b": NamedSharding(mesh, P())}
+
+persistent = casstore.open_store(url, **json.loads(options))
+with casstore.CheckpointManager(local, persistent=persistent, persist_interval_steps=2,
+                                max_to_keep=1) as mngr:
+    for step in range(steps):
+        values = expected(step)
+        state = {k: jax.make_array_from_callback(v.shape, s, lambda idx, v=v: v[idx])
+                 for (k, v), s in zip(values.items(), SHARDINGS.values())}
+        assert mngr.save(step, {"state": state, "step": step}, force=True)
+    mngr.wait_until_persisted()
+jax.distributed.shutdown()
+print("OK", flush=True)
