@@ -221,7 +221,9 @@ class CheckpointManager:
 
         Raises:
           Any error of the previous background save (never only logged); a store that stalls
-            fails it within the store's deadline (StoreTimeoutError naming the step).
+            fails it within the store's deadline (StoreTimeoutError naming the step). With a
+            persistent tier, a failed persist's error (PersistError or StoreTimeoutError, naming
+            step and URL); this call then saves nothing, as after a failed local save.
           StepAlreadyExistsError: ``force`` with an existing step (from the background save).
           UnsupportedLeafError: a leaf cannot be stored (raised here, before any write).
           PermissionError: the first save found the store not writable; nothing was stored.
@@ -231,7 +233,9 @@ class CheckpointManager:
         if self._saver.closed:
             raise RuntimeError("CheckpointManager is closed")
         if not self._saver.is_saving_in_progress():
-            self._saver.wait_until_finished()  # a failed save's error, without waiting
+            self.wait_until_finished()  # a failed save's or persist's error, without waiting
+        elif self.persister is not None:
+            self.persister.raise_error()  # a failed persist's, never waiting for the tier
         if not force and not self.should_save(step):
             return False
         self._preemption_saved |= self.reached_preemption(step)
