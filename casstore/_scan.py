@@ -143,3 +143,13 @@ def require_intact(scan: ManifestScan, what: str) -> None:
         raise ManifestError(f"{what} refused: {len(scan.damaged)} manifest(s) unreadable "
                             f"({steps}); first: {scan.damaged[0].message} (see "
                             "docs/recovery.md)")
+
+
+def is_repository(url: Url) -> bool:
+    """True if ``url`` holds a casstore repository (its config object, format.md §2.1).
+
+    Raises:
+      ManifestError: the config object is damaged or of an unknown version.
+      StoreTimeoutError, StoreUnreachableError, AccessDeniedError: the store failed.
+    """
+    return check_config(open_store(url))
