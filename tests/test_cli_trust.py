@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from test_cli import run, run_json, tree, write_repo
 
 import casstore
+import casstore.store
 from casstore import cli
 
 
@@ -238,3 +239,66 @@ def test_a_closed_port_fails_within_seconds_naming_the_endpoint():
     assert "127.0.0.1:9" in proc.stderr and "endpoint" in proc.stderr
     assert proc.stderr.count("\n") == 1
     assert elapsed < 30, elapsed  # the store's 60 s deadline is for servers that answer
+
+
+def test_repair_from_another_copy_as_docs_recovery_says(delta_repo, tmp_path):
+    good = tmp_path / "good"
+    run("copy", delta_repo, good)
+    w = [leaf for leaf in casstore.read_manifest(delta_repo, 2).leaves if leaf.path == "w"][0]
+    base, delta = w.chunks[0].base, w.chunks[1]
+    (pathlib.Path(delta_repo) / "chunks" / base[:2] / base[2:]).unlink()  # missing
+    victim = pathlib.Path(delta_repo) / delta.key  # corrupt
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    report = run_json("verify", delta_repo, code=1)
+    assert sorted(p["kind"] for p in report["problems"]) == ["corrupt", "missing"]
+    for p in report["problems"]:  # step 1 of docs/recovery.md's repair
+        if p["kind"] == "corrupt":
+            (pathlib.Path(delta_repo) / delta.key).unlink()
+    steps = sorted({s for p in report["problems"] for _, s in p["needed_by"]})
+    run("rm", delta_repo, *steps)
+    run("copy", good, delta_repo, "--steps", ",".join(map(str, steps)))
+    assert run_json("verify", delta_repo)["ok"]
+    assert casstore.restore(delta_repo, 2)["w"].tobytes() == trained(2).tobytes()
+
+
+def test_junk_tensor_files_are_named_without_library_advice(repo, tmp_path):
+    junk = tmp_path / "junk.npz"
+    junk.write_bytes(b"this is not a zip file at all")
+    result = run("import", junk, repo, 9, code=2)
+    assert "junk.npz" in result.stderr and "not an .npz archive" in result.stderr
+    assert "pickle" not in result.stderr and result.stderr.count("\n") == 1
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    result = run("import", bad, repo, 9, code=2)
+    assert "bad.safetensors" in result.stderr and "not a valid .safetensors" in result.stderr
+    with pytest.raises(casstore.TensorFileError, match="junk.npz") as info:
+        casstore.import_tensors(junk, repo, 9)
+    assert isinstance(info.value, ValueError)
+    assert casstore.list_steps(repo) == [0, 1, 2]
+
+
+def test_a_damaged_repository_on_s3(object_servers):
+    server = object_servers["seaweedfs"]
+    url = server.url_for("damaged")
+    store = casstore.store.FsspecStore.from_url(url, **server.storage_options)
+    write_repo(store)
+    opts = [a for k, v in server.storage_options.items()
+            for a in ("-o", f"{k}={v if isinstance(v, str) else json.dumps(v)}")]
+    key = "runs/default/steps/0000000000000001.manifest"
+    store.put(key, store.get(key)[:100])
+    (w,) = [leaf for leaf in casstore.read_manifest(store, 2).leaves if leaf.path == "w"]
+    gone = w.chunks[0]  # w changes every step: only step 2 needs it
+    store.delete(gone.key)
+    listed = run_json("ls", url, *opts, code=1)
+    assert [(r["run"], r["step"]) for r in listed["steps"]] == [
+        ("default", 0), ("default", 2), ("b", 0)]
+    assert [(p["step"], p["kind"]) for p in listed["problems"]] == [(1, "manifest")]
+    report = run_json("verify", url, *opts, code=1)
+    assert sorted(p["kind"] for p in report["problems"]) == ["manifest", "missing"]
+    (missing,) = [p for p in report["problems"] if p["kind"] == "missing"]
+    assert missing["chunk_id"] == gone.id and missing["needed_by"] == [["default", 2]]
+    assert run_json("verify", url, 0, *opts)["ok"]
+    with pytest.raises(casstore.MissingChunkError, match="step 2"):
+        casstore.restore(store, 2)
