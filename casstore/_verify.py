@@ -10,6 +10,7 @@ corrupt cannot be rebuilt: the base is the one problem, the delta counts in
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
 
@@ -19,7 +20,7 @@ from ._layout import chunk_key
 from ._manifest import ChunkRef, Manifest
 from ._pool import bounded_map
 from ._repository import Url, check_config, list_chunk_objects
-from ._scan import CORRUPT, MISSING, NOT_FOUND, Problem, scan_manifests
+from ._scan import CORRUPT, MISSING, NOT_FOUND, STORE_FAILURES, Problem, scan_manifests
 from .store import Store, open_store
 
 
@@ -88,7 +89,8 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
 
     Raises:
       ManifestError: the repository's config object is damaged or of an unknown version.
-      StoreTimeoutError, AccessDeniedError: the store did not answer or refused.
+      StoreTimeoutError, StoreUnreachableError, AccessDeniedError: the store did not
+        answer or refused (not reported as damage).
     """
     t0 = time.perf_counter()
     store = open_store(url)
@@ -172,7 +174,7 @@ def _read_all(store: Store, users: dict[str, _Users], keys: list[str], max_worke
     keys.sort(key=lambda k: users[k].ref.base or users[k].ref.id)
     bases = DeltaBases(store, [(users[k].ref.id, users[k].ref.base) for k in keys])
     total = sum(users[k].ref.stored_bytes for k in keys)
-    done = [0]
+    done, lock = [0], threading.Lock()
 
     def check(key: str) -> tuple[str, int, Problem | None]:
         """(the key at fault, bytes read, its problem or None)."""
@@ -181,6 +183,8 @@ def _read_all(store: Store, users: dict[str, _Users], keys: list[str], max_worke
             data = bases.read(key, ref.id, ref.base)
             bases.decode(data, ref.id, ref.base, ref.raw_bytes)
             found = None
+        except STORE_FAILURES:
+            raise  # the store failed; the object may be fine
         except FileNotFoundError as e:  # deleted since the listing
             data, found = b"", _problem(users[key], f"chunk missing: {e}", MISSING)
         except CasstoreError as e:
@@ -188,8 +192,9 @@ def _read_all(store: Store, users: dict[str, _Users], keys: list[str], max_worke
                 key = chunk_key(ref.base)  # the base is at fault, not this delta
             data, found = b"", _problem(users[key], f"chunk corrupt: {e}", CORRUPT)
         if progress is not None:
-            done[0] += ref.stored_bytes
-            progress(done[0], total)
+            with lock:
+                done[0] += ref.stored_bytes
+                progress(done[0], total)
         return key, len(data), found
 
     results = bounded_map(check, keys, max_workers or store.max_workers)
