@@ -210,6 +210,10 @@ def test_json_mode_errors_are_json_and_help_lists_exit_codes(repo, tmp_path):
     assert error["error"]["code"] == 2 and error["error"]["type"] == "StepNotFoundError"
     assert "no such step" in error["error"]["message"]
     assert json.loads(run("ls", tmp_path / "none", "--json", code=10).stderr)["error"]["code"] == 10
+    assert "COMMAND [ARGS]" in run(code=2).stdout  # bare casstore: its help, exit 2
+    bogus = run("bogus", code=2).stderr
+    assert bogus.startswith("casstore: error: No such command 'bogus'; see '")
+    assert bogus.endswith(" --help'\n") and bogus.count("\n") == 1
     for args in ([], ["verify"], ["export"]):
         text = run(*args, "--help").stdout
         assert "Exit codes:" in text and "10  no casstore repository" in text, args

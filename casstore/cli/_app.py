@@ -44,6 +44,7 @@ class NoRepository(click.ClickException):
     exit_code = EXIT_NO_REPOSITORY
 
 
+_NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2
 _NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError")  # botocore's
 
 
@@ -72,7 +73,7 @@ def describe(e: BaseException) -> str:
     """One line: the error, where it happened (URL, run, step) and what to do."""
     if isinstance(e, click.UsageError):
         where = f"; see '{e.ctx.command_path} --help'" if e.ctx is not None else ""
-        return " ".join(e.format_message().split()) + where
+        return " ".join(e.format_message().split()).rstrip(".") + where
     if isinstance(e, click.ClickException):
         return " ".join(e.format_message().split())
     message = " ".join(str(e).split()) or type(e).__name__
@@ -96,6 +97,9 @@ class _Group(click.Group):
                               **extra)
         except click.exceptions.Exit as e:
             sys.exit(e.exit_code)
+        except _NO_ARGS as e:  # bare "casstore": the help, as click prints it
+            click.echo(e.format_message())
+            sys.exit(EXIT_USAGE)
         except click.Abort:
             click.echo("casstore: aborted", err=True)
             sys.exit(130)
