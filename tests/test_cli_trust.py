@@ -306,3 +306,17 @@ def test_a_damaged_repository_on_s3(object_servers):
     assert run_json("verify", url, 0, *opts)["ok"]
     with pytest.raises(casstore.MissingChunkError, match="step 2"):
         casstore.restore(store, 2)
+
+
+def test_commands_that_read_manifests_do_not_import_jax(repo):
+    code = ("import sys\nfrom casstore.cli import main\n"
+            "for args in (['ls'], ['du'], ['verify'], ['show', '1'], ['diff', '0', '2'],\n"
+            "             ['cat', '1'], ['gc', '--dry-run']):\n"
+            "    try:\n        main([args[0], sys.argv[1], *args[1:]])\n"
+            "    except SystemExit as e:\n        assert e.code == 0, (args, e.code)\n"
+            "print('jax' in sys.modules, file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", code, repo], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(pathlib.Path(
+                              cli.__file__).parents[2])})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "False"
