@@ -62,8 +62,8 @@ def exit_code_of(e: BaseException) -> int:
     return EXIT_USAGE
 
 
-_FIXES = {EXIT_UNREACHABLE: "check the endpoint (-o endpoint_url=...) and the network, or "
-                            "raise -o operation_timeout_s",
+_FIXES = {EXIT_UNREACHABLE: "check the endpoint (-o endpoint_url=...), that the server runs, "
+                            "and the network; a slow store may need -o operation_timeout_s",
           EXIT_ACCESS_DENIED: "check the credentials (AWS_*/GOOGLE_* variables, -o key=... "
                               "-o secret=..., -o anon=true for public data)",
           EXIT_PROBLEMS: "run 'casstore verify' and see docs/recovery.md"}
