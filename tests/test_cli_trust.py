@@ -320,3 +320,23 @@ def test_commands_that_read_manifests_do_not_import_jax(repo):
                               cli.__file__).parents[2])})
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "False"
+
+
+def test_the_cli_uses_casstores_public_names_only():
+    import ast
+
+    for path in pathlib.Path(cli.__file__).parent.glob("*.py"):
+        tree_ = ast.parse(path.read_text())
+        for node in ast.walk(tree_):
+            if isinstance(node, ast.ImportFrom):
+                assert node.level in (0, 1), (path.name, node.module)  # no "from .." imports
+                assert node.level == 1 or not (node.module or "").startswith("casstore.") or (
+                    node.module == "casstore.store"), (path.name, node.module)
+            elif isinstance(node, ast.Import):
+                assert all(a.name in ("casstore", "casstore.store") or not a.name.startswith(
+                    "casstore") for a in node.names), path.name
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                assert not (node.value.id == "casstore" and node.attr.startswith("_")
+                            and not node.attr.startswith("__")), (
+                    path.name, node.attr)
+        assert len(path.read_text().splitlines()) <= 450, path.name
