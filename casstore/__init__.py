@@ -34,6 +34,7 @@ _WHERE = {
     "import_orbax": "_orbax",
     **dict.fromkeys(["delete", "latest_step", "list_runs", "list_steps", "read_manifest"],
                     "_repository"),
+    "RepairInfo": "_repair", "repair": "_repair",
     "restore": "_restore",
     "SaveInfo": "_save", "save": "_save",
     **dict.fromkeys(["ManifestScan", "Problem", "is_repository", "scan_manifests"], "_scan"),
@@ -94,6 +95,8 @@ if TYPE_CHECKING:  # the names as static tools see them
     from ._manifest import LeafEntry as LeafEntry
     from ._manifest import Manifest as Manifest
     from ._orbax import import_orbax as import_orbax
+    from ._repair import RepairInfo as RepairInfo
+    from ._repair import repair as repair
     from ._repository import delete as delete
     from ._repository import latest_step as latest_step
     from ._repository import list_runs as list_runs

@@ -47,6 +47,7 @@ class Problem:
         feature newer than this casstore: upgrade, the data is not damaged) or
         ``"not found"``.
       needed_by: ``(run, step)`` of every checked step that needs the object, sorted.
+      key: the damaged object's store key (format.md §2), or None for a manifest.
     """
 
     run: str | None
@@ -56,6 +57,7 @@ class Problem:
     message: str
     kind: str = CORRUPT
     needed_by: tuple[tuple[str, int], ...] = ()
+    key: str | None = None
 
     def __str__(self) -> str:
         where = ", ".join(f"{k} {v!r}" for k, v in (("run", self.run), ("step", self.step), (

@@ -105,7 +105,7 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
         problems.append(Problem(run, step, None, None, "no such step", NOT_FOUND))
     users = _users(scan.manifests)
     missing = sorted(k for k in users if k not in present)
-    problems += [_problem(users[k], "chunk missing", MISSING) for k in missing]
+    problems += [_problem(k, users[k], "chunk missing", MISSING) for k in missing]
     blocked = [k for k, u in users.items() if k in present and u.ref is not None
                and u.ref.base is not None and chunk_key(u.ref.base) not in present]
     found, bytes_read, on_bad_base = [], 0, 0
@@ -151,10 +151,11 @@ def _users(manifests: tuple[Manifest, ...]) -> dict[str, _Users]:
     return users
 
 
-def _problem(u: _Users, message: str, kind: str) -> Problem:
-    """The one problem of an object; run and step are set where only one step needs it."""
+def _problem(key: str, u: _Users, message: str, kind: str) -> Problem:
+    """The one problem of object ``key``; run and step are set where only one step needs it."""
     run, step = next(iter(u.steps)) if len(u.steps) == 1 else (None, None)
-    return Problem(run, step, u.key_path, u.chunk_id, message, kind, tuple(sorted(u.steps)))
+    return Problem(run, step, u.key_path, u.chunk_id, message, kind, tuple(sorted(u.steps)),
+                   key)
 
 
 def _read_all(store: Store, users: dict[str, _Users], keys: list[str], max_workers: int | None,
@@ -186,11 +187,11 @@ def _read_all(store: Store, users: dict[str, _Users], keys: list[str], max_worke
         except STORE_FAILURES:
             raise  # the store failed; the object may be fine
         except FileNotFoundError as e:  # deleted since the listing
-            data, found = b"", _problem(users[key], f"chunk missing: {e}", MISSING)
+            data, found = b"", _problem(key, users[key], f"chunk missing: {e}", MISSING)
         except CasstoreError as e:
             if ref.base is not None and f"base chunk {ref.base} is corrupt" in str(e):
                 key = chunk_key(ref.base)  # the base is at fault, not this delta
-            data, found = b"", _problem(users[key], f"chunk corrupt: {e}", CORRUPT)
+            data, found = b"", _problem(key, users[key], f"chunk corrupt: {e}", CORRUPT)
         if progress is not None:
             with lock:
                 done[0] += ref.stored_bytes

@@ -340,3 +340,33 @@ def test_the_cli_uses_casstores_public_names_only():
                             and not node.attr.startswith("__")), (
                     path.name, node.attr)
         assert len(path.read_text().splitlines()) <= 450, path.name
+
+
+def test_repair_command_fixes_missing_corrupt_and_manifest_damage(delta_repo, tmp_path):
+    good = tmp_path / "good"
+    run("copy", delta_repo, good)
+    assert run_json("repair", good, delta_repo)["problems"] == []  # nothing to do
+    w = [leaf for leaf in casstore.read_manifest(delta_repo, 2).leaves if leaf.path == "w"][0]
+    base, delta = w.chunks[0].base, w.chunks[1]
+    (pathlib.Path(delta_repo) / "chunks" / base[:2] / base[2:]).unlink()
+    victim = pathlib.Path(delta_repo) / delta.key
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    truncate_manifest(delta_repo, 4)
+    plan = run_json("repair", good, delta_repo, "--dry-run", code=1)
+    assert sorted(p["kind"] for p in plan["problems"]) == ["corrupt", "manifest", "missing"]
+    assert plan["deleted_objects"] == [delta.key] and plan["unrepairable"] == []
+    assert [s for _, s in plan["steps"]] == list(range(6))  # the base is in every step
+    assert victim.read_bytes() == bytes(data)  # a dry run changes nothing
+    done = run("repair", good, delta_repo)
+    assert "copied back 6 step(s)" in done.stdout and done.stdout.strip().endswith("ok")
+    assert casstore.verify(delta_repo).ok
+    for step in range(6):
+        assert casstore.restore(delta_repo, step)["w"].tobytes() == trained(step).tobytes()
+    casstore.delete(str(good), 5)  # a step the good copy lacks is left alone, and reported
+    (pathlib.Path(delta_repo) / "runs" / "default" / "steps" / f"{5:016d}.manifest"
+     ).write_bytes(b"junk")
+    info = casstore.repair(str(good), delta_repo)
+    assert [(p.kind, p.step) for p in info.unrepairable] == [("manifest", 5)]
+    assert not info.ok and info.steps == () and 5 in casstore.list_steps(delta_repo)

@@ -224,3 +224,47 @@ def rm_command(url: str, steps: tuple[int, ...], run: str, dry_run: bool, option
             say(f"{'would delete' if dry_run else 'deleted'} run {run!r} step {step}")
     if as_json:
         emit_json({"run": run, "steps": wanted, "dry_run": dry_run})
+
+
+@command("repair")
+@click.argument("good")
+@click.argument("damaged")
+@click.option("--dry-run", is_flag=True, help="Show what would be deleted and copied back.")
+@click.option("--read-data/--no-read-data", default=True, show_default=True,
+              help="Verify DAMAGED by reading every chunk, or only that it exists.")
+@storage_options
+@click.option("-O", "--dst-storage-option", "dst_options", multiple=True, metavar="KEY=VALUE",
+              callback=parse_options, help="Storage option for DAMAGED only (default: -o's).")
+@json_flag
+def repair_command(good: str, damaged: str, dry_run: bool, read_data: bool, options: dict,
+                   dst_options: dict, as_json: bool) -> None:
+    """Repairs DAMAGED from GOOD, another copy of the same repository.
+
+    Runs verify on DAMAGED; each step that needs a missing or corrupt object, or whose
+    manifest is damaged, is deleted there (its corrupt objects first) and copied back from
+    GOOD. Steps GOOD lacks are left alone and reported. Exits 1 unless DAMAGED verifies clean
+    afterwards (docs/recovery.md).
+
+    \b
+    Examples:
+      casstore repair s3://backup/ckpt ./ckpt --dry-run
+      casstore repair s3://backup/ckpt ./ckpt
+    """
+    source = open_repo(good, {} if is_local(good) else options)
+    target = open_repo(damaged, {} if is_local(damaged) else dst_options or options)
+    where(f"{good} -> {damaged}", None)
+    info = progress("repairing", lambda: casstore.repair(source, target, dry_run=dry_run,
+                                                         read_data=read_data))
+    if as_json:
+        emit_json({**rows_of([info])[0], "problems": [problem_json(p) for p in info.problems],
+                   "unrepairable": [problem_json(p) for p in info.unrepairable]})
+    else:
+        verb = "would copy back" if dry_run else "copied back"
+        say(f"{len(info.problems)} problem(s); {verb} {len(info.steps)} step(s) ("
+            + ", ".join(f"{r}@{s}" for r, s in info.steps) + f"), deleting "
+            f"{len(info.deleted_objects)} corrupt object(s); {len(info.unrepairable)} "
+            f"unrepairable; {'ok' if info.ok else 'not ok'}")
+        for p in info.unrepairable:
+            click.echo(f"casstore: unrepairable: {p.kind}: {p}", err=True)
+    if not info.ok:
+        click.get_current_context().exit(EXIT_PROBLEMS)
