@@ -21,9 +21,14 @@ _WHERE = {
     **dict.fromkeys(["AccessDeniedError", "CasstoreError", "CorruptChunkError", "ManifestError",
                      "MissingChunkError", "ObjectNotFoundError", "ReadOnlyStoreError",
                      "StepAlreadyExistsError", "StepNotFoundError", "StoreTimeoutError",
-                     "StoreUnreachableError", "TargetMismatchError", "UnsupportedFormatError",
-                     "UnsupportedLeafError"],
-                    "_errors"),
+                     "StoreUnreachableError", "TargetMismatchError", "TensorFileError",
+                     "UnsupportedFormatError", "UnsupportedLeafError"], "_errors"),
+    **dict.fromkeys(["ExportInfo", "ImportInfo", "check_export_path", "export_tensors",
+                     "import_tensors"], "_export"),
+    **dict.fromkeys(["LeafDiff", "LeafInfo", "StepInfo", "diff_manifests", "diff_steps",
+                     "inspect_step", "manifest_as_dict"], "_inspect"),
+    **dict.fromkeys(["RepositoryUsage", "RunUsage", "StepUsage", "run_usage", "step_usage",
+                     "usage"], "_usage"),
     "GcInfo": "_gc", "gc": "_gc",
     "CheckpointManager": "_manager",
     "ChunkRef": "_manifest", "LeafEntry": "_manifest", "Manifest": "_manifest",
@@ -38,10 +43,11 @@ _WHERE = {
                     "_policies"),
     **dict.fromkeys(["delete", "latest_step", "list_runs", "list_steps", "read_manifest"],
                     "_repository"),
+    "RepairInfo": "_repair", "repair": "_repair",
     "restore": "_restore",
     "SaveInfo": "_save", "save": "_save",
     "PLACEHOLDER": "_target", "abstract_tree": "_target",
-    **dict.fromkeys(["ManifestScan", "Problem", "scan_manifests"], "_scan"),
+    **dict.fromkeys(["ManifestScan", "Problem", "is_repository", "scan_manifests"], "_scan"),
     "VerifyReport": "_verify", "verify": "_verify",
     **dict.fromkeys(["FsspecStore", "LocalStore", "MemoryStore", "ObjectInfo", "Store",
                      "open_store"], "store"),
@@ -80,11 +86,24 @@ if TYPE_CHECKING:  # the names as static tools see them
     from ._errors import StoreTimeoutError as StoreTimeoutError
     from ._errors import StoreUnreachableError as StoreUnreachableError
     from ._errors import TargetMismatchError as TargetMismatchError
+    from ._errors import TensorFileError as TensorFileError
     from ._errors import UnsupportedFormatError as UnsupportedFormatError
     from ._errors import UnsupportedLeafError as UnsupportedLeafError
+    from ._export import ExportInfo as ExportInfo
+    from ._export import ImportInfo as ImportInfo
+    from ._export import check_export_path as check_export_path
+    from ._export import export_tensors as export_tensors
+    from ._export import import_tensors as import_tensors
     from ._fallback import FallbackStore as FallbackStore
     from ._gc import GcInfo as GcInfo
     from ._gc import gc as gc
+    from ._inspect import LeafDiff as LeafDiff
+    from ._inspect import LeafInfo as LeafInfo
+    from ._inspect import StepInfo as StepInfo
+    from ._inspect import diff_manifests as diff_manifests
+    from ._inspect import diff_steps as diff_steps
+    from ._inspect import inspect_step as inspect_step
+    from ._inspect import manifest_as_dict as manifest_as_dict
     from ._manager import CheckpointManager as CheckpointManager
     from ._manifest import ChunkRef as ChunkRef
     from ._manifest import LeafEntry as LeafEntry
@@ -108,6 +127,8 @@ if TYPE_CHECKING:  # the names as static tools see them
     from ._policies import PreserveAll as PreserveAll
     from ._policies import SaveDecisionPolicy as SaveDecisionPolicy
     from ._policies import SpecificStepsPolicy as SpecificStepsPolicy
+    from ._repair import RepairInfo as RepairInfo
+    from ._repair import repair as repair
     from ._repository import delete as delete
     from ._repository import latest_step as latest_step
     from ._repository import list_runs as list_runs
@@ -118,10 +139,17 @@ if TYPE_CHECKING:  # the names as static tools see them
     from ._save import save as save
     from ._scan import ManifestScan as ManifestScan
     from ._scan import Problem as Problem
+    from ._scan import is_repository as is_repository
     from ._scan import scan_manifests as scan_manifests
     from ._target import PLACEHOLDER as PLACEHOLDER
     from ._target import abstract_tree as abstract_tree
     from ._tiers import PersistError as PersistError
+    from ._usage import RepositoryUsage as RepositoryUsage
+    from ._usage import RunUsage as RunUsage
+    from ._usage import StepUsage as StepUsage
+    from ._usage import run_usage as run_usage
+    from ._usage import step_usage as step_usage
+    from ._usage import usage as usage
     from ._verify import VerifyReport as VerifyReport
     from ._verify import verify as verify
     from .store import FsspecStore as FsspecStore

@@ -13,10 +13,13 @@ import itertools
 import math
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+
+from ._lazy import LazyModule
+
+jax = LazyModule("jax")  # imported on first use: reading manifests needs no jax
+jnp = LazyModule("jax.numpy")
 
 DEFAULT_CHUNK_SIZE_BYTES = 16 * 2**20
 DEFAULT_PACK_THRESHOLD_BYTES = 64 * 2**10

@@ -109,6 +109,11 @@ class StoreTimeoutError(_Located, TimeoutError):
         return located
 
 
+class TensorFileError(_Located, ValueError):
+    """A .safetensors or .npz file is not valid (or holds what casstore cannot store); ``url``
+    is the file's path."""
+
+
 class StoreUnreachableError(_Located, ConnectionError):
     """No server answers at the store's endpoint: the connection was refused or the host name
     does not resolve. Raised within a few seconds (a server that accepts and then stalls gets

@@ -9,110 +9,17 @@ them as shared, as they are on storage.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 
+import msgpack
+
 from ._chunking import dtype_from_name
-from ._layout import chunk_key
-from ._manifest import ChunkRef, LeafEntry, Manifest
-from ._repository import Url
-from ._scan import require_intact, scan_manifests
-
-
-def load_manifests(url: Url, *, runs: list[str] | None = None,
-                   max_workers: int | None = None) -> list[Manifest]:
-    """Reads every committed manifest of ``runs`` (None: all runs) in repository order.
-
-    For a repository that may be damaged, :func:`~casstore.scan_manifests` reads the rest.
-
-    Returns:
-      Manifests sorted by ``(created, run, step)``: the order their steps were written.
-
-    Raises:
-      ManifestError: a manifest or the config object is invalid (names every bad manifest).
-    """
-    scan = scan_manifests(url, runs=runs, max_workers=max_workers)
-    require_intact(scan, "reading every manifest")
-    return list(scan.manifests)
-
-
-def object_sizes(manifests: list[Manifest]) -> dict[str, int]:
-    """Stored bytes of every chunk object the manifests reference, by key (format.md §2).
-
-    A delta chunk references its delta object and its base's chunk object (format.md §3.5).
-    A base's size is known from a manifest that references that chunk whole; a base that no
-    given manifest references whole (its step was deleted) counts 0 bytes.
-    """
-    refs = [r for m in manifests for leaf in m.leaves for r in leaf.chunks]
-    sizes = {chunk_key(r.base): 0 for r in refs if r.base is not None}
-    sizes.update({r.key: r.stored_bytes for r in refs})
-    return sizes
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StepUsage:
-    """The storage of one step (bytes are stored chunk bytes unless named logical).
-
-    Attributes:
-      run, step, created: which step; ``created`` in seconds since the epoch.
-      leaves: leaf count. logical_bytes: raw bytes of its array leaves.
-      stored_bytes: its distinct chunks.
-      added_bytes: its chunks that no earlier step (repository order) references.
-      shared_bytes: its chunks that an earlier step references (``stored - added``).
-      unique_bytes: its chunks that no other step references: what deleting it frees.
-    """
-
-    run: str
-    step: int
-    created: float
-    leaves: int
-    logical_bytes: int
-    stored_bytes: int
-    added_bytes: int
-    shared_bytes: int
-    unique_bytes: int
-
-
-def step_usage(manifests: list[Manifest]) -> list[StepUsage]:
-    """One :class:`StepUsage` per manifest, in the given (repository) order."""
-    size = object_sizes(manifests)
-    users = collections.Counter(key for m in manifests for key in m.object_keys())
-    seen: set[str] = set()
-    out = []
-    for m in manifests:
-        ids = m.object_keys()
-        added = sum(size[c] for c in ids - seen)
-        stored = sum(size[c] for c in ids)
-        out.append(StepUsage(m.run, m.step, m.created, len(m.leaves), m.logical_bytes, stored,
-                             added, stored - added, sum(size[c] for c in ids if users[c] == 1)))
-        seen |= ids
-    return out
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RunUsage:
-    """The storage of one run: its steps' logical bytes, the stored bytes of the distinct
-    chunks they reference, and of those referenced by no other run (``unique_bytes``)."""
-
-    run: str
-    steps: int
-    logical_bytes: int
-    stored_bytes: int
-    unique_bytes: int
-
-
-def run_usage(manifests: list[Manifest]) -> list[RunUsage]:
-    """One :class:`RunUsage` per run, sorted by run name."""
-    size = object_sizes(manifests)
-    ids: dict[str, set[str]] = collections.defaultdict(set)
-    for m in manifests:
-        ids[m.run] |= m.object_keys()
-    runs_of = collections.Counter(c for chunk_ids in ids.values() for c in chunk_ids)
-    return [RunUsage(run, sum(m.run == run for m in manifests),
-                     sum(m.logical_bytes for m in manifests if m.run == run),
-                     sum(size[c] for c in ids[run]),
-                     sum(size[c] for c in ids[run] if runs_of[c] == 1)) for run in sorted(ids)]
+from ._errors import ManifestError
+from ._manifest import ChunkRef, LeafEntry, Manifest, encode_manifest
+from ._repository import Url, list_steps, read_manifest
+from ._scan import Problem, manifest_problem
+from .store import open_store
 
 
 def _block_bytes(leaf: LeafEntry, ref: ChunkRef) -> int:
@@ -189,3 +96,100 @@ def diff_manifests(a: Manifest, b: Manifest) -> list[LeafDiff]:
     out += [LeafDiff(p, "added", 0, y.nbytes, y.nbytes, is_packed(y))
             for p, y in in_b.items() if p not in in_a]
     return out
+
+
+def diff_steps(url: Url, step_a: int, step_b: int, *, run: str = "default",
+               run_b: str | None = None) -> list[LeafDiff]:
+    """:func:`diff_manifests` of two committed steps (``run_b`` defaults to ``run``).
+
+    Raises:
+      StepNotFoundError: a step does not exist. ManifestError: its manifest is damaged.
+    """
+    store = open_store(url)
+    return diff_manifests(read_manifest(store, step_a, run=run),
+                          read_manifest(store, step_b, run=run_b or run))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeafInfo:
+    """One leaf of a step, as ``casstore show`` lists it.
+
+    Attributes:
+      path: key path. kind: ``"array"`` or ``"scalar"``.
+      shape: array shape (``()`` for scalars). dtype: saved dtype name, or the scalar's type.
+      sharding: the saved sharding (format.md §4.6) or None.
+      chunks: distinct chunks. inline: the bytes sit in the manifest (no chunk).
+      logical_bytes: raw bytes. stored_bytes: its share of stored chunk bytes.
+      shared_with_previous: ``"yes"``, ``"part"`` or ``"no"`` against the run's previous
+        step; None for the first step or when the previous step's manifest is damaged.
+    """
+
+    path: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str | None
+    sharding: object
+    chunks: int
+    logical_bytes: int
+    stored_bytes: int
+    inline: bool
+    shared_with_previous: str | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepInfo:
+    """The result of :func:`inspect_step`: one step, leaf by leaf.
+
+    Attributes:
+      run, step, created: the step (``created`` in seconds since the epoch).
+      logical_bytes: raw bytes of its array leaves.
+      previous_step: the run's step before it, or None.
+      leaves: one :class:`LeafInfo` per leaf, in manifest order.
+      problems: the previous step's manifest, if damaged (sharing then unknown).
+    """
+
+    run: str
+    step: int
+    created: float
+    logical_bytes: int
+    previous_step: int | None
+    leaves: tuple[LeafInfo, ...]
+    problems: tuple[Problem, ...]
+
+
+def _shared(d: LeafDiff) -> str:
+    if d.status == "unchanged":
+        return "yes"
+    return "part" if d.status == "changed" and d.changed_bytes < d.bytes_b else "no"
+
+
+def inspect_step(url: Url, step: int, *, run: str = "default") -> StepInfo:
+    """Each leaf of a step: shape, dtype, sharding, chunks, bytes, and sharing with the
+    run's previous step. Reads two manifests, no chunk data.
+
+    Raises:
+      StepNotFoundError: the step does not exist. ManifestError: its manifest is damaged
+      (a damaged previous step is reported in ``problems`` instead).
+    """
+    store = open_store(url)
+    manifest = read_manifest(store, step, run=run)
+    earlier = [s for s in list_steps(store, run=run) if s < step]
+    shared: dict[str, str] = {}
+    problems: tuple[Problem, ...] = ()
+    if earlier:
+        try:
+            previous = read_manifest(store, earlier[-1], run=run)
+            shared = {d.path: _shared(d) for d in diff_manifests(previous, manifest)}
+        except ManifestError as e:
+            problems = (manifest_problem(run, earlier[-1], e),)
+    leaves = tuple(LeafInfo(
+        leaf.path, leaf.kind, tuple(leaf.shape), leaf.dtype or leaf.scalar_type, leaf.sharding,
+        len({r.id for r in leaf.chunks}), leaf.nbytes, leaf_stored_bytes(leaf),
+        leaf.inline is not None, shared.get(leaf.path)) for leaf in manifest.leaves)
+    return StepInfo(run, step, manifest.created, manifest.logical_bytes,
+                    earlier[-1] if earlier else None, leaves, problems)
+
+
+def manifest_as_dict(manifest: Manifest) -> dict:
+    """The manifest as format.md §4 lays it out, as plain dicts and lists (bytes stay bytes)."""
+    return msgpack.unpackb(encode_manifest(manifest), raw=False, strict_map_key=False)

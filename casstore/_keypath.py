@@ -11,12 +11,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import jax
 import numpy as np
 
 from ._errors import UnsupportedLeafError
+from ._lazy import LazyModule
 
-tu = jax.tree_util
+jax = LazyModule("jax")  # imported on first use: reading manifests needs no jax
+tu = LazyModule("jax.tree_util")
 SCALAR_TYPES = (bool, int, float, complex, str, bytes)
 MAX_DEPTH = 256
 _INDEX = r"\[-?\d+\]|\[=-?\d+\]"

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from ._errors import AccessDeniedError, CasstoreError, ManifestError, StoreTimeoutError
+from ._errors import (
+    AccessDeniedError,
+    CasstoreError,
+    ManifestError,
+    StoreTimeoutError,
+    StoreUnreachableError,
+)
 from ._layout import RUNS_PREFIX, parse_manifest_key
 from ._manifest import Manifest, decode_manifest
 from ._pool import bounded_map
@@ -23,7 +29,8 @@ CORRUPT = "corrupt"  # an object's bytes fail their checks
 MANIFEST = "manifest"  # a manifest does not read or validate
 UNSUPPORTED = "unsupported"  # a newer format than this casstore reads: upgrade, not damage
 NOT_FOUND = "not found"  # the step or repository asked for does not exist
-_STORE_FAILURES = (StoreTimeoutError, AccessDeniedError)
+# the store failed, the repository is not damaged: these propagate
+STORE_FAILURES = (StoreTimeoutError, StoreUnreachableError, AccessDeniedError)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -40,6 +47,7 @@ class Problem:
         feature newer than this casstore: upgrade, the data is not damaged) or
         ``"not found"``.
       needed_by: ``(run, step)`` of every checked step that needs the object, sorted.
+      key: the damaged object's store key (format.md §2), or None for a manifest.
     """
 
     run: str | None
@@ -49,6 +57,7 @@ class Problem:
     message: str
     kind: str = CORRUPT
     needed_by: tuple[tuple[str, int], ...] = ()
+    key: str | None = None
 
     def __str__(self) -> str:
         where = ", ".join(f"{k} {v!r}" for k, v in (("run", self.run), ("step", self.step), (
@@ -104,7 +113,7 @@ def scan_manifests(url: Url, *, runs: list[str] | None = None, step: int | None 
 
     Raises:
       ManifestError: the repository's config object is damaged or of an unknown version.
-      StoreTimeoutError, AccessDeniedError: the store did not answer or refused.
+      StoreTimeoutError, StoreUnreachableError, AccessDeniedError: the store failed.
     """
     store = open_store(url)
     if not check_config(store):
@@ -124,7 +133,7 @@ def _read(store: Store, key: str, parsed: tuple[str, int]) -> Manifest | Problem
     run, step = parsed
     try:
         return decode_manifest(store.get(key), run=run, step=step, url=store.url)
-    except _STORE_FAILURES:
+    except STORE_FAILURES:
         raise
     except FileNotFoundError:
         return None
@@ -143,3 +152,13 @@ def require_intact(scan: ManifestScan, what: str) -> None:
         raise ManifestError(f"{what} refused: {len(scan.damaged)} manifest(s) unreadable "
                             f"({steps}); first: {scan.damaged[0].message} (see "
                             "docs/recovery.md)")
+
+
+def is_repository(url: Url) -> bool:
+    """True if ``url`` holds a casstore repository (its config object, format.md §2.1).
+
+    Raises:
+      ManifestError: the config object is damaged or of an unknown version.
+      StoreTimeoutError, StoreUnreachableError, AccessDeniedError: the store failed.
+    """
+    return check_config(open_store(url))

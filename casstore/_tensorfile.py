@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ._chunking import dtype_from_name
-from ._errors import UnsupportedLeafError
+from ._errors import TensorFileError, UnsupportedLeafError
 from ._keypath import escape_name, is_valid_path
 
 # safetensors' dtype codes for the format.md §4.5 names it can hold.
@@ -70,8 +70,10 @@ def file_array(path: str, value: Any, fmt: str) -> np.ndarray:
     array = array if array.flags.c_contiguous else array.copy(order="C")
     allowed = SAFETENSORS_DTYPES if fmt == "safetensors" else NPZ_DTYPES
     if array.dtype.name not in allowed:
-        raise UnsupportedLeafError(f"{fmt} files cannot hold dtype {array.dtype.name} (they "
-                                   f"hold {', '.join(allowed)})", key_path=path)
+        raise UnsupportedLeafError(f"{fmt} files cannot hold dtype {array.dtype.name}: cast it "
+                                   "(--dtype float32), leave it out (--exclude) or use "
+                                   f"{'.safetensors' if fmt == 'npz' else '.npz'}",
+                                   key_path=path)
     return array
 
 
@@ -87,18 +89,37 @@ def read_tensors(path: str) -> dict[str, np.ndarray]:
     """The tensors of a .safetensors or .npz file by name (numpy or ml_dtypes arrays).
 
     Raises:
-      ValueError: not a .safetensors or .npz name, or a tensor of a dtype casstore does not
-        store (names the tensor).
+      ValueError: not a .safetensors or .npz name.
+      TensorFileError: the file does not parse, or holds a tensor of a dtype casstore does
+        not store (names the file and the tensor).
     """
-    if file_format(path) == "npz":
-        with np.load(path, allow_pickle=False) as z:
-            return {name: z[name] for name in z.files}
+    fmt = file_format(path)
+    try:
+        return _read_npz(path) if fmt == "npz" else _read_safetensors(path)
+    except (TensorFileError, OSError):
+        raise
+    except Exception as e:  # numpy's and safetensors' own errors: name the file, say what
+        raise TensorFileError(f"not a valid .{fmt} file ({type(e).__name__}: "
+                              f"{' '.join(str(e).split()[:12])})", url=str(path)) from e
+
+
+def _read_npz(path: str) -> dict[str, np.ndarray]:
+    try:
+        z = np.load(path, allow_pickle=False)
+    except ValueError as e:  # numpy's advice to load pickles unsafely is wrong here
+        raise TensorFileError("not an .npz archive (numpy sees no zip file)", url=str(path)
+                              ) from e
+    with z:
+        return {name: z[name] for name in z.files}
+
+
+def _read_safetensors(path: str) -> dict[str, np.ndarray]:
     codes = {code: name for name, code in SAFETENSORS_DTYPES.items()}
     out = {}
     for name, t in _safetensors().deserialize(pathlib.Path(path).read_bytes()):
         if t["dtype"] not in codes:
-            raise ValueError(f"tensor {name!r} of {path!r} has dtype {t['dtype']}, which "
-                             "casstore does not store")
+            raise TensorFileError(f"tensor {name!r} has dtype {t['dtype']}, which casstore "
+                                  "does not store", url=str(path))
         out[name] = np.frombuffer(t["data"], dtype_from_name(codes[t["dtype"]])).reshape(
             t["shape"])
     return out

@@ -10,6 +10,7 @@ corrupt cannot be rebuilt: the base is the one problem, the delta counts in
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
 
@@ -19,7 +20,15 @@ from ._layout import chunk_key
 from ._manifest import ChunkRef, Manifest
 from ._pool import bounded_map
 from ._repository import Url, check_config, list_chunk_objects
-from ._scan import CORRUPT, MISSING, NOT_FOUND, UNSUPPORTED, Problem, scan_manifests
+from ._scan import (
+    CORRUPT,
+    MISSING,
+    NOT_FOUND,
+    STORE_FAILURES,
+    UNSUPPORTED,
+    Problem,
+    scan_manifests,
+)
 from .store import Store, open_store
 
 
@@ -98,7 +107,8 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
 
     Raises:
       ManifestError: the repository's config object is damaged or of an unknown version.
-      StoreTimeoutError, AccessDeniedError: the store did not answer or refused.
+      StoreTimeoutError, StoreUnreachableError, AccessDeniedError: the store did not
+        answer or refused (not reported as damage).
     """
     t0 = time.perf_counter()
     store = open_store(url)
@@ -118,7 +128,7 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
         problems.append(Problem(run, step, None, None, "no such step", NOT_FOUND))
     users = _users(scan.manifests)
     missing = sorted(k for k in users if k not in present)
-    problems += [_problem(users[k], "chunk missing", MISSING) for k in missing]
+    problems += [_problem(k, users[k], "chunk missing", MISSING) for k in missing]
     blocked = [k for k, u in users.items() if k in present and u.ref is not None
                and u.ref.base is not None and chunk_key(u.ref.base) not in present]
     found, bytes_read, on_bad_base = [], 0, 0
@@ -166,10 +176,11 @@ def _users(manifests: tuple[Manifest, ...]) -> dict[str, _Users]:
     return users
 
 
-def _problem(u: _Users, message: str, kind: str) -> Problem:
-    """The one problem of an object; run and step are set where only one step needs it."""
+def _problem(key: str, u: _Users, message: str, kind: str) -> Problem:
+    """The one problem of object ``key``; run and step are set where only one step needs it."""
     run, step = next(iter(u.steps)) if len(u.steps) == 1 else (None, None)
-    return Problem(run, step, u.key_path, u.chunk_id, message, kind, tuple(sorted(u.steps)))
+    return Problem(run, step, u.key_path, u.chunk_id, message, kind, tuple(sorted(u.steps)),
+                   key)
 
 
 def _read_all(store: Store, users: dict[str, _Users], keys: list[str], max_workers: int | None,
@@ -189,7 +200,7 @@ def _read_all(store: Store, users: dict[str, _Users], keys: list[str], max_worke
     keys.sort(key=lambda k: users[k].ref.base or users[k].ref.id)
     bases = DeltaBases(store, [(users[k].ref.id, users[k].ref.base) for k in keys])
     total = sum(users[k].ref.stored_bytes for k in keys)
-    done = [0]
+    done, lock = [0], threading.Lock()
 
     def check(key: str) -> tuple[str, int, Problem | None]:
         """(the key at fault, bytes read, its problem or None)."""
@@ -198,17 +209,21 @@ def _read_all(store: Store, users: dict[str, _Users], keys: list[str], max_worke
             data = bases.read(key, ref.id, ref.base)
             bases.decode(data, ref.id, ref.base, ref.raw_bytes)
             found = None
+        except STORE_FAILURES:
+            raise  # the store failed; the object may be fine
         except FileNotFoundError as e:  # deleted since the listing
-            data, found = b"", _problem(users[key], f"chunk missing: {e}", MISSING)
+            data, found = b"", _problem(key, users[key], f"chunk missing: {e}", MISSING)
         except UnsupportedFormatError as e:  # a newer writer's codec: not damage
-            data, found = b"", _problem(users[key], f"needs a newer casstore: {e}", UNSUPPORTED)
+            data, found = b"", _problem(key, users[key], f"needs a newer casstore: {e}",
+                                        UNSUPPORTED)
         except CasstoreError as e:
             if ref.base is not None and f"base chunk {ref.base} is corrupt" in str(e):
                 key = chunk_key(ref.base)  # the base is at fault, not this delta
-            data, found = b"", _problem(users[key], f"chunk corrupt: {e}", CORRUPT)
+            data, found = b"", _problem(key, users[key], f"chunk corrupt: {e}", CORRUPT)
         if progress is not None:
-            done[0] += ref.stored_bytes
-            progress(done[0], total)
+            with lock:
+                done[0] += ref.stored_bytes
+                progress(done[0], total)
         return key, len(data), found
 
     results = bounded_map(check, keys, max_workers or store.max_workers)

@@ -1,6 +1,7 @@
 """Errors: missing and existing steps, corrupt chunks and manifests, mismatched targets."""
 
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -275,3 +276,15 @@ def test_a_failed_chunk_upload_names_its_key_path_and_commits_nothing(failure):
         assert "while saving key path 'big'" in info.value.__notes__
     assert casstore.list_steps(store) == [0]
     np.testing.assert_array_equal(casstore.restore(store, 0)["small"], np.arange(10.0))
+
+
+@pytest.mark.parametrize("endpoint", ["http://127.0.0.1:9", "http://no-such-host.invalid:9000"])
+def test_an_unreachable_store_fails_within_seconds_naming_it(endpoint):
+    store = casstore.open_store("s3://bucket/repo", endpoint_url=endpoint, key="k", secret="s",
+                                operation_timeout_s=60)
+    t0 = time.monotonic()
+    with pytest.raises(casstore.StoreUnreachableError, match="cannot connect") as info:
+        casstore.list_steps(store)
+    assert time.monotonic() - t0 < 30  # not the 60 s deadline (a few seconds when idle)
+    assert isinstance(info.value, ConnectionError) and info.value.url == "s3://bucket/repo"
+    assert endpoint.split("//")[1] in str(info.value)

@@ -201,3 +201,14 @@ def test_verify_reports_a_garbage_manifest(tmp_path):
     report = casstore.verify(store)
     assert [(p.step, p.message.split(":")[0]) for p in report.problems] == [
         (2, "manifest unreadable")]
+
+
+def test_verify_reports_progress_up_to_the_bytes_it_reads(tmp_path):
+    store = LocalStore(tmp_path / "r")
+    for step in range(3):
+        casstore.save(store, step, {"a": np.arange(60_000) * (step + 1), "b": np.ones(9_000)})
+    calls = []
+    report = casstore.verify(store, progress=lambda done, total: calls.append((done, total)))
+    assert len(calls) == report.chunks_checked == report.chunks_ok
+    assert calls[-1] == (report.bytes_read, report.bytes_read) and report.bytes_read > 0
+    assert [d for d, _ in sorted(calls)] == sorted(d for d, _ in calls)

@@ -34,7 +34,7 @@ def no_answer(budget: float, last: BaseException,
     detail = ": ".join(x for x in (type(last).__name__, str(last)) if x)
     if is_unreachable(last):
         where.pop("key", None)
-        return StoreUnreachableError("cannot connect (connection refused or unknown host; "
-                                     f"check the endpoint): {detail}", **where)
+        return StoreUnreachableError("cannot connect (connection refused or unknown host): "
+                                     f"{detail}", **where)
     return StoreTimeoutError(f"no answer within the {budget:g} s deadline (last error: "
                              f"{detail})", **where)

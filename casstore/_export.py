@@ -1,0 +1,153 @@
+"""A step to a flat tensor file and back (``casstore export`` / ``casstore import``).
+
+Tensor names are key paths (format.md §5); file formats are in ``_tensorfile``. Export checks
+its output path before it reads anything, and skips (and lists) the leaves a tensor file
+cannot hold rather than failing on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ._repository import Url, read_manifest
+from .store import open_store
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExportInfo:
+    """The result of :func:`export_tensors`.
+
+    Attributes:
+      path: the file written.
+      tensors: tensors written. nbytes: their bytes (after any ``dtype`` cast).
+      skipped: ``(key path, reason)`` of each selected leaf left out (a str or bytes leaf).
+    """
+
+    path: str
+    tensors: int
+    nbytes: int
+    skipped: tuple[tuple[str, str], ...]
+
+
+def check_export_path(out: str | os.PathLike, *, force: bool = False) -> str:
+    """Checks that ``out`` can be written: a .safetensors or .npz name in an existing
+    directory, absent unless ``force``. Returns its format (``"safetensors"`` or ``"npz"``).
+
+    Raises:
+      ValueError: another suffix. FileNotFoundError: its directory does not exist.
+      FileExistsError: ``out`` exists and ``force`` is False.
+    """
+    from ._tensorfile import file_format
+
+    fmt = file_format(out)
+    path = pathlib.Path(out).expanduser()
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"the directory of {str(out)!r} does not exist; create it first")
+    if path.exists() and not force:
+        raise FileExistsError(f"{str(out)!r} exists; pass force=True (--force) to overwrite it")
+    return fmt
+
+
+def export_tensors(url: Url, step: int | None, out: str | os.PathLike, *, run: str = "default",
+                   paths: Sequence[str] | None = None, exclude: Sequence[str] | None = None,
+                   dtype: str | None = None, force: bool = False,
+                   max_workers: int | None = None) -> ExportInfo:
+    """Writes a step's array leaves to a .safetensors or .npz file, one tensor per key path.
+
+    The output path is checked before anything is read. Python number leaves become 0-d
+    arrays; str and bytes leaves are skipped and listed. Memory: the selected leaves are held
+    in host memory at once (their logical bytes, plus the cast ones with ``dtype``).
+
+    Args:
+      url: a path, an fsspec URL or a Store.
+      step: the step; None for the latest.
+      out: the file, ``.safetensors`` or ``.npz``.
+      run: the run.
+      paths: key-path prefixes to export (None: all).
+      exclude: key-path prefixes to leave out.
+      dtype: cast every floating-point leaf to this dtype (e.g. ``"float32"``, so bfloat16
+        leaves fit an .npz file).
+      force: overwrite ``out`` if it exists.
+      max_workers: concurrent chunk reads.
+
+    Returns:
+      An :class:`ExportInfo`.
+
+    Raises:
+      ValueError: a bad suffix, or no leaf selected. FileNotFoundError, FileExistsError: see
+        :func:`check_export_path`. StepNotFoundError, ManifestError, CorruptChunkError,
+        MissingChunkError: as :func:`~casstore.restore`. UnsupportedLeafError: a leaf of a
+        dtype the format cannot hold (names it and suggests ``dtype``).
+    """
+    from ._keypath import matches
+    from ._restore import restore
+    from ._tensorfile import file_array, write_tensors
+
+    fmt = check_export_path(out, force=force)
+    store = open_store(url)
+    manifest = read_manifest(store, step, run=run)
+    chosen = [leaf for leaf in manifest.leaves if matches(leaf.path, list(paths) if paths else None)
+              and not (exclude and matches(leaf.path, list(exclude)))]
+    skipped = tuple((leaf.path, f"a {leaf.scalar_type} leaf") for leaf in chosen
+                    if leaf.kind == "scalar" and leaf.scalar_type in ("str", "bytes"))
+    wanted = [leaf.path for leaf in chosen if leaf.path not in dict(skipped)]
+    if not wanted:
+        raise ValueError(f"no array leaf of step {manifest.step} is selected (paths "
+                         f"{list(paths or [])}, exclude {list(exclude or [])})")
+    values = _leaves(restore(store, manifest.step, run=run, paths=wanted,
+                             max_workers=max_workers))
+    arrays = {p: file_array(p, _cast(values[p], dtype), fmt) for p in wanted}
+    write_tensors(str(out), arrays, fmt, {"run": run, "step": manifest.step,
+                                          "skipped": [p for p, _ in skipped]})
+    return ExportInfo(str(out), len(arrays), sum(a.nbytes for a in arrays.values()), skipped)
+
+
+def _leaves(tree: Any) -> dict[str, Any]:
+    from ._keypath import flatten
+
+    return dict(flatten(tree)[1])
+
+
+def _cast(value: Any, dtype: str | None) -> Any:
+    """``value`` cast to ``dtype`` if both are floating point (bfloat16 and float8 included)."""
+    from ._chunking import dtype_from_name
+
+    name = str(getattr(value, "dtype", ""))
+    if dtype is None or not name.startswith(("float", "bfloat")):
+        return value
+    return np.asarray(value).astype(dtype_from_name(dtype))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ImportInfo:
+    """The result of :func:`import_tensors`: tensors read, and the save's
+    ``logical_bytes`` and ``written_bytes`` (see :class:`~casstore.SaveInfo`)."""
+
+    tensors: int
+    logical_bytes: int
+    written_bytes: int
+
+
+def import_tensors(file: str | os.PathLike, url: Url, step: int, *,
+                   run: str = "default") -> ImportInfo:
+    """Saves the tensors of a .safetensors or .npz file as a step.
+
+    Names with "/" nest (key paths, format.md §5); others are keys of one flat dict.
+
+    Raises:
+      TensorFileError: the file is not a valid .safetensors / .npz file (names it).
+      StepAlreadyExistsError: the step exists.
+    """
+    from ._save import save
+    from ._tensorfile import read_tensors, tree_of
+
+    tensors = read_tensors(file)
+    info = save(url, step, tree_of(tensors), run=run)
+    return ImportInfo(len(tensors), info.logical_bytes, info.written_bytes)
+

@@ -1,0 +1,95 @@
+"""Repair a damaged repository from another copy of it (docs/recovery.md).
+
+Chunks are named by the hash of their bytes, so any copy of a repository that holds a step
+holds exactly the same objects for it. :func:`repair` runs :func:`~casstore.verify` on the
+damaged copy, deletes its corrupt objects and the steps that need a damaged object, and copies
+those steps back from the good copy with :func:`~casstore.copy` (which sends only the objects
+the destination lacks, each checked against its chunk id on the way).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+from ._copy import copy
+from ._repository import Url, delete, list_steps
+from ._scan import CORRUPT, MANIFEST, MISSING, Problem
+from ._verify import verify
+from .store import open_store
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RepairInfo:
+    """The result of :func:`repair`.
+
+    Attributes:
+      problems: what verify found in the damaged repository before the repair.
+      deleted_objects: store keys of corrupt objects deleted (or, for a dry run, to delete).
+      steps: ``(run, step)`` pairs copied back from the good copy (or to copy).
+      unrepairable: problems the good copy cannot fix: a step it lacks, or a format newer
+        than this casstore.
+      ok: the damaged repository verifies clean afterwards (False for a dry run with
+        problems).
+      dry_run: nothing was changed.
+      seconds: wall time.
+    """
+
+    problems: tuple[Problem, ...]
+    deleted_objects: tuple[str, ...]
+    steps: tuple[tuple[str, int], ...]
+    unrepairable: tuple[Problem, ...]
+    ok: bool
+    dry_run: bool
+    seconds: float
+
+
+def repair(good_url: Url, damaged_url: Url, *, dry_run: bool = False,
+           read_data: bool = True) -> RepairInfo:
+    """Repairs ``damaged_url`` from ``good_url``, another copy of the same repository.
+
+    Verifies the damaged copy; a step that needs a missing or corrupt object, or whose
+    manifest is damaged, is deleted there and copied again from the good copy, after its
+    corrupt objects are deleted (``copy`` skips objects and steps that exist). Steps the good
+    copy does not hold are left alone and reported in ``unrepairable``; nothing of them is
+    deleted.
+
+    Args:
+      good_url, damaged_url: paths, fsspec URLs or Stores.
+      dry_run: report the plan; change nothing.
+      read_data: verify reads every chunk (False: checks only that objects exist, which
+        finds missing objects and damaged manifests but not corrupt bytes).
+
+    Returns:
+      A :class:`RepairInfo`.
+
+    Raises:
+      CorruptChunkError, MissingChunkError: the good copy is damaged too where a step needs
+        it (that step's manifest is then not written; run verify on the good copy).
+      StoreTimeoutError, StoreUnreachableError, AccessDeniedError: a store failed.
+    """
+    t0 = time.perf_counter()
+    good, damaged = open_store(good_url), open_store(damaged_url)
+    report = verify(damaged, read_data=read_data)
+    runs = {run for p in report.problems for run, _ in p.needed_by}
+    held = {run: set(list_steps(good, run=run)) for run in runs}
+    fixable = [p for p in report.problems if p.kind in (MISSING, CORRUPT, MANIFEST)
+               and p.needed_by and all(s in held[r] for r, s in p.needed_by)]
+    unrepairable = tuple(p for p in report.problems if p not in fixable)
+    objects = tuple(sorted({p.key for p in fixable if p.kind == CORRUPT and p.key}))
+    steps = tuple(sorted({rs for p in fixable for rs in p.needed_by}))
+    if dry_run or not fixable:
+        return RepairInfo(report.problems, objects, steps, unrepairable,
+                          report.ok, dry_run, time.perf_counter() - t0)
+    for key in objects:
+        damaged.delete(key)
+    by_run = collections.defaultdict(list)
+    for run, step in steps:
+        delete(damaged, step, run=run)
+        by_run[run].append(step)
+    for run, run_steps in by_run.items():
+        copy(good, damaged, runs=[run], steps=run_steps)
+    after = verify(damaged, read_data=read_data)
+    return RepairInfo(report.problems, objects, steps, unrepairable, after.ok, False,
+                      time.perf_counter() - t0)

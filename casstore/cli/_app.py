@@ -1,0 +1,252 @@
+"""The ``casstore`` command group: exit codes, one-line errors, shared options, opening a
+repository. Commands live in ``_read``, ``_check`` and ``_files``; they call casstore's public
+API only, imported on first use so ``casstore --help`` does not import jax."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+import casstore
+
+from . import _output
+from ._output import error_line
+
+EXIT_OK = 0
+EXIT_PROBLEMS = 1
+EXIT_USAGE = 2
+EXIT_NO_REPOSITORY = 10
+EXIT_UNREACHABLE = 11
+EXIT_ACCESS_DENIED = 12
+EXIT_CODES = f"""\b
+Exit codes:
+  {EXIT_OK}   ok
+  {EXIT_PROBLEMS}   the repository is damaged: verify found problems, or a command met a
+      damaged manifest or chunk (the rest was shown; see docs/recovery.md)
+  {EXIT_USAGE}   usage or input error (a bad argument, option, step or run)
+  {EXIT_NO_REPOSITORY}  no casstore repository at the URL
+  {EXIT_UNREACHABLE}  the store is unreachable or did not answer in time
+  {EXIT_ACCESS_DENIED}  the store refused access (credentials, read-only)"""
+# -o options that casstore itself takes (open_store), beside the filesystem's own
+CASSTORE_OPTIONS = {"read_only", "request_timeout_s", "operation_timeout_s"}
+# fsspec's AbstractFileSystem options, which every filesystem takes
+FSSPEC_OPTIONS = {"use_listings_cache", "listings_expiry_time", "max_paths",
+                  "skip_instance_cache", "asynchronous", "loop"}
+_where: dict[str, str] = {"at": ""}
+
+
+class NoRepository(click.ClickException):
+    """No casstore repository at the URL (exit 10)."""
+
+    exit_code = EXIT_NO_REPOSITORY
+
+
+_NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2
+_NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError")  # botocore's
+
+
+def exit_code_of(e: BaseException) -> int:
+    """The exit code that an error means (the table in ``EXIT_CODES``)."""
+    if isinstance(e, click.ClickException):
+        return e.exit_code
+    if isinstance(e, (casstore.StoreTimeoutError, casstore.StoreUnreachableError)):
+        return EXIT_UNREACHABLE
+    if isinstance(e, PermissionError) or type(e).__name__ in _NO_CREDENTIALS:
+        return EXIT_ACCESS_DENIED  # AccessDeniedError, ReadOnlyStoreError, no credentials
+    if isinstance(e, (casstore.ManifestError, casstore.CorruptChunkError,
+                      casstore.MissingChunkError)):
+        return EXIT_PROBLEMS
+    return EXIT_USAGE
+
+
+_FIXES = {EXIT_UNREACHABLE: "check the endpoint (-o endpoint_url=...), that the server runs, "
+                            "and the network; a slow store may need -o operation_timeout_s",
+          EXIT_ACCESS_DENIED: "check the credentials (AWS_*/GOOGLE_* variables, -o key=... "
+                              "-o secret=..., -o anon=true for public data)",
+          EXIT_PROBLEMS: "run 'casstore verify' and see docs/recovery.md"}
+
+
+def describe(e: BaseException) -> str:
+    """One line: the error, where it happened (URL, run, step) and what to do."""
+    if isinstance(e, click.UsageError):
+        where = f"; see '{e.ctx.command_path} --help'" if e.ctx is not None else ""
+        return " ".join(e.format_message().split()).rstrip(".") + where
+    if isinstance(e, click.ClickException):
+        return " ".join(e.format_message().split())
+    message = " ".join(str(e).split()) or type(e).__name__
+    if not isinstance(e, casstore.CasstoreError):
+        message = f"{type(e).__name__}: {message}"
+    if _where["at"] and getattr(e, "url", None) is None:  # casstore errors name their place
+        message += f" ({_where['at']})"
+    fix = _FIXES.get(exit_code_of(e))
+    return f"{message}; {fix}" if fix else message
+
+
+class _Group(click.Group):
+    """Turns any error into one line on stderr (JSON with --json) and its exit code, unless
+    ``--debug``."""
+
+    def main(self, args: Any = None, prog_name: str | None = None, **extra: Any) -> Any:
+        args = list(sys.argv[1:] if args is None else args)
+        _where["at"] = ""
+        try:
+            rv = super().main(args, prog_name=prog_name or "casstore", standalone_mode=False,
+                              **extra)
+        except click.exceptions.Exit as e:
+            sys.exit(e.exit_code)
+        except _NO_ARGS as e:  # bare "casstore": the help, as click prints it
+            click.echo(e.format_message())
+            sys.exit(EXIT_USAGE)
+        except click.Abort:
+            click.echo("casstore: aborted", err=True)
+            sys.exit(130)
+        except Exception as e:
+            if "--debug" in args:
+                raise
+            code = exit_code_of(e)
+            error_line(describe(e), code, type(e).__name__, as_json="--json" in args)
+            sys.exit(code)
+        sys.exit(rv if isinstance(rv, int) else EXIT_OK)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog=EXIT_CODES)
+@click.option("--debug", is_flag=True, help="Show the traceback of an error.")
+@click.version_option(casstore.__version__, prog_name="casstore")
+def main(debug: bool) -> None:
+    """Content-addressed checkpoints: inspect, check and move casstore repositories.
+
+    Every command takes a repository URL (a path, s3://, gs:// or any fsspec URL) and -o
+    KEY=VALUE storage options; s3fs and gcsfs also read their usual credential and endpoint
+    environment variables. Read commands print tables, or JSON with --json (errors too,
+    as one JSON line on stderr). Progress bars appear only on a terminal.
+
+    \b
+    Examples:
+      casstore ls ./ckpt
+      casstore ls s3://bucket/ckpt -o endpoint_url=http://127.0.0.1:9000
+      casstore verify ./ckpt --json
+    """
+
+
+def command(name: str) -> Any:
+    """``main.command(name)`` with the exit codes in its help."""
+    return main.command(name, epilog=EXIT_CODES)
+
+
+def parse_options(ctx: Any, param: Any, values: tuple[str, ...]) -> dict:
+    """``KEY=VALUE`` items as a dict; values parse as JSON (true, 3, {...}) else strings."""
+    options = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", ctx, param)
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    return options
+
+
+def storage_options(f: Any) -> Any:
+    return click.option("-o", "--storage-option", "options", multiple=True, metavar="KEY=VALUE",
+                        callback=parse_options,
+                        help="Storage option (repeatable): the filesystem's (e.g. "
+                        "endpoint_url=http://127.0.0.1:9000, anon=true) or casstore's "
+                        "(read_only, request_timeout_s, operation_timeout_s).")(f)
+
+
+def json_flag(f: Any) -> Any:
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")(f)
+
+
+def run_option(f: Any) -> Any:
+    return click.option("--run", default="default", show_default=True, help="Run name.")(f)
+
+
+def is_local(url: str) -> bool:
+    return "://" not in url or url.startswith("file://")
+
+
+def check_options(url: str, options: dict) -> None:
+    """UsageError for a storage option the URL's filesystem does not take, before any request.
+
+    Known: casstore's own, fsspec's common ones, and every named parameter of the
+    filesystem class's ``__init__`` along its class hierarchy.
+    """
+    if not options or is_local(url):
+        return  # open_store refuses options for a local path, by name
+    import inspect
+
+    import fsspec
+
+    protocol = url.split("://")[0]
+    try:
+        cls = fsspec.get_filesystem_class(protocol)
+    except (ValueError, ImportError) as e:
+        raise click.UsageError(f"cannot open {url!r}: {e}") from None
+    known = CASSTORE_OPTIONS | FSSPEC_OPTIONS
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is not None:
+            known |= {p.name for p in inspect.signature(init).parameters.values()
+                      if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"self"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise click.UsageError(f"unknown storage option(s) {', '.join(unknown)} for "
+                               f"{protocol}:// ({cls.__name__}); it takes "
+                               f"{', '.join(sorted(known))}")
+
+
+def open_repo(url: str, options: dict, *, create: bool = False) -> Any:
+    """Opens ``url`` with storage ``options`` (checked first) and records it for error lines.
+
+    Raises:
+      NoRepository: not a repository (unless ``create``).
+      click.UsageError: an unknown storage option.
+    """
+    _where["at"] = _where["at"] or f"url {url!r}"
+    check_options(url, options)
+    store = casstore.open_store(url, **options)
+    if not create and not casstore.is_repository(store):
+        raise NoRepository(f"no casstore repository at {url!r}; check the path (for S3-"
+                           "compatible servers, -o endpoint_url=...)")
+    return store
+
+
+def where(url: str, run: str | None, step: int | None = None) -> None:
+    """Names URL, run and step in any error line of this command."""
+    _where["at"] = f"url {url!r}" + ("" if run is None else f", run {run!r}") + (
+        "" if step is None else f", step {step}")
+
+
+def check_run(store: Any, url: str, run: str | None) -> None:
+    """UsageError if ``run`` is given and has no committed step (a typo must not pass)."""
+    if run is None:
+        return
+    runs = casstore.list_runs(store)
+    if run not in runs:
+        raise click.UsageError(f"run {run!r} has no steps in {url!r} (runs: "
+                               f"{', '.join(map(repr, runs)) or 'none'})")
+
+
+def counted(store: Any) -> Any:
+    """The store wrapped for progress counting, on a terminal only."""
+    from casstore.store import CountingStore
+
+    return CountingStore(store) if _output.console.is_terminal else store
+
+
+def report_damage(problems: list, as_json: bool) -> None:
+    """Names each damaged object on stderr (not in --json mode) and exits 1 if any."""
+    if not problems:
+        return
+    if not as_json:
+        for p in problems:
+            click.echo(f"casstore: damaged: {p}", err=True)
+        click.echo(f"casstore: {len(problems)} damaged object(s); the rest is shown. "
+                   "See 'casstore verify' and docs/recovery.md", err=True)
+    click.get_current_context().exit(EXIT_PROBLEMS)

@@ -1,0 +1,131 @@
+"""What the command line prints: JSON with a schema version, rich tables, progress bars,
+and one-line errors (plain or JSON)."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.filesize import decimal as human
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+JSON_SCHEMA_VERSION = 1  # of every --json output; raised when a field changes meaning
+console = Console(highlight=False, markup=False, soft_wrap=True)  # key paths hold "[0]"
+
+__all__ = ["JSON_SCHEMA_VERSION", "console", "emit_json", "error_line", "human", "progress", "say",
+           "ratio", "rows_of", "table"]
+
+
+def rows_of(items: Any) -> list[dict]:
+    """Dataclass instances as JSON-ready dicts."""
+    return [dataclasses.asdict(x) for x in items]
+
+
+def emit_json(obj: Any, *, versioned: bool = True) -> None:
+    """Prints ``obj`` as JSON; a dict gets ``schema_version`` first (bytes as base64)."""
+    if versioned and isinstance(obj, dict):
+        obj = {"schema_version": JSON_SCHEMA_VERSION, **obj}
+
+    def default(x: Any) -> Any:
+        if isinstance(x, bytes):
+            return {"base64": base64.b64encode(x).decode()}
+        raise TypeError(f"cannot print {type(x).__name__} as JSON")
+
+    click.echo(json.dumps(obj, indent=2, default=default))
+
+
+def error_line(message: str, code: int, kind: str, *, as_json: bool) -> None:
+    """Prints one error on stderr: ``casstore: error: ...`` or, in --json mode, one JSON line
+    ``{"schema_version", "error": {"code", "type", "message"}}`` (restic's exit_error)."""
+    if as_json:
+        click.echo(json.dumps({"schema_version": JSON_SCHEMA_VERSION, "error": {
+            "code": code, "type": kind, "message": message}}), err=True)
+    else:
+        click.echo(f"casstore: error: {message}", err=True)
+
+
+def table(title: str | None, columns: list[str], rows: list[list[Any]]) -> None:
+    """Prints a table; on a pipe or file each row stays one whole line."""
+    if title:
+        console.print(title, soft_wrap=True)
+    t = Table()
+    for name in columns:
+        t.add_column(name, justify="left" if name in ("run", "key path", "status", "dtype",
+                                                      "time", "sharding", "shape") else "right",
+                     overflow="fold", no_wrap=name == "time",
+                     min_width=24 if name == "key path" else None)
+    for row in rows:
+        t.add_row(*(str(v) for v in row))
+    if not console.is_terminal:
+        console.width = max(80, console.measure(
+            t, options=console.options.update_width(100_000)).maximum)
+    console.print(t)
+
+
+def ratio(logical: int, stored: int) -> str:
+    return f"{logical / stored:.1f}x" if stored else "-"
+
+
+class Meter:
+    """Progress that a library call reports as ``meter(done, total)`` (bytes)."""
+
+    def __init__(self) -> None:
+        self.done, self.total = 0, None
+
+    def __call__(self, done: int, total: int | None) -> None:
+        self.done, self.total = done, total
+
+    def state(self) -> tuple[int, int | None]:
+        return self.done, self.total
+
+
+class StoreMeter:
+    """Progress as the bytes a ``casstore.store.CountingStore`` moved (no total)."""
+
+    def __init__(self, count: Callable[[], int]) -> None:
+        self.count, self.start = count, count()
+
+    def state(self) -> tuple[int, int | None]:
+        return self.count() - self.start, None
+
+
+def progress(label: str, work: Callable[[], Any], meter: Any = None) -> Any:
+    """Runs ``work()``; on a terminal shows a bar of ``meter.state()`` (done, total bytes)."""
+    if not console.is_terminal:
+        return work()
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            result["value"] = work()
+        except BaseException as e:  # re-raised in the main thread below
+            result["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    columns = [SpinnerColumn(), TextColumn(label), BarColumn(),
+               TextColumn("{task.fields[done]}"), TimeElapsedColumn()]
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task(label, total=None, done="")
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            if meter is not None:
+                n, total = meter.state()
+                of_total = "" if total is None else f" of {human(total)}"
+                bar.update(task, total=total, completed=min(n, total or n),
+                           done=human(n) + of_total)
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def say(*objects: Any, **kwargs: Any) -> None:
+    """Prints to the console (``console.print``; tests may swap ``console``)."""
+    console.print(*objects, **kwargs)

@@ -1,0 +1,224 @@
+"""Commands that look: ``ls``, ``show``, ``du``, ``diff``, ``cat``. They read manifests only,
+and on a damaged repository show the healthy rest and exit 1."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import Any
+
+import click
+
+import casstore
+
+from ._app import (
+    check_run,
+    command,
+    json_flag,
+    open_repo,
+    report_damage,
+    run_option,
+    storage_options,
+    where,
+)
+from ._output import emit_json, human, ratio, rows_of, say, table
+
+
+def problem_json(p: Any) -> dict:
+    return {**dataclasses.asdict(p), "text": str(p)}
+
+
+def _time(created: float) -> str:
+    return datetime.datetime.fromtimestamp(created).strftime("%Y-%m-%d %H:%M:%S")
+
+
+@command("ls")
+@click.argument("url")
+@click.option("--run", default=None, help="Only this run (default: all runs).")
+@storage_options
+@json_flag
+def ls_command(url: str, run: str | None, options: dict, as_json: bool) -> None:
+    """Lists the steps of every run, with the bytes each step added and shared.
+
+    ADDED is stored bytes of chunks no earlier step references (in the order steps were
+    written, across runs); SHARED is the stored bytes of its chunks that earlier steps hold.
+    A damaged manifest is a row marked "damaged" (exit 1).
+
+    \b
+    Examples:
+      casstore ls ./ckpt --run default
+      casstore ls s3://bucket/ckpt -o endpoint_url=http://127.0.0.1:9000 --json
+    """
+    store = open_repo(url, options)
+    check_run(store, url, run)
+    scan = casstore.scan_manifests(store)  # added and shared count across every run
+    rows = [u for u in casstore.step_usage(list(scan.manifests)) if run in (None, u.run)]
+    damaged = [p for p in scan.damaged if run in (None, p.run)]
+    if as_json:
+        emit_json({"url": url, "steps": rows_of(rows),
+                   "problems": [problem_json(p) for p in damaged]})
+    else:
+        runs = {u.run for u in rows} | {p.run for p in damaged}
+        table(f"{url}: {len(runs)} run(s), {len(rows) + len(damaged)} step(s)" + (
+            f", {len(damaged)} damaged" if damaged else ""),
+            ["run", "step", "time", "leaves", "logical", "added", "shared"],
+            [[u.run, u.step, _time(u.created), u.leaves, human(u.logical_bytes),
+              human(u.added_bytes), human(u.shared_bytes)] for u in rows]
+            + [[p.run, p.step, "damaged", "-", "-", "-", "-"] for p in damaged])
+    report_damage(damaged, as_json)
+
+
+@command("show")
+@click.argument("url")
+@click.argument("step", type=int)
+@run_option
+@storage_options
+@json_flag
+def show_command(url: str, step: int, run: str, options: dict, as_json: bool) -> None:
+    """Shows the leaves of STEP: shape, dtype, sharding, chunks, bytes, sharing.
+
+    SHARED says whether the leaf's chunks are the same as in the run's previous step
+    (yes, part, no; - for the first step, or if that step's manifest is damaged).
+
+    \b
+    Examples:
+      casstore show ./ckpt 100
+      casstore show ./ckpt 100 --run eval --json
+    """
+    store = open_repo(url, options)
+    check_run(store, url, run)
+    where(url, run, step)
+    info = casstore.inspect_step(store, step, run=run)
+    for p in info.problems:
+        click.echo(f"casstore: damaged: {p} (sharing unknown)", err=True)
+    if as_json:
+        emit_json({"run": run, "step": step, "created": info.created,
+                   "previous_step": info.previous_step, "leaves": rows_of(info.leaves)})
+        return
+    table(f"{url} run {run!r} step {step}: {len(info.leaves)} leaves, "
+          f"{human(info.logical_bytes)} logical",
+          ["key path", "shape", "dtype", "sharding", "chunks", "logical", "stored", "shared"],
+          [[x.path, "scalar" if x.kind == "scalar" else tuple(x.shape), x.dtype,
+            _sharding_str(x.sharding), "inline" if x.inline else x.chunks,
+            human(x.logical_bytes), human(x.stored_bytes), x.shared_with_previous or "-"]
+           for x in info.leaves])
+
+
+def _sharding_str(sharding: Any) -> str:
+    if not isinstance(sharding, dict):
+        return "-"
+    mesh = ",".join(f"{k}={v}" for k, v in sharding.get("mesh", {}).items())
+    return f"{mesh} {sharding.get('spec')}"
+
+
+@command("du")
+@click.argument("url")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="Draw bytes added vs reused per step, one series per run (.png or .svg).")
+@storage_options
+@json_flag
+def du_command(url: str, plot_path: str | None, options: dict, as_json: bool) -> None:
+    """Logical versus stored bytes: the repository, each run, each step.
+
+    STORED for the repository is every object under chunks/, deltas/ and runs/ as listed;
+    UNIQUE is what only that run (or step) references: what deleting it would free after gc.
+    du covers every run (it takes no --run).
+
+    \b
+    Examples:
+      casstore du ./ckpt --plot usage.svg
+    """
+    from ._plot import plot_usage
+
+    store = open_repo(url, options)
+    u = casstore.usage(store)
+    if plot_path:
+        plot_usage(list(u.steps), plot_path, title=url)
+    if as_json:
+        emit_json({"url": u.url, "logical_bytes": u.logical_bytes,
+                   "stored_bytes": u.stored_bytes, "chunk_bytes": u.chunk_bytes,
+                   "manifest_bytes": u.manifest_bytes, "unreferenced_bytes":
+                   u.unreferenced_bytes, "dedup_ratio": u.dedup_ratio,
+                   "runs": rows_of(u.runs), "steps": rows_of(u.steps),
+                   "problems": [problem_json(p) for p in u.problems]})
+    else:
+        say(f"{url}: {human(u.logical_bytes)} logical in {human(u.stored_bytes)} "
+                      f"stored ({ratio(u.logical_bytes, u.stored_bytes)}); chunks "
+                      f"{human(u.chunk_bytes)}, manifests {human(u.manifest_bytes)}, "
+                      f"unreferenced {human(u.unreferenced_bytes)}")
+        table(None, ["run", "steps", "logical", "stored", "dedup", "unique"],
+              [[r.run, r.steps, human(r.logical_bytes), human(r.stored_bytes),
+                ratio(r.logical_bytes, r.stored_bytes), human(r.unique_bytes)]
+               for r in u.runs])
+        table(None, ["run", "step", "logical", "added", "shared", "unique"],
+              [[s.run, s.step, human(s.logical_bytes), human(s.added_bytes),
+                human(s.shared_bytes), human(s.unique_bytes)] for s in u.steps])
+        if plot_path:
+            say(f"wrote {plot_path}")
+    report_damage(list(u.problems), as_json)
+
+
+@command("diff")
+@click.argument("url")
+@click.argument("step_a", type=int)
+@click.argument("step_b", type=int)
+@run_option
+@click.option("--run-b", default=None, help="Run of STEP_B (default: --run).")
+@click.option("--all", "show_all", is_flag=True, help="List unchanged key paths too.")
+@storage_options
+@json_flag
+def diff_command(url: str, step_a: int, step_b: int, run: str, run_b: str | None, show_all: bool,
+                 options: dict, as_json: bool) -> None:
+    """Key paths changed, added and removed from STEP_A to STEP_B, by chunk ids.
+
+    No chunk data is read. CHANGED is the logical bytes of B's blocks stored in chunks A does
+    not hold there (largest first). Small leaves packed together (marked "pack") change
+    together.
+
+    \b
+    Examples:
+      casstore diff ./ckpt 100 200
+      casstore diff ./ckpt 100 100 --run a --run-b b --json
+    """
+    store = open_repo(url, options)
+    run_b = run_b or run
+    check_run(store, url, run)
+    check_run(store, url, run_b)
+    where(url, run, step_a)
+    diffs = casstore.diff_steps(store, step_a, step_b, run=run, run_b=run_b)
+    counts = {s: sum(d.status == s for d in diffs)
+              for s in ("changed", "added", "removed", "unchanged")}
+    changed_bytes = sum(d.changed_bytes for d in diffs)
+    shown = [d for d in diffs if show_all or d.status != "unchanged"]
+    if as_json:
+        emit_json({"a": {"run": run, "step": step_a}, "b": {"run": run_b, "step": step_b},
+                   "counts": counts, "changed_bytes": changed_bytes, "leaves": rows_of(shown)})
+        return
+    table(f"{run}@{step_a} -> {run_b}@{step_b}: " + ", ".join(
+        f"{n} {s}" for s, n in counts.items()) + f"; {human(changed_bytes)} differ",
+          ["key path", "status", "A", "B", "changed"],
+          [[d.path, d.status + (" (pack)" if d.packed and d.status == "changed" else ""),
+            human(d.bytes_a), human(d.bytes_b), human(d.changed_bytes)]
+           for d in sorted(shown, key=lambda d: -d.changed_bytes)])
+
+
+@command("cat")
+@click.argument("url")
+@click.argument("step", type=int)
+@run_option
+@storage_options
+def cat_command(url: str, step: int, run: str, options: dict) -> None:
+    """Prints the decoded manifest of STEP as JSON (format.md §4; bytes as base64).
+
+    Its output is the manifest itself, so it carries no schema_version (format.md
+    versions it).
+
+    \b
+    Examples:
+      casstore cat ./ckpt 100 | jq '.leaves[0]'
+    """
+    store = open_repo(url, options)
+    check_run(store, url, run)
+    where(url, run, step)
+    manifest = casstore.read_manifest(store, step, run=run)
+    emit_json(casstore.manifest_as_dict(manifest), versioned=False)

@@ -1,0 +1,372 @@
+"""The ``casstore`` command line on a bad day (issue 30): a damaged repository, inputs checked
+before anything changes, one-line errors with their exit codes, an unreachable store, and a
+``--help`` that does not import jax. Run through click's CliRunner and as ``python -m``."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from test_cli import run, run_json, tree, write_repo
+
+import casstore
+import casstore.store
+from casstore import cli
+
+
+@pytest.fixture
+def repo(tmp_path) -> str:
+    url = str(tmp_path / "repo")
+    write_repo(url)
+    return url
+
+
+DELTA_CHUNK = 64 * 1024
+
+
+def trained(step: int) -> np.ndarray:
+    """Weights after ``step`` small updates: steps 1.. store delta chunks on step 0's."""
+    base = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32) * 0.02
+    noise = np.random.default_rng(1).standard_normal(base.shape).astype(np.float32)
+    touched = np.arange(base.size).reshape(base.shape) % 32 < step
+    return np.where(touched, base + np.float32(2e-6) * step * noise, base)
+
+
+@pytest.fixture
+def delta_repo(tmp_path) -> str:
+    """Six steps of one run; steps 1-5 hold delta chunks on step 0's chunks."""
+    url = str(tmp_path / "delta")
+    for step in range(6):
+        casstore.save(url, step, {"w": trained(step), "n": step},
+                      chunk_size_bytes=DELTA_CHUNK)
+    refs = [r for s in range(1, 6) for leaf in casstore.read_manifest(url, s).leaves
+            for r in leaf.chunks]
+    assert refs and all(r.base is not None for r in refs), "the fixture wants delta chains"
+    return url
+
+
+def truncate_manifest(url: str, step: int, run: str = "default") -> None:
+    path = pathlib.Path(url) / "runs" / run / "steps" / f"{step:016d}.manifest"
+    path.write_bytes(path.read_bytes()[:100])
+
+
+def test_a_truncated_manifest_costs_its_step_only(delta_repo, tmp_path):
+    truncate_manifest(delta_repo, 4)
+    listed = run_json("ls", delta_repo, code=1)
+    assert [r["step"] for r in listed["steps"]] == [0, 1, 2, 3, 5]
+    assert [(p["run"], p["step"], p["kind"]) for p in listed["problems"]] == [
+        ("default", 4, "manifest")]
+    text = run("ls", delta_repo, code=1)
+    assert "damaged" in text.stdout and "step 4" in text.stderr
+    assert "not msgpack" not in text.stderr.splitlines()[-1]
+    usage = run_json("du", delta_repo, code=1)
+    assert [s["step"] for s in usage["steps"]] == [0, 1, 2, 3, 5]
+    report = run_json("verify", delta_repo, code=1)
+    assert [(p["step"], p["kind"]) for p in report["problems"]] == [(4, "manifest")]
+    assert report["manifests_damaged"] == 1 and report["chunks_ok"] == report["chunks_checked"]
+    assert run_json("verify", delta_repo, 3)["ok"]  # step 3 itself is whole
+    dry = run_json("gc", delta_repo, "--dry-run", code=1)
+    assert dry["damaged_manifests"] == 1 and dry["manifests"] == 5
+    before = sorted(p for p in pathlib.Path(delta_repo).rglob("*") if p.is_file())
+    refused = run("gc", delta_repo, "--grace-period", "0", code=1)
+    assert "gc refused" in refused.stderr and "default@4" in refused.stderr
+    assert sorted(p for p in pathlib.Path(delta_repo).rglob("*") if p.is_file()) == before
+    copied = run_json("copy", delta_repo, tmp_path / "dst", "--steps", "3,5")
+    assert sorted(s for _, s in copied["steps_copied"]) == [3, 5]
+    assert casstore.verify(str(tmp_path / "dst")).ok
+    shown = run("show", delta_repo, 5)  # its previous step is the damaged one
+    assert "step 4" in shown.stderr and "w" in shown.stdout
+
+
+def test_a_deleted_base_chunk_is_one_missing_object_with_the_steps_needing_it(delta_repo):
+    (w,) = [leaf for leaf in casstore.read_manifest(delta_repo, 1).leaves if leaf.path == "w"]
+    base = w.chunks[0].base
+    (pathlib.Path(delta_repo) / "chunks" / base[:2] / base[2:]).unlink()
+    for flag in ("--read-data", "--no-read-data"):
+        report = run_json("verify", delta_repo, flag, code=1)
+        assert [(p["kind"], p["chunk_id"]) for p in report["problems"]] == [("missing", base)]
+        assert report["problems"][0]["needed_by"] == [["default", s] for s in range(6)]
+        assert "corrupt" not in report["problems"][0]["text"]
+        assert report["chunks_missing"] == 1 and report["chunks_corrupt"] == 0
+        assert report["chunks_unchecked"] == 5  # the deltas on it: one per later step
+        assert report["chunks_checked"] == (report["chunks_ok"] + report["chunks_missing"]
+                                            + report["chunks_corrupt"]
+                                            + report["chunks_unchecked"])
+    text = run("verify", delta_repo, code=1).stdout
+    assert text.count("problem:") == 1 and "default@5" in text
+    dry = run_json("gc", delta_repo, "--dry-run", "--grace-period", "0")
+    listed = sum(1 for d in ("chunks", "deltas")
+                 for p in (pathlib.Path(delta_repo) / d).rglob("*") if p.is_file())
+    assert dry["chunks"] == listed and dry["missing_chunks"] == 1
+    assert dry["chunks"] == (dry["referenced_chunks"] + dry["deleted_chunks"]
+                             + dry["young_unreferenced_chunks"])
+    assert f"of {listed} chunks listed, {dry['referenced_chunks']} referenced" in run(
+        "gc", delta_repo, "--dry-run").stdout
+    for step in (0, 3):
+        with pytest.raises(casstore.MissingChunkError,
+                           match=f"missing.*{base[2:]}.*step {step}") as info:
+            casstore.restore(delta_repo, step)
+        assert isinstance(info.value, FileNotFoundError)
+        assert not isinstance(info.value, casstore.CorruptChunkError)
+    assert casstore.restore(delta_repo, 3, paths=["n"])["n"] == 3
+
+
+# --- validate everything first, then act (issue 30 item 4) ---
+
+
+def test_rm_checks_every_step_before_deleting_any(repo):
+    result = run("rm", repo, 1, 99, 2, code=2)
+    assert "99" in result.stderr and "nothing deleted" in result.stderr
+    assert casstore.list_steps(repo) == [0, 1, 2]
+    dry = run("rm", repo, 1, 2, "--dry-run")
+    assert "would delete run 'default' step 2" in dry.stdout
+    assert casstore.list_steps(repo) == [0, 1, 2]
+    assert run_json("rm", repo, 1, 2) == {"schema_version": 1, "run": "default",
+                                          "steps": [1, 2], "dry_run": False}
+    assert casstore.list_steps(repo) == [0]
+
+
+def test_copy_checks_runs_and_steps_before_creating_the_destination(repo, tmp_path):
+    dst = tmp_path / "dst"
+    result = run("copy", repo, dst, "--runs", "typo", code=2)
+    assert "'typo'" in result.stderr and "'default'" in result.stderr
+    result = run("copy", repo, dst, "--runs", "b", "--steps", "0,7", code=2)
+    assert "step(s) 7" in result.stderr
+    assert "not a comma-separated" in run("copy", repo, dst, "--steps", "x", code=2).stderr
+    assert not dst.exists()
+
+
+def test_export_checks_its_output_path_before_reading(repo, tmp_path, monkeypatch):
+    def no_reads(*args, **kwargs):
+        raise AssertionError("export read the step before checking its output")
+
+    monkeypatch.setattr(casstore, "restore", no_reads)
+    result = run("export", repo, 2, tmp_path / "no" / "such" / "t.npz", code=2)
+    assert "does not exist" in result.stderr and "t.npz" in result.stderr
+    existing = tmp_path / "t.npz"
+    existing.write_bytes(b"keep me")
+    result = run("export", repo, 2, existing, code=2)
+    assert "--force" in result.stderr and existing.read_bytes() == b"keep me"
+    monkeypatch.undo()
+    run("export", repo, 2, existing, "--paths", "w", "--force")
+    with np.load(existing) as z:
+        np.testing.assert_array_equal(z["w"], tree(0, 2)["w"])
+
+
+def test_help_and_import_do_not_import_jax():
+    code = ("import sys\nfrom casstore.cli import main\ntry:\n    main(['--help'])\n"
+            "except SystemExit as e:\n    assert e.code == 0\n"
+            "import casstore\nassert casstore.__version__\n"
+            "print(sorted(m for m in ('jax', 'numpy', 'fsspec') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(pathlib.Path(
+                              cli.__file__).parents[2])})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+    assert sorted(casstore.__all__) == casstore.__all__ and "verify" in dir(casstore)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        casstore.nope  # noqa: B018
+
+
+def test_errors_are_one_line_with_their_exit_code(repo, tmp_path):
+    result = run("show", repo, 99, code=cli.EXIT_USAGE)
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert "no such step" in result.stderr and "99" in result.stderr and repo in result.stderr
+    result = run("ls", tmp_path / "nowhere", code=cli.EXIT_NO_REPOSITORY)
+    assert "no casstore repository" in result.stderr and "nowhere" in result.stderr
+    assert not (tmp_path / "nowhere").exists()
+    result = run("ls", "nosuchprotocol://bucket/repo", code=cli.EXIT_USAGE)
+    assert result.stderr.startswith("casstore: error:") and result.stderr.count("\n") == 1
+    assert "nosuchprotocol" in result.stderr
+    result = run("show", repo, 1, "--run", "no/such", code=2)
+    assert "'no/such' has no steps" in result.stderr
+    result = run("ls", repo, "-o", "anon=true", code=2)
+    assert "storage_options are for fsspec URLs" in result.stderr
+    run("ls", repo, "-o", "novalue", code=2)
+    usage = run("show", repo, code=2)  # click's own usage error: one line too
+    assert usage.stderr.count("\n") == 1 and "--help" in usage.stderr
+    debug = CliRunner().invoke(cli.main, ["--debug", "show", repo, "99"])
+    assert isinstance(debug.exception, casstore.StepNotFoundError)
+    for command in ("ls", "verify", "show", "diff", "cat", "export"):
+        extra = {"show": [1], "diff": [0, 1], "cat": [1], "export": [1, tmp_path / "x.npz"]}
+        result = run(command, repo, *extra.get(command, []), "--run", "nope", code=2)
+        assert result.stderr.startswith("casstore: error: run 'nope' has no steps"), command
+    result = run("rm", repo, 7, code=2)
+    assert "step(s) 7 not in run 'default'" in result.stderr
+    truncate_manifest(repo, 1)
+    result = run("show", repo, 1, code=cli.EXIT_PROBLEMS)
+    assert "verify" in result.stderr and "step 1" in result.stderr
+
+
+def test_json_mode_errors_are_json_and_help_lists_exit_codes(repo, tmp_path):
+    result = run("show", repo, 99, "--json", code=2)
+    error = json.loads(result.stderr)
+    assert error["schema_version"] == cli.JSON_SCHEMA_VERSION
+    assert error["error"]["code"] == 2 and error["error"]["type"] == "StepNotFoundError"
+    assert "no such step" in error["error"]["message"]
+    assert json.loads(run("ls", tmp_path / "none", "--json", code=10).stderr)["error"]["code"] == 10
+    assert "COMMAND [ARGS]" in run(code=2).stdout  # bare casstore: its help, exit 2
+    bogus = run("bogus", code=2).stderr
+    assert bogus.startswith("casstore: error: No such command 'bogus'; see '")
+    assert bogus.endswith(" --help'\n") and bogus.count("\n") == 1
+    for args in ([], ["verify"], ["export"]):
+        text = run(*args, "--help").stdout
+        assert "Exit codes:" in text and "10  no casstore repository" in text, args
+        assert args == [] or "Examples:" in text
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/repo", "gs://bucket/repo", "memory://repo"])
+def test_unknown_storage_options_are_refused_before_any_request(url, monkeypatch):
+    def no_store(*args, **kwargs):
+        raise AssertionError("a store was opened")
+
+    monkeypatch.setattr(casstore, "open_store", no_store)
+    result = run("ls", url, "-o", "bogus_option=1", code=2)
+    assert "unknown storage option(s) bogus_option" in result.stderr
+    assert url.split("://")[0] + "://" in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_a_closed_port_fails_within_seconds_naming_the_endpoint():
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "casstore", "ls", "s3://bucket/ckpts", "-o",
+                           "endpoint_url=http://127.0.0.1:9", "-o", "key=a", "-o", "secret=b"],
+                          capture_output=True, text=True, timeout=120, env={
+                              **os.environ, "PYTHONPATH": str(pathlib.Path(
+                                  cli.__file__).parents[2])})
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == cli.EXIT_UNREACHABLE, proc.stderr
+    assert "127.0.0.1:9" in proc.stderr and "endpoint" in proc.stderr
+    assert proc.stderr.count("\n") == 1
+    assert elapsed < 30, elapsed  # the store's 60 s deadline is for servers that answer
+
+
+def test_repair_from_another_copy_as_docs_recovery_says(delta_repo, tmp_path):
+    good = tmp_path / "good"
+    run("copy", delta_repo, good)
+    w = [leaf for leaf in casstore.read_manifest(delta_repo, 2).leaves if leaf.path == "w"][0]
+    base, delta = w.chunks[0].base, w.chunks[1]
+    (pathlib.Path(delta_repo) / "chunks" / base[:2] / base[2:]).unlink()  # missing
+    victim = pathlib.Path(delta_repo) / delta.key  # corrupt
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    report = run_json("verify", delta_repo, code=1)
+    assert sorted(p["kind"] for p in report["problems"]) == ["corrupt", "missing"]
+    for p in report["problems"]:  # step 1 of docs/recovery.md's repair
+        if p["kind"] == "corrupt":
+            (pathlib.Path(delta_repo) / delta.key).unlink()
+    steps = sorted({s for p in report["problems"] for _, s in p["needed_by"]})
+    run("rm", delta_repo, *steps)
+    run("copy", good, delta_repo, "--steps", ",".join(map(str, steps)))
+    assert run_json("verify", delta_repo)["ok"]
+    assert casstore.restore(delta_repo, 2)["w"].tobytes() == trained(2).tobytes()
+
+
+def test_junk_tensor_files_are_named_without_library_advice(repo, tmp_path):
+    junk = tmp_path / "junk.npz"
+    junk.write_bytes(b"this is not a zip file at all")
+    result = run("import", junk, repo, 9, code=2)
+    assert "junk.npz" in result.stderr and "not an .npz archive" in result.stderr
+    assert "pickle" not in result.stderr and result.stderr.count("\n") == 1
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    result = run("import", bad, repo, 9, code=2)
+    assert "bad.safetensors" in result.stderr and "not a valid .safetensors" in result.stderr
+    with pytest.raises(casstore.TensorFileError, match="junk.npz") as info:
+        casstore.import_tensors(junk, repo, 9)
+    assert isinstance(info.value, ValueError)
+    assert casstore.list_steps(repo) == [0, 1, 2]
+
+
+def test_a_damaged_repository_on_s3(object_servers):
+    server = object_servers["seaweedfs"]
+    url = server.url_for("damaged")
+    store = casstore.store.FsspecStore.from_url(url, **server.storage_options)
+    write_repo(store)
+    opts = [a for k, v in server.storage_options.items()
+            for a in ("-o", f"{k}={v if isinstance(v, str) else json.dumps(v)}")]
+    key = "runs/default/steps/0000000000000001.manifest"
+    store.put(key, store.get(key)[:100])
+    (w,) = [leaf for leaf in casstore.read_manifest(store, 2).leaves if leaf.path == "w"]
+    gone = w.chunks[0]  # w changes every step: only step 2 needs it
+    store.delete(gone.key)
+    listed = run_json("ls", url, *opts, code=1)
+    assert [(r["run"], r["step"]) for r in listed["steps"]] == [
+        ("default", 0), ("default", 2), ("b", 0)]
+    assert [(p["step"], p["kind"]) for p in listed["problems"]] == [(1, "manifest")]
+    report = run_json("verify", url, *opts, code=1)
+    assert sorted(p["kind"] for p in report["problems"]) == ["manifest", "missing"]
+    (missing,) = [p for p in report["problems"] if p["kind"] == "missing"]
+    assert missing["chunk_id"] == gone.id and missing["needed_by"] == [["default", 2]]
+    assert run_json("verify", url, 0, *opts)["ok"]
+    with pytest.raises(casstore.MissingChunkError, match="step 2"):
+        casstore.restore(store, 2)
+
+
+def test_commands_that_read_manifests_do_not_import_jax(repo):
+    code = ("import sys\nfrom casstore.cli import main\n"
+            "for args in (['ls'], ['du'], ['verify'], ['show', '1'], ['diff', '0', '2'],\n"
+            "             ['cat', '1'], ['gc', '--dry-run']):\n"
+            "    try:\n        main([args[0], sys.argv[1], *args[1:]])\n"
+            "    except SystemExit as e:\n        assert e.code == 0, (args, e.code)\n"
+            "print('jax' in sys.modules, file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", code, repo], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(pathlib.Path(
+                              cli.__file__).parents[2])})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "False"
+
+
+def test_the_cli_uses_casstores_public_names_only():
+    import ast
+
+    for path in pathlib.Path(cli.__file__).parent.glob("*.py"):
+        tree_ = ast.parse(path.read_text())
+        for node in ast.walk(tree_):
+            if isinstance(node, ast.ImportFrom):
+                assert node.level in (0, 1), (path.name, node.module)  # no "from .." imports
+                assert node.level == 1 or not (node.module or "").startswith("casstore.") or (
+                    node.module == "casstore.store"), (path.name, node.module)
+            elif isinstance(node, ast.Import):
+                assert all(a.name in ("casstore", "casstore.store") or not a.name.startswith(
+                    "casstore") for a in node.names), path.name
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                assert not (node.value.id == "casstore" and node.attr.startswith("_")
+                            and not node.attr.startswith("__")), (
+                    path.name, node.attr)
+        assert len(path.read_text().splitlines()) <= 450, path.name
+
+
+def test_repair_command_fixes_missing_corrupt_and_manifest_damage(delta_repo, tmp_path):
+    good = tmp_path / "good"
+    run("copy", delta_repo, good)
+    assert run_json("repair", good, delta_repo)["problems"] == []  # nothing to do
+    w = [leaf for leaf in casstore.read_manifest(delta_repo, 2).leaves if leaf.path == "w"][0]
+    base, delta = w.chunks[0].base, w.chunks[1]
+    (pathlib.Path(delta_repo) / "chunks" / base[:2] / base[2:]).unlink()
+    victim = pathlib.Path(delta_repo) / delta.key
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    truncate_manifest(delta_repo, 4)
+    plan = run_json("repair", good, delta_repo, "--dry-run", code=1)
+    assert sorted(p["kind"] for p in plan["problems"]) == ["corrupt", "manifest", "missing"]
+    assert plan["deleted_objects"] == [delta.key] and plan["unrepairable"] == []
+    assert [s for _, s in plan["steps"]] == list(range(6))  # the base is in every step
+    assert victim.read_bytes() == bytes(data)  # a dry run changes nothing
+    done = run("repair", good, delta_repo)
+    assert "copied back 6 step(s)" in done.stdout and done.stdout.strip().endswith("ok")
+    assert casstore.verify(delta_repo).ok
+    for step in range(6):
+        assert casstore.restore(delta_repo, step)["w"].tobytes() == trained(step).tobytes()
+    casstore.delete(str(good), 5)  # a step the good copy lacks is left alone, and reported
+    (pathlib.Path(delta_repo) / "runs" / "default" / "steps" / f"{5:016d}.manifest"
+     ).write_bytes(b"junk")
+    info = casstore.repair(str(good), delta_repo)
+    assert [(p.kind, p.step) for p in info.unrepairable] == [("manifest", 5)]
+    assert not info.ok and info.steps == () and 5 in casstore.list_steps(delta_repo)
