@@ -4,8 +4,10 @@ A chunk id is the xxh3-128 of the raw bytes, as 32 lowercase hex digits. A chunk
 16-byte header (magic, version, codec, element size, raw length) followed by the raw bytes, one
 zstd frame of them, one zstd frame of their byte-shuffled form (HDF5's and blosc's shuffle
 filter), or their byte planes, each stored raw or as its own zstd frame (codec 4; codec 5 first
-moves each element's sign bit below its exponent, so a float's exponent fills one plane). zstandard,
-xxhash and numpy's copies release the GIL, so these functions run in parallel in a thread pool.
+moves each element's sign bit below its exponent, so a float's exponent fills one plane; the
+byte transforms are in :mod:`casstore._shuffle`). zstandard, xxhash and numpy's copies release
+the GIL, so these functions run in parallel in a thread pool. A header of a version or codec
+this casstore does not know is a newer format, not damage (format.md §10).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ FEATURES = {
     "pack": "0.1.0",  # small leaves packed into one chunk, §3.4
     "delta": "0.1.0",  # delta chunks under deltas/, chunk refs with a base, §3.5
 }
+FIRST_RELEASE = "0.1.0"  # reads every object that lists no feature
 MAX_FEATURES = 64
 _VERSION = re.compile(r"\d{1,6}(\.\d{1,6}){0,3}")
 
@@ -36,8 +37,8 @@ def version_tuple(version: str) -> tuple[int, ...]:
 
 def min_reader(features: list[str]) -> str:
     """The oldest casstore release that reads every feature of ``features`` (names of
-    :data:`FEATURES`); :data:`READER_VERSION`'s first release for none."""
-    return max((FEATURES[f] for f in features), key=version_tuple, default="0.1.0")
+    :data:`FEATURES`); :data:`FIRST_RELEASE` for none."""
+    return max((FEATURES[f] for f in features), key=version_tuple, default=FIRST_RELEASE)
 
 
 def check_features(fields: dict, **where: Any) -> None:

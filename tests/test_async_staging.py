@@ -230,9 +230,8 @@ def fill_with_chunks(store: Store, n: int) -> None:
     """Stores ``n`` distinct valid chunk objects that no manifest references."""
     from casstore._codec import chunk_id, encode_chunk
     from casstore._layout import chunk_key
-    for i in range(n):
-        raw = memoryview(i.to_bytes(8, "little") * 4)
-        store.put(chunk_key(chunk_id(raw)), encode_chunk(raw))
+    raws = [memoryview(i.to_bytes(8, "little") * 4) for i in range(n)]
+    store.put_many({chunk_key(chunk_id(raw)): encode_chunk(raw) for raw in raws})  # concurrent
 
 
 @pytest.mark.parametrize("backend", ["local", "seaweedfs"])

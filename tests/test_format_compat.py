@@ -135,3 +135,15 @@ def test_the_feature_table_is_read_by_this_release():
                for v in _format.FEATURES.values())
     assert _format.min_reader(sorted(_format.FEATURES)) == _format.READER_VERSION
     assert _format.version_tuple("0.10.0") > _format.version_tuple("0.9.1")
+
+
+def test_gc_refuses_a_repository_with_a_step_of_a_newer_format(store):
+    """GC cannot know what a newer step references, so it deletes nothing (format.md §8)."""
+    casstore.save(store, 2, {"w": np.ones(10_000, np.float32)})
+    rewrite(store, manifest_key("default", 2), features=["codec-9"])
+    keys = sorted(info.key for info in store.list(""))
+    casstore.delete(store, 1)  # its chunks are garbage to a GC that could read step 2
+    with pytest.raises(casstore.UnsupportedFormatError, match="feature 'codec-9'"):
+        casstore.gc(store, grace_period_s=0)
+    assert sorted(info.key for info in store.list("")) == [
+        k for k in keys if k != manifest_key("default", 1)]
