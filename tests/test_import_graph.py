@@ -1,4 +1,5 @@
-"""casstore's modules import each other without cycles (one concept per module, STYLE.md §1).
+"""casstore's modules import each other without cycles and stay small (one concept per module,
+STYLE.md §1).
 
 The graph is read from the source with ``ast``: every ``import`` counts, including those under
 ``if TYPE_CHECKING:`` and inside functions, since a cycle hidden there is still two modules that
@@ -98,6 +99,12 @@ def test_no_import_cycle_in_casstore():
     """No two casstore modules import each other, directly or through others."""
     graph = {m: _imports(m, p) for m, p in MODULES.items()}
     assert _cycles(graph) == []
+
+
+def test_no_module_is_over_450_lines():
+    """One concept per module (issue 32): a module past 450 lines holds more than one."""
+    sizes = {m: len(p.read_text().splitlines()) for m, p in MODULES.items()}
+    assert {m: n for m, n in sizes.items() if n > 450} == {}
 
 
 @pytest.mark.parametrize("module", sorted(set(MODULES) - {"casstore.__main__"}))
