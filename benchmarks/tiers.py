@@ -42,16 +42,14 @@ TARGETS = [  # (key of ratios, description, limit)
 ]
 
 
-def state(step: int, base: int, head: int) -> dict:
-    """The step's tree: ``base`` bytes that never change, ``head`` bytes new each step."""
-    def normal(seed, n):
-        return np.random.default_rng(seed).normal(0, 0.02, n // 4).astype(np.float32)
-    return {"base": normal(0, base), "head": normal(1 + step, head), "step": step}
+def normal(seed: int, nbytes: int) -> np.ndarray:
+    """``nbytes`` of float32 N(0, 0.02), seeded."""
+    return np.random.default_rng(seed).normal(0, 0.02, nbytes // 4).astype(np.float32)
 
 
 def run_manager(local: pathlib.Path, cfg, persistent=None):
     """Saves ``cfg.trees`` through a manager (persisting every ``cfg.n``-th step to
-    ``persistent``); returns (it, closed, mean seconds save() blocked)."""
+    ``persistent``); returns (the closed manager, mean seconds a save() blocked)."""
     mngr = casstore.CheckpointManager(local, persistent=persistent, chunk_size_bytes=cfg.chunk,
                                       persist_interval_steps=cfg.n)
     h.settle(cfg.warm)
@@ -137,9 +135,12 @@ def once(args, cfg) -> dict:
 
 
 def run(args) -> dict:
-    """``args.repeat`` repeats; the figures are medians, the ratios those of the medians."""
+    """``args.repeat`` repeats: the figures are medians; the time ratios are those of the
+    medians, the byte ratios medians of each run's."""
     base, head = (1 << 20, 64 << 10) if args.tiny else (256 << 20, 16 << 20)
-    cfg = types.SimpleNamespace(trees=[state(s, base, head) for s in range(STEPS)],
+    frozen = normal(0, base)  # one array in every step's tree
+    cfg = types.SimpleNamespace(trees=[{"base": frozen, "head": normal(1 + s, head), "step": s}
+                                       for s in range(STEPS)],
                                 chunk=base // 16, n=args.persist_interval,
                                 warm=0 if args.no_warm else 3 * (base + head),
                                 state_bytes=base + head)
