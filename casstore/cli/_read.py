@@ -35,12 +35,12 @@ def _time(created: float) -> str:
 
 
 def _persistent_option(f: Any) -> Any:
-    f = click.option("--persistent", "persistent", default=None, metavar="URL",
-                     help="A persistent tier (CheckpointManager(persistent=...)): also list its "
-                     "steps and say where each step lives (local, persistent, both).")(f)
-    return click.option("-p", "--persistent-option", "persistent_options", multiple=True,
-                        metavar="KEY=VALUE", callback=parse_options,
-                        help="Storage option of the --persistent tier (repeatable), as -o.")(f)
+    f = click.option("-p", "--persistent-option", "persistent_options", multiple=True,
+                     metavar="KEY=VALUE", callback=parse_options,
+                     help="Storage option of the --persistent tier (repeatable), as -o.")(f)
+    return click.option("--persistent", "persistent", default=None, metavar="URL",
+                        help="A persistent tier (CheckpointManager(persistent=...)): also list "
+                        "its steps and say where each step lives (local, persistent, both).")(f)
 
 
 def _tiers(url: str, options: dict, persistent: str | None, persistent_options: dict
@@ -77,7 +77,8 @@ def ls_command(url: str, run: str | None, persistent: str | None, persistent_opt
     ADDED is stored bytes of chunks no earlier step references (in the order steps were
     written, across runs); SHARED is the stored bytes of its chunks that earlier steps hold.
     A damaged manifest is a row marked "damaged" (exit 1). With --persistent URL the steps of
-    both tiers are listed, and WHERE says where each lives: local, persistent or both.
+    both tiers are listed (ADDED and SHARED over both), and WHERE says where each lives: local,
+    persistent or both.
 
     \b
     Examples:
