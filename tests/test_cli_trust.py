@@ -370,3 +370,30 @@ def test_repair_command_fixes_missing_corrupt_and_manifest_damage(delta_repo, tm
     info = casstore.repair(str(good), delta_repo)
     assert [(p.kind, p.step) for p in info.unrepairable] == [("manifest", 5)]
     assert not info.ok and info.steps == () and 5 in casstore.list_steps(delta_repo)
+
+
+def test_ls_with_a_persistent_tier_says_where_each_step_lives(object_servers, tmp_path):
+    server = object_servers["seaweedfs"]
+    url, local = server.url_for("cli-tiers"), str(tmp_path / "local")
+    remote = casstore.open_store(url, **server.storage_options)
+    with casstore.CheckpointManager(local, persistent=remote, persist_interval_steps=2,
+                                    max_to_keep=2, chunk_size_bytes=64 * 1024) as mngr:
+        for step in range(5):  # persists 0, 2, 4; keeps 3 and 4 locally
+            mngr.save(step, tree(0, step))
+            mngr.wait_until_finished()
+            assert mngr.wait_until_persisted()
+    assert casstore.list_steps(local) == [3, 4] and casstore.list_steps(remote) == [0, 2, 4]
+    opts = [a for k, v in server.storage_options.items()
+            for a in ("-p", f"{k}={v if isinstance(v, str) else json.dumps(v)}")]
+    listed = run_json("ls", local, "--persistent", url, *opts)
+    assert listed["persistent"] == url
+    assert [(r["step"], r["where"]) for r in listed["steps"]] == [
+        (0, "persistent"), (2, "persistent"), (3, "local"), (4, "both")]
+    m2 = casstore.read_manifest(remote, 2)  # a persistent-only step's figures: its manifest's
+    assert (listed["steps"][1]["leaves"], listed["steps"][1]["logical_bytes"]) == (
+        len(m2.leaves), m2.logical_bytes)
+    assert listed["steps"][0]["shared_bytes"] == 0 < listed["steps"][1]["shared_bytes"]
+    text = run("ls", local, "--persistent", url, *opts).stdout
+    assert f"{local} + {url}: 1 run(s), 4 step(s)" in text and "persistent" in text
+    assert "where" not in run_json("ls", local)["steps"][0]  # without --persistent: as before
+    run("ls", local, "--persistent", url, code=cli.EXIT_ACCESS_DENIED)  # no -p credentials

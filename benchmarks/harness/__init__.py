@@ -45,6 +45,8 @@ from .storage import (
     du,
     load_module,
     new_bucket,
+    rclone_copy,
+    rclone_env,
     s3_server,
     scratch,
 )

