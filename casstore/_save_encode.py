@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 
+from ._buffers import BufferPool
 from ._codec import chunk_id, encode_chunk
 from ._delta import RestoreBudget, base_bytes, encode_delta
 from ._errors import CorruptChunkError, ManifestError, StepNotFoundError
@@ -59,6 +60,8 @@ class ChunkWriter:
         self.lock = threading.Lock()
         self.new = self.reused = self.written = self.deltas = self.delta_saved = 0
         self.budget = RestoreBudget()
+        # encode buffers back from stored objects, where the store keeps no view of them
+        self.buffers = BufferPool() if store.put_copies else None
         self.booked: set[str] = set()  # chunks of the step the budget has, each once
 
     def write(self, raw: memoryview, element_size: int, block: tuple[str, tuple, tuple] | None
@@ -121,9 +124,15 @@ class ChunkWriter:
                     self.delta_saved += encoded[1]
                 return len(encoded[0]), base, (delta_key(cid, base), encoded[0])
         data = encode_chunk(raw, level=self.zstd_level, element_size=element_size,
-                            shuffle=self.shuffle)
+                            shuffle=self.shuffle, pool=self.buffers)
         self.budget.add_whole(len(data))
         return len(data), None, (key, data)
+
+    def stored(self, data: bytes | memoryview) -> None:
+        """Called once an object :meth:`write` returned is stored: its buffer serves a later
+        chunk (when the store copies on ``put``)."""
+        if self.buffers is not None:
+            self.buffers.give(data)
 
     def _unpaid(self) -> frozenset:
         """:func:`unpaid_blocks` of the previous manifest, read once."""

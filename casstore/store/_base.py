@@ -77,11 +77,15 @@ class Store(abc.ABC):
         writing raw chunks; restores decode them at about 1 GB/s per core
         (benchmarks/README.md, issue 15). Set it False on a store (or pass ``shuffle=False``
         to a save) to keep barely compressible floats raw.
+      put_copies: whether ``put`` has written or copied the bytes when it returns and keeps
+        no reference to them (a class attribute), so a save may reuse the buffer of an
+        object it stored for the next one. False unless a backend says so.
     """
 
     url: str
     read_only: bool = False
     shuffle: bool = True
+    put_copies: bool = False
     workers_per_core: int = 2
     max_workers_cap: int = 32
 

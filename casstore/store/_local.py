@@ -39,6 +39,8 @@ class LocalStore(Store):
       fsync: fsync files and directories (turn off only for throwaway data).
     """
 
+    put_copies = True  # ``_put`` writes the bytes to a file before it returns
+
     def __init__(self, root: str | os.PathLike, *, read_only: bool = False, fsync: bool = True):
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
