@@ -15,7 +15,7 @@ import concurrent.futures as cf
 import threading
 
 from ._buffers import BufferPool
-from ._codec import chunk_id, encode_chunk
+from ._codec import chunk_id, encode_chunk, raw_object
 from ._delta import RestoreBudget, base_bytes, encode_delta
 from ._errors import CorruptChunkError, ManifestError, StepNotFoundError
 from ._layout import chunk_key, delta_key
@@ -43,14 +43,16 @@ class ChunkWriter:
     block whose delta did not pay at the previous save (:func:`unpaid_blocks`, worked out at
     the first delta a save tries, so a save without changed blocks reads no other manifest)
     only one in ``DELTA_RETRY`` tries, by chunk id. Every chunk the step references is booked
-    once in a :class:`RestoreBudget`, which a delta must fit.
+    once in a :class:`RestoreBudget`, which a delta must fit. Without ``compress`` a chunk
+    stored whole is stored raw (codec 0; :mod:`casstore._compression` chose it).
     """
 
     def __init__(self, store: Store, previous: Manifest | None, zstd_level: int, shuffle: bool,
-                 delta: bool, lookup: bool = True):
+                 delta: bool, lookup: bool = True, compress: bool = True):
         refs = [(leaf.path, r) for leaf in previous.leaves for r in leaf.chunks] if previous else []
         self.store, self.zstd_level, self.shuffle, self.lookup = store, zstd_level, shuffle, lookup
         self.previous = previous
+        self.compress = compress
         self.unpaid: frozenset | None = None
         self.unpaid_lock = threading.Lock()
         self.known: dict[str, tuple[int, str | None]] = {
@@ -123,8 +125,9 @@ class ChunkWriter:
                     self.deltas += 1
                     self.delta_saved += encoded[1]
                 return len(encoded[0]), base, (delta_key(cid, base), encoded[0])
-        data = encode_chunk(raw, level=self.zstd_level, element_size=element_size,
-                            shuffle=self.shuffle, pool=self.buffers)
+        data = (encode_chunk(raw, level=self.zstd_level, element_size=element_size,
+                             shuffle=self.shuffle, pool=self.buffers) if self.compress
+                else raw_object(raw, self.buffers))
         self.budget.add_whole(len(data))
         return len(data), None, (key, data)
 
