@@ -152,7 +152,7 @@ class ChunkWriter:
         try:
             data = self.store.get(chunk_key(base))
             return encode_delta(raw, base_bytes(data, base, len(raw), k), k, self.zstd_level,
-                                self.shuffle, self.budget)
+                                self.shuffle if self.compress else None, self.budget)
         except (CorruptChunkError, FileNotFoundError):
             return None
 
