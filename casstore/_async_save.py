@@ -162,7 +162,7 @@ class AsyncCheckpointer:
         try:
             self.last_save_info = write(
                 self.store, step, prepared, inline, stream, run=self.run,
-                zstd_level=self.zstd_level, shuffle=self.store.shuffle, max_workers=workers,
+                zstd_level=self.zstd_level, shuffle=None, max_workers=workers,
                 window=inflight_window(workers, self.chunk_size_bytes), delta=self.delta,
                 previous_step=previous_step)
         except StoreTimeoutError as e:  # surfaces from wait_until_finished: name the step

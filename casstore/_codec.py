@@ -20,6 +20,7 @@ import numpy as np
 import xxhash
 import zstandard
 
+from ._buffers import BufferPool
 from ._errors import CorruptChunkError, UnsupportedFormatError
 from ._format import READER_VERSION
 from ._shuffle import interleave, move_sign, shuffle, unmove_sign, unshuffle
@@ -83,11 +84,13 @@ def _candidates(element_size: int) -> tuple[int, ...]:
     return (CODEC_EXPONENT_PLANES, CODEC_ZSTD) if element_size > 1 else (CODEC_ZSTD,)
 
 
-def plane_buffer(k: int, n: int) -> np.ndarray:
+def plane_buffer(k: int, n: int, pool: BufferPool | None = None) -> np.ndarray:
     """Room for an object in codec 4's layout (format.md §3.2) of ``k`` planes of ``n``
     bytes: header, plane table, then the planes, which the caller writes into
-    :func:`buffer_planes` before :func:`encode_planes` compresses them where they are."""
-    return np.empty(HEADER.size + 4 * k + k * n, np.uint8)
+    :func:`buffer_planes` before :func:`encode_planes` compresses them where they are.
+    Taken from ``pool`` if given (a buffer a stored object no longer needs)."""
+    size = HEADER.size + 4 * k + k * n
+    return pool.take(size) if pool is not None else np.empty(size, np.uint8)
 
 
 def buffer_planes(buffer: np.ndarray, k: int) -> np.ndarray:
@@ -182,11 +185,13 @@ def _check_frame(frame: bytes, plane: np.ndarray) -> None:
 
 
 def planes_of(payload: memoryview, element_size: int, raw_length: int,
-              expected_id: str, codec: int = CODEC_PLANES) -> list[np.ndarray]:
+              expected_id: str, codec: int = CODEC_PLANES, unmove: bool = True
+              ) -> list[np.ndarray]:
     """The ``element_size`` byte planes of a codec-4, codec-5 or delta payload (format.md §3.2,
     §3.5), after checking its plane table; a plane stored as is is a view of ``payload``, not a
     copy. For codec 5
-    the sign bit is moved back (:func:`unmove_sign`), so the planes are ``shuffle``'s."""
+    the sign bit is moved back (:func:`unmove_sign`), so the planes are ``shuffle``'s, unless
+    ``unmove`` is False (for :func:`interleave`'s ``moved``, which does it block by block)."""
     k, n = element_size, raw_length // element_size
     table = 4 * k
     if len(payload) < table:
@@ -203,13 +208,13 @@ def planes_of(payload: memoryview, element_size: int, raw_length: int,
         position += length
         planes.append(np.frombuffer(stored if length == n else _unzstd(stored, n, expected_id),
                                     np.uint8))
-    if codec == CODEC_EXPONENT_PLANES:
+    if codec == CODEC_EXPONENT_PLANES and unmove:
         planes[-1], planes[-2] = unmove_sign(planes[-1], planes[-2])
     return planes
 
 
-def _encode(raw: memoryview | np.ndarray, codec: int, level: int,
-            element_size: int) -> bytes | memoryview:
+def _encode(raw: memoryview | np.ndarray, codec: int, level: int, element_size: int,
+            pool: BufferPool | None = None) -> bytes | memoryview:
     """The chunk object of codec 1, 2, 4 or 5 for the raw bytes ``raw``, not yet verified for
     codecs 1 and 2 (codecs 4 and 5 verify each frame as they make it).
 
@@ -218,7 +223,7 @@ def _encode(raw: memoryview | np.ndarray, codec: int, level: int,
     """
     n = memoryview(raw).nbytes
     if codec in PLANE_CODECS:
-        buffer = plane_buffer(element_size, n // element_size)
+        buffer = plane_buffer(element_size, n // element_size, pool)
         planes = shuffle(raw, element_size, out=buffer_planes(buffer, element_size))
         if codec == CODEC_EXPONENT_PLANES:
             move_sign(planes)
@@ -257,7 +262,7 @@ def _choose_codec(raw: memoryview, level: int, element_size: int, shuffle: bool)
 
 
 def encode_chunk(raw: memoryview, *, level: int = DEFAULT_ZSTD_LEVEL, element_size: int = 1,
-                 shuffle: bool = True) -> bytes | memoryview:
+                 shuffle: bool = True, pool: BufferPool | None = None) -> bytes | memoryview:
     """Encodes raw chunk bytes as a chunk object (format.md §3.2).
 
     Plain zstd (codec 1) is tried and, with ``element_size > 1`` (an array chunk of that
@@ -282,6 +287,8 @@ def encode_chunk(raw: memoryview, *, level: int = DEFAULT_ZSTD_LEVEL, element_si
         to encode and decode), so barely compressible floats such as trained weights are
         stored raw and cost no shuffle (local disk's default until 2026-11-23,
         docs/design-notes.md).
+      pool: where codec 5 takes its buffer (:class:`~casstore._buffers.BufferPool`; the
+        caller gives it back once the object is stored), or None for a new one.
 
     Returns:
       The chunk object: 16-byte header plus payload; for codec 5 a memoryview of the buffer
@@ -304,15 +311,29 @@ def encode_chunk(raw: memoryview, *, level: int = DEFAULT_ZSTD_LEVEL, element_si
         codecs = _candidates(element_size)
     best = None
     for codec in (c for c in codecs if c != CODEC_RAW):
-        data = _encode(raw, codec, level, element_size)
+        data = _encode(raw, codec, level, element_size, pool)
         if len(data) - HEADER.size <= n * (1 - _min_saving(codec, shuffle)) and (
                 best is None or len(data) < len(best)):
-            best = data
+            data, best = best, data
+        if pool is not None and data is not None:
+            pool.give(data)  # not kept: its buffer serves a later chunk
     if best is None:
-        return b"".join((HEADER.pack(MAGIC, VERSION, CODEC_RAW, 0, n), raw))
+        return raw_object(raw, pool)
     if best[5] == CODEC_ZSTD:
         _check_frame(memoryview(best)[HEADER.size:], np.frombuffer(raw, np.uint8))
     return best
+
+
+def raw_object(raw: memoryview | bytes, pool: BufferPool | None = None) -> bytes | memoryview:
+    """The codec-0 object of ``raw`` (format.md §3.2): header, then the bytes as they are; in
+    a buffer of ``pool`` if given (a memoryview of it), else new bytes."""
+    header = HEADER.pack(MAGIC, VERSION, CODEC_RAW, 0, len(raw))
+    if pool is None:
+        return b"".join((header, raw))
+    buffer = pool.take(HEADER.size + len(raw))
+    buffer[:HEADER.size] = np.frombuffer(header, np.uint8)
+    buffer[HEADER.size:] = np.frombuffer(raw, np.uint8)
+    return memoryview(buffer)
 
 
 def decode_chunk(data: bytes | memoryview, expected_id: str, raw_length: int,
@@ -372,7 +393,8 @@ def decode_chunk(data: bytes | memoryview, expected_id: str, raw_length: int,
         raw = memoryview(unshuffle(_unzstd(payload, raw_length, expected_id), element_size))
     elif codec in PLANE_CODECS:
         raw = memoryview(interleave(
-            planes_of(payload, element_size, raw_length, expected_id, codec), out=out))
+            planes_of(payload, element_size, raw_length, expected_id, codec, unmove=False),
+            out=out, moved=codec == CODEC_EXPONENT_PLANES))
     else:  # codec 3: a delta object, read only by _delta.decode_delta
         raise CorruptChunkError(f"codec {codec} is a delta object", chunk_id=expected_id)
     if len(raw) != raw_length:

@@ -178,11 +178,14 @@ def _planes_size(planes: np.ndarray, level: int, codec: int = CODEC_DELTA) -> in
 
 
 def _whole_size(raw_sample: np.ndarray, planes_sample: np.ndarray, level: int,
-                shuffle: bool) -> int:
+                shuffle: bool | None) -> int:
     """Estimated payload bytes of the sampled chunk stored whole, as encode_chunk decides: the
     smallest of zstd and codec 5 among those that save their minimum (``_min_saving``, which
-    depends on ``shuffle``), else raw."""
+    depends on ``shuffle``), else raw; raw for ``shuffle`` None (a save that stores whole
+    chunks uncompressed, casstore._compression)."""
     n = raw_sample.size
+    if shuffle is None:
+        return n
     sizes = [(CODEC_ZSTD, len(_compressor(level).compress(raw_sample)))]
     if planes_sample.shape[0] > 1:
         sizes.append((CODEC_EXPONENT_PLANES,
@@ -192,7 +195,7 @@ def _whole_size(raw_sample: np.ndarray, planes_sample: np.ndarray, level: int,
 
 
 def encode_delta(raw: memoryview, base: np.ndarray | list[np.ndarray], element_size: int,
-                 level: int, shuffle_whole: bool, budget: RestoreBudget | None = None
+                 level: int, shuffle_whole: bool | None, budget: RestoreBudget | None = None
                  ) -> tuple[memoryview, int] | None:
     """Encodes ``raw`` as a delta object against a base chunk (format.md §3.5), if that pays.
 
@@ -202,7 +205,8 @@ def encode_delta(raw: memoryview, base: np.ndarray | list[np.ndarray], element_s
       element_size: bytes per element, 1 to 16, dividing ``len(raw)`` (1: one plane).
       level: zstd level.
       shuffle_whole: the save's ``shuffle``, which decides how the chunk would be stored
-        whole (encode_chunk); the delta is compared with that.
+        whole (encode_chunk); the delta is compared with that. None: whole chunks are
+        stored raw (codec 0).
       budget: the save's :class:`RestoreBudget`, asked for the delta's estimated bytes once
         the delta pays, then settled with its encoded size; None asks nothing.
 

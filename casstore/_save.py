@@ -25,6 +25,7 @@ from typing import Any
 
 from ._chunking import DEFAULT_CHUNK_SIZE_BYTES, DEFAULT_PACK_THRESHOLD_BYTES
 from ._codec import DEFAULT_ZSTD_LEVEL
+from ._compression import chunk_settings
 from ._layout import check_run, check_step, manifest_key
 from ._locks import save_lock
 from ._multihost import SaveAgreement
@@ -81,7 +82,8 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
          pack_threshold_bytes: int = DEFAULT_PACK_THRESHOLD_BYTES,
          zstd_level: int = DEFAULT_ZSTD_LEVEL, shuffle: bool | None = None,
          dtypes: dict[str, Any] | None = None, max_workers: int | None = None,
-         max_inflight_bytes: int | None = None, delta: bool = True) -> SaveInfo:
+         max_inflight_bytes: int | None = None, delta: bool = True,
+         compression: str | None = None) -> SaveInfo:
     """Saves ``tree`` as checkpoint ``step`` of ``run``.
 
     Writes, in this order (format.md §7): the config object if the repository is new; every
@@ -112,12 +114,21 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
       chunk_size_bytes: the largest chunk, bytes (default 16 MiB).
       pack_threshold_bytes: leaves up to this size are packed (default 64 KiB).
       zstd_level: zstd compression level (the chunk id does not depend on it).
-      shuffle: also try the byte-plane codec on array chunks (codec 5, format.md §3.2): each
-        byte plane that compresses (the exponent bytes of floats, the sign bit moved below
-        them) as a zstd frame, the others as is; about 17% fewer bytes on trained float32 for
-        about 2x the CPU time of the save and of its restores. None: the store's ``shuffle``
-        (True unless set False on the store). False keeps codec 5 only where it saves 1/4
-        (adam's moments) and stores barely compressible floats raw.
+      shuffle: True: the byte-plane codec on array chunks (codec 5, format.md §3.2) wherever
+        it saves 1/8: each byte plane that compresses (the exponent bytes of floats, the
+        sign bit moved below them) as a zstd frame, the others as is; about 18% fewer bytes
+        on trained float32 for about 2x the CPU time of the save and of its restores. False
+        keeps codec 5 only where it saves 1/4 (adam's moments) and stores barely
+        compressible floats raw. None (the default): ``compression`` decides, unless the
+        store's ``shuffle`` is set False (then as False).
+      compression: with ``shuffle`` None, how the codec is chosen (docs/tuning.md):
+        ``"auto"`` the encoding (byte planes or raw chunks) whose save is fastest on this
+        store, from the store's ``write_bytes_per_s``, the codec's measured throughput per
+        core and the cores: raw chunks on a local disk with fewer than 4 cores, byte planes
+        on an object store; ``"speed"`` the one whose save plus one restore is fastest;
+        ``"bytes"`` byte planes everywhere (the fewest bytes). None: the store's
+        ``compression`` (``"auto"``). Chunk ids do not depend on it, so it never breaks
+        dedup.
       dtypes: key-path prefix (format.md §5, e.g. ``"params"``; ``""`` is the whole tree) ->
         the dtype (or its format.md §4.5 name) its array leaves are stored in, as orbax's
         ``SaveArgs(dtype=...)``; the longest matching prefix wins. Each block is cast as its
@@ -157,8 +168,8 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
       UnsupportedLeafError: a leaf cannot be stored, or not in the dtype ``dtypes`` asks for (a
         cast to another kind of dtype, such as float to int; a PRNG key array; a non-key leaf
         to a key dtype); names its key path. Raised before any write.
-      ValueError: invalid ``step``, ``run``, ``metadata`` that msgpack cannot encode, or a
-        ``dtypes`` prefix that matches no array leaf.
+      ValueError: invalid ``step``, ``run``, ``metadata`` that msgpack cannot encode, a
+        ``dtypes`` prefix that matches no array leaf, or an unknown ``compression``.
       ManifestError: the repository's config object is damaged or of an unknown version.
       StoreTimeoutError: an object store did not answer within its deadline (``open_store``'s
         ``operation_timeout_s``); nothing is committed (unless the manifest write was stored
@@ -176,19 +187,19 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
     window = inflight_window(workers, chunk_size_bytes, max_inflight_bytes)
     # 3 to 6: encode, upload, agree, commit
     return write(store, step, prepared, inline, jobs, run=run, zstd_level=zstd_level,
-                 shuffle=store.shuffle if shuffle is None else shuffle, max_workers=workers,
+                 shuffle=shuffle, compression=compression, max_workers=workers,
                  window=window, delta=delta, t0=t0)
 
 
 def write(store: Store, step: int, prepared: Prepared, inline: dict[int, bytes],
-          jobs: Iterable[Job], *, run: str, zstd_level: int, shuffle: bool, max_workers: int,
-          window: int, delta: bool = True, previous_step: int | None = None,
-          t0: float | None = None) -> SaveInfo:
+          jobs: Iterable[Job], *, run: str, zstd_level: int, shuffle: bool | None,
+          max_workers: int, window: int, delta: bool = True, previous_step: int | None = None,
+          t0: float | None = None, compression: str | None = None) -> SaveInfo:
     """Stores the chunks of ``jobs`` and commits the step (stages 3 to 6 of :func:`save`).
 
     Args:
       jobs: the chunks, consumed lazily with at most ``window`` in flight.
-      delta: as :func:`save`'s.
+      shuffle, compression, delta: as :func:`save`'s.
       previous_step: a step of ``run`` known to be committed (the manager's latest), whose
         manifest tells which chunks exist and is the base of deltas; None reads the run's
         latest.
@@ -197,6 +208,7 @@ def write(store: Store, step: int, prepared: Prepared, inline: dict[int, bytes],
       As :func:`save`.
     """
     t0 = time.perf_counter() if t0 is None else t0
+    shuffle, compress = chunk_settings(store, shuffle, compression, max_workers)
     created = time.time()
     check_absent(store, run, step)
     agreement = SaveAgreement()
@@ -209,7 +221,7 @@ def write(store: Store, step: int, prepared: Prepared, inline: dict[int, bytes],
         # chunk saved on an object store).
         lookup = previous is not None or bool(list_runs(store))
         # 3. encoding, as each job's bytes are read
-        writer = ChunkWriter(store, previous, zstd_level, shuffle, delta, lookup)
+        writer = ChunkWriter(store, previous, zstd_level, shuffle, delta, lookup, compress)
         # 4. uploads: every chunk this process stores, before any manifest
         refs = store_chunks(jobs, writer, max_workers, window, prepared.paths)
         # 5. the agreement: every process's refs on process 0, None on the others

@@ -14,7 +14,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 
-from ._codec import chunk_id, encode_chunk
+from ._buffers import BufferPool
+from ._codec import chunk_id, encode_chunk, raw_object
 from ._delta import RestoreBudget, base_bytes, encode_delta
 from ._errors import CorruptChunkError, ManifestError, StepNotFoundError
 from ._layout import chunk_key, delta_key
@@ -42,14 +43,16 @@ class ChunkWriter:
     block whose delta did not pay at the previous save (:func:`unpaid_blocks`, worked out at
     the first delta a save tries, so a save without changed blocks reads no other manifest)
     only one in ``DELTA_RETRY`` tries, by chunk id. Every chunk the step references is booked
-    once in a :class:`RestoreBudget`, which a delta must fit.
+    once in a :class:`RestoreBudget`, which a delta must fit. Without ``compress`` a chunk
+    stored whole is stored raw (codec 0; :mod:`casstore._compression` chose it).
     """
 
     def __init__(self, store: Store, previous: Manifest | None, zstd_level: int, shuffle: bool,
-                 delta: bool, lookup: bool = True):
+                 delta: bool, lookup: bool = True, compress: bool = True):
         refs = [(leaf.path, r) for leaf in previous.leaves for r in leaf.chunks] if previous else []
         self.store, self.zstd_level, self.shuffle, self.lookup = store, zstd_level, shuffle, lookup
         self.previous = previous
+        self.compress = compress
         self.unpaid: frozenset | None = None
         self.unpaid_lock = threading.Lock()
         self.known: dict[str, tuple[int, str | None]] = {
@@ -59,6 +62,8 @@ class ChunkWriter:
         self.lock = threading.Lock()
         self.new = self.reused = self.written = self.deltas = self.delta_saved = 0
         self.budget = RestoreBudget()
+        # encode buffers back from stored objects, where the store keeps no view of them
+        self.buffers = BufferPool() if store.put_copies else None
         self.booked: set[str] = set()  # chunks of the step the budget has, each once
 
     def write(self, raw: memoryview, element_size: int, block: tuple[str, tuple, tuple] | None
@@ -120,10 +125,17 @@ class ChunkWriter:
                     self.deltas += 1
                     self.delta_saved += encoded[1]
                 return len(encoded[0]), base, (delta_key(cid, base), encoded[0])
-        data = encode_chunk(raw, level=self.zstd_level, element_size=element_size,
-                            shuffle=self.shuffle)
+        data = (encode_chunk(raw, level=self.zstd_level, element_size=element_size,
+                             shuffle=self.shuffle, pool=self.buffers) if self.compress
+                else raw_object(raw, self.buffers))
         self.budget.add_whole(len(data))
         return len(data), None, (key, data)
+
+    def stored(self, data: bytes | memoryview) -> None:
+        """Called once an object :meth:`write` returned is stored: its buffer serves a later
+        chunk (when the store copies on ``put``)."""
+        if self.buffers is not None:
+            self.buffers.give(data)
 
     def _unpaid(self) -> frozenset:
         """:func:`unpaid_blocks` of the previous manifest, read once."""
@@ -140,7 +152,7 @@ class ChunkWriter:
         try:
             data = self.store.get(chunk_key(base))
             return encode_delta(raw, base_bytes(data, base, len(raw), k), k, self.zstd_level,
-                                self.shuffle, self.budget)
+                                self.shuffle if self.compress else None, self.budget)
         except (CorruptChunkError, FileNotFoundError):
             return None
 

@@ -61,6 +61,7 @@ def store_chunks(jobs: Iterable[Job], writer: ChunkWriter, max_workers: int, win
     def put(path: str, upload: tuple[str, bytes], refs: list) -> list[tuple[int, ChunkRef]]:
         with _naming(path):
             writer.store.put(*upload)
+        writer.stored(upload[1])
         return refs
 
     with cf.ThreadPoolExecutor(max_workers) as uploads:

@@ -10,6 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 _UNPLANE_BLOCK = 64 * 1024  # elements per block of the plane scatter: 25% faster than whole planes
+# Bytes per block of codec 5's sign move: its temporaries stay in the CPU cache and in
+# malloc's heap, instead of three fresh plane-sized arrays (page faults) per chunk.
+_SIGN_BLOCK = 256 * 1024
 
 
 def shuffle(raw: memoryview | bytes | np.ndarray, element_size: int,
@@ -53,14 +56,17 @@ def move_sign(planes: np.ndarray) -> np.ndarray:
     float32 the top plane takes 0.326 of its size instead of 0.340; on adam's nu (one sign) the
     plane below it, 7 random bits a byte, then compresses to 0.875.
     """
-    hi, lo = _words(planes[-1]), _words(planes[-2])
-    m80, m7f, m01 = (_bytes_mask(b, hi.dtype) for b in (0x80, 0x7F, 0x01))
-    sign = hi & m80
-    np.left_shift(hi, hi.dtype.type(1), out=hi)
-    hi &= ~m01
-    hi |= (lo >> hi.dtype.type(7)) & m01
-    lo &= m7f
-    lo |= sign
+    top, below = planes[-1], planes[-2]
+    for start in range(0, len(top), _SIGN_BLOCK):  # temporaries of one block stay in cache
+        hi = _words(top[start:start + _SIGN_BLOCK])
+        lo = _words(below[start:start + _SIGN_BLOCK])
+        m80, m7f, m01 = (_bytes_mask(b, hi.dtype) for b in (0x80, 0x7F, 0x01))
+        sign = hi & m80
+        np.left_shift(hi, hi.dtype.type(1), out=hi)
+        hi &= ~m01
+        hi |= (lo >> hi.dtype.type(7)) & m01
+        lo &= m7f
+        lo |= sign
     return planes
 
 
@@ -88,17 +94,25 @@ def unmove_sign(hi: np.ndarray, lo: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 
 
 def interleave(planes: list[np.ndarray], xor: list[np.ndarray] | None = None,
-               out: np.ndarray | None = None) -> np.ndarray:
+               out: np.ndarray | None = None, moved: bool = False) -> np.ndarray:
     """The raw bytes whose byte planes are ``planes`` (each XORed with ``xor``'s if given),
     written into ``out`` (a contiguous uint8 array of all the bytes) or a new array.
 
-    Written in blocks of rows, so the rows stay in cache across all planes.
+    Written in blocks of rows, so the rows stay in cache across all planes. With ``moved``
+    (codec 5's planes as stored, ``xor`` None), :func:`unmove_sign` is applied block by block
+    on the way, so no plane-sized array is allocated for it.
     """
     n, k = len(planes[0]), len(planes)
     out = np.empty((n, k), np.uint8) if out is None else out.reshape(n, k)
     for start in range(0, n, _UNPLANE_BLOCK):
-        rows = out[start:start + _UNPLANE_BLOCK]
-        for j, plane in enumerate(planes):
-            block = plane[start:start + _UNPLANE_BLOCK]
-            rows[:, j] = block if xor is None else block ^ xor[j][start:start + _UNPLANE_BLOCK]
+        stop = start + _UNPLANE_BLOCK
+        blocks = [plane[start:stop] for plane in planes]
+        if moved:
+            hi, lo = unmove_sign(blocks[-1], blocks[-2])
+            blocks[-2:] = lo, hi
+        elif xor is not None:
+            blocks = [block ^ x[start:stop] for block, x in zip(blocks, xor)]
+        rows = out[start:stop]
+        for j, block in enumerate(blocks):
+            rows[:, j] = block
     return out.reshape(-1)

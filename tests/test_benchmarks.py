@@ -25,9 +25,16 @@ def test_save_restore_benchmark_reports_every_figure_for_every_system(tmp_path, 
     assert casstore["unchanged_save_new_chunks"] == 0
     assert casstore["unchanged_save_written_bytes"] < casstore["first_save_written_bytes"] / 10
     assert 0 < result["changed_leaves"] < n_leaves
-    # The default stores the random float32 state's byte planes: smaller than raw chunks.
+    # The default ("auto", docs/tuning.md) stores the random float32 state's byte planes,
+    # smaller than raw chunks, where the cores encode faster than a local disk writes (4 cores
+    # or more), and raw chunks where they do not.
+    from casstore._compression import PLANES, choose
+    from casstore.store import LocalStore
     raw = result["results"]["casstore-raw"]
-    assert casstore["first_save_disk_bytes"] < 0.95 * raw["first_save_disk_bytes"]
+    if choose("auto", LocalStore.write_bytes_per_s, LocalStore.read_bytes_per_s) is PLANES:
+        assert casstore["first_save_disk_bytes"] < 0.95 * raw["first_save_disk_bytes"]
+    else:
+        assert casstore["first_save_disk_bytes"] <= 1.05 * raw["first_save_disk_bytes"]
     # Nothing is left behind in --dir.
     assert list((tmp_path / "work").iterdir()) == []
 

@@ -129,9 +129,13 @@ def _codecs(store) -> set[int]:
 
 
 def test_the_codec_follows_the_store_default_or_the_shuffle_argument_and_dedup_ignores_it(
-        tmp_path):
+        tmp_path, monkeypatch):
+    from casstore import _compression
     from casstore._codec import CODEC_EXPONENT_PLANES, CODEC_RAW
     from casstore.store import FsspecStore, LocalStore
+    # 8 cores encode faster than a local disk writes, so every store's default ("auto") is
+    # byte planes; with fewer cores a local disk takes raw chunks (tests/test_compression.py).
+    monkeypatch.setattr(_compression, "usable_cores", lambda: 8)
     state = {"w": (np.random.default_rng(0).standard_normal((512, 512)) * 0.02).astype(
         np.float32)}  # 1 MiB of values like trained weights
     stores = [MemoryStore(), LocalStore(tmp_path / "repo"),

@@ -70,18 +70,30 @@ class Store(abc.ABC):
       max_workers_cap: the most threads however many cores (a class attribute): 32 for local
         disk and memory. It bounds memory, not CPU: a save keeps two chunks in flight per
         worker and each thread of a restore holds one chunk's read buffer.
-      shuffle: whether saves try the byte-plane codec (codec 4, format.md §3.2) unless told:
-        trained float32 chunks are stored about 16% smaller (0.835 of raw, where plain zstd
-        keeps 0.92). True on every store: a save encodes on one pool of threads while another
-        writes, so on local disk the smaller objects make even a 2-core save faster than
-        writing raw chunks; restores decode them at about 1 GB/s per core
-        (benchmarks/README.md, issue 15). Set it False on a store (or pass ``shuffle=False``
-        to a save) to keep barely compressible floats raw.
+      shuffle: whether saves may use the byte-plane codec (codec 5, format.md §3.2) for
+        barely compressible floats: trained float32 chunks are stored about 18% smaller
+        (0.82 of raw, where plain zstd keeps 0.92) where ``compression`` picks byte planes.
+        True on every store; set it False on a store (or pass ``shuffle=False`` to a save)
+        to keep such floats raw and use codec 5 only where it saves 1/4 (adam's moments).
+      compression: which codec saves write unless told (``"auto"``, ``"speed"`` or
+        ``"bytes"``; docs/tuning.md): ``"auto"`` picks, from the throughputs below and the
+        codec's per core, whichever of byte planes and raw chunks makes the save faster.
+      write_bytes_per_s, read_bytes_per_s: the throughput ``compression`` counts on for this
+        store, bytes per second (class attributes: 100 MB/s, an object store over the
+        network, unless a backend measured better; set them on an instance from
+        ``benchmarks/harness/limit.py``'s figures for a store of known speed).
+      put_copies: whether ``put`` has written or copied the bytes when it returns and keeps
+        no reference to them (a class attribute), so a save may reuse the buffer of an
+        object it stored for the next one. False unless a backend says so.
     """
 
     url: str
     read_only: bool = False
     shuffle: bool = True
+    put_copies: bool = False
+    compression: str = "auto"
+    write_bytes_per_s: float = 100e6
+    read_bytes_per_s: float = 100e6
     workers_per_core: int = 2
     max_workers_cap: int = 32
 

@@ -39,6 +39,12 @@ class LocalStore(Store):
       fsync: fsync files and directories (turn off only for throwaway data).
     """
 
+    put_copies = True  # ``_put`` writes the bytes to a file before it returns
+    # Measured on the 2-core machine (issue 33): 1.23 GB of 16 MiB chunk files written with
+    # fsync in 0.49 s on 4 threads; read back from the page cache at about 4.5 GB/s a core.
+    write_bytes_per_s = 2.5e9
+    read_bytes_per_s = 4e9
+
     def __init__(self, root: str | os.PathLike, *, read_only: bool = False, fsync: bool = True):
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root
