@@ -110,7 +110,8 @@ class StoreContract:
             with pytest.raises(ReadOnlyStoreError) as info:
                 write()
             assert isinstance(info.value, PermissionError)
-        assert store.get("r/1") == b"1" and not store.exists("r/2")
+        assert store.get("r/1") == b"1"
+        assert not store.exists("r/2")
 
 
 class FaultyStore(Store):

@@ -50,7 +50,8 @@ def test_save_restore_benchmark_reports_every_figure_for_every_system(tmp_path, 
     printed = capsys.readouterr().out
     for _, label, _ in bench.FIGURES:
         assert f"| {label}" in printed
-    assert "casstore: limit / figure" in printed and "| codec encode (codec 5)" in printed
+    assert "casstore: limit / figure" in printed
+    assert "| codec encode (codec 5)" in printed
     assert json.loads(out.read_text())["results"].keys() == set(bench.SYSTEMS)
 
 

@@ -66,7 +66,8 @@ def test_changed_weights_are_stored_as_deltas_and_restore_bit_exact(backend, tmp
     infos = [casstore.save(store, s, state(s), chunk_size_bytes=CHUNK) for s in range(4)]
     plain = [casstore.save(whole, s, state(s), chunk_size_bytes=CHUNK, delta=False)
              for s in range(4)]
-    assert infos[0].delta_chunks == 0 and plain[3].delta_chunks == 0
+    assert infos[0].delta_chunks == 0
+    assert plain[3].delta_chunks == 0
     for info, without in zip(infos[1:], plain[1:]):
         # w and w_jax: 4 + 8 blocks as deltas; mu is random: whole.
         assert info.delta_chunks == 12 and info.delta_saved_bytes > 0, info
@@ -121,7 +122,8 @@ def test_a_corrupt_base_is_reported_with_the_dependent_step_and_key_path(tmp_pat
     path.write_bytes(bytes(data))
     with pytest.raises(casstore.CorruptChunkError, match=f"base chunk {base} is corrupt") as e:
         casstore.restore(store, 2)
-    assert e.value.step == 2 and e.value.key_path == "w"
+    assert e.value.step == 2
+    assert e.value.key_path == "w"
     report = casstore.verify(store)  # the base, once, with every step that needs it
     assert [(p.chunk_id, p.kind, p.key_path) for p in report.problems] == [
         (base, "corrupt", "w")]
@@ -152,9 +154,11 @@ def test_copy_of_one_delta_step_brings_its_bases(dst_kind, tmp_path, request):
     assert_bit_exact(casstore.restore(dst, 2), state(2))
     assert casstore.verify(dst).ok
     for r in refs(dst, 2, "w"):
-        assert dst.exists(chunk_key(r.base)) and dst.exists(r.key)
+        assert dst.exists(chunk_key(r.base))
+        assert dst.exists(r.key)
     again = casstore.copy(src, dst, steps=[2])
-    assert again.chunks_copied == 0 and again.steps_skipped == (("default", 2),)
+    assert again.chunks_copied == 0
+    assert again.steps_skipped == (("default", 2),)
 
 
 def test_gc_keeps_the_bases_of_live_deltas_after_their_step_is_deleted(tmp_path):
@@ -222,7 +226,8 @@ def test_a_malformed_delta_object_is_a_corrupt_chunk_error(mutate):
     ref = refs(store, 1, "w")[0]
     data, base = bytearray(store.get(ref.key)), store.get(chunk_key(ref.base))
     magic, version, codec, k, length = HEADER.unpack_from(data)
-    assert codec == CODEC_DELTA and k == 4
+    assert codec == CODEC_DELTA
+    assert k == 4
     if mutate == "truncate":
         data = data[:10]
     elif mutate == "codec":
@@ -239,10 +244,12 @@ def test_a_malformed_delta_object_is_a_corrupt_chunk_error(mutate):
     with pytest.raises(casstore.CorruptChunkError,
                        match="unusable chunk: .*" + MESSAGES[mutate]) as e:
         casstore.restore(store, 1)
-    assert e.value.step == 1 and e.value.key_path == "w" and e.value.chunk_id == ref.id
+    assert e.value.step == 1
+    assert e.value.key_path == "w"
+    assert e.value.chunk_id == ref.id
 
 
-@pytest.mark.parametrize("field, value, message", [
+@pytest.mark.parametrize(("field", "value", "message"), [
     ("base", "zz", "bad delta base"), ("base", "self", "bad delta base"),
     ("version", 1, "bad delta base"), ("version", 3, "unsupported format version 3")])
 def test_hostile_delta_fields_in_a_manifest_are_refused(field, value, message):
@@ -349,7 +356,8 @@ def test_a_base_shared_by_deltas_is_read_once_by_restore_verify_and_copy():
     for s, tree in enumerate(steps):
         casstore.save(src, s, tree, chunk_size_bytes=CHUNK)
     bases = {r.base for path in ("a", "b") for r in refs(src, 1, path)}
-    assert len(bases) == 4 and None not in bases  # 4 blocks, each shared by a and b
+    assert len(bases) == 4
+    assert None not in bases
 
     def base_reads() -> int:
         return sum(src.keys_read.count(chunk_key(b)) for b in bases)
@@ -381,7 +389,8 @@ def test_a_block_whose_delta_did_not_pay_is_retried_once_in_delta_retry_saves(ba
         reads_of_previous_mu.append(sum(store.keys_read.count(chunk_key(r.id)) for r in earlier))
         assert info.delta_chunks == (4 if s else 0)  # w's 4 blocks, every step after the first
         new_mu = refs(store, s, "mu")
-        assert len(new_mu) == 16 and all(r.base is None for r in new_mu)
+        assert len(new_mu) == 16
+        assert all(r.base is None for r in new_mu)
         if s >= 2:
             # Stored whole at steps s-1 and s-2 with other bytes: the delta did not pay, so
             # only the blocks whose new chunk id picks them try again (reading their base).
@@ -457,5 +466,6 @@ def test_the_restore_budget_holds_on_encoded_sizes():
     assert budget.take(50, 200)  # 450 <= 500
     assert not budget.settle(50, 200, 150)  # 550 > 500: withdrawn
     assert (budget.delta_bytes, budget.whole_bytes) == (400, 1800)
-    assert budget.take(10, 100) and not budget.settle(10, 100, None)  # not kept: withdrawn
+    assert budget.take(10, 100)
+    assert not budget.settle(10, 100, None)
     assert (budget.delta_bytes, budget.whole_bytes) == (400, 1800)

@@ -96,8 +96,10 @@ def test_should_save_and_interval(tmp_path):
     with casstore.CheckpointManager(tmp_path, save_interval_steps=5) as mngr:
         saved = [step for step in range(12) if mngr.save(step, state(step))]
         mngr.wait_until_finished()
-        assert saved == [0, 5, 10] and mngr.all_steps() == [0, 5, 10]
-        assert not mngr.should_save(10) and not mngr.should_save(3)
+        assert saved == [0, 5, 10]
+        assert mngr.all_steps() == [0, 5, 10]
+        assert not mngr.should_save(10)
+        assert not mngr.should_save(3)
         assert mngr.save(3, state(3), force=True)
 
 

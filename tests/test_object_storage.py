@@ -49,16 +49,19 @@ def test_copy_local_to_s3_to_gcs_to_local(tmp_path, object_servers):
     gcs = object_store(object_servers["fake-gcs"])
     back = LocalStore(tmp_path / "back")
     first = casstore.copy(src, s3)
-    assert len(first.steps_copied) == 4 and first.chunks_skipped == 0  # the bucket was empty
+    assert len(first.steps_copied) == 4
+    assert first.chunks_skipped == 0
     assert casstore.copy(src, s3).chunks_copied == 0  # nothing left to send
     casstore.copy(s3, gcs, runs=["a"], steps=[1, 2])
-    assert casstore.list_runs(gcs) == ["a"] and casstore.list_steps(gcs, run="a") == [1, 2]
+    assert casstore.list_runs(gcs) == ["a"]
+    assert casstore.list_steps(gcs, run="a") == [1, 2]
     casstore.copy(gcs, back)
     for step in (1, 2):
         restored = casstore.restore(back, step, run="a")
         np.testing.assert_array_equal(restored["base"], base)
         np.testing.assert_array_equal(restored["head"], np.full(40, step, np.float32))
-    assert casstore.verify(back).ok and casstore.verify(s3).ok
+    assert casstore.verify(back).ok
+    assert casstore.verify(s3).ok
 
 
 class FailingAfter(CountingStore):
@@ -89,7 +92,8 @@ def test_interrupted_copy_finishes_on_rerun_sending_only_the_rest(tmp_path, obje
     assert casstore.list_steps(flaky) == []  # no manifest without all chunks
     again = CountingStore(FsspecStore.from_url(dst_url, **options))
     info = casstore.copy(src, again)
-    assert info.chunks_skipped == 4 and info.chunks_copied == n_chunks - 4
+    assert info.chunks_skipped == 4
+    assert info.chunks_copied == n_chunks - 4
     assert len([k for k in again.keys_written if k.startswith("chunks/")]) == n_chunks - 4
     restored = casstore.restore(again, 1)
     for key, value in tree.items():
@@ -107,5 +111,6 @@ def test_copy_verifies_chunks_in_transit(tmp_path):
     dst = LocalStore(tmp_path / "dst")
     with pytest.raises(casstore.CorruptChunkError, match="source chunk unusable") as info:
         casstore.copy(src, dst, verify=True)
-    assert info.value.chunk_id == cid and info.value.key_path == "x"
+    assert info.value.chunk_id == cid
+    assert info.value.key_path == "x"
     assert casstore.list_steps(dst) == []

@@ -21,7 +21,8 @@ def start(*args: str) -> subprocess.Popen:
 def assert_restores(url, run: str, step: int) -> None:
     restored = casstore.restore(url, step, run=run)
     expected = tree_for(run, step)
-    assert restored["run"] == run and restored["step"] == step
+    assert restored["run"] == run
+    assert restored["step"] == step
     for key in ("base", "head"):
         assert restored[key].tobytes() == expected[key].tobytes(), (run, step, key)
 
@@ -48,7 +49,8 @@ def test_processes_saving_into_one_repository_while_gc_runs(tmp_path):
     collector.join()
     for p, (_, err) in zip(writers + racers, outputs):
         assert p.returncode == 0, err[-3000:]
-    assert not errors and gc_runs
+    assert not errors
+    assert gc_runs
     race = [out.split()[0] for out, _ in outputs[3:]]
     assert sorted(race) == ["exists", "saved"]  # exactly one of the two same-step saves won
     for i in range(3):

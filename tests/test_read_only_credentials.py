@@ -65,7 +65,8 @@ def test_reads_work_with_read_only_keys(seaweedfs_identities, repo):
     assert_tree(casstore.restore(reader, 1), 1)
     assert_tree(casstore.restore(reader, run="other"), 5)
     report = casstore.verify(reader)
-    assert report.ok and len(report.steps_checked) == 3
+    assert report.ok
+    assert len(report.steps_checked) == 3
     assert casstore.gc(reader, dry_run=True).deleted_chunks == 0
     copy = MemoryStore()
     casstore.copy(reader, copy)

@@ -35,7 +35,7 @@ def test_eight_devices_are_available():
     assert len(DEVICES) == 8, "conftest sets --xla_force_host_platform_device_count=8"
 
 
-@pytest.mark.parametrize("shape, dtype", [((16, 8), np.float32), ((17, 9), np.int32),
+@pytest.mark.parametrize(("shape", "dtype"), [((16, 8), np.float32), ((17, 9), np.int32),
                                           ((8, 6, 3), jnp.bfloat16), ((5, 3), np.uint8)])
 def test_save_on_one_mesh_restore_on_every_sharding(shape, dtype):
     store = MemoryStore()
@@ -67,7 +67,8 @@ def test_each_unique_shard_is_written_once_by_replica_zero():
                        NamedSharding(m, P("data")))  # replicated over "model"
     info = casstore.save(store, 0, {"x": x}, pack_threshold_bytes=0)
     leaf = casstore.read_manifest(store, 0).leaves[0]
-    assert len(leaf.chunks) == 4 and info.new_chunks == 4
+    assert len(leaf.chunks) == 4
+    assert info.new_chunks == 4
     assert [r.start for r in leaf.chunks] == [(0, 0), (2, 0), (4, 0), (6, 0)]
     assert leaf.sharding == {"mesh": {"data": 4, "model": 2}, "spec": ["data"]}
     store.reset()
@@ -91,7 +92,8 @@ def test_restoring_one_device_shard_reads_only_its_chunks():
     np.testing.assert_array_equal(got, value[16:32])
     wanted = {r.id for r in manifest.leaves[0].chunks if 16 <= r.start[0] < 32}
     read = {k.replace("/", "")[len("chunks"):] for k in store.keys_read}
-    assert len(wanted) == 4 and read == wanted
+    assert len(wanted) == 4
+    assert read == wanted
     # A region that straddles chunk boundaries reads the partly overlapping chunks whole.
     store.reset()
     got = read_regions(store, manifest, {0: [((6, 5), (9, 7))]}, max_workers=4)[0]
