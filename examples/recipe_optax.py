@@ -84,7 +84,8 @@ def main() -> None:
     # Frozen parameters have no optimizer moments in the checkpoint.
     manifest = casstore.read_manifest(url, 3, run="optax")
     moments = [leaf.path for leaf in manifest.leaves if "/mu/" in leaf.path]
-    assert moments and not any("encoder" in p for p in moments), moments
+    assert moments, moments
+    assert not any("encoder" in p for p in moments), moments
 
     # Training continues identically from the restored state.
     ours = train(restored["params"], restored["opt_state"], tx, x, 2)

@@ -46,7 +46,8 @@ def delta_repo(tmp_path) -> str:
                       chunk_size_bytes=DELTA_CHUNK)
     refs = [r for s in range(1, 6) for leaf in casstore.read_manifest(url, s).leaves
             for r in leaf.chunks]
-    assert refs and all(r.base is not None for r in refs), "the fixture wants delta chains"
+    assert refs, "the fixture wants delta chains"
+    assert all(r.base is not None for r in refs), "the fixture wants delta chains"
     return url
 
 
@@ -238,7 +239,8 @@ def test_json_mode_errors_are_json_and_help_lists_exit_codes(repo, tmp_path):
     assert bogus.count("\n") == 1
     for args in ([], ["verify"], ["export"]):
         text = run(*args, "--help").stdout
-        assert "Exit codes:" in text and "10  no casstore repository" in text, args
+        assert "Exit codes:" in text, args
+        assert "10  no casstore repository" in text, args
         assert args == [] or "Examples:" in text
 
 

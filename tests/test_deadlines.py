@@ -82,7 +82,8 @@ def test_save_restore_copy_gc_succeed_or_time_out_under(fault, proxied):
     # Whatever happened, what is visible is complete: step 0 survives, and step 1 exists if
     # its save returned (promise 3), restoring bit-exact; the copy made whole steps only.
     steps = casstore.list_steps(direct)
-    assert 0 in steps and (isinstance(saved, Exception) or 1 in steps), steps
+    assert 0 in steps, steps
+    assert isinstance(saved, Exception) or 1 in steps, steps
     for step in steps:
         assert_bit_exact(casstore.restore(direct, step), step)
     assert casstore.list_steps(copy_dst) == ([] if isinstance(copied, Exception) else [0])
@@ -102,7 +103,8 @@ def test_a_stalled_store_fails_save_restore_copy_and_gc_within_the_bound(proxied
         error, seconds = timed(fn, *args)
         assert isinstance(error, casstore.StoreTimeoutError), (fn.__name__, error)
         assert seconds < BOUND_S, (fn.__name__, seconds)
-        assert store.url in str(error) and error.key, error
+        assert store.url in str(error), error
+        assert error.key, error
     proxy.set(None)
     assert casstore.list_steps(direct) == [0]
     assert casstore.verify(direct).ok
@@ -117,7 +119,8 @@ def test_a_restore_that_times_out_names_step_key_path_and_object(proxied):
                        match=r"no answer within the .* deadline") as info:
         casstore.restore(store, 3)
     error = info.value
-    assert error.step == 3 and error.key_path == "w", error
+    assert error.step == 3, error
+    assert error.key_path == "w", error
     assert error.key.startswith("chunks/")
     assert error.key[7:].replace("/", "") == error.chunk_id
     assert f"step {3!r}" in str(error)

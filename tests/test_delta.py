@@ -70,7 +70,8 @@ def test_changed_weights_are_stored_as_deltas_and_restore_bit_exact(backend, tmp
     assert plain[3].delta_chunks == 0
     for info, without in zip(infos[1:], plain[1:]):
         # w and w_jax: 4 + 8 blocks as deltas; mu is random: whole.
-        assert info.delta_chunks == 12 and info.delta_saved_bytes > 0, info
+        assert info.delta_chunks == 12, info
+        assert info.delta_saved_bytes > 0, info
         assert info.written_bytes < 0.8 * without.written_bytes, (info, without)
     for s in range(4):
         assert_bit_exact(casstore.restore(store, s), state(s))
@@ -422,7 +423,8 @@ def test_deltas_that_save_little_stay_within_the_restore_budget():
                                   delta=name == "delta") for step, state in enumerate(states)]
              for name, store in stores.items()}
     info = infos["delta"][1]
-    assert 0 < info.delta_chunks < 16 and info.delta_saved_bytes > 0, info  # w: 16 blocks
+    assert 0 < info.delta_chunks < 16, info  # w: 16 blocks
+    assert info.delta_saved_bytes > 0, info
     read = {}
     for name, store in stores.items():
         store.reset()
@@ -451,7 +453,8 @@ def test_a_delta_whose_samples_missed_the_changes_is_judged_by_its_encoded_size(
         casstore.save(store, 0, {"w": old}, chunk_size_bytes=4 * n, delta=delta)
         infos[delta] = casstore.save(store, 1, {"w": new}, chunk_size_bytes=4 * n, delta=delta)
         assert_bit_exact(casstore.restore(store, 1), {"w": new})
-    assert infos[True].delta_chunks == 0 and infos[True].delta_saved_bytes == 0, infos[True]
+    assert infos[True].delta_chunks == 0, infos[True]
+    assert infos[True].delta_saved_bytes == 0, infos[True]
     assert infos[True].written_bytes == infos[False].written_bytes
 
 

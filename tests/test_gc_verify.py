@@ -133,7 +133,8 @@ def test_stress_saves_while_gc_runs_in_a_loop(tmp_path, backend, request):
     stop.set()
     gc_thread.join()
     assert not errors, errors
-    assert len(sweeps) >= 3 and sum(s.deleted_chunks for s in sweeps) > 0, sweeps
+    assert len(sweeps) >= 3, sweeps
+    assert sum(s.deleted_chunks for s in sweeps) > 0, sweeps
     report = casstore.verify(store)
     assert report.ok, report.problems
     for worker in range(3):

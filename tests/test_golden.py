@@ -60,7 +60,8 @@ def test_golden_v2_repository_restores_bit_exact_and_verifies():
             assert_restores_bit_exact(casstore.restore(store, step, run=run),
                                       golden_v2_tree(run, step))
     report = casstore.verify(store)
-    assert report.ok and len(report.steps_checked) == 4, report.problems
+    assert report.ok, report.problems
+    assert len(report.steps_checked) == 4, report.steps_checked
 
 
 def test_golden_v2_repository_holds_every_feature_it_claims():

@@ -32,7 +32,8 @@ def test_concurrent_saves_of_one_step_exactly_one_wins(repo_store):
     for t in threads:
         t.join()
     winners = [i for i, o in outcome.items() if isinstance(o, casstore.SaveInfo)]
-    assert len(winners) == 1 and len(outcome) == len(trees), outcome
+    assert len(winners) == 1, outcome
+    assert len(outcome) == len(trees), outcome
     restored = casstore.restore(repo_store, 7)
     assert restored["i"] == winners[0]
     np.testing.assert_array_equal(restored["w"], trees[winners[0]]["w"])

@@ -33,7 +33,8 @@ def run_job(mode: str, repo, timeout_s: float = 180) -> list[tuple[list[int], in
         except subprocess.TimeoutExpired:
             p.kill()
             out, _ = p.communicate()
-        assert p.returncode == 0 and "OK" in out, out[-3000:]
+        assert p.returncode == 0, out[-3000:]
+        assert "OK" in out, out[-3000:]
         found = re.search(r"SAVED \[([\d, ]*)\] STOPPED (\d+)", out)
         assert found, out[-3000:]
         saved = [int(s) for s in found[1].split(",") if s.strip()]

@@ -66,7 +66,8 @@ def test_interpreter_exit_waits_for_the_async_save_in_flight(tmp_path):
     url = str(tmp_path / "repo")
     proc = start(url, "default", "1", "1", "--exit-during-async-save")
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0 and "returned" in out, err[-3000:]
+    assert proc.returncode == 0, err[-3000:]
+    assert "returned" in out, err[-3000:]
     assert casstore.list_steps(url) == [1]
     restored = casstore.restore(url, 1)
     np.testing.assert_array_equal(restored["big"], np.arange(2_000_000, dtype=np.int64))

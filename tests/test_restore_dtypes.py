@@ -203,7 +203,8 @@ def test_an_ndarray_class_target_gives_numpy_of_the_saved_shape_and_dtype():
     got = casstore.restore(store, 0, target=jax.tree.map(lambda _: np.ndarray, tree))
     for k in ("w", "b", "bf"):
         assert type(got[k]) is np.ndarray, k
-        assert got[k].dtype == np.asarray(tree[k]).dtype and got[k].shape == tree[k].shape, k
+        assert got[k].dtype == np.asarray(tree[k]).dtype, k
+        assert got[k].shape == tree[k].shape, k
         np.testing.assert_array_equal(got[k], np.asarray(tree[k]))
     assert type(got["step"]) is np.ndarray
     assert got["step"].shape == ()
@@ -268,7 +269,8 @@ def test_abstract_tree_keeps_shardings_and_passes_scalars_through():
     assert target["host"].sharding is None
     got = casstore.restore(store, 0, target=target)
     for k in ("w", "emb"):
-        assert got[k].sharding == state[k].sharding and got[k].dtype == state[k].dtype, k
+        assert got[k].sharding == state[k].sharding, k
+        assert got[k].dtype == state[k].dtype, k
         np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(state[k]))
     np.testing.assert_array_equal(jax.random.key_data(got["key"]),
                                   jax.random.key_data(state["key"]))

@@ -40,7 +40,8 @@ def random_array(rng: np.random.Generator, shape, dtype) -> np.ndarray:
 
 def assert_bitwise_equal(a, b):
     a, b = np.asarray(a), np.asarray(b)
-    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+    assert a.shape == b.shape, (a.shape, a.dtype, b.shape, b.dtype)
+    assert a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
     assert a.tobytes() == b.tobytes()
 
 

@@ -52,7 +52,8 @@ def test_a_4x2_mesh_restores_bit_exact_on_its_saved_sharding(monkeypatch):
         want, have = tree[leaf[0]], got[leaf[0]]
         if len(leaf) == 2:
             want, have = want[leaf[1]], have[leaf[1]]
-        assert isinstance(have, jax.Array) and have.sharding == want.sharding, leaf
+        assert isinstance(have, jax.Array), leaf
+        assert have.sharding == want.sharding, leaf
         assert have.dtype == want.dtype, leaf
         if leaf == ("rng",):
             want, have = jax.random.key_data(want), jax.random.key_data(have)

@@ -328,7 +328,8 @@ def test_two_jax_processes_save_locally_and_process_0_persists(tmp_path, object_
         except subprocess.TimeoutExpired:
             p.kill()
             out, _ = p.communicate()
-        assert p.returncode == 0 and "OK" in out, out[-3000:]
+        assert p.returncode == 0, out[-3000:]
+        assert "OK" in out, out[-3000:]
     persisted = casstore.list_steps(remote)
     assert set(persisted) <= {0, 2, 4}
     assert persisted[-1] == 4
