@@ -313,7 +313,9 @@ def restore_table(restore: dict, label: str) -> list[str]:
                 for s in SYSTEMS), "", ""] for p in ("cold", "warm")]
     rows.append(["warm restore, read from disk",
                  *(h.fmt(res[s]["warm_disk_read_bytes"], "B") for s in SYSTEMS), "", ""])
-    lines = [*h.md_table([f"{label}: restore of step {restore['step']}", *SYSTEMS, "delta / whole", "delta / orbax"], rows), ""]
+    header = [f"{label}: restore of step {restore['step']}", *SYSTEMS,
+              "delta / whole", "delta / orbax"]
+    lines = [*h.md_table(header, rows), ""]
     r = restore["ratios"]
     lines += h.target_lines([(f"{p}: delta / {o}", r[f"{p}_vs_{o}"], TARGETS[f"restore_vs_{o}"])
                              for p in ("cold", "warm") for o in ("whole", "orbax")
@@ -327,7 +329,8 @@ def table(result: dict) -> str:
     """Every scenario's tables and targets, the limit, then the run's conditions."""
     lines: list[str] = []
     for ft in result.get("finetune", []):
-        lines += [*bytes_table(ft, f"MiniLM full fine-tune, adam lr {ft['lr']:g}, {ft['steps']} " f"steps", targets=True), ""]
+        title = f"MiniLM full fine-tune, adam lr {ft['lr']:g}, {ft['steps']} steps"
+        lines += [*bytes_table(ft, title, targets=True), ""]
     if "restore" in result:
         r = result["restore"]
         lines += restore_table(r, f"MiniLM lr {result['finetune'][0]['lr']:g}")

@@ -125,14 +125,11 @@ def test_shuffle_is_not_used_when_plain_zstd_is_smaller_or_sizes_do_not_divide()
         encode_chunk(odd, element_size=17)
 
 
-@pytest.mark.parametrize(("codec", "element_size"), [(CODEC_SHUFFLE_ZSTD, 0), (CODEC_SHUFFLE_ZSTD, 1),
-                                                (CODEC_SHUFFLE_ZSTD, 3), (CODEC_SHUFFLE_ZSTD, 17),
-                                                (CODEC_PLANES, 0), (CODEC_PLANES, 1),
-                                                (CODEC_PLANES, 3), (CODEC_PLANES, 17),
-                                                (CODEC_EXPONENT_PLANES, 0),
-                                                (CODEC_EXPONENT_PLANES, 1),
-                                                (CODEC_EXPONENT_PLANES, 17),
-                                                (CODEC_ZSTD, 4), (CODEC_RAW, 4)])
+@pytest.mark.parametrize(("codec", "element_size"), [
+    (CODEC_SHUFFLE_ZSTD, 0), (CODEC_SHUFFLE_ZSTD, 1), (CODEC_SHUFFLE_ZSTD, 3),
+    (CODEC_SHUFFLE_ZSTD, 17), (CODEC_PLANES, 0), (CODEC_PLANES, 1), (CODEC_PLANES, 3),
+    (CODEC_PLANES, 17), (CODEC_EXPONENT_PLANES, 0), (CODEC_EXPONENT_PLANES, 1),
+    (CODEC_EXPONENT_PLANES, 17), (CODEC_ZSTD, 4), (CODEC_RAW, 4)])
 def test_decode_rejects_an_element_size_that_does_not_fit_the_codec(codec, element_size):
     raw = memoryview(_trained_like(1000)).cast("B")
     payload = encode_chunk(raw, element_size=4)[HEADER.size:]

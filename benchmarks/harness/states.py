@@ -22,7 +22,8 @@ import zstandard
 SIZES = {  # GPT-2 shapes: vocabulary, context, width, blocks
     "gpt2-xl": {"vocab": 50257, "ctx": 1024, "width": 1600, "blocks": 48},
     "gpt2": {"vocab": 50257, "ctx": 1024, "width": 768, "blocks": 12},
-    "small": {"vocab": 50257, "ctx": 1024, "width": 256, "blocks": 12},  # 0.27 GB, for slow machines
+    # 0.27 GB, for slow machines
+    "small": {"vocab": 50257, "ctx": 1024, "width": 256, "blocks": 12},
     "tiny": {"vocab": 1000, "ctx": 64, "width": 64, "blocks": 3},
 }
 JAX_SIZES = ("gpt2-xl",)  # made with jax.random on the device, not with numpy
