@@ -141,9 +141,11 @@ def test_progress_reports_objects_bytes_and_steps(tmp_path):
 def _damage(store, step, how):
     cid = sorted(casstore.read_manifest(store, step).chunk_ids())[0]
     path = store._path(f"chunks/{cid[:2]}/{cid[2:]}")
-    data = bytearray(open(path, "rb").read())
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
     data = data[:-10] if how == "truncate" else data[:-1] + bytes([data[-1] ^ 1])
-    open(path, "wb").write(bytes(data))
+    with open(path, "wb") as f:
+        f.write(bytes(data))
     return cid
 
 

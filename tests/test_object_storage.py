@@ -106,9 +106,11 @@ def test_copy_verifies_chunks_in_transit(tmp_path):
     casstore.save(src, 1, {"x": np.arange(100_000)})
     cid = next(iter(casstore.read_manifest(src, 1).chunk_ids()))
     path = src._path(f"chunks/{cid[:2]}/{cid[2:]}")
-    data = bytearray(open(path, "rb").read())
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
     data[-1] ^= 1
-    open(path, "wb").write(bytes(data))
+    with open(path, "wb") as f:
+        f.write(bytes(data))
     dst = LocalStore(tmp_path / "dst")
     with pytest.raises(casstore.CorruptChunkError, match="source chunk unusable") as info:
         casstore.copy(src, dst, verify=True)

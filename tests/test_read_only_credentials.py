@@ -118,7 +118,7 @@ def test_manager_save_fails_in_the_call_with_read_only_keys(seaweedfs_identities
 def test_manager_save_fails_in_the_call_on_a_read_only_store(tmp_path):
     casstore.save(tmp_path, 1, tree_for(1))
     store = casstore.open_store(tmp_path, read_only=True)
-    with casstore.CheckpointManager(store) as mngr:
-        with pytest.raises(casstore.ReadOnlyStoreError, match="read-only; cannot write"):
-            mngr.save(2, tree_for(2))
+    with (casstore.CheckpointManager(store) as mngr,
+          pytest.raises(casstore.ReadOnlyStoreError, match="read-only; cannot write")):
+        mngr.save(2, tree_for(2))
     assert casstore.list_steps(tmp_path) == [1]

@@ -131,9 +131,9 @@ def taken_port():
 
 def test_fake_gcs_on_a_taken_port_fails_fast_with_its_log(tmp_path, taken_port):
     t0 = time.monotonic()
-    with pytest.raises(servers.ServerError, match="address already in use") as info:
-        with servers.fake_gcs_server(tmp_path, port=taken_port):
-            pass
+    with (pytest.raises(servers.ServerError, match="address already in use") as info,
+          servers.fake_gcs_server(tmp_path, port=taken_port)):
+        pass
     assert info.value.exited
     assert time.monotonic() - t0 < 10
 
@@ -143,9 +143,9 @@ def test_moto_on_a_taken_port_fails_fast(taken_port, monkeypatch):
     died = []  # werkzeug's bind failure ends moto's serving thread with SystemExit
     monkeypatch.setattr(threading, "excepthook", lambda args: died.append(args.exc_type))
     t0 = time.monotonic()
-    with pytest.raises(servers.ServerError, match="thread died"):
-        with servers.moto_server(port=taken_port):
-            pass
+    with (pytest.raises(servers.ServerError, match="thread died"),
+          servers.moto_server(port=taken_port)):
+        pass
     assert time.monotonic() - t0 < 8
     assert died == [SystemExit]
 
@@ -166,9 +166,9 @@ def test_seaweedfs_exiting_after_another_server_answered_its_probe_fails(tmp_pat
     ports = {c: servers._free_port(taken, plus_10000=True) for c in servers.SEAWEED_COMPONENTS}
     ports["s3"] = other.server_address[1]
     try:
-        with pytest.raises(servers.ServerError, match="answered, but the server exited") as info:
-            with servers.seaweedfs_server(tmp_path, ports=ports):
-                pass
+        with (pytest.raises(servers.ServerError, match="answered, but the server exited") as info,
+              servers.seaweedfs_server(tmp_path, ports=ports)):
+            pass
     finally:
         other.shutdown()
         other.server_close()

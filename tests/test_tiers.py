@@ -115,9 +115,11 @@ def _damage_local(local: LocalStore, step: int) -> tuple[list[str], list[str]]:
         local.delete(key)
     for key in corrupted:
         path = local._path(key)
-        data = bytearray(open(path, "rb").read())
+        with open(path, "rb") as f:
+            data = bytearray(f.read())
         data[len(data) // 2] ^= 0x10
-        open(path, "wb").write(bytes(data))
+        with open(path, "wb") as f:
+            f.write(bytes(data))
     return deleted, corrupted
 
 
