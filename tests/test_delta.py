@@ -1,5 +1,6 @@
 """Delta chunks (format.md §3.5): written, read, verified, copied and collected correctly."""
 
+import functools
 import math
 from unittest import mock
 
@@ -294,7 +295,8 @@ def test_save_delete_gc_copy_sequences_keep_every_step_restorable(ops):
     The restore budget is lifted here: in a tree of 28 small chunks it refuses the first
     deltas of a step while few whole bytes are booked (``[save 2, save 2, save 1]`` took 12
     of 16), and this test is about chains, not the budget (tested above)."""
-    with mock.patch.object(_save_encode, "RestoreBudget", lambda: RestoreBudget(math.inf)):
+    with mock.patch.object(_save_encode, "RestoreBudget",
+                           functools.partial(RestoreBudget, math.inf)):
         _run_sequence(ops)
 
 

@@ -1,6 +1,7 @@
 """Errors: missing and existing steps, corrupt chunks and manifests, mismatched targets."""
 
 import os
+import re
 import time
 
 import jax
@@ -232,10 +233,10 @@ def test_partial_restore_params_without_optimizer_state(saved):
 def test_invalid_arguments(saved):
     store, _ = saved
     for step in (-1, 1.5, True, 10**16):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=re.escape(f"invalid step {step!r}")):
             casstore.save(store, step, {"x": np.ones(1)})
     for run in ("", "../x", "a/b", ".hidden"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=re.escape(f"invalid run name {run!r}")):
             casstore.save(store, 0, {"x": np.ones(1)}, run=run)
     with pytest.raises(ValueError, match="metadata"):
         casstore.save(store, 0, {"x": np.ones(1)}, metadata={"f": object()})
