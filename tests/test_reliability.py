@@ -369,11 +369,14 @@ def test_secrets_never_appear_in_manifests_reprs_logs_or_errors(object_servers, 
     seen = [repr(store), str(store.url)]
     casstore.save(store, 1, tree_for(1), metadata={"note": "hello"})
     seen.append(repr(casstore.read_manifest(store, 1)))
-    for failing in (lambda: casstore.restore(store, 99),
-                    lambda: casstore.save(store, 1, tree_for(1)),
-                    lambda: casstore.restore(casstore.open_store(
-                        "s3://no-such-bucket-casstore/x", **options), 1)):
-        with pytest.raises(Exception) as info:
+    for failing, error, message in (
+            (lambda: casstore.restore(store, 99), casstore.StepNotFoundError, "no such step"),
+            (lambda: casstore.save(store, 1, tree_for(1)), casstore.StepAlreadyExistsError,
+             "step already exists"),
+            (lambda: casstore.restore(casstore.open_store(
+                "s3://no-such-bucket-casstore/x", **options), 1), casstore.StepNotFoundError,
+             "no casstore repository here")):
+        with pytest.raises(error, match=message) as info:
             failing()
         seen += [str(info.value), repr(info.value), *getattr(info.value, "__notes__", [])]
     raw = FsspecStore.from_url(url, **options)
