@@ -31,7 +31,7 @@ import numpy as np
 import casstore
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import harness as h  # noqa: E402
+import harness as h
 
 SYSTEMS = ("casstore", "orbax")
 PEERS = {"casstore": h.peers.CasstoreManager, "orbax": h.peers.Orbax}

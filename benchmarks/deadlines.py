@@ -25,11 +25,11 @@ import time
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
 
-import numpy as np  # noqa: E402
-import servers  # noqa: E402
-from faultproxy import fault_proxy  # noqa: E402
+import numpy as np
+import servers
+from faultproxy import fault_proxy
 
-import casstore  # noqa: E402
+import casstore
 
 FAULTS = ("never answers", "stall", "trickle", "slowdown", "cut")
 

@@ -29,7 +29,7 @@ import casstore
 from casstore.store import CountingStore
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import harness as h  # noqa: E402
+import harness as h
 
 SYSTEMS = ("casstore", "s3fs")
 FIGURES = [  # (key, label, unit); "n" is a count of S3 requests

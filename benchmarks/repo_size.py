@@ -37,7 +37,7 @@ from casstore._layout import CHUNKS_PREFIX, chunk_key
 from casstore.store import LocalStore
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import harness as h  # noqa: E402
+import harness as h
 
 STORES, CHUNKS, CHUNK_RAW_BYTES, PUT_BATCH, SAMPLE = ("local", "s3"), 200_000, 64, 5000, 16
 TREES = {"small": (12, 25_000), "large": (32, 1 << 20)}  # name -> (leaves, float32 elements)

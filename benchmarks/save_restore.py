@@ -24,7 +24,7 @@ import sys
 import jax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import harness as h  # noqa: E402
+import harness as h
 
 SYSTEMS = ("casstore", "casstore-raw", "orbax", "safetensors")
 PEERS = {"casstore": lambda root: h.peers.Casstore(root / "repo"),

@@ -21,21 +21,21 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 
-import functools  # noqa: E402
-import pathlib  # noqa: E402
-import sys  # noqa: E402
+import functools
+import pathlib
+import sys
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import casstore  # noqa: E402
-from casstore._restore import read_regions  # noqa: E402
-from casstore.store import CountingStore, LocalStore  # noqa: E402
+import casstore
+from casstore._restore import read_regions
+from casstore.store import CountingStore, LocalStore
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import harness as h  # noqa: E402
+import harness as h
 
 LEAVES = {"a": ((8192, 8192), P("data", "model")), "b": ((8192, 8192), P("data", "model")),
           "rows": ((16384, 4096), P("data", None)), "cols": ((4096, 16384), P(None, "model")),

@@ -42,8 +42,8 @@ import casstore
 from casstore._layout import chunk_key
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import harness as h  # noqa: E402
-from harness.gpt2 import adam_state, gpt2_loss  # noqa: E402
+import harness as h
+from harness.gpt2 import adam_state, gpt2_loss
 
 SYSTEMS, SCENARIOS, KINDS = ("delta", "whole", "orbax"), ("finetune", "restore", "pretrain"), (
     "params", "mu", "nu")
@@ -313,8 +313,9 @@ def restore_table(restore: dict, label: str) -> list[str]:
                 for s in SYSTEMS), "", ""] for p in ("cold", "warm")]
     rows.append(["warm restore, read from disk",
                  *(h.fmt(res[s]["warm_disk_read_bytes"], "B") for s in SYSTEMS), "", ""])
-    lines = h.md_table([f"{label}: restore of step {restore['step']}", *SYSTEMS,
-                        "delta / whole", "delta / orbax"], rows) + [""]
+    header = [f"{label}: restore of step {restore['step']}", *SYSTEMS,
+              "delta / whole", "delta / orbax"]
+    lines = [*h.md_table(header, rows), ""]
     r = restore["ratios"]
     lines += h.target_lines([(f"{p}: delta / {o}", r[f"{p}_vs_{o}"], TARGETS[f"restore_vs_{o}"])
                              for p in ("cold", "warm") for o in ("whole", "orbax")
@@ -328,8 +329,8 @@ def table(result: dict) -> str:
     """Every scenario's tables and targets, the limit, then the run's conditions."""
     lines: list[str] = []
     for ft in result.get("finetune", []):
-        lines += bytes_table(ft, f"MiniLM full fine-tune, adam lr {ft['lr']:g}, {ft['steps']} "
-                                 f"steps", targets=True) + [""]
+        title = f"MiniLM full fine-tune, adam lr {ft['lr']:g}, {ft['steps']} steps"
+        lines += [*bytes_table(ft, title, targets=True), ""]
     if "restore" in result:
         r = result["restore"]
         lines += restore_table(r, f"MiniLM lr {result['finetune'][0]['lr']:g}")
@@ -354,13 +355,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap = h.parser(__doc__, "dir", "repeat", "tiny", "drop-caches", "no-warm",
                   repeat="restores of each system; medians are shown",
                   tiny="3 fine-tune steps at lr 1e-4 (batch 8), 3 steps of a tiny GPT-2")
-    for flag, kw in (("--scenarios", dict(default=",".join(SCENARIOS))),
-                     ("--steps", dict(type=int, default=8)), ("--lrs", dict(default="1e-4,1e-5")),
-                     ("--batch-size", dict(type=int, default=32)),
-                     ("--pretrain-steps", dict(type=int, default=4)),
-                     ("--pretrain-size", dict(choices=("gpt2", "small", "tiny"), default="gpt2")),
-                     ("--pretrain-lr", dict(type=float, default=6e-4)),
-                     ("--codecs", dict(choices=tuple(CODECS), default="default"))):
+    for flag, kw in (("--scenarios", {"default": ",".join(SCENARIOS)}),
+                     ("--steps", {"type": int, "default": 8}), ("--lrs", {"default": "1e-4,1e-5"}),
+                     ("--batch-size", {"type": int, "default": 32}),
+                     ("--pretrain-steps", {"type": int, "default": 4}),
+                     ("--pretrain-size", {"choices": ("gpt2", "small", "tiny"), "default": "gpt2"}),
+                     ("--pretrain-lr", {"type": float, "default": 6e-4}),
+                     ("--codecs", {"choices": tuple(CODECS), "default": "default"})):
         ap.add_argument(flag, **kw)
     args = h.parse(ap, argv)
     for key, value in TINY.items() if args.tiny else ():

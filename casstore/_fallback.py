@@ -105,7 +105,7 @@ class FallbackStore(Store):
         if self.write_back and not self.primary.read_only:
             try:
                 self.primary.put(key, data)
-            except Exception as e:  # noqa: BLE001 - best effort: the read itself succeeded
+            except Exception as e:  # best effort: the read itself succeeded
                 log.warning("casstore: could not write %s back to %s: %s", key, self.primary.url,
                             e)
 

@@ -76,5 +76,5 @@ def unsupported_version(what: str, version: object, known: int, **where: Any) ->
     if isinstance(version, int) and not isinstance(version, bool) and version > known:
         raise UnsupportedFormatError(f"{what} {version}", needs=None, reader=READER_VERSION,
                                      **where)
-    if not (isinstance(version, int) and not isinstance(version, bool) and 1 <= version):
+    if not (isinstance(version, int) and not isinstance(version, bool) and version >= 1):
         raise ManifestError(f"invalid format: bad {what} {version!r}", **where)

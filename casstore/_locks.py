@@ -66,7 +66,7 @@ class GcLease:
         while not self._stop.wait(GC_LOCK_REFRESH_S):
             try:
                 _put_lock(self.store, "gc", self.key)
-            except Exception:  # noqa: BLE001 - the lease runs out unless a later refresh lands
+            except Exception:  # the lease runs out unless a later refresh lands
                 continue
             now = time.monotonic()
             self._broken |= now - self._last > GC_LOCK_STALE_S / 2

@@ -89,7 +89,7 @@ class Persister:
         self._error: BaseException | None = None
         try:
             self._remote_steps = set(list_steps(persistent, run=run))
-        except Exception as e:  # noqa: BLE001 - the local tier works on; surfaces on save()
+        except Exception as e:  # the local tier works on; surfaces on save()
             self._remote_steps = set()
             self._error = _located(e, None, persistent.url, run)
         self._known: dict[str, int] = {}  # objects the latest persisted step references
@@ -175,7 +175,7 @@ class Persister:
             step = self._running
             try:
                 self._persist(step)
-            except BaseException as e:  # noqa: BLE001 - surfaces on the next save()
+            except BaseException as e:  # surfaces on the next save()
                 error = _located(e, step, self.persistent.url, self.run)
                 log.warning("casstore: %s", error)
                 with self._cond:

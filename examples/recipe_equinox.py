@@ -74,7 +74,8 @@ def main() -> None:
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(abstract_arrays))
     restored = eqx.combine(casstore.restore(url, run="equinox", target=abstract_arrays), static)
 
-    assert restored.blocks[1].name == "second" and restored.blocks[0].activation is jax.nn.gelu
+    assert restored.blocks[1].name == "second"
+    assert restored.blocks[0].activation is jax.nn.gelu
     x = np.linspace(-1, 1, 8, dtype=np.float32)
     np.testing.assert_array_equal(restored(x), model(x))
     print("equinox: restored into eqx.filter_eval_shape's skeleton; non-array fields from code;"

@@ -68,7 +68,8 @@ def main() -> None:
         abstract = jax.eval_shape(create_state, jax.random.key(1))
         restored = mngr.restore(target=abstract)
 
-    assert int(restored.step) == 6 and restored.apply_fn is not None
+    assert int(restored.step) == 6
+    assert restored.apply_fn is not None
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
         np.testing.assert_array_equal(a, b)
     # Training continues identically from the restored state.

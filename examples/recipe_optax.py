@@ -78,12 +78,14 @@ def main() -> None:
                                                                "opt_state": opt_state})
     counts = [x for p, x in jax.tree_util.tree_leaves_with_path(restored["opt_state"])
               if "count" in jax.tree_util.keystr(p)]
-    assert counts and all(int(c) == 3 for c in counts)  # schedule and adam step counters
+    assert counts
+    assert all(int(c) == 3 for c in counts)
 
     # Frozen parameters have no optimizer moments in the checkpoint.
     manifest = casstore.read_manifest(url, 3, run="optax")
     moments = [leaf.path for leaf in manifest.leaves if "/mu/" in leaf.path]
-    assert moments and not any("encoder" in p for p in moments), moments
+    assert moments, moments
+    assert not any("encoder" in p for p in moments), moments
 
     # Training continues identically from the restored state.
     ours = train(restored["params"], restored["opt_state"], tx, x, 2)

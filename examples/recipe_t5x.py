@@ -76,7 +76,9 @@ def main() -> None:
     # Chunk keys are chunks/<first 2 hex digits>/<the other 30> (format.md §2).
     read = {k.removeprefix("chunks/").replace("/", "") for k in store.keys_read
             if k.startswith("chunks/")}
-    assert optimizer and not read & optimizer and read == wanted - optimizer, (read, optimizer)
+    assert optimizer, (read, optimizer)
+    assert not read & optimizer, (read, optimizer)
+    assert read == wanted - optimizer, (read, optimizer)
     print(f"t5x: inference restore read {len(read)} chunks ({store.bytes_read} bytes incl. the "
           f"manifest); the checkpoint has {len(optimizer)} optimizer chunks, 0 of them read")
 

@@ -6,16 +6,16 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gcsfs is imported
 
-import contextlib  # noqa: E402
-import importlib.util  # noqa: E402
-import pathlib  # noqa: E402
-import uuid  # noqa: E402
+import contextlib
+import importlib.util
+import pathlib
+import uuid
 
-import fsspec  # noqa: E402
-import pytest  # noqa: E402
-import servers  # noqa: E402
+import fsspec
+import pytest
+import servers
 
-from casstore.store import FsspecStore, LocalStore, MemoryStore  # noqa: E402
+from casstore.store import FsspecStore, LocalStore, MemoryStore
 
 LOCAL_BACKENDS = ["memory", "local", "fsspec-memory"]
 OBJECT_BACKENDS = ["seaweedfs", "moto", "fake-gcs"]

@@ -14,13 +14,13 @@ import threading
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-import casstore  # noqa: E402
-from casstore import _chunking  # noqa: E402
-from casstore._chunking import DEFAULT_CHUNK_SIZE_BYTES  # noqa: E402
-from casstore._save_upload import default_inflight_bytes  # noqa: E402
+import casstore
+from casstore import _chunking
+from casstore._chunking import DEFAULT_CHUNK_SIZE_BYTES
+from casstore._save_upload import default_inflight_bytes
 
 LEAVES = int(sys.argv[3]) if len(sys.argv) > 3 else 8  # of 256 MiB: 2 GiB by default
 LEAF_ELEMENTS = 64 * 2**20

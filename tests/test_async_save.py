@@ -31,16 +31,19 @@ def test_numpy_buffers_overwritten_after_save_returns_keep_the_saved_values():
     small = np.arange(7, dtype=np.int16)  # packed
     with casstore.AsyncCheckpointer(store, run="r", chunk_size_bytes=256 * 1024) as ckptr:
         assert ckptr.save(3, {"big": big, "small": small}, metadata={"note": "a"}) is None
-        assert ckptr.is_saving_in_progress() and casstore.list_steps(store, run="r") == []
+        assert ckptr.is_saving_in_progress()
+        assert casstore.list_steps(store, run="r") == []
         big[:] = -1.0  # into the saved buffers
         small *= 0
         store.gate.set()
         ckptr.wait_until_finished()
         assert not ckptr.is_saving_in_progress()
-        assert ckptr.last_save_info.step == 3 and ckptr.last_staging_peak_bytes > 0
+        assert ckptr.last_save_info.step == 3
+        assert ckptr.last_staging_peak_bytes > 0
     restored = casstore.restore(store, 3, run="r")
     np.testing.assert_array_equal(restored["big"], np.arange(400_000, dtype=np.float32))
-    assert restored["small"].dtype == np.int16 and restored["small"].tolist() == list(range(7))
+    assert restored["small"].dtype == np.int16
+    assert restored["small"].tolist() == list(range(7))
     assert casstore.read_manifest(store, 3, run="r").metadata == {"note": "a"}
     assert casstore.verify(store).ok
 
@@ -62,7 +65,8 @@ def test_jax_arrays_donated_or_deleted_after_save_returns_keep_the_saved_values(
     restored = casstore.restore(store, 0)
     np.testing.assert_array_equal(restored["w"], np.ones((512, 512), np.float32))
     np.testing.assert_array_equal(restored["b"], np.arange(100_000, dtype=np.int32))
-    assert restored["w"].dtype == np.float32 and restored["b"].dtype == np.int32
+    assert restored["w"].dtype == np.float32
+    assert restored["b"].dtype == np.int32
 
 
 def test_consecutive_saves_wait_for_each_other_and_all_commit(tmp_path):

@@ -95,7 +95,7 @@ def gated(request, tmp_path):
     return Gated(inner)
 
 
-@pytest.mark.parametrize("name,make,spoil", leaf_kinds(), ids=[k[0] for k in leaf_kinds()])
+@pytest.mark.parametrize(("name", "make", "spoil"), leaf_kinds(), ids=[k[0] for k in leaf_kinds()])
 def test_overwrite_or_donate_after_save_returns_keeps_the_saved_values(gated, name, make,
                                                                        spoil):
     leaf = make()
@@ -191,7 +191,8 @@ def test_a_failing_background_save_does_not_leave_save_blocked():
     mngr.save(1, big)  # returns: the background save failed and abandoned the stream
     with pytest.raises(PermissionError, match="denied"):
         mngr.wait_until_finished()
-    assert mngr.latest_step() is None and casstore.list_steps(mngr.store) == []
+    assert mngr.latest_step() is None
+    assert casstore.list_steps(mngr.store) == []
     mngr.close()
 
 
@@ -201,7 +202,8 @@ def test_a_thousand_should_save_calls_make_no_listing():
         lists_after_construction = store.counts["list"]
         store.reset()
         due = [s for s in range(1000) if mngr.should_save(s)]
-        assert store.counts["list"] == 0 and sum(store.counts.values()) == 0
+        assert store.counts["list"] == 0
+        assert sum(store.counts.values()) == 0
         assert due == list(range(0, 1000, 100))
         for step in due[:3]:
             mngr.save(step, {"w": np.full(10, step)})
@@ -210,7 +212,8 @@ def test_a_thousand_should_save_calls_make_no_listing():
         store.reset()
         assert [s for s in range(1000) if mngr.should_save(s)] == list(range(300, 1000, 100))
         assert store.counts["list"] == 0
-        assert mngr.all_steps() == [100, 200] and mngr.latest_step() == 200
+        assert mngr.all_steps() == [100, 200]
+        assert mngr.latest_step() == 200
     assert lists_after_construction <= 1  # none at all in a repository not created yet
     # each save lists the locks (save lock) and nothing that grows with the steps or chunks
     assert saving_requests <= 3 * 3
@@ -220,9 +223,11 @@ def test_reload_sees_steps_written_by_another_writer():
     store = MemoryStore()
     with casstore.CheckpointManager(store) as mngr:
         casstore.save(store, 7, {"w": np.ones(3)})
-        assert mngr.latest_step() is None and mngr.should_save(5)
+        assert mngr.latest_step() is None
+        assert mngr.should_save(5)
         mngr.reload()
-        assert mngr.latest_step() == 7 and not mngr.should_save(5)
+        assert mngr.latest_step() == 7
+        assert not mngr.should_save(5)
         assert mngr.all_steps(read=True) == [7]
 
 
@@ -265,8 +270,10 @@ def test_chunks_of_the_latest_step_are_reused_without_a_request():
     store.reset()
     info = casstore.save(store, 1, tree | {"head": np.ones(10)}, chunk_size_bytes=2**20)
     # the 4 frozen chunks come from step 0's manifest; only the changed head's pack is looked up
-    assert store.counts["stat"] == 1 and store.counts["put"] == 2  # the save lock, the pack
-    assert info.new_chunks == 1 and info.reused_chunks == 4
+    assert store.counts["stat"] == 1
+    assert store.counts["put"] == 2
+    assert info.new_chunks == 1
+    assert info.reused_chunks == 4
 
 
 def gc_when(store: Store, key: str, locks: bool, monkeypatch, before=lambda: None) -> Store:
@@ -345,10 +352,13 @@ def test_the_first_save_into_an_empty_repository_looks_up_no_chunk():
     store = CountingStore(MemoryStore())
     tree = {"w": np.arange(1_000_000, dtype=np.float32), "head": np.zeros(10)}
     info = casstore.save(store, 0, tree, chunk_size_bytes=2**20)
-    assert store.counts["stat"] == 0 and info.new_chunks == 5  # 4 blocks of w, the pack
+    assert store.counts["stat"] == 0
+    assert info.new_chunks == 5
     # Another run in the same repository still finds the chunks the first one stored.
     store.reset()
     info = casstore.save(store, 0, tree | {"head": np.ones(10)}, run="other",
                          chunk_size_bytes=2**20)
-    assert store.counts["stat"] == 5 and info.reused_chunks == 4 and info.new_chunks == 1
+    assert store.counts["stat"] == 5
+    assert info.reused_chunks == 4
+    assert info.new_chunks == 1
     np.testing.assert_array_equal(casstore.restore(store, 0, run="other")["w"], tree["w"])

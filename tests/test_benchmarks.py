@@ -18,7 +18,8 @@ def test_save_restore_benchmark_reports_every_figure_for_every_system(tmp_path, 
     for system in bench.SYSTEMS:
         figures = result["results"][system]
         for key in bench.FIGURE_KEYS:
-            assert math.isfinite(figures[key]) and figures[key] >= 0, (system, key)
+            assert math.isfinite(figures[key]), (system, key)
+            assert figures[key] >= 0, (system, key)
         # The bit-exact restore checks ran (they raise inside the benchmark on a mismatch).
         assert figures["verified_leaves"] == n_leaves, system
     casstore = result["results"]["casstore"]
@@ -57,7 +58,8 @@ def test_save_restore_benchmark_reports_every_figure_for_every_system(tmp_path, 
     printed = capsys.readouterr().out
     for _, label, _ in bench.FIGURES:
         assert f"| {label}" in printed
-    assert "casstore: limit / figure" in printed and "| codec encode (codec 5)" in printed
+    assert "casstore: limit / figure" in printed
+    assert "| codec encode (codec 5)" in printed
     assert json.loads(out.read_text())["results"].keys() == set(bench.SYSTEMS)
 
 

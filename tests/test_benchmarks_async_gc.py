@@ -32,7 +32,8 @@ def test_async_gc_benchmark_reports_every_figure_and_its_checks_pass(tmp_path, c
         assert figures["first_blocking_s"] == steps[0]["blocking_s"]
         assert figures["later_blocking_s"] == statistics.median(s["blocking_s"] for s in steps[1:])
         # The bit-exact restore checks ran (they raise inside the benchmark on a mismatch).
-        assert figures["verified_steps"] == saves and figures["proof_verified"], system
+        assert figures["verified_steps"] == saves, system
+        assert figures["proof_verified"], system
         for save in result["async_runs"][system][0]["saves"]:
             assert save["blocking_s"] <= save["total_s"], (system, save)
     assert positive(result["host_copy_s"])
@@ -43,7 +44,8 @@ def test_async_gc_benchmark_reports_every_figure_and_its_checks_pass(tmp_path, c
     assert not casstore["buffers_donated_in_place"]
 
     gc = result["gc"]
-    assert gc["steps"] == bench.GC_STEPS and len(gc["kept_steps"]) == bench.GC_KEEP
+    assert gc["steps"] == bench.GC_STEPS
+    assert len(gc["kept_steps"]) == bench.GC_KEEP
     for part in ("dry_run", "gc"):
         for key, _ in bench.GC_FIGURES:
             assert positive(gc[part][key]), (part, key, gc[part][key])
@@ -52,12 +54,14 @@ def test_async_gc_benchmark_reports_every_figure_and_its_checks_pass(tmp_path, c
     assert gc["gc"]["deleted_bytes"] == gc["bytes_before"] - gc["bytes_after"]
     assert gc["young_dry_run_spared"] == gc["gc"]["deleted_chunks"]
     assert gc["second_gc_deleted"] == 0
-    assert gc["verify_ok"] and gc["restored_steps"] == bench.GC_KEEP
+    assert gc["verify_ok"]
+    assert gc["restored_steps"] == bench.GC_KEEP
     # Nothing is left behind in --dir.
     assert list((tmp_path / "work").iterdir()) == []
 
     # The first save's total is judged by the machine's limit, measured in the run.
-    assert result["limit"]["workers"] >= 1 and result["limit"]["encode_bps"] > 0
+    assert result["limit"]["workers"] >= 1
+    assert result["limit"]["encode_bps"] > 0
     assert 0 < result["limits"]["first_total_s"] < math.inf
 
     printed = capsys.readouterr().out

@@ -53,7 +53,8 @@ def test_object_store_benchmark_reports_every_figure_and_its_checks_pass(tmp_pat
     assert [t["target"] for t in result["targets"]] == [t for t, _, _ in bench.TARGETS]
     # The limit was measured on a server of the same kind in the run; saves and restores are
     # judged by it.
-    assert result["limit"]["store"] == "S3" and result["limit"]["read_bps"] > 0
+    assert result["limit"]["store"] == "S3"
+    assert result["limit"]["read_bps"] > 0
     assert set(result["limits"]) == {"first_save_s", "changed_save_s", "restore_s",
                                      "restore_numpy_s"}
     assert all(s > 0 for s in result["limits"].values())
@@ -77,12 +78,14 @@ def test_object_store_benchmark_on_an_existing_endpoint_cleans_up_after_itself(c
             # objects remain.
             buckets = result["buckets"]
             left = [p for b in buckets for p in fs.find(b)]
-            assert len(buckets) == 3 and sorted(left) == sorted(f"{b}/warm-up" for b in buckets)
+            assert len(buckets) == 3
+            assert sorted(left) == sorted(f"{b}/warm-up" for b in buckets)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     assert result["server"] == endpoint
-    assert result["limit"]["store"] == "S3" and result["limit"]["write_bps"] > 0
+    assert result["limit"]["store"] == "S3"
+    assert result["limit"]["write_bps"] > 0
     # casstore's S3 store sends no HEAD before each GET (s3fs's cat does).
     casstore = result["results"]["casstore"]
     assert "HeadObject" not in casstore["restore_request_ops"]

@@ -59,7 +59,8 @@ def test_filled_chunks_are_valid_chunk_objects_under_chunks(tmp_path):
     store = casstore.open_store(str(tmp_path / "repo"))
     filled = bench.fill(store.put_many, 40, seed=3)
     keys = [info.key for info in store.list("chunks/")]
-    assert len(keys) == 40 and len(filled["sample"]) == bench.SAMPLE + 1
+    assert len(keys) == 40
+    assert len(filled["sample"]) == bench.SAMPLE + 1
     for key in keys:
         cid = chunk_id_of_key(key)
         assert cid is not None, key

@@ -20,7 +20,9 @@ def test_storage_cost_benchmark_reports_every_scenario_and_deltas_pay(tmp_path, 
     assert result["scenarios"] == list(bench.SCENARIOS)
     (ft,) = result["finetune"]  # --tiny: one learning rate
     pt = result["pretrain"]
-    assert ft["lr"] == 1e-4 and ft["steps"] == 3 and pt["steps"] == 3
+    assert ft["lr"] == 1e-4
+    assert ft["steps"] == 3
+    assert pt["steps"] == 3
     assert ft["raw_bytes"]["params"] > 90e6  # all 22.7M parameters, float32
     assert ft["raw_bytes"]["mu"] == ft["raw_bytes"]["nu"] == ft["raw_bytes"]["params"]
     for figures in (ft, pt):
@@ -36,12 +38,15 @@ def test_storage_cost_benchmark_reports_every_scenario_and_deltas_pay(tmp_path, 
                 assert math.isclose(f["chunk_bytes"], f["written_bytes"] - f["manifest_bytes"],
                                     rel_tol=1e-9, abs_tol=1e-3), (name, f)
                 assert f["new_chunk_objects"] == f["new_chunks"]
-                assert f["params"] > 0 and f["mu"] > 0 and f["nu"] > 0
+                assert f["params"] > 0
+                assert f["mu"] > 0
+                assert f["nu"] > 0
             assert set(systems[name]["fraction"]) == {"all", *bench.KINDS}
         assert all(f["delta_chunks"] == 0 for f in systems["whole"]["per_step"])
         # Every tensor changes every step, and deltas make the steps after the first smaller.
         for d, w in zip(systems["delta"]["per_step"][1:], systems["whole"]["per_step"][1:]):
-            assert d["delta_chunks"] > 0 and d["delta_objects"] > 0
+            assert d["delta_chunks"] > 0
+            assert d["delta_objects"] > 0
             assert d["written_bytes"] < w["written_bytes"]
             assert d["written_bytes"] + d["delta_saved_bytes"] >= 0.9 * w["written_bytes"]
     assert ft["systems"]["delta"]["fraction"]["params"] < ft["systems"]["whole"]["fraction"][
@@ -57,7 +62,8 @@ def test_storage_cost_benchmark_reports_every_scenario_and_deltas_pay(tmp_path, 
         assert math.isnan(restore["systems"]["delta"]["cold_s"])  # no --drop-caches
         # Each restore is judged by the machine's limit, measured in the run.
         assert 0 < restore["limits"]["warm_s"] <= restore["limits"]["cold_s"]
-    assert result["limit"]["decode_bps"] > 0 and ft["save_limit_s"] > pt["save_limit_s"] > 0
+    assert result["limit"]["decode_bps"] > 0
+    assert ft["save_limit_s"] > pt["save_limit_s"] > 0
     assert result["restore"]["chain_depth"] >= 1  # the restored step's chunks are deltas
     assert result["restore"]["delta_objects"] > 0
 
@@ -65,7 +71,8 @@ def test_storage_cost_benchmark_reports_every_scenario_and_deltas_pay(tmp_path, 
     assert printed.count("- target: casstore with deltas: all: ") == 1
     assert "| adam mu (90.3 MB raw) |" in printed
     assert "- target: warm: delta / whole: " in printed
-    assert "save s per step (mean)" in printed and "| ... limit / figure (limit " in printed
+    assert "save s per step (mean)" in printed
+    assert "| ... limit / figure (limit " in printed
     assert json.loads(out.read_text())["finetune"][0]["systems"].keys() == set(bench.SYSTEMS)
 
 
@@ -90,13 +97,18 @@ def test_new_chunk_bytes_are_attributed_to_the_leaves_holding_them(tmp_path):
     on_disk = sum(info.size for info in store.list("chunks/"))
     step0, step1 = bench.attribute(url, [0, 1])
     assert math.isclose(step0["chunk_bytes"] + step1["chunk_bytes"], on_disk)
-    assert step0["params"] > 0 and step0["mu"] > 0 and step0["nu"] > 0
+    assert step0["params"] > 0
+    assert step0["mu"] > 0
+    assert step0["nu"] > 0
     # mu/w is stored once; mu/b's share of the small leaves' pack (which changed) is new.
     assert step1["mu"] < 4000 < 8e5 < step0["mu"]  # mu/w: 1.2 MB raw, about 1.0 MB stored
-    assert step1["params"] > 8e5 and step1["nu"] > 0
-    assert step1["chain_depth"] == 0 and step1["delta_objects"] == 0
+    assert step1["params"] > 8e5
+    assert step1["nu"] > 0
+    assert step1["chain_depth"] == 0
+    assert step1["delta_objects"] == 0
     raw = bench.raw_bytes(url, 1)
-    assert raw["params"] == raw["mu"] == raw["nu"] == 1_204_000 and raw["other"] == 4
+    assert raw["params"] == raw["mu"] == raw["nu"] == 1_204_000
+    assert raw["other"] == 4
     assert [bench.kind_of(p) for p in ("params/w", "opt_state/[0]/mu/b", "opt_state/[0]/nu/w",
                                        "opt_state/[0]/count", "step")] == [
         "params", "mu", "nu", "other", "other"]
@@ -110,7 +122,7 @@ def test_storage_cost_benchmark_with_default_codecs_stores_moments_smaller(tmp_p
     monkeypatch.setattr(_compression, "usable_cores", lambda: 8)
     bench = load_benchmark("storage_cost")
     args = ["--tiny", "--scenarios", "finetune", "--dir", str(tmp_path)]
-    local = bench.main(args + ["--codecs", "no-shuffle"])["finetune"][0]["systems"]
+    local = bench.main([*args, "--codecs", "no-shuffle"])["finetune"][0]["systems"]
     shuffled = bench.main(args)
     assert shuffled["codecs"] == "default"
     planes = shuffled["finetune"][0]["systems"]

@@ -16,12 +16,14 @@ def test_a_pool_hands_back_given_buffers_of_the_same_size_only():
     pool = BufferPool()
     a = pool.take(MIN_POOLED_BYTES)
     pool.give(memoryview(a)[:10])  # a view of a pooled-size buffer gives the buffer back
-    assert pool.take(MIN_POOLED_BYTES) is a and pool.reused == 1
+    assert pool.take(MIN_POOLED_BYTES) is a
+    assert pool.reused == 1
     assert pool.take(MIN_POOLED_BYTES + 1) is not a
     small = pool.take(100)
     pool.give(small)
     pool.give(b"x" * MIN_POOLED_BYTES)  # bytes are not reused
-    assert pool.take(100) is not small and pool.reused == 1
+    assert pool.take(100) is not small
+    assert pool.reused == 1
 
 
 @pytest.mark.parametrize("n", [8, 1000, 3 * 256 * 1024 + 5, 600_001])
@@ -32,10 +34,12 @@ def test_the_block_wise_sign_move_and_its_fused_inverse_match_the_whole_plane_on
     hi, lo = planes[-1].astype(np.uint16), planes[-2].astype(np.uint16)
     top = (((hi << 1) | (lo >> 7)) & 0xFF).astype(np.uint8)  # the 8 exponent bits
     below = ((lo & 0x7F) | (hi & 0x80)).astype(np.uint8)  # the sign above 7 mantissa bits
-    assert np.array_equal(moved[-1], top) and np.array_equal(moved[-2], below)
+    assert np.array_equal(moved[-1], top)
+    assert np.array_equal(moved[-2], below)
     assert np.array_equal(interleave(list(moved), moved=True), raw)
     back = unmove_sign(moved[-1], moved[-2])
-    assert np.array_equal(back[0], planes[-1]) and np.array_equal(back[1], planes[-2])
+    assert np.array_equal(back[0], planes[-1])
+    assert np.array_equal(back[1], planes[-2])
 
 
 def _objects(store) -> dict[str, bytes]:
@@ -60,7 +64,8 @@ def test_a_save_reusing_its_buffers_stores_the_same_objects_and_restores_bit_exa
     local, memory = LocalStore(tmp_path / "repo"), MemoryStore()
     for store in (local, memory):
         casstore.save(store, 1, tree, chunk_size_bytes=2**20, max_workers=2, shuffle=True)
-    assert len(pools) == 1 and pools[0].reused > 0  # only the local store copies on put
+    assert len(pools) == 1
+    assert pools[0].reused > 0
     assert _objects(local) == _objects(memory)
     restored = casstore.restore(local, 1)
     for key, value in tree.items():

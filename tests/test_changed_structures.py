@@ -38,11 +38,14 @@ def test_one_error_lists_every_missing_extra_and_mismatched_path(saved):
     assert set(e.missing) == {"layers/[1]/b", "norm/scale"}
     assert e.extra == ("head/w",)
     assert [p for p, _ in e.mismatched] == ["layers/[0]/w"]
-    assert "(4, 3)" in e.mismatched[0][1] and "(2, 3)" in e.mismatched[0][1]
+    assert "(4, 3)" in e.mismatched[0][1]
+    assert "(2, 3)" in e.mismatched[0][1]
     for path in ("layers/[1]/b", "norm/scale", "head/w", "layers/[0]/w"):
         assert repr(path) in str(e)
-    assert "2 missing, 1 extra, 1 mismatched" in str(e) and "partial=True" in str(e)
-    assert e.key_path in {"layers/[1]/b", "norm/scale"} and e.step == 1
+    assert "2 missing, 1 extra, 1 mismatched" in str(e)
+    assert "partial=True" in str(e)
+    assert e.key_path in {"layers/[1]/b", "norm/scale"}
+    assert e.step == 1
 
 
 def test_no_chunk_is_read_when_the_target_does_not_match(saved):
@@ -62,7 +65,8 @@ def test_transforms_rename_saved_paths(saved):
               "head": {"kernel": abstract(tree["head"]["w"])}, "step": 0}
     with pytest.raises(casstore.TargetMismatchError, match="3 missing, 3 extra") as info:
         casstore.restore(url, target=target)
-    assert len(info.value.missing) == 3 and len(info.value.extra) == 3
+    assert len(info.value.missing) == 3
+    assert len(info.value.extra) == 3
     r = casstore.restore(url, target=target, transforms={
         r"layers/\[(\d+)\]/w": r"blocks/\1/kernel", r"head/w": "head/kernel"})
     np.testing.assert_array_equal(r["blocks"]["0"]["kernel"], tree["layers"][0]["w"])
@@ -86,7 +90,8 @@ def test_renamed_leaf_that_stays_unmatched_is_reported_under_its_saved_path(save
     del target["head"]
     with pytest.raises(casstore.TargetMismatchError, match="renamed to 'out/w'") as info:
         casstore.restore(url, target=target, transforms={"head/w": "out/w"})
-    assert info.value.extra == ("head/w",) and "renamed to 'out/w'" in str(info.value)
+    assert info.value.extra == ("head/w",)
+    assert "renamed to 'out/w'" in str(info.value)
 
 
 def test_fill_missing_returns_concrete_target_leaves(saved):
@@ -96,7 +101,8 @@ def test_fill_missing_returns_concrete_target_leaves(saved):
     target["layers"][1]["b"] = bias
     target["scale"] = np.float32(3.0)
     r = casstore.restore(url, target=target, fill_missing=True)
-    assert r["layers"][1]["b"] is bias and r["scale"] == np.float32(3.0)
+    assert r["layers"][1]["b"] is bias
+    assert r["scale"] == np.float32(3.0)
     np.testing.assert_array_equal(r["layers"][1]["w"], tree["layers"][1]["w"])
 
 
@@ -106,7 +112,8 @@ def test_fill_missing_refuses_abstract_leaves_by_name(saved):
     target["layers"][1]["b"] = jax.ShapeDtypeStruct((3,), jnp.float32)
     with pytest.raises(casstore.TargetMismatchError, match="abstract") as info:
         casstore.restore(url, target=target, fill_missing=True)
-    assert info.value.missing == ("layers/[1]/b",) and "ShapeDtypeStruct" in str(info.value)
+    assert info.value.missing == ("layers/[1]/b",)
+    assert "ShapeDtypeStruct" in str(info.value)
 
 
 def test_transforms_need_a_target(saved):

@@ -125,14 +125,11 @@ def test_shuffle_is_not_used_when_plain_zstd_is_smaller_or_sizes_do_not_divide()
         encode_chunk(odd, element_size=17)
 
 
-@pytest.mark.parametrize("codec,element_size", [(CODEC_SHUFFLE_ZSTD, 0), (CODEC_SHUFFLE_ZSTD, 1),
-                                                (CODEC_SHUFFLE_ZSTD, 3), (CODEC_SHUFFLE_ZSTD, 17),
-                                                (CODEC_PLANES, 0), (CODEC_PLANES, 1),
-                                                (CODEC_PLANES, 3), (CODEC_PLANES, 17),
-                                                (CODEC_EXPONENT_PLANES, 0),
-                                                (CODEC_EXPONENT_PLANES, 1),
-                                                (CODEC_EXPONENT_PLANES, 17),
-                                                (CODEC_ZSTD, 4), (CODEC_RAW, 4)])
+@pytest.mark.parametrize(("codec", "element_size"), [
+    (CODEC_SHUFFLE_ZSTD, 0), (CODEC_SHUFFLE_ZSTD, 1), (CODEC_SHUFFLE_ZSTD, 3),
+    (CODEC_SHUFFLE_ZSTD, 17), (CODEC_PLANES, 0), (CODEC_PLANES, 1), (CODEC_PLANES, 3),
+    (CODEC_PLANES, 17), (CODEC_EXPONENT_PLANES, 0), (CODEC_EXPONENT_PLANES, 1),
+    (CODEC_EXPONENT_PLANES, 17), (CODEC_ZSTD, 4), (CODEC_RAW, 4)])
 def test_decode_rejects_an_element_size_that_does_not_fit_the_codec(codec, element_size):
     raw = memoryview(_trained_like(1000)).cast("B")
     payload = encode_chunk(raw, element_size=4)[HEADER.size:]
@@ -227,7 +224,7 @@ def test_only_the_exponent_plane_of_float32_is_compressed(n):
     assert len(data) < len(_encode(raw, CODEC_PLANES, 1, 4))  # the exponent whole pays
 
 
-@pytest.mark.parametrize("dtype,exponent_bits", [(np.float32, 8), (ml_dtypes.bfloat16, 8),
+@pytest.mark.parametrize(("dtype", "exponent_bits"), [(np.float32, 8), (ml_dtypes.bfloat16, 8),
                                                  (np.float16, 5), (np.float64, 11)])
 def test_moving_the_sign_puts_the_exponent_at_the_top_and_planes_of_moves_it_back(
         dtype, exponent_bits):
@@ -263,7 +260,9 @@ def test_the_moments_of_adam_keep_the_plane_under_the_exponent_at_seven_bits():
     raw = memoryview(nu.view(np.uint8))
     data = encode_chunk(raw, element_size=4)
     n, lengths = _planes_of(data)
-    assert lengths[:2] == [n, n] and 0.86 * n < lengths[2] < 0.88 * n and lengths[3] < 0.34 * n
+    assert lengths[:2] == [n, n]
+    assert 0.86 * n < lengths[2] < 0.88 * n
+    assert lengths[3] < 0.34 * n
     old = _encode(raw, CODEC_PLANES, 1, 4)
     assert len(data) < len(old) - 0.01 * len(raw)
     for encoded in (data, old):
@@ -273,7 +272,8 @@ def test_the_moments_of_adam_keep_the_plane_under_the_exponent_at_seven_bits():
 def test_bfloat16_compresses_its_high_plane_and_keeps_the_low_one():
     raw = memoryview(_trained_like(2**19, ml_dtypes.bfloat16).view(np.uint8))
     n, lengths = _planes_of(encode_chunk(raw, element_size=2))
-    assert lengths[0] == n and lengths[1] < 0.45 * n
+    assert lengths[0] == n
+    assert lengths[1] < 0.45 * n
 
 
 def test_a_plane_whose_samples_do_not_compress_is_stored_as_is():
@@ -282,7 +282,9 @@ def test_a_plane_whose_samples_do_not_compress_is_stored_as_is():
     words = _rng.integers(0, 2**23, n, np.uint32)
     raw = memoryview(words.view(np.uint8))
     plane_n, lengths = _planes_of(encode_chunk(raw, element_size=4))
-    assert lengths[:2] == [plane_n] * 2 and lengths[2] < 0.88 * plane_n and lengths[3] < 100
+    assert lengths[:2] == [plane_n] * 2
+    assert lengths[2] < 0.88 * plane_n
+    assert lengths[3] < 100
 
 
 def _planes_object(raw: memoryview, element_size: int = 4) -> bytes:
@@ -302,7 +304,7 @@ PLANES_DATA = _planes_object(PLANES_RAW)
 PLANES_N, PLANES_LENGTHS = _planes_of(PLANES_DATA)
 
 
-@pytest.mark.parametrize("damage,message", [
+@pytest.mark.parametrize(("damage", "message"), [
     (lambda d: d[:HEADER.size + 10], "shorter than its plane table"),
     (lambda d: _with_lengths(d, [PLANES_N + 1, *PLANES_LENGTHS[1:]]), "plane lengths"),
     (lambda d: _with_lengths(d, [PLANES_N - 1, *PLANES_LENGTHS[1:]]), "plane lengths"),
@@ -340,11 +342,11 @@ def test_a_zstd_plane_that_declares_another_size_is_rejected_before_decoding():
 def test_a_byte_plane_chunk_with_the_wrong_element_size_fails_a_check():
     data = bytearray(PLANES_DATA)
     data[6] = 2  # k = 2: the table is read from other bytes
-    with pytest.raises(CorruptChunkError, match="plane lengths .* do not fit"):
+    with pytest.raises(CorruptChunkError, match=r"plane lengths .* do not fit"):
         decode_chunk(bytes(data), chunk_id(PLANES_RAW), len(PLANES_RAW))
 
 
-@pytest.mark.parametrize("mutate, error, match", [
+@pytest.mark.parametrize(("mutate", "error", "match"), [
     (lambda d: d[:10], CorruptChunkError, "shorter than its header"),
     (lambda d: b"XXXX" + d[4:], CorruptChunkError, "bad chunk header"),
     (lambda d: d[:-1] + bytes([d[-1] ^ 1]), CorruptChunkError, "zstd|do not match"),

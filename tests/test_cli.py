@@ -78,7 +78,8 @@ def test_ls_reports_each_steps_added_and_shared_bytes(repo):
                                          for c in leaf.chunks}.values())
     m0 = casstore.read_manifest(repo, 0)
     unchanged = stored(m0, "frozen") + stored(m0, "bf")
-    assert rows[0]["added_bytes"] == unchanged + stored(m0, "w") and rows[0]["shared_bytes"] == 0
+    assert rows[0]["added_bytes"] == unchanged + stored(m0, "w")
+    assert rows[0]["shared_bytes"] == 0
     assert rows[1]["added_bytes"] == stored(casstore.read_manifest(repo, 1), "w")
     assert rows[1]["shared_bytes"] == unchanged
     m2 = casstore.read_manifest(repo, 2)
@@ -87,7 +88,9 @@ def test_ls_reports_each_steps_added_and_shared_bytes(repo):
     assert (rows[3]["added_bytes"], rows[3]["shared_bytes"]) == (stored(b0, "w"), unchanged)
     assert run_json("ls", repo, "--run", "b")["steps"] == rows[3:]
     text = run("ls", repo).stdout
-    assert "default" in text and "2 run(s), 4 step(s)" in text and "MB" in text
+    assert "default" in text
+    assert "2 run(s), 4 step(s)" in text
+    assert "MB" in text
 
 
 def test_show_lists_leaves_with_chunks_bytes_and_sharing(repo):
@@ -95,11 +98,13 @@ def test_show_lists_leaves_with_chunks_bytes_and_sharing(repo):
     m = casstore.read_manifest(repo, 2)
     assert [x["path"] for x in out["leaves"]] == [leaf.path for leaf in m.leaves]
     for x, leaf in zip(out["leaves"], m.leaves):
-        assert x["shape"] == list(leaf.shape) and x["logical_bytes"] == leaf.nbytes
+        assert x["shape"] == list(leaf.shape)
+        assert x["logical_bytes"] == leaf.nbytes
         assert x["chunks"] == len({c.id for c in leaf.chunks})
         assert x["stored_bytes"] == sum(c.stored_bytes for c in leaf.chunks)
     by_path = {x["path"]: x for x in out["leaves"]}
-    assert by_path["frozen"]["chunks"] == 4 and by_path["frozen"]["dtype"] == "float32"
+    assert by_path["frozen"]["chunks"] == 4
+    assert by_path["frozen"]["dtype"] == "float32"
     assert by_path["bf"]["dtype"] == "bfloat16"
     assert {p: x["shared_with_previous"] for p, x in by_path.items()} == {
         "frozen": "yes", "bf": "yes", "w": "no", "extra": "no", "step": "no"}
@@ -117,10 +122,12 @@ def test_du_reports_logical_versus_stored_for_repository_runs_and_steps(repo):
     assert out["logical_bytes"] == sum(m.logical_bytes for m in manifests)
     on_disk = sum(p.stat().st_size for d in ("chunks", "runs")
                   for p in (pathlib.Path(repo) / d).rglob("*") if p.is_file())
-    assert out["stored_bytes"] == on_disk and out["unreferenced_bytes"] == 0
+    assert out["stored_bytes"] == on_disk
+    assert out["unreferenced_bytes"] == 0
     assert out["dedup_ratio"] == pytest.approx(out["logical_bytes"] / on_disk)
     runs = {r["run"]: r for r in out["runs"]}
-    assert runs["b"]["steps"] == 1 and runs["default"]["steps"] == 3
+    assert runs["b"]["steps"] == 1
+    assert runs["default"]["steps"] == 3
     b0 = casstore.read_manifest(repo, 0, run="b")
     assert runs["b"]["unique_bytes"] == stored(b0, "w")  # frozen and bf are shared
     unique = {(s["run"], s["step"]): s["unique_bytes"] for s in out["steps"]}
@@ -131,7 +138,8 @@ def test_du_reports_logical_versus_stored_for_repository_runs_and_steps(repo):
 def test_du_plot_draws_one_series_per_run(repo, tmp_path):
     png = tmp_path / "usage.png"
     assert "wrote" in run("du", repo, "--plot", png).stdout
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.stat().st_size > 5000
     svg = tmp_path / "usage.svg"
     run("du", repo, "--plot", svg)
     text = svg.read_text()
@@ -144,7 +152,7 @@ def test_du_plot_draws_one_series_per_run(repo, tmp_path):
         assert sorted(lines) == ["b", "default"]
         assert list(lines["default"].get_xdata()) == [0, 1, 2]
     added = fig.axes[0].get_lines()
-    default = [line for line in added if line.get_label() == "default"][0]
+    default = next(line for line in added if line.get_label() == "default")
     assert default.get_ydata()[1] == pytest.approx(
         stored(casstore.read_manifest(repo, 1), "w") / 1e6)
     result = run("du", repo, "--plot", tmp_path / "x.jpg", code=2)
@@ -154,7 +162,8 @@ def test_du_plot_draws_one_series_per_run(repo, tmp_path):
 def test_du_plot_without_matplotlib_names_the_extra(repo, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises
     result = run("du", repo, "--plot", tmp_path / "u.png", code=2)
-    assert "casstore[plot]" in result.stderr and not (tmp_path / "u.png").exists()
+    assert "casstore[plot]" in result.stderr
+    assert not (tmp_path / "u.png").exists()
 
 
 def test_diff_by_chunk_ids_reads_no_chunk_data(repo, tmp_path):
@@ -163,9 +172,12 @@ def test_diff_by_chunk_ids_reads_no_chunk_data(repo, tmp_path):
     out = run_json("diff", tmp_path / "manifests-only", 1, 2)
     assert out["counts"] == {"changed": 2, "added": 1, "removed": 0, "unchanged": 2}
     leaves = {x["path"]: x for x in out["leaves"]}
-    assert leaves["w"]["status"] == "changed" and leaves["w"]["changed_bytes"] == 128 * 256 * 4
-    assert leaves["step"]["status"] == "changed" and leaves["step"]["changed_bytes"] == 0
-    assert leaves["extra"]["status"] == "added" and leaves["extra"]["bytes_b"] == 64 * 512 * 4
+    assert leaves["w"]["status"] == "changed"
+    assert leaves["w"]["changed_bytes"] == 128 * 256 * 4
+    assert leaves["step"]["status"] == "changed"
+    assert leaves["step"]["changed_bytes"] == 0
+    assert leaves["extra"]["status"] == "added"
+    assert leaves["extra"]["bytes_b"] == 64 * 512 * 4
     assert "frozen" not in leaves
     assert out["changed_bytes"] == 128 * 256 * 4 + 64 * 512 * 4
     full = run_json("diff", repo, 2, 1, "--all")
@@ -195,7 +207,8 @@ def chunk_files(repo) -> list[pathlib.Path]:
 def test_verify_exit_codes_and_json(repo):
     out = run_json("verify", repo)
     report = casstore.verify(repo)
-    assert out["ok"] and out["problems"] == []
+    assert out["ok"]
+    assert out["problems"] == []
     assert sorted(map(tuple, out["steps_checked"])) == sorted(report.steps_checked)
     assert (out["chunks_checked"], out["bytes_read"]) == (report.chunks_checked,
                                                           report.bytes_read)
@@ -206,7 +219,8 @@ def test_verify_exit_codes_and_json(repo):
     victim.write_bytes(bytes(data))
     bad = run_json("verify", repo, code=1)
     chunk_id = victim.parent.name + victim.name
-    assert not bad["ok"] and {p["chunk_id"] for p in bad["problems"]} == {chunk_id}
+    assert not bad["ok"]
+    assert {p["chunk_id"] for p in bad["problems"]} == {chunk_id}
     assert len(bad["problems"]) == len(casstore.verify(repo).problems)
     assert run_json("verify", repo, "--no-read-data")["ok"]  # the object exists
     assert chunk_id in run("verify", repo, code=1).stdout
@@ -221,12 +235,14 @@ def test_gc_and_rm(repo):
     assert casstore.list_steps(repo) == [2]
     dry = run_json("gc", repo, "--dry-run", "--grace-period", "0")
     lib = casstore.gc(repo, dry_run=True, grace_period_s=0)
-    assert dry["dry_run"] and dry["deleted_chunks"] == lib.deleted_chunks == 2  # w of 0 and 1
+    assert dry["dry_run"]
+    assert dry["deleted_chunks"] == lib.deleted_chunks == 2
     assert dry["deleted_bytes"] == lib.deleted_bytes
     assert run_json("gc", repo)["deleted_chunks"] == 0  # younger than the default 1h grace
     before = len(chunk_files(repo))
     done = run_json("gc", repo, "--grace-period", "0s")
-    assert done["deleted_chunks"] == 2 and len(chunk_files(repo)) == before - 2
+    assert done["deleted_chunks"] == 2
+    assert len(chunk_files(repo)) == before - 2
     assert casstore.verify(repo).ok
     assert "would delete 0 chunks" in run("gc", repo, "--dry-run").stdout
     result = run("gc", repo, "--grace-period", "soon", code=2)
@@ -237,7 +253,8 @@ def test_copy_between_local_repositories(repo, tmp_path):
     dst = tmp_path / "copy"
     out = run_json("copy", repo, dst, "--runs", "default", "--steps", "1,2")
     assert sorted(map(tuple, out["steps_copied"])) == [("default", 1), ("default", 2)]
-    assert casstore.list_runs(str(dst)) == ["default"] and casstore.list_steps(str(dst)) == [1, 2]
+    assert casstore.list_runs(str(dst)) == ["default"]
+    assert casstore.list_steps(str(dst)) == [1, 2]
     again = run_json("copy", repo, dst)
     assert sorted(map(tuple, again["steps_copied"])) == [("b", 0), ("default", 0)]
     assert again["chunks_skipped"] > 0
@@ -266,7 +283,8 @@ def test_export_safetensors_reads_back_bit_exact(repo, tmp_path):
     for name, array in want.items():
         assert got[name]["shape"] == list(array.shape)
         assert got[name]["data"] == array.tobytes(), name
-    assert got["bf"]["dtype"] == "BF16" and got["step"]["dtype"] == "I64"
+    assert got["bf"]["dtype"] == "BF16"
+    assert got["step"]["dtype"] == "I64"
     part = tmp_path / "part.safetensors"
     run("export", repo, 2, part, "--paths", "w", "--paths", "frozen")
     loaded = safetensors.numpy.load_file(str(part))
@@ -279,9 +297,11 @@ def test_export_npz_and_dtypes_it_cannot_hold(repo, tmp_path):
     out = tmp_path / "w.npz"
     run("export", repo, 1, out, "--paths", "w", "--paths", "step")
     with np.load(out, allow_pickle=False) as z:
-        assert z["w"].tobytes() == tree(0, 1)["w"].tobytes() and int(z["step"]) == 1
+        assert z["w"].tobytes() == tree(0, 1)["w"].tobytes()
+        assert int(z["step"]) == 1
     result = run("export", repo, 1, tmp_path / "all.npz", code=2)
-    assert "key path 'bf'" in result.stderr and "--dtype float32" in result.stderr
+    assert "key path 'bf'" in result.stderr
+    assert "--dtype float32" in result.stderr
     result = run("export", repo, 1, tmp_path / "w.pt", code=2)
     assert ".safetensors or .npz" in result.stderr
     result = run("export", repo, 1, tmp_path / "n.npz", "--paths", "nothing", code=2)
@@ -297,15 +317,19 @@ def test_export_of_a_whole_tree_skips_and_lists_what_a_file_cannot_hold(repo, tm
     assert out["skipped"] == [{"path": "note", "reason": "a str leaf"}]
     assert out["tensors"] == 4
     text = run("export", url, 0, tmp_path / "s.safetensors", "--force")
-    assert "skipped 'note'" in text.stderr and "skipped 1 leaves" in text.stdout
+    assert "skipped 'note'" in text.stderr
+    assert "skipped 1 leaves" in text.stdout
     loaded = safetensors.numpy.load_file(tmp_path / "s.safetensors")
-    assert sorted(loaded) == ["bf", "n", "opt/mu", "x"] and int(loaded["n"]) == 7
+    assert sorted(loaded) == ["bf", "n", "opt/mu", "x"]
+    assert int(loaded["n"]) == 7
     npz = tmp_path / "cast.npz"
     out = run_json("export", url, 0, npz, "--dtype", "float32", "--exclude", "opt")
     with np.load(npz, allow_pickle=False) as z:
-        assert sorted(z.files) == ["bf", "n", "x"] and z["bf"].dtype == np.float32
+        assert sorted(z.files) == ["bf", "n", "x"]
+        assert z["bf"].dtype == np.float32
         np.testing.assert_array_equal(z["bf"], np.arange(4, dtype=np.float32))
-        assert z["x"].dtype == np.float32 and z["n"].dtype == np.int64  # ints stay
+        assert z["x"].dtype == np.float32
+        assert z["n"].dtype == np.int64
     info = casstore.export_tensors(url, 0, tmp_path / "api.npz", dtype="float32",
                                    paths=["bf"])
     assert (info.tensors, info.skipped) == (1, ())
@@ -321,11 +345,13 @@ def test_import_safetensors_and_npz_restore_bit_exact(repo, tmp_path):
     safetensors.numpy.save_file(tensors, str(path))
     url = str(tmp_path / "imported")
     out = run_json("import", path, url, 3, "--run", "ft")
-    assert out["tensors"] == 4 and casstore.list_steps(url, run="ft") == [3]
+    assert out["tensors"] == 4
+    assert casstore.list_steps(url, run="ft") == [3]
     got = casstore.restore(url, 3, run="ft")
     assert got["encoder.layer.0.weight"].tobytes() == tensors["encoder.layer.0.weight"].tobytes()
     assert got["head"]["kernel"].tobytes() == tensors["head/kernel"].tobytes()
-    assert isinstance(got["layers"], list) and got["layers"][1]["b"].dtype == np.int16
+    assert isinstance(got["layers"], list)
+    assert got["layers"][1]["b"].dtype == np.int16
     assert sorted(leaf.path for leaf in casstore.read_manifest(url, 3, run="ft").leaves) == sorted(
         tensors)
     # a round trip through export keeps every key path, dtype (bfloat16 too) and bit
@@ -341,7 +367,8 @@ def test_import_safetensors_and_npz_restore_bit_exact(repo, tmp_path):
     np.savez(npz, a=np.arange(4.0), **{"n/[0]": np.ones(2, np.uint8)})
     run("import", npz, url, 1)
     got = casstore.restore(url, 1)
-    assert got["a"].tobytes() == np.arange(4.0).tobytes() and got["n"][0].dtype == np.uint8
+    assert got["a"].tobytes() == np.arange(4.0).tobytes()
+    assert got["n"][0].dtype == np.uint8
     result = run("import", npz, url, 1, code=2)
     assert "step already exists" in result.stderr
 
@@ -353,10 +380,12 @@ def test_progress_bars_only_on_a_terminal(repo, tmp_path, monkeypatch):
     assert run("verify", repo).exit_code == 0
     run("export", repo, 2, tmp_path / "t.safetensors")
     run("copy", repo, tmp_path / "c")
-    assert "ok: 4 step(s)" in buffer.getvalue() and "wrote 5 tensors" in buffer.getvalue()
+    assert "ok: 4 step(s)" in buffer.getvalue()
+    assert "wrote 5 tensors" in buffer.getvalue()
     assert casstore.list_steps(str(tmp_path / "c")) == [0, 1, 2]
     plain = run("verify", repo).stdout
-    assert "\x1b[" not in plain and "verifying" not in plain
+    assert "\x1b[" not in plain
+    assert "verifying" not in plain
 
 
 def test_tilde_urls_and_python_dash_m(repo, tmp_path):
@@ -368,7 +397,8 @@ def test_tilde_urls_and_python_dash_m(repo, tmp_path):
     assert len(json.loads(proc.stdout)["steps"]) == 4
     proc = subprocess.run([sys.executable, "-m", "casstore", "show", "~/repo", "9"],
                           capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.startswith("casstore: error: no such step")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("casstore: error: no such step")
 
 
 def test_commands_on_s3(object_servers, tmp_path):
@@ -382,16 +412,19 @@ def test_commands_on_s3(object_servers, tmp_path):
     rows = run_json("ls", url, *opts)["steps"]
     assert [(r["run"], r["step"]) for r in rows] == [("default", 0), ("default", 1),
                                                        ("default", 2), ("b", 0)]
-    assert rows[1]["shared_bytes"] > 0 and rows[1]["added_bytes"] == stored(
+    assert rows[1]["shared_bytes"] > 0
+    assert rows[1]["added_bytes"] == stored(
         casstore.read_manifest(store, 1), "w")
     shown = run_json("show", url, 1, *opts)
     assert [x["path"] for x in shown["leaves"]] == [
         leaf.path for leaf in casstore.read_manifest(store, 1).leaves]
     checked = run_json("verify", url, *opts)
-    assert checked["ok"] and checked["chunks_checked"] == casstore.verify(store).chunks_checked
+    assert checked["ok"]
+    assert checked["chunks_checked"] == casstore.verify(store).chunks_checked
     local = tmp_path / "from-s3"
     copied = run_json("copy", url, local, *opts)
-    assert len(copied["steps_copied"]) == 4 and casstore.verify(str(local)).ok
+    assert len(copied["steps_copied"]) == 4
+    assert casstore.verify(str(local)).ok
     back = server.url_for("back")
     run_json("copy", local, back, *opts)
     assert casstore.list_runs(FsspecStore.from_url(back, **server.storage_options)) == [
@@ -403,5 +436,6 @@ def test_commands_on_s3(object_servers, tmp_path):
     assert run_json("gc", url, "--grace-period", "0", *opts)["deleted_chunks"] == 2
     assert run_json("verify", url, *opts)["ok"]
     result = run("ls", url, code=cli.EXIT_ACCESS_DENIED)  # no credentials: one line, the URL
-    assert result.stderr.count("\n") == 1 and url in result.stderr
+    assert result.stderr.count("\n") == 1
+    assert url in result.stderr
     assert "check the credentials" in result.stderr

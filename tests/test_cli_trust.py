@@ -46,7 +46,8 @@ def delta_repo(tmp_path) -> str:
                       chunk_size_bytes=DELTA_CHUNK)
     refs = [r for s in range(1, 6) for leaf in casstore.read_manifest(url, s).leaves
             for r in leaf.chunks]
-    assert refs and all(r.base is not None for r in refs), "the fixture wants delta chains"
+    assert refs, "the fixture wants delta chains"
+    assert all(r.base is not None for r in refs), "the fixture wants delta chains"
     return url
 
 
@@ -62,25 +63,30 @@ def test_a_truncated_manifest_costs_its_step_only(delta_repo, tmp_path):
     assert [(p["run"], p["step"], p["kind"]) for p in listed["problems"]] == [
         ("default", 4, "manifest")]
     text = run("ls", delta_repo, code=1)
-    assert "damaged" in text.stdout and "step 4" in text.stderr
+    assert "damaged" in text.stdout
+    assert "step 4" in text.stderr
     assert "not msgpack" not in text.stderr.splitlines()[-1]
     usage = run_json("du", delta_repo, code=1)
     assert [s["step"] for s in usage["steps"]] == [0, 1, 2, 3, 5]
     report = run_json("verify", delta_repo, code=1)
     assert [(p["step"], p["kind"]) for p in report["problems"]] == [(4, "manifest")]
-    assert report["manifests_damaged"] == 1 and report["chunks_ok"] == report["chunks_checked"]
+    assert report["manifests_damaged"] == 1
+    assert report["chunks_ok"] == report["chunks_checked"]
     assert run_json("verify", delta_repo, 3)["ok"]  # step 3 itself is whole
     dry = run_json("gc", delta_repo, "--dry-run", code=1)
-    assert dry["damaged_manifests"] == 1 and dry["manifests"] == 5
+    assert dry["damaged_manifests"] == 1
+    assert dry["manifests"] == 5
     before = sorted(p for p in pathlib.Path(delta_repo).rglob("*") if p.is_file())
     refused = run("gc", delta_repo, "--grace-period", "0", code=1)
-    assert "gc refused" in refused.stderr and "default@4" in refused.stderr
+    assert "gc refused" in refused.stderr
+    assert "default@4" in refused.stderr
     assert sorted(p for p in pathlib.Path(delta_repo).rglob("*") if p.is_file()) == before
     copied = run_json("copy", delta_repo, tmp_path / "dst", "--steps", "3,5")
     assert sorted(s for _, s in copied["steps_copied"]) == [3, 5]
     assert casstore.verify(str(tmp_path / "dst")).ok
     shown = run("show", delta_repo, 5)  # its previous step is the damaged one
-    assert "step 4" in shown.stderr and "w" in shown.stdout
+    assert "step 4" in shown.stderr
+    assert "w" in shown.stdout
 
 
 def test_a_deleted_base_chunk_is_one_missing_object_with_the_steps_needing_it(delta_repo):
@@ -92,17 +98,20 @@ def test_a_deleted_base_chunk_is_one_missing_object_with_the_steps_needing_it(de
         assert [(p["kind"], p["chunk_id"]) for p in report["problems"]] == [("missing", base)]
         assert report["problems"][0]["needed_by"] == [["default", s] for s in range(6)]
         assert "corrupt" not in report["problems"][0]["text"]
-        assert report["chunks_missing"] == 1 and report["chunks_corrupt"] == 0
+        assert report["chunks_missing"] == 1
+        assert report["chunks_corrupt"] == 0
         assert report["chunks_unchecked"] == 5  # the deltas on it: one per later step
         assert report["chunks_checked"] == (report["chunks_ok"] + report["chunks_missing"]
                                             + report["chunks_corrupt"]
                                             + report["chunks_unchecked"])
     text = run("verify", delta_repo, code=1).stdout
-    assert text.count("problem:") == 1 and "default@5" in text
+    assert text.count("problem:") == 1
+    assert "default@5" in text
     dry = run_json("gc", delta_repo, "--dry-run", "--grace-period", "0")
     listed = sum(1 for d in ("chunks", "deltas")
                  for p in (pathlib.Path(delta_repo) / d).rglob("*") if p.is_file())
-    assert dry["chunks"] == listed and dry["missing_chunks"] == 1
+    assert dry["chunks"] == listed
+    assert dry["missing_chunks"] == 1
     assert dry["chunks"] == (dry["referenced_chunks"] + dry["deleted_chunks"]
                              + dry["young_unreferenced_chunks"])
     assert f"of {listed} chunks listed, {dry['referenced_chunks']} referenced" in run(
@@ -121,7 +130,8 @@ def test_a_deleted_base_chunk_is_one_missing_object_with_the_steps_needing_it(de
 
 def test_rm_checks_every_step_before_deleting_any(repo):
     result = run("rm", repo, 1, 99, 2, code=2)
-    assert "99" in result.stderr and "nothing deleted" in result.stderr
+    assert "99" in result.stderr
+    assert "nothing deleted" in result.stderr
     assert casstore.list_steps(repo) == [0, 1, 2]
     dry = run("rm", repo, 1, 2, "--dry-run")
     assert "would delete run 'default' step 2" in dry.stdout
@@ -134,7 +144,8 @@ def test_rm_checks_every_step_before_deleting_any(repo):
 def test_copy_checks_runs_and_steps_before_creating_the_destination(repo, tmp_path):
     dst = tmp_path / "dst"
     result = run("copy", repo, dst, "--runs", "typo", code=2)
-    assert "'typo'" in result.stderr and "'default'" in result.stderr
+    assert "'typo'" in result.stderr
+    assert "'default'" in result.stderr
     result = run("copy", repo, dst, "--runs", "b", "--steps", "0,7", code=2)
     assert "step(s) 7" in result.stderr
     assert "not a comma-separated" in run("copy", repo, dst, "--steps", "x", code=2).stderr
@@ -147,11 +158,13 @@ def test_export_checks_its_output_path_before_reading(repo, tmp_path, monkeypatc
 
     monkeypatch.setattr(casstore, "restore", no_reads)
     result = run("export", repo, 2, tmp_path / "no" / "such" / "t.npz", code=2)
-    assert "does not exist" in result.stderr and "t.npz" in result.stderr
+    assert "does not exist" in result.stderr
+    assert "t.npz" in result.stderr
     existing = tmp_path / "t.npz"
     existing.write_bytes(b"keep me")
     result = run("export", repo, 2, existing, code=2)
-    assert "--force" in result.stderr and existing.read_bytes() == b"keep me"
+    assert "--force" in result.stderr
+    assert existing.read_bytes() == b"keep me"
     monkeypatch.undo()
     run("export", repo, 2, existing, "--paths", "w", "--force")
     with np.load(existing) as z:
@@ -168,20 +181,26 @@ def test_help_and_import_do_not_import_jax():
                               cli.__file__).parents[2])})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[]"
-    assert sorted(casstore.__all__) == casstore.__all__ and "verify" in dir(casstore)
+    assert sorted(casstore.__all__) == casstore.__all__
+    assert "verify" in dir(casstore)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         casstore.nope  # noqa: B018
 
 
 def test_errors_are_one_line_with_their_exit_code(repo, tmp_path):
     result = run("show", repo, 99, code=cli.EXIT_USAGE)
-    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
-    assert "no such step" in result.stderr and "99" in result.stderr and repo in result.stderr
+    assert result.stderr.count("\n") == 1
+    assert "Traceback" not in result.stderr
+    assert "no such step" in result.stderr
+    assert "99" in result.stderr
+    assert repo in result.stderr
     result = run("ls", tmp_path / "nowhere", code=cli.EXIT_NO_REPOSITORY)
-    assert "no casstore repository" in result.stderr and "nowhere" in result.stderr
+    assert "no casstore repository" in result.stderr
+    assert "nowhere" in result.stderr
     assert not (tmp_path / "nowhere").exists()
     result = run("ls", "nosuchprotocol://bucket/repo", code=cli.EXIT_USAGE)
-    assert result.stderr.startswith("casstore: error:") and result.stderr.count("\n") == 1
+    assert result.stderr.startswith("casstore: error:")
+    assert result.stderr.count("\n") == 1
     assert "nosuchprotocol" in result.stderr
     result = run("show", repo, 1, "--run", "no/such", code=2)
     assert "'no/such' has no steps" in result.stderr
@@ -189,7 +208,8 @@ def test_errors_are_one_line_with_their_exit_code(repo, tmp_path):
     assert "storage_options are for fsspec URLs" in result.stderr
     run("ls", repo, "-o", "novalue", code=2)
     usage = run("show", repo, code=2)  # click's own usage error: one line too
-    assert usage.stderr.count("\n") == 1 and "--help" in usage.stderr
+    assert usage.stderr.count("\n") == 1
+    assert "--help" in usage.stderr
     debug = CliRunner().invoke(cli.main, ["--debug", "show", repo, "99"])
     assert isinstance(debug.exception, casstore.StepNotFoundError)
     for command in ("ls", "verify", "show", "diff", "cat", "export"):
@@ -200,23 +220,27 @@ def test_errors_are_one_line_with_their_exit_code(repo, tmp_path):
     assert "step(s) 7 not in run 'default'" in result.stderr
     truncate_manifest(repo, 1)
     result = run("show", repo, 1, code=cli.EXIT_PROBLEMS)
-    assert "verify" in result.stderr and "step 1" in result.stderr
+    assert "verify" in result.stderr
+    assert "step 1" in result.stderr
 
 
 def test_json_mode_errors_are_json_and_help_lists_exit_codes(repo, tmp_path):
     result = run("show", repo, 99, "--json", code=2)
     error = json.loads(result.stderr)
     assert error["schema_version"] == cli.JSON_SCHEMA_VERSION
-    assert error["error"]["code"] == 2 and error["error"]["type"] == "StepNotFoundError"
+    assert error["error"]["code"] == 2
+    assert error["error"]["type"] == "StepNotFoundError"
     assert "no such step" in error["error"]["message"]
     assert json.loads(run("ls", tmp_path / "none", "--json", code=10).stderr)["error"]["code"] == 10
     assert "COMMAND [ARGS]" in run(code=2).stdout  # bare casstore: its help, exit 2
     bogus = run("bogus", code=2).stderr
     assert bogus.startswith("casstore: error: No such command 'bogus'; see '")
-    assert bogus.endswith(" --help'\n") and bogus.count("\n") == 1
+    assert bogus.endswith(" --help'\n")
+    assert bogus.count("\n") == 1
     for args in ([], ["verify"], ["export"]):
         text = run(*args, "--help").stdout
-        assert "Exit codes:" in text and "10  no casstore repository" in text, args
+        assert "Exit codes:" in text, args
+        assert "10  no casstore repository" in text, args
         assert args == [] or "Examples:" in text
 
 
@@ -228,7 +252,8 @@ def test_unknown_storage_options_are_refused_before_any_request(url, monkeypatch
     monkeypatch.setattr(casstore, "open_store", no_store)
     result = run("ls", url, "-o", "bogus_option=1", code=2)
     assert "unknown storage option(s) bogus_option" in result.stderr
-    assert url.split("://")[0] + "://" in result.stderr and result.stderr.count("\n") == 1
+    assert url.split("://")[0] + "://" in result.stderr
+    assert result.stderr.count("\n") == 1
 
 
 def test_a_closed_port_fails_within_seconds_naming_the_endpoint():
@@ -240,7 +265,8 @@ def test_a_closed_port_fails_within_seconds_naming_the_endpoint():
                                   cli.__file__).parents[2])})
     elapsed = time.monotonic() - t0
     assert proc.returncode == cli.EXIT_UNREACHABLE, proc.stderr
-    assert "127.0.0.1:9" in proc.stderr and "endpoint" in proc.stderr
+    assert "127.0.0.1:9" in proc.stderr
+    assert "endpoint" in proc.stderr
     assert proc.stderr.count("\n") == 1
     assert elapsed < 30, elapsed  # the store's 60 s deadline is for servers that answer
 
@@ -248,7 +274,7 @@ def test_a_closed_port_fails_within_seconds_naming_the_endpoint():
 def test_repair_from_another_copy_as_docs_recovery_says(delta_repo, tmp_path):
     good = tmp_path / "good"
     run("copy", delta_repo, good)
-    w = [leaf for leaf in casstore.read_manifest(delta_repo, 2).leaves if leaf.path == "w"][0]
+    w = next(leaf for leaf in casstore.read_manifest(delta_repo, 2).leaves if leaf.path == "w")
     base, delta = w.chunks[0].base, w.chunks[1]
     (pathlib.Path(delta_repo) / "chunks" / base[:2] / base[2:]).unlink()  # missing
     victim = pathlib.Path(delta_repo) / delta.key  # corrupt
@@ -271,13 +297,16 @@ def test_junk_tensor_files_are_named_without_library_advice(repo, tmp_path):
     junk = tmp_path / "junk.npz"
     junk.write_bytes(b"this is not a zip file at all")
     result = run("import", junk, repo, 9, code=2)
-    assert "junk.npz" in result.stderr and "not an .npz archive" in result.stderr
-    assert "pickle" not in result.stderr and result.stderr.count("\n") == 1
+    assert "junk.npz" in result.stderr
+    assert "not an .npz archive" in result.stderr
+    assert "pickle" not in result.stderr
+    assert result.stderr.count("\n") == 1
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
     result = run("import", bad, repo, 9, code=2)
-    assert "bad.safetensors" in result.stderr and "not a valid .safetensors" in result.stderr
-    with pytest.raises(casstore.TensorFileError, match="junk.npz") as info:
+    assert "bad.safetensors" in result.stderr
+    assert "not a valid .safetensors" in result.stderr
+    with pytest.raises(casstore.TensorFileError, match=r"junk\.npz") as info:
         casstore.import_tensors(junk, repo, 9)
     assert isinstance(info.value, ValueError)
     assert casstore.list_steps(repo) == [0, 1, 2]
@@ -302,7 +331,8 @@ def test_a_damaged_repository_on_s3(object_servers):
     report = run_json("verify", url, *opts, code=1)
     assert sorted(p["kind"] for p in report["problems"]) == ["manifest", "missing"]
     (missing,) = [p for p in report["problems"] if p["kind"] == "missing"]
-    assert missing["chunk_id"] == gone.id and missing["needed_by"] == [["default", 2]]
+    assert missing["chunk_id"] == gone.id
+    assert missing["needed_by"] == [["default", 2]]
     assert run_json("verify", url, 0, *opts)["ok"]
     with pytest.raises(casstore.MissingChunkError, match="step 2"):
         casstore.restore(store, 2)
@@ -346,7 +376,7 @@ def test_repair_command_fixes_missing_corrupt_and_manifest_damage(delta_repo, tm
     good = tmp_path / "good"
     run("copy", delta_repo, good)
     assert run_json("repair", good, delta_repo)["problems"] == []  # nothing to do
-    w = [leaf for leaf in casstore.read_manifest(delta_repo, 2).leaves if leaf.path == "w"][0]
+    w = next(leaf for leaf in casstore.read_manifest(delta_repo, 2).leaves if leaf.path == "w")
     base, delta = w.chunks[0].base, w.chunks[1]
     (pathlib.Path(delta_repo) / "chunks" / base[:2] / base[2:]).unlink()
     victim = pathlib.Path(delta_repo) / delta.key
@@ -356,11 +386,13 @@ def test_repair_command_fixes_missing_corrupt_and_manifest_damage(delta_repo, tm
     truncate_manifest(delta_repo, 4)
     plan = run_json("repair", good, delta_repo, "--dry-run", code=1)
     assert sorted(p["kind"] for p in plan["problems"]) == ["corrupt", "manifest", "missing"]
-    assert plan["deleted_objects"] == [delta.key] and plan["unrepairable"] == []
+    assert plan["deleted_objects"] == [delta.key]
+    assert plan["unrepairable"] == []
     assert [s for _, s in plan["steps"]] == list(range(6))  # the base is in every step
     assert victim.read_bytes() == bytes(data)  # a dry run changes nothing
     done = run("repair", good, delta_repo)
-    assert "copied back 6 step(s)" in done.stdout and done.stdout.strip().endswith("ok")
+    assert "copied back 6 step(s)" in done.stdout
+    assert done.stdout.strip().endswith("ok")
     assert casstore.verify(delta_repo).ok
     for step in range(6):
         assert casstore.restore(delta_repo, step)["w"].tobytes() == trained(step).tobytes()
@@ -369,7 +401,9 @@ def test_repair_command_fixes_missing_corrupt_and_manifest_damage(delta_repo, tm
      ).write_bytes(b"junk")
     info = casstore.repair(str(good), delta_repo)
     assert [(p.kind, p.step) for p in info.unrepairable] == [("manifest", 5)]
-    assert not info.ok and info.steps == () and 5 in casstore.list_steps(delta_repo)
+    assert not info.ok
+    assert info.steps == ()
+    assert 5 in casstore.list_steps(delta_repo)
 
 
 def test_ls_with_a_persistent_tier_says_where_each_step_lives(object_servers, tmp_path):
@@ -382,7 +416,8 @@ def test_ls_with_a_persistent_tier_says_where_each_step_lives(object_servers, tm
             mngr.save(step, tree(0, step))
             mngr.wait_until_finished()
             assert mngr.wait_until_persisted()
-    assert casstore.list_steps(local) == [3, 4] and casstore.list_steps(remote) == [0, 2, 4]
+    assert casstore.list_steps(local) == [3, 4]
+    assert casstore.list_steps(remote) == [0, 2, 4]
     opts = [a for k, v in server.storage_options.items()
             for a in ("-p", f"{k}={v if isinstance(v, str) else json.dumps(v)}")]
     listed = run_json("ls", local, "--persistent", url, *opts)
@@ -394,6 +429,7 @@ def test_ls_with_a_persistent_tier_says_where_each_step_lives(object_servers, tm
         len(m2.leaves), m2.logical_bytes)
     assert listed["steps"][0]["shared_bytes"] == 0 < listed["steps"][1]["shared_bytes"]
     text = run("ls", local, "--persistent", url, *opts).stdout
-    assert f"{local} + {url}: 1 run(s), 4 step(s)" in text and "persistent" in text
+    assert f"{local} + {url}: 1 run(s), 4 step(s)" in text
+    assert "persistent" in text
     assert "where" not in run_json("ls", local)["steps"][0]  # without --persistent: as before
     run("ls", local, "--persistent", url, code=cli.EXIT_ACCESS_DENIED)  # no -p credentials

@@ -17,7 +17,7 @@ LOCAL = (LocalStore.write_bytes_per_s, LocalStore.read_bytes_per_s)
 OBJECT = (MemoryStore.write_bytes_per_s, MemoryStore.read_bytes_per_s)
 
 
-@pytest.mark.parametrize("throughputs, cores, auto, speed", [
+@pytest.mark.parametrize(("throughputs", "cores", "auto", "speed"), [
     (LOCAL, 1, RAW, RAW), (LOCAL, 2, RAW, RAW), (LOCAL, 3, RAW, RAW),
     (LOCAL, 4, PLANES, RAW), (LOCAL, 5, PLANES, PLANES), (LOCAL, 16, PLANES, PLANES),
     (OBJECT, 1, PLANES, PLANES), (OBJECT, 2, PLANES, PLANES), (OBJECT, 16, PLANES, PLANES),
@@ -62,7 +62,7 @@ def _codecs(store) -> set[int]:
     return {HEADER.unpack_from(store.get(info.key))[2] for info in store.list("chunks")}
 
 
-@pytest.mark.parametrize("compression, cores, codecs", [
+@pytest.mark.parametrize(("compression", "cores", "codecs"), [
     (None, 2, {CODEC_RAW}), ("auto", 2, {CODEC_RAW}), ("speed", 2, {CODEC_RAW}),
     ("bytes", 2, {CODEC_EXPONENT_PLANES}), ("auto", 8, {CODEC_EXPONENT_PLANES}),
     ("speed", 8, {CODEC_EXPONENT_PLANES}),
@@ -81,7 +81,8 @@ def test_every_choice_writes_its_codec_restores_bit_exact_and_dedups_with_the_ot
         assert info.written_bytes > sum(a.nbytes for a in state.values())
     restored = casstore.restore(store, 1)
     for key, value in state.items():
-        assert restored[key].dtype == value.dtype and restored[key].tobytes() == value.tobytes()
+        assert restored[key].dtype == value.dtype
+        assert restored[key].tobytes() == value.tobytes()
     other = "bytes" if codecs == {CODEC_RAW} else "speed"
     monkeypatch.setattr(_compression, "usable_cores", lambda: 2)
     assert casstore.save(store, 2, state, compression=other, delta=False,
@@ -95,7 +96,8 @@ def test_with_raw_whole_chunks_deltas_are_judged_against_the_raw_size(tmp_path, 
     tuned = (w + rng.standard_normal(w.shape).astype(np.float32) * 1e-6).astype(np.float32)
     store = LocalStore(tmp_path / "repo")
     first = casstore.save(store, 1, {"w": w}, chunk_size_bytes=2**19)
-    assert _codecs(store) == {CODEC_RAW} and first.written_bytes > w.nbytes
+    assert _codecs(store) == {CODEC_RAW}
+    assert first.written_bytes > w.nbytes
     second = casstore.save(store, 2, {"w": tuned}, chunk_size_bytes=2**19)
     assert second.delta_chunks >= 1  # as many as the restore budget lets in
     # Saved bytes count against the chunk stored raw, so written + saved is the raw size (a

@@ -41,12 +41,14 @@ def test_counts_each_needed_object_once_copied_or_already_there(tmp_path, dst):
     trees = shared_steps(src)
     objects = {i.key: i.size for i in list_chunk_objects(src)}
     first = casstore.copy(src, dst)
-    assert first.chunks_skipped == 0 and first.bytes_skipped == 0  # the destination was empty
+    assert first.chunks_skipped == 0
+    assert first.bytes_skipped == 0
     assert first.chunks_copied == len(objects)
     assert first.bytes_copied == sum(objects.values())
     assert {i.key: i.size for i in list_chunk_objects(dst)} == objects
     again = casstore.copy(src, dst)
-    assert again.chunks_copied == 0 and again.steps_copied == ()
+    assert again.chunks_copied == 0
+    assert again.steps_copied == ()
     assert len(again.steps_skipped) == len(trees)
     for step, tree in enumerate(trees):
         restored = casstore.restore(dst, step)
@@ -66,7 +68,7 @@ def test_a_later_copy_skips_what_an_earlier_one_sent(tmp_path):
     assert second.chunks_copied == len(later - step0)
 
 
-@pytest.mark.parametrize("kwargs, named", [({"runs": ["typo"]}, "typo"),
+@pytest.mark.parametrize(("kwargs", "named"), [({"runs": ["typo"]}, "typo"),
                                            ({"steps": [0, 99]}, "99")])
 def test_a_missing_run_or_step_fails_before_anything_is_written(tmp_path, kwargs, named):
     src = LocalStore(tmp_path / "src")
@@ -104,7 +106,8 @@ def test_steps_of_one_new_chunk_each_go_through_one_pool(tmp_path):
         casstore.save(src, step, {"w": np.full(1000, step, np.float32)})
     dst = Recording(MemoryStore(), delay_s=0.05)
     info = casstore.copy(src, dst, max_workers=8)
-    assert info.chunks_copied == 8 and len(info.steps_copied) == 8
+    assert info.chunks_copied == 8
+    assert len(info.steps_copied) == 8
     assert dst.peak > 1  # chunks of different steps were in flight together
 
 
@@ -138,9 +141,11 @@ def test_progress_reports_objects_bytes_and_steps(tmp_path):
 def _damage(store, step, how):
     cid = sorted(casstore.read_manifest(store, step).chunk_ids())[0]
     path = store._path(f"chunks/{cid[:2]}/{cid[2:]}")
-    data = bytearray(open(path, "rb").read())
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
     data = data[:-10] if how == "truncate" else data[:-1] + bytes([data[-1] ^ 1])
-    open(path, "wb").write(bytes(data))
+    with open(path, "wb") as f:
+        f.write(bytes(data))
     return cid
 
 
@@ -150,7 +155,8 @@ def test_the_framing_check_refuses_a_truncated_object_without_decoding(tmp_path)
     cid = _damage(src, 1, "truncate")
     with pytest.raises(casstore.CorruptChunkError, match="bad chunk object") as info:
         casstore.copy(src, tmp_path / "dst")
-    assert info.value.chunk_id == cid and info.value.step == 1
+    assert info.value.chunk_id == cid
+    assert info.value.step == 1
     assert casstore.list_steps(tmp_path / "dst") == []
 
 
@@ -160,7 +166,8 @@ def test_verify_true_refuses_a_changed_byte_the_framing_check_lets_through(tmp_p
     cid = _damage(src, 1, "flip")
     with pytest.raises(casstore.CorruptChunkError) as info:
         casstore.copy(src, tmp_path / "checked", verify=True)
-    assert info.value.chunk_id == cid and casstore.list_steps(tmp_path / "checked") == []
+    assert info.value.chunk_id == cid
+    assert casstore.list_steps(tmp_path / "checked") == []
     casstore.copy(src, tmp_path / "fast")  # framing intact: passed on as stored
     with pytest.raises(casstore.CorruptChunkError, match=cid):
         casstore.restore(tmp_path / "fast", 1)  # and caught by the id check on every read

@@ -82,7 +82,8 @@ def test_save_restore_copy_gc_succeed_or_time_out_under(fault, proxied):
     # Whatever happened, what is visible is complete: step 0 survives, and step 1 exists if
     # its save returned (promise 3), restoring bit-exact; the copy made whole steps only.
     steps = casstore.list_steps(direct)
-    assert 0 in steps and (isinstance(saved, Exception) or 1 in steps), steps
+    assert 0 in steps, steps
+    assert isinstance(saved, Exception) or 1 in steps, steps
     for step in steps:
         assert_bit_exact(casstore.restore(direct, step), step)
     assert casstore.list_steps(copy_dst) == ([] if isinstance(copied, Exception) else [0])
@@ -102,9 +103,11 @@ def test_a_stalled_store_fails_save_restore_copy_and_gc_within_the_bound(proxied
         error, seconds = timed(fn, *args)
         assert isinstance(error, casstore.StoreTimeoutError), (fn.__name__, error)
         assert seconds < BOUND_S, (fn.__name__, seconds)
-        assert store.url in str(error) and error.key, error
+        assert store.url in str(error), error
+        assert error.key, error
     proxy.set(None)
-    assert casstore.list_steps(direct) == [0] and casstore.verify(direct).ok
+    assert casstore.list_steps(direct) == [0]
+    assert casstore.verify(direct).ok
     assert_bit_exact(casstore.restore(store, 0), 0)  # it answers again: so do we
 
 
@@ -113,12 +116,15 @@ def test_a_restore_that_times_out_names_step_key_path_and_object(proxied):
     casstore.save(direct, 3, tree_for(3), chunk_size_bytes=CHUNK)
     proxy.set("trickle")  # the manifest (1 KiB) comes through, the 16 KiB chunks do not
     with pytest.raises(casstore.StoreTimeoutError,
-                       match="no answer within the .* deadline") as info:
+                       match=r"no answer within the .* deadline") as info:
         casstore.restore(store, 3)
     error = info.value
-    assert error.step == 3 and error.key_path == "w", error
-    assert error.key.startswith("chunks/") and error.key[7:].replace("/", "") == error.chunk_id
-    assert f"step {3!r}" in str(error) and error.key in str(error)
+    assert error.step == 3, error
+    assert error.key_path == "w", error
+    assert error.key.startswith("chunks/")
+    assert error.key[7:].replace("/", "") == error.chunk_id
+    assert f"step {3!r}" in str(error)
+    assert error.key in str(error)
 
 
 @pytest.mark.parametrize("protocol", ["s3", "gs"])
@@ -132,8 +138,10 @@ def test_save_to_an_endpoint_that_never_answers_raises_within_the_bound(protocol
         store = casstore.open_store(f"{protocol}://bucket/repo", endpoint_url=endpoint,
                                     **creds, **DEADLINES)
         error, seconds = timed(casstore.save, store, 0, {"w": np.ones(1000, np.float32)})
-    assert isinstance(error, casstore.StoreTimeoutError) and isinstance(error, TimeoutError)
-    assert seconds < BOUND_S and f"{protocol}://bucket/repo" in str(error)
+    assert isinstance(error, casstore.StoreTimeoutError)
+    assert isinstance(error, TimeoutError)
+    assert seconds < BOUND_S
+    assert f"{protocol}://bucket/repo" in str(error)
 
 
 def test_throttling_slows_a_save_down_instead_of_failing_it(object_servers):
@@ -146,7 +154,8 @@ def test_throttling_slows_a_save_down_instead_of_failing_it(object_servers):
         proxy.set("slowdown", max_in_flight=4)  # 503 SlowDown above 4 requests at once
         tree = {f"w{i}": np.full(CHUNK // 4, i, np.float32) for i in range(60)}
         info = casstore.save(store, 1, tree, chunk_size_bytes=CHUNK, pack_threshold_bytes=0)
-        assert proxy.faults["slowdown"] > 0 and info.new_chunks == 60
+        assert proxy.faults["slowdown"] > 0
+        assert info.new_chunks == 60
         assert store.policy.limit.limit < store.max_workers  # fewer requests in flight
         proxy.set(None)
     restored = casstore.restore(FsspecStore.from_url(url, **server.storage_options), 1)
@@ -166,13 +175,15 @@ def test_manager_surfaces_a_stalled_background_save_and_recovers(object_servers)
         assert mngr.save(1, tree_for(1), force=True)  # returns at once: the save is queued
         assert time.monotonic() - t0 < 0.75 * OPERATION_S  # a save that waited would not be
         with pytest.raises(casstore.StoreTimeoutError,
-                           match="no answer within the .* deadline") as info:
+                           match=r"no answer within the .* deadline") as info:
             mngr.save(2, tree_for(2))
         assert time.monotonic() - t0 < BOUND_S
-        assert info.value.step == 1 and "step 1" in str(info.value)
+        assert info.value.step == 1
+        assert "step 1" in str(info.value)
         proxy.set(None)
         assert mngr.save(2, tree_for(2))
         mngr.wait_until_finished()
-        assert mngr.all_steps() == [0, 2] and mngr.latest_step() == 2
+        assert mngr.all_steps() == [0, 2]
+        assert mngr.latest_step() == 2
         assert_bit_exact(mngr.restore(2), 2)
         mngr.close()

@@ -38,7 +38,8 @@ def test_unchanged_tree_writes_only_a_manifest():
     lock, manifest = store.keys_written  # the save lock (deleted again), then the manifest
     assert lock.startswith("locks/save-")
     assert manifest == "runs/default/steps/0000000000000002.manifest"
-    assert info.new_chunks == 0 and info.reused_chunks == first.new_chunks
+    assert info.new_chunks == 0
+    assert info.reused_chunks == first.new_chunks
     assert info.written_bytes == info.manifest_bytes == len(store.get(manifest))
     assert store.bytes_written - info.manifest_bytes < 200  # the lock object
     assert store.counts["exists"] == 1  # one existence check for the step, none per chunk
@@ -67,7 +68,9 @@ def test_changing_rows_of_an_embedding_rewrites_only_their_chunks():
     table2[70] += 1  # one row in the second chunk
     store.reset()
     info = casstore.save(store, 2, {"embed": table2}, chunk_size_bytes=16 * 1024)
-    assert first.new_chunks == 16 and info.new_chunks == 1 and info.reused_chunks == 15
+    assert first.new_chunks == 16
+    assert info.new_chunks == 1
+    assert info.reused_chunks == 15
     assert len(chunk_writes(store)) == 1
 
 
@@ -88,7 +91,8 @@ def test_identical_leaves_in_one_save_are_stored_once():
     store = CountingStore(MemoryStore())
     x = np.arange(100_000, dtype=np.float32)
     info = casstore.save(store, 0, {"a": x, "b": x.copy(), "c": [x]}, chunk_size_bytes=2**20)
-    assert info.new_chunks == 1 and info.reused_chunks == 2
+    assert info.new_chunks == 1
+    assert info.reused_chunks == 2
     assert len(chunk_writes(store)) == 1
 
 
@@ -97,10 +101,12 @@ def test_small_leaves_are_packed_not_one_object_each():
     tree = {f"bias{i}": np.full(100, i, np.float32) for i in range(50)}  # 400 B each
     tree["count"] = np.int32(3)  # inline
     info = casstore.save(store, 0, tree)
-    assert info.new_chunks == 1 and len(chunk_writes(store)) == 1
+    assert info.new_chunks == 1
+    assert len(chunk_writes(store)) == 1
     manifest = casstore.read_manifest(store, 0)
     count = next(leaf for leaf in manifest.leaves if leaf.path == "count")
-    assert count.inline is not None and count.chunks == ()
+    assert count.inline is not None
+    assert count.chunks == ()
     restored = casstore.restore(store, 0)
     for i in range(50):
         np.testing.assert_array_equal(restored[f"bias{i}"], tree[f"bias{i}"])
@@ -120,7 +126,8 @@ def test_restore_of_a_subtree_reads_only_its_chunks():
     read = {k.replace("/", "")[len("chunks"):] for k in store.keys_read
             if k.startswith(CHUNKS_PREFIX)}
     assert read == head_ids
-    assert set(head) == {"params"} and set(head["params"]) == {"head"}
+    assert set(head) == {"params"}
+    assert set(head["params"]) == {"head"}
 
 
 def _codecs(store) -> set[int]:

@@ -1,5 +1,6 @@
 """Delta chunks (format.md §3.5): written, read, verified, copied and collected correctly."""
 
+import functools
 import math
 from unittest import mock
 
@@ -66,10 +67,12 @@ def test_changed_weights_are_stored_as_deltas_and_restore_bit_exact(backend, tmp
     infos = [casstore.save(store, s, state(s), chunk_size_bytes=CHUNK) for s in range(4)]
     plain = [casstore.save(whole, s, state(s), chunk_size_bytes=CHUNK, delta=False)
              for s in range(4)]
-    assert infos[0].delta_chunks == 0 and plain[3].delta_chunks == 0
+    assert infos[0].delta_chunks == 0
+    assert plain[3].delta_chunks == 0
     for info, without in zip(infos[1:], plain[1:]):
         # w and w_jax: 4 + 8 blocks as deltas; mu is random: whole.
-        assert info.delta_chunks == 12 and info.delta_saved_bytes > 0, info
+        assert info.delta_chunks == 12, info
+        assert info.delta_saved_bytes > 0, info
         assert info.written_bytes < 0.8 * without.written_bytes, (info, without)
     for s in range(4):
         assert_bit_exact(casstore.restore(store, s), state(s))
@@ -121,7 +124,8 @@ def test_a_corrupt_base_is_reported_with_the_dependent_step_and_key_path(tmp_pat
     path.write_bytes(bytes(data))
     with pytest.raises(casstore.CorruptChunkError, match=f"base chunk {base} is corrupt") as e:
         casstore.restore(store, 2)
-    assert e.value.step == 2 and e.value.key_path == "w"
+    assert e.value.step == 2
+    assert e.value.key_path == "w"
     report = casstore.verify(store)  # the base, once, with every step that needs it
     assert [(p.chunk_id, p.kind, p.key_path) for p in report.problems] == [
         (base, "corrupt", "w")]
@@ -152,9 +156,11 @@ def test_copy_of_one_delta_step_brings_its_bases(dst_kind, tmp_path, request):
     assert_bit_exact(casstore.restore(dst, 2), state(2))
     assert casstore.verify(dst).ok
     for r in refs(dst, 2, "w"):
-        assert dst.exists(chunk_key(r.base)) and dst.exists(r.key)
+        assert dst.exists(chunk_key(r.base))
+        assert dst.exists(r.key)
     again = casstore.copy(src, dst, steps=[2])
-    assert again.chunks_copied == 0 and again.steps_skipped == (("default", 2),)
+    assert again.chunks_copied == 0
+    assert again.steps_skipped == (("default", 2),)
 
 
 def test_gc_keeps_the_bases_of_live_deltas_after_their_step_is_deleted(tmp_path):
@@ -222,7 +228,8 @@ def test_a_malformed_delta_object_is_a_corrupt_chunk_error(mutate):
     ref = refs(store, 1, "w")[0]
     data, base = bytearray(store.get(ref.key)), store.get(chunk_key(ref.base))
     magic, version, codec, k, length = HEADER.unpack_from(data)
-    assert codec == CODEC_DELTA and k == 4
+    assert codec == CODEC_DELTA
+    assert k == 4
     if mutate == "truncate":
         data = data[:10]
     elif mutate == "codec":
@@ -239,10 +246,12 @@ def test_a_malformed_delta_object_is_a_corrupt_chunk_error(mutate):
     with pytest.raises(casstore.CorruptChunkError,
                        match="unusable chunk: .*" + MESSAGES[mutate]) as e:
         casstore.restore(store, 1)
-    assert e.value.step == 1 and e.value.key_path == "w" and e.value.chunk_id == ref.id
+    assert e.value.step == 1
+    assert e.value.key_path == "w"
+    assert e.value.chunk_id == ref.id
 
 
-@pytest.mark.parametrize("field, value, message", [
+@pytest.mark.parametrize(("field", "value", "message"), [
     ("base", "zz", "bad delta base"), ("base", "self", "bad delta base"),
     ("version", 1, "bad delta base"), ("version", 3, "unsupported format version 3")])
 def test_hostile_delta_fields_in_a_manifest_are_refused(field, value, message):
@@ -286,7 +295,8 @@ def test_save_delete_gc_copy_sequences_keep_every_step_restorable(ops):
     The restore budget is lifted here: in a tree of 28 small chunks it refuses the first
     deltas of a step while few whole bytes are booked (``[save 2, save 2, save 1]`` took 12
     of 16), and this test is about chains, not the budget (tested above)."""
-    with mock.patch.object(_save_encode, "RestoreBudget", lambda: RestoreBudget(math.inf)):
+    with mock.patch.object(_save_encode, "RestoreBudget",
+                           functools.partial(RestoreBudget, math.inf)):
         _run_sequence(ops)
 
 
@@ -349,7 +359,8 @@ def test_a_base_shared_by_deltas_is_read_once_by_restore_verify_and_copy():
     for s, tree in enumerate(steps):
         casstore.save(src, s, tree, chunk_size_bytes=CHUNK)
     bases = {r.base for path in ("a", "b") for r in refs(src, 1, path)}
-    assert len(bases) == 4 and None not in bases  # 4 blocks, each shared by a and b
+    assert len(bases) == 4
+    assert None not in bases
 
     def base_reads() -> int:
         return sum(src.keys_read.count(chunk_key(b)) for b in bases)
@@ -381,7 +392,8 @@ def test_a_block_whose_delta_did_not_pay_is_retried_once_in_delta_retry_saves(ba
         reads_of_previous_mu.append(sum(store.keys_read.count(chunk_key(r.id)) for r in earlier))
         assert info.delta_chunks == (4 if s else 0)  # w's 4 blocks, every step after the first
         new_mu = refs(store, s, "mu")
-        assert len(new_mu) == 16 and all(r.base is None for r in new_mu)
+        assert len(new_mu) == 16
+        assert all(r.base is None for r in new_mu)
         if s >= 2:
             # Stored whole at steps s-1 and s-2 with other bytes: the delta did not pay, so
             # only the blocks whose new chunk id picks them try again (reading their base).
@@ -413,7 +425,8 @@ def test_deltas_that_save_little_stay_within_the_restore_budget():
                                   delta=name == "delta") for step, state in enumerate(states)]
              for name, store in stores.items()}
     info = infos["delta"][1]
-    assert 0 < info.delta_chunks < 16 and info.delta_saved_bytes > 0, info  # w: 16 blocks
+    assert 0 < info.delta_chunks < 16, info  # w: 16 blocks
+    assert info.delta_saved_bytes > 0, info
     read = {}
     for name, store in stores.items():
         store.reset()
@@ -442,7 +455,8 @@ def test_a_delta_whose_samples_missed_the_changes_is_judged_by_its_encoded_size(
         casstore.save(store, 0, {"w": old}, chunk_size_bytes=4 * n, delta=delta)
         infos[delta] = casstore.save(store, 1, {"w": new}, chunk_size_bytes=4 * n, delta=delta)
         assert_bit_exact(casstore.restore(store, 1), {"w": new})
-    assert infos[True].delta_chunks == 0 and infos[True].delta_saved_bytes == 0, infos[True]
+    assert infos[True].delta_chunks == 0, infos[True]
+    assert infos[True].delta_saved_bytes == 0, infos[True]
     assert infos[True].written_bytes == infos[False].written_bytes
 
 
@@ -457,5 +471,6 @@ def test_the_restore_budget_holds_on_encoded_sizes():
     assert budget.take(50, 200)  # 450 <= 500
     assert not budget.settle(50, 200, 150)  # 550 > 500: withdrawn
     assert (budget.delta_bytes, budget.whole_bytes) == (400, 1800)
-    assert budget.take(10, 100) and not budget.settle(10, 100, None)  # not kept: withdrawn
+    assert budget.take(10, 100)
+    assert not budget.settle(10, 100, None)
     assert (budget.delta_bytes, budget.whole_bytes) == (400, 1800)

@@ -60,8 +60,8 @@ def test_page_code_runs(page, tmp_path, monkeypatch, request):
         snippet = SNIPPET.match(code.strip())
         if snippet:
             script = pathlib.Path(snippet["path"])
-            assert (ROOT / script).is_file() and script.name in (
-                ROOT / "tests" / "test_recipes.py").read_text(), script
+            assert (ROOT / script).is_file(), script
+            assert script.name in (ROOT / "tests" / "test_recipes.py").read_text(), script
             continue
         if "127.0.0.1:9000" in code or "127.0.0.1:4443" in code:
             mapping = request.getfixturevalue("docs_servers")

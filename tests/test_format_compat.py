@@ -44,7 +44,7 @@ def test_a_new_save_records_its_features_and_min_reader(store):
     assert msgpack.unpackb(store.get(manifest_key("default", 2)))["features"] == []
 
 
-@pytest.mark.parametrize("fields, named", [
+@pytest.mark.parametrize(("fields", "named"), [
     ({"features": ["codec-5", "codec-9"], "min_reader": "9.1.0"},
      r"feature 'codec-9'.*casstore >= 9\.1\.0 reads it"),
     ({"min_reader": "9.1"}, r"min_reader 9\.1.*casstore >= 9\.1 reads it"),
@@ -55,16 +55,19 @@ def test_a_manifest_of_a_newer_format_is_refused_before_any_chunk_is_read(store,
     counting = CountingStore(store)
     with pytest.raises(casstore.UnsupportedFormatError, match=named) as e:
         casstore.restore(counting, 1)
-    assert e.value.step == 1 and e.value.run == "default"
+    assert e.value.step == 1
+    assert e.value.run == "default"
     assert e.value.reader == _format.READER_VERSION
     assert not [k for k in counting.keys_read if k.startswith(CHUNKS_PREFIX)]
     assert isinstance(e.value, casstore.ManifestError)  # as unknown versions always were
     report = casstore.verify(store)
-    assert not report.ok and report.unsupported == report.problems
-    assert report.problems[0].step == 1 and "unsupported format" in report.problems[0].message
+    assert not report.ok
+    assert report.unsupported == report.problems
+    assert report.problems[0].step == 1
+    assert "unsupported format" in report.problems[0].message
 
 
-@pytest.mark.parametrize("fields, named", [
+@pytest.mark.parametrize(("fields", "named"), [
     ({"features": ["codec-5", "sha256-ids"], "min_reader": "2.0.0"}, "feature 'sha256-ids'"),
     ({"min_reader": "2.0.0"}, "min_reader 2.0.0"),
     ({"version": 2}, "repository version 2"),
@@ -116,7 +119,7 @@ def test_a_chunk_of_an_unknown_codec_is_unsupported_not_corrupt(store):
         ("unsupported", "w", ref.id)]
 
 
-@pytest.mark.parametrize("fields, message", [
+@pytest.mark.parametrize(("fields", "message"), [
     ({"features": "codec-5"}, "bad features list"), ({"features": [5]}, "bad features list"),
     ({"min_reader": "latest"}, "bad min_reader"), ({"min_reader": 2}, "bad min_reader"),
     ({"version": 0}, "bad version 0"), ({"version": "2"}, "bad version '2'"),

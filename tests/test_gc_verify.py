@@ -29,14 +29,19 @@ def test_gc_deletes_only_unreferenced_chunks_older_than_the_grace(tmp_path):
     casstore.save(store, 2, {"a": np.arange(10_000), "b": np.zeros(10_000)})
     casstore.delete(store, 1)  # b=ones is now unreferenced
     young = casstore.gc(store, grace_period_s=3600)
-    assert young.deleted_chunks == 0 and young.young_unreferenced_chunks == 1
+    assert young.deleted_chunks == 0
+    assert young.young_unreferenced_chunks == 1
     age_all(store, 7200)
     dry = casstore.gc(store, grace_period_s=3600, dry_run=True)
-    assert dry.deleted_chunks == 1 and dry.deleted_bytes > 0 and dry.dry_run
+    assert dry.deleted_chunks == 1
+    assert dry.deleted_bytes > 0
+    assert dry.dry_run
     assert len(list(store.list("chunks/"))) == 3
     info = casstore.gc(store, grace_period_s=3600)
     assert (info.deleted_chunks, info.deleted_bytes) == (1, dry.deleted_bytes)
-    assert info.manifests == 1 and info.referenced_chunks == 2 and info.missing_chunks == 0
+    assert info.manifests == 1
+    assert info.referenced_chunks == 2
+    assert info.missing_chunks == 0
     assert len(list(store.list("chunks/"))) == 2
     np.testing.assert_array_equal(casstore.restore(store, 2)["b"], np.zeros(10_000))
     assert casstore.gc(store, grace_period_s=0).deleted_chunks == 0  # re-run is a no-op
@@ -128,7 +133,8 @@ def test_stress_saves_while_gc_runs_in_a_loop(tmp_path, backend, request):
     stop.set()
     gc_thread.join()
     assert not errors, errors
-    assert len(sweeps) >= 3 and sum(s.deleted_chunks for s in sweeps) > 0, sweeps
+    assert len(sweeps) >= 3, sweeps
+    assert sum(s.deleted_chunks for s in sweeps) > 0, sweeps
     report = casstore.verify(store)
     assert report.ok, report.problems
     for worker in range(3):
@@ -138,7 +144,8 @@ def test_stress_saves_while_gc_runs_in_a_loop(tmp_path, backend, request):
             restored = casstore.restore(store, step, run=f"w{worker}")
             np.testing.assert_array_equal(restored["base"], base)
             assert restored["trained"].tobytes() == trained(step).tobytes()
-            assert restored["head"][0] == step and restored["old"][0] == (step % 100) % 3
+            assert restored["head"][0] == step
+            assert restored["old"][0] == (step % 100) % 3
     assert sum(deltas) >= 3 * 10, deltas  # GC ran against delta chunks and their bases
 
 
@@ -164,7 +171,8 @@ def test_verify_finds_a_deleted_chunk_and_a_flipped_byte(tmp_path):
     assert report.problems[1].message.startswith("chunk corrupt:")
     assert (report.chunks_missing, report.chunks_corrupt, report.chunks_unchecked) == (1, 1, 0)
     assert report.chunks_checked == report.chunks_ok + 2
-    assert not casstore.verify(store, 2).ok and casstore.verify(store, 2, read_data=False)
+    assert not casstore.verify(store, 2).ok
+    assert casstore.verify(store, 2, read_data=False)
     only_existence = casstore.verify(store, read_data=False)
     assert [p.kind for p in only_existence.problems] == ["missing"]
     assert w_id in str(only_existence.problems[0])
@@ -179,7 +187,8 @@ def test_gc_counts_add_up_with_a_missing_chunk_and_a_damaged_manifest(tmp_path):
     gone = casstore.read_manifest(store, 1).leaves[0].chunks[0].id
     store.delete(chunk_key(gone))
     info = casstore.gc(store, dry_run=True, grace_period_s=0)
-    assert info.missing_chunks == 1 and info.deleted_chunks == 1  # step 0's own "a"
+    assert info.missing_chunks == 1
+    assert info.deleted_chunks == 1
     assert info.chunks == len(list(store.list("chunks/"))) + len(list(store.list("deltas/")))
     assert info.chunks == (info.referenced_chunks + info.deleted_chunks
                            + info.young_unreferenced_chunks)
@@ -188,7 +197,7 @@ def test_gc_counts_add_up_with_a_missing_chunk_and_a_damaged_manifest(tmp_path):
     dry = casstore.gc(store, dry_run=True, grace_period_s=0)
     assert (dry.damaged_manifests, dry.manifests) == (1, 1)
     assert dry.chunks == dry.referenced_chunks + dry.deleted_chunks + dry.young_unreferenced_chunks
-    with pytest.raises(casstore.ManifestError, match="gc refused.*default@2"):
+    with pytest.raises(casstore.ManifestError, match=r"gc refused.*default@2"):
         casstore.gc(store, grace_period_s=0)
     assert casstore.gc(store, dry_run=True, grace_period_s=0) == dataclasses.replace(
         dry, seconds=mock.ANY)  # nothing was deleted
@@ -210,5 +219,6 @@ def test_verify_reports_progress_up_to_the_bytes_it_reads(tmp_path):
     calls = []
     report = casstore.verify(store, progress=lambda done, total: calls.append((done, total)))
     assert len(calls) == report.chunks_checked == report.chunks_ok
-    assert calls[-1] == (report.bytes_read, report.bytes_read) and report.bytes_read > 0
+    assert calls[-1] == (report.bytes_read, report.bytes_read)
+    assert report.bytes_read > 0
     assert [d for d, _ in sorted(calls)] == sorted(d for d, _ in calls)

@@ -24,15 +24,18 @@ def assert_restores_bit_exact(restored, expected) -> None:
             np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(value))
         elif isinstance(value, (np.ndarray, np.generic)):  # restored little-endian
             value = np.asarray(value)
-            assert got.dtype == value.dtype.newbyteorder("=") and got.shape == value.shape
+            assert got.dtype == value.dtype.newbyteorder("=")
+            assert got.shape == value.shape
             assert value.astype(got.dtype).tobytes() == got.tobytes(), path
         else:
-            assert type(got) is type(value) and got == value
+            assert type(got) is type(value)
+            assert got == value
 
 
 def test_golden_v1_repository_restores_bit_exact():
     store = LocalStore(GOLDEN, read_only=True)
-    assert casstore.list_runs(store) == ["default"] and casstore.list_steps(store) == [1, 2]
+    assert casstore.list_runs(store) == ["default"]
+    assert casstore.list_steps(store) == [1, 2]
     # Written before format features were recorded: no such fields, and it still reads.
     assert "features" not in msgpack.unpackb((GOLDEN / "config").read_bytes())
     for step in (1, 2):
@@ -57,13 +60,15 @@ def test_golden_v2_repository_restores_bit_exact_and_verifies():
             assert_restores_bit_exact(casstore.restore(store, step, run=run),
                                       golden_v2_tree(run, step))
     report = casstore.verify(store)
-    assert report.ok and len(report.steps_checked) == 4, report.problems
+    assert report.ok, report.problems
+    assert len(report.steps_checked) == 4, report.steps_checked
 
 
 def test_golden_v2_repository_holds_every_feature_it_claims():
     """The fixture really exercises what it is for: each feature is present in its bytes."""
     config = msgpack.unpackb((GOLDEN_V2 / "config").read_bytes())
-    assert config["features"] == ["codec-5", "delta", "pack"] and config["min_reader"]
+    assert config["features"] == ["codec-5", "delta", "pack"]
+    assert config["min_reader"]
     codecs = collections.Counter(HEADER.unpack_from(p.read_bytes())[2]
                                  for p in GOLDEN_V2.glob("chunks/*/*"))
     assert codecs[5] > 0, codecs
@@ -79,5 +84,6 @@ def test_golden_v2_repository_holds_every_feature_it_claims():
         assert len(leaves["params/w_sharded"].chunks) == 8  # one per shard
         raw = msgpack.unpackb((GOLDEN_V2 / "runs" / run / "steps" / f"{steps[1]:016d}.manifest"
                                ).read_bytes())
-        assert raw["version"] == 2 and raw["features"] == ["codec-5", "delta", "pack"]
+        assert raw["version"] == 2
+        assert raw["features"] == ["codec-5", "delta", "pack"]
     assert list(GOLDEN_V2.glob("deltas/*/*"))

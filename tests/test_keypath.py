@@ -14,7 +14,7 @@ from casstore._keypath import escape_name, flatten, is_valid_path, path_str, unf
 tu = jax.tree_util
 
 
-@pytest.mark.parametrize("keys, expected", [
+@pytest.mark.parametrize(("keys", "expected"), [
     ((tu.DictKey("params"), tu.DictKey("dense"), tu.DictKey("kernel")), "params/dense/kernel"),
     ((tu.DictKey("opt_state"), tu.SequenceKey(0), tu.GetAttrKey("mu")), "opt_state/[0]/mu"),
     ((tu.DictKey(0),), "[=0]"),
@@ -58,8 +58,10 @@ def test_flatten_records_structure_and_rebuilds_plain_containers():
     node, leaves = flatten(tree)
     assert [p for p, _ in leaves] == ["p/a", "p/b", "x/[0]", "x/[1]/[0]"]
     plain = unflatten_plain(node, {i: v for i, (_, v) in enumerate(leaves)})
-    assert plain["p"] == {"a": leaves[0][1], "b": "s"} and plain["e"] == {}
-    assert isinstance(plain["x"], list) and plain["x"][1] == (2, None)
+    assert plain["p"] == {"a": leaves[0][1], "b": "s"}
+    assert plain["e"] == {}
+    assert isinstance(plain["x"], list)
+    assert plain["x"][1] == (2, None)
     assert node["c"][1]["type"].endswith("Pair")
 
 

@@ -96,8 +96,10 @@ def test_should_save_and_interval(tmp_path):
     with casstore.CheckpointManager(tmp_path, save_interval_steps=5) as mngr:
         saved = [step for step in range(12) if mngr.save(step, state(step))]
         mngr.wait_until_finished()
-        assert saved == [0, 5, 10] and mngr.all_steps() == [0, 5, 10]
-        assert not mngr.should_save(10) and not mngr.should_save(3)
+        assert saved == [0, 5, 10]
+        assert mngr.all_steps() == [0, 5, 10]
+        assert not mngr.should_save(10)
+        assert not mngr.should_save(3)
         assert mngr.save(3, state(3), force=True)
 
 
@@ -136,8 +138,8 @@ def test_background_errors_surface_from_wait_and_next_save():
     mngr.save(1, state(1))
     with pytest.raises(OSError, match="disk full"):
         mngr.save(2, state(2))
-    with pytest.raises(RuntimeError):
-        mngr.close()
+    mngr.close()  # the failure was raised by save(2) above: closing raises nothing more
+    with pytest.raises(RuntimeError, match="CheckpointManager is closed"):
         mngr.save(3, state(3))
     assert casstore.list_steps(store) == []
 
@@ -147,7 +149,7 @@ def test_close_raises_pending_error_and_stops_the_thread():
     before = {t.name for t in threading.enumerate()}
     mngr = casstore.CheckpointManager(store)
     mngr.save(0, state(0))
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="injected: disk full"):
         mngr.close()
     after = {t.name for t in threading.enumerate() if t.name.startswith("casstore-save")}
     assert after <= before

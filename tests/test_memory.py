@@ -107,8 +107,10 @@ def test_a_restore_places_leaves_before_its_last_chunk_arrives(monkeypatch):
     target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in tree.items()}
     gets.clear()
     restored = casstore.restore(store, 0, target=target, max_workers=2)
-    assert len(gets) == 6 * 5 and len(placed) == 6
-    assert placed[0] < gets[-1] and sum(t < gets[-1] for t in placed) >= 4
+    assert len(gets) == 6 * 5
+    assert len(placed) == 6
+    assert placed[0] < gets[-1]
+    assert sum(t < gets[-1] for t in placed) >= 4
     for k, v in tree.items():
         np.testing.assert_array_equal(np.asarray(restored[k]), v)
 
@@ -144,7 +146,8 @@ def test_concurrent_restores_share_nothing():
         t.start()
     for t in threads:
         t.join()
-    assert not errors and len(results) == 4
+    assert not errors
+    assert len(results) == 4
     assert len({r.ctypes.data for r in results}) == 4
 
 

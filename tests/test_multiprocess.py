@@ -42,7 +42,8 @@ def run_job(nproc: int, mode: str, repo, step: int, timeout_s: float = 120):
 
 def assert_ok(results):
     for code, out in results:
-        assert code == 0 and "OK" in out, out[-3000:]
+        assert code == 0, out[-3000:]
+        assert "OK" in out, out[-3000:]
 
 
 def test_save_with_2_and_4_processes_restore_with_4_2_and_1(tmp_path):
@@ -63,7 +64,8 @@ def test_save_with_2_and_4_processes_restore_with_4_2_and_1(tmp_path):
              for s in (1, 2)}
     bases = {r.id for r in steps[1]["state/trained"].chunks}
     refs = steps[2]["state/trained"].chunks
-    assert len(refs) == 8 and all(r.base in bases for r in refs), refs
+    assert len(refs) == 8, refs
+    assert all(r.base in bases for r in refs), refs
 
 
 def test_a_process_killed_before_commit_leaves_no_step(tmp_path):
@@ -71,6 +73,7 @@ def test_a_process_killed_before_commit_leaves_no_step(tmp_path):
     assert_ok(run_job(2, "save", repo, 1))
     results = run_job(2, "crash", repo, 3)
     assert results[1][0] == 17, results[1][1][-2000:]
-    assert results[0][0] == 3 and "save failed" in results[0][1], results[0][1][-2000:]
+    assert results[0][0] == 3, results[0][1][-2000:]
+    assert "save failed" in results[0][1], results[0][1][-2000:]
     assert casstore.list_steps(repo) == [1]
     assert_ok(run_job(1, "restore", repo, 1))

@@ -32,7 +32,8 @@ def test_concurrent_saves_of_one_step_exactly_one_wins(repo_store):
     for t in threads:
         t.join()
     winners = [i for i, o in outcome.items() if isinstance(o, casstore.SaveInfo)]
-    assert len(winners) == 1 and len(outcome) == len(trees), outcome
+    assert len(winners) == 1, outcome
+    assert len(outcome) == len(trees), outcome
     restored = casstore.restore(repo_store, 7)
     assert restored["i"] == winners[0]
     np.testing.assert_array_equal(restored["w"], trees[winners[0]]["w"])
@@ -49,16 +50,19 @@ def test_copy_local_to_s3_to_gcs_to_local(tmp_path, object_servers):
     gcs = object_store(object_servers["fake-gcs"])
     back = LocalStore(tmp_path / "back")
     first = casstore.copy(src, s3)
-    assert len(first.steps_copied) == 4 and first.chunks_skipped == 0  # the bucket was empty
+    assert len(first.steps_copied) == 4
+    assert first.chunks_skipped == 0
     assert casstore.copy(src, s3).chunks_copied == 0  # nothing left to send
     casstore.copy(s3, gcs, runs=["a"], steps=[1, 2])
-    assert casstore.list_runs(gcs) == ["a"] and casstore.list_steps(gcs, run="a") == [1, 2]
+    assert casstore.list_runs(gcs) == ["a"]
+    assert casstore.list_steps(gcs, run="a") == [1, 2]
     casstore.copy(gcs, back)
     for step in (1, 2):
         restored = casstore.restore(back, step, run="a")
         np.testing.assert_array_equal(restored["base"], base)
         np.testing.assert_array_equal(restored["head"], np.full(40, step, np.float32))
-    assert casstore.verify(back).ok and casstore.verify(s3).ok
+    assert casstore.verify(back).ok
+    assert casstore.verify(s3).ok
 
 
 class FailingAfter(CountingStore):
@@ -89,7 +93,8 @@ def test_interrupted_copy_finishes_on_rerun_sending_only_the_rest(tmp_path, obje
     assert casstore.list_steps(flaky) == []  # no manifest without all chunks
     again = CountingStore(FsspecStore.from_url(dst_url, **options))
     info = casstore.copy(src, again)
-    assert info.chunks_skipped == 4 and info.chunks_copied == n_chunks - 4
+    assert info.chunks_skipped == 4
+    assert info.chunks_copied == n_chunks - 4
     assert len([k for k in again.keys_written if k.startswith("chunks/")]) == n_chunks - 4
     restored = casstore.restore(again, 1)
     for key, value in tree.items():
@@ -101,11 +106,14 @@ def test_copy_verifies_chunks_in_transit(tmp_path):
     casstore.save(src, 1, {"x": np.arange(100_000)})
     cid = next(iter(casstore.read_manifest(src, 1).chunk_ids()))
     path = src._path(f"chunks/{cid[:2]}/{cid[2:]}")
-    data = bytearray(open(path, "rb").read())
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
     data[-1] ^= 1
-    open(path, "wb").write(bytes(data))
+    with open(path, "wb") as f:
+        f.write(bytes(data))
     dst = LocalStore(tmp_path / "dst")
     with pytest.raises(casstore.CorruptChunkError, match="source chunk unusable") as info:
         casstore.copy(src, dst, verify=True)
-    assert info.value.chunk_id == cid and info.value.key_path == "x"
+    assert info.value.chunk_id == cid
+    assert info.value.key_path == "x"
     assert casstore.list_steps(dst) == []

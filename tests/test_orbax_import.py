@@ -36,11 +36,13 @@ def test_standard_checkpointer_directory(tmp_path):
         ck.save(tmp_path / "orbax", tree)
     url = str(tmp_path / "cas")
     info = casstore.import_orbax(tmp_path / "orbax", url, 12, run="imported")
-    assert info.written_bytes > 0 and casstore.list_steps(url, run="imported") == [12]
+    assert info.written_bytes > 0
+    assert casstore.list_steps(url, run="imported") == [12]
     restored = casstore.restore(url, run="imported")
     assert_bit_exact(restored, tree)
     assert restored["params"]["w"].dtype == ml_dtypes.bfloat16
-    assert int(restored["step"]) == 12 and float(restored["lr"]) == 0.25
+    assert int(restored["step"]) == 12
+    assert float(restored["lr"]) == 0.25
     assert casstore.verify(url).ok
 
 
@@ -61,7 +63,8 @@ def test_checkpoint_manager_steps_with_named_items(tmp_path):
     # Step 2 shares every array with step 1: only the step scalar differs, and it is inline.
     manifests = [casstore.read_manifest(url, s) for s in (1, 2)]
     ids = [{ref.id for leaf in m.leaves for ref in leaf.chunks} for m in manifests]
-    assert ids[0] == ids[1] and ids[0]
+    assert ids[0] == ids[1]
+    assert ids[0]
     casstore.import_orbax(tmp_path / "orbax" / "2", url, 3)  # every item, under its name
     assert_bit_exact(casstore.restore(url, 3),
                      {"state": tree, "extra": {"seen": np.arange(3)}})

@@ -51,7 +51,8 @@ def test_vocabulary_change_pads_or_truncates_and_reads_only_kept_chunks(sharded_
     restored = casstore.restore(store, 0, target=target, strict=False)
     got = np.asarray(restored["embed"])
     kept = min(rows, V)
-    assert got.shape == (rows, D) and got.dtype == np.float32
+    assert got.shape == (rows, D)
+    assert got.dtype == np.float32
     np.testing.assert_array_equal(got[:kept], table[:kept])
     assert not got[kept:].any()  # the new rows are zeros
     if kind == "sharded over 8 devices":

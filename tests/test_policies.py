@@ -44,9 +44,10 @@ def kept(policy, steps, metrics=None):
 
 
 def test_preservation_policies():
-    steps = list(range(0, 12))
+    steps = list(range(12))
     assert kept(LatestN(3), steps) == [9, 10, 11]
-    assert kept(LatestN(None), steps) == steps and kept(PreserveAll(), steps) == steps
+    assert kept(LatestN(None), steps) == steps
+    assert kept(PreserveAll(), steps) == steps
     assert kept(EveryNSteps(4), steps) == [0, 4, 8]
     assert kept(EveryNSteps(4, max_to_keep=2), steps) == [4, 8]
     assert kept(EveryNSteps(5, exact_interval=False), [1, 3, 6, 7, 11, 20]) == [1, 6, 11, 20]
@@ -76,7 +77,8 @@ def decide(policy, step, previous=(), seconds=None, **context):
 def test_save_decision_policies():
     assert [s for s in range(10) if decide(FixedIntervalPolicy(4), s)] == [0, 4, 8]
     assert [s for s in range(10) if decide(SpecificStepsPolicy([3, 7]), s)] == [3, 7]
-    assert decide(InitialSavePolicy(), 5) and not decide(InitialSavePolicy(), 5, previous=[1])
+    assert decide(InitialSavePolicy(), 5)
+    assert not decide(InitialSavePolicy(), 5, previous=[1])
     continuous = ContinuousCheckpointingPolicy(minimum_interval_secs=60)
     assert decide(continuous, 1)  # nothing saved yet
     assert not decide(continuous, 2, previous=[1], seconds=59)
@@ -84,7 +86,8 @@ def test_save_decision_policies():
     assert not decide(continuous, 2, previous=[1], seconds=600, is_saving_in_progress=True)
     assert decide(ContinuousCheckpointingPolicy(), 2, previous=[1])
     preemption = PreemptionCheckpointingPolicy()
-    assert decide(preemption, 5, reached_preemption=True) and not decide(preemption, 5)
+    assert decide(preemption, 5, reached_preemption=True)
+    assert not decide(preemption, 5)
     either = FixedIntervalPolicy(100) | PreemptionCheckpointingPolicy()
     assert isinstance(either, AnySavePolicy)
     assert [s for s in range(150) if decide(either, s, reached_preemption=s == 37)] == [0, 37, 100]
@@ -118,7 +121,8 @@ def test_best_n_on_the_manager_and_best_step():
     policy = BestN(get_metric_fn=lambda m: m["loss"], reverse=True, n=2)
     with casstore.CheckpointManager(MemoryStore(), preservation_policy=policy) as mngr:
         run_loop(mngr, range(5), metrics=lambda s: {"loss": losses[s]})
-        assert mngr.all_steps() == [1, 3] and mngr.best_step() == 3
+        assert mngr.all_steps() == [1, 3]
+        assert mngr.best_step() == 3
     store = MemoryStore()
     with casstore.CheckpointManager(store, max_to_keep=2, best_fn=lambda m: m["loss"],
                                     best_mode="min") as mngr:
@@ -164,7 +168,8 @@ def test_continuous_checkpointing_skips_steps_while_a_save_is_in_flight():
         assert [s for s in range(1, 6) if mngr.save(s, state(s))] == []  # none blocks
         store.gate.set()
         mngr.wait_until_finished()
-        assert mngr.save(6, state(6)) and not mngr.save(6, state(6))
+        assert mngr.save(6, state(6))
+        assert not mngr.save(6, state(6))
         mngr.wait_until_finished()
         assert mngr.all_steps() == [0, 6]
     with casstore.CheckpointManager(
@@ -189,7 +194,8 @@ def test_sigterm_saves_the_next_step_once_and_the_loop_stops():
                     mngr.wait_until_finished()
                     stopped_at = step
                     break
-            assert saved == [stopped_at] and 5 <= stopped_at <= 7
+            assert saved == [stopped_at]
+            assert 5 <= stopped_at <= 7
             assert not mngr.should_save(stopped_at + 1)  # one preemption save, not one per step
             assert mngr.restore(stopped_at)["w"][0] == stopped_at
         assert calls == [signal.SIGTERM]  # the handler it replaced was called too
@@ -206,7 +212,8 @@ def test_the_default_policy_saves_at_jax_preemption_sync_point(monkeypatch):
     with casstore.CheckpointManager(MemoryStore(), save_interval_steps=5) as mngr:
         assert signal.getsignal(signal.SIGTERM) == before  # keywords install no handler
         assert run_loop(mngr, range(12)) == [0, 5, 7, 10]
-        assert not mngr.reached_preemption(6) and mngr.reached_preemption(11)
+        assert not mngr.reached_preemption(6)
+        assert mngr.reached_preemption(11)
 
 
 def test_a_signal_policy_needs_the_main_thread():
@@ -222,4 +229,5 @@ def test_a_signal_policy_needs_the_main_thread():
     thread = threading.Thread(target=make)
     thread.start()
     thread.join()
-    assert len(errors) == 1 and "main thread" in str(errors[0])
+    assert len(errors) == 1
+    assert "main thread" in str(errors[0])

@@ -21,7 +21,8 @@ def start(*args: str) -> subprocess.Popen:
 def assert_restores(url, run: str, step: int) -> None:
     restored = casstore.restore(url, step, run=run)
     expected = tree_for(run, step)
-    assert restored["run"] == run and restored["step"] == step
+    assert restored["run"] == run
+    assert restored["step"] == step
     for key in ("base", "head"):
         assert restored[key].tobytes() == expected[key].tobytes(), (run, step, key)
 
@@ -48,7 +49,8 @@ def test_processes_saving_into_one_repository_while_gc_runs(tmp_path):
     collector.join()
     for p, (_, err) in zip(writers + racers, outputs):
         assert p.returncode == 0, err[-3000:]
-    assert not errors and gc_runs
+    assert not errors
+    assert gc_runs
     race = [out.split()[0] for out, _ in outputs[3:]]
     assert sorted(race) == ["exists", "saved"]  # exactly one of the two same-step saves won
     for i in range(3):
@@ -64,7 +66,8 @@ def test_interpreter_exit_waits_for_the_async_save_in_flight(tmp_path):
     url = str(tmp_path / "repo")
     proc = start(url, "default", "1", "1", "--exit-during-async-save")
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0 and "returned" in out, err[-3000:]
+    assert proc.returncode == 0, err[-3000:]
+    assert "returned" in out, err[-3000:]
     assert casstore.list_steps(url) == [1]
     restored = casstore.restore(url, 1)
     np.testing.assert_array_equal(restored["big"], np.arange(2_000_000, dtype=np.int64))

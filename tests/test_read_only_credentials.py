@@ -65,7 +65,8 @@ def test_reads_work_with_read_only_keys(seaweedfs_identities, repo):
     assert_tree(casstore.restore(reader, 1), 1)
     assert_tree(casstore.restore(reader, run="other"), 5)
     report = casstore.verify(reader)
-    assert report.ok and len(report.steps_checked) == 3
+    assert report.ok
+    assert len(report.steps_checked) == 3
     assert casstore.gc(reader, dry_run=True).deleted_chunks == 0
     copy = MemoryStore()
     casstore.copy(reader, copy)
@@ -117,7 +118,7 @@ def test_manager_save_fails_in_the_call_with_read_only_keys(seaweedfs_identities
 def test_manager_save_fails_in_the_call_on_a_read_only_store(tmp_path):
     casstore.save(tmp_path, 1, tree_for(1))
     store = casstore.open_store(tmp_path, read_only=True)
-    with casstore.CheckpointManager(store) as mngr:
-        with pytest.raises(casstore.ReadOnlyStoreError, match="read-only; cannot write"):
-            mngr.save(2, tree_for(2))
+    with (casstore.CheckpointManager(store) as mngr,
+          pytest.raises(casstore.ReadOnlyStoreError, match="read-only; cannot write")):
+        mngr.save(2, tree_for(2))
     assert casstore.list_steps(tmp_path) == [1]

@@ -1,6 +1,7 @@
 """Reliability: random faults, corrupt and hostile input, secrets, read-only access."""
 
 import collections
+import contextlib
 import functools
 import random
 import time
@@ -107,7 +108,9 @@ def test_fault_campaign_full_count(capsys):
         operations += 20
         calls += sum(faulty.calls.values())
         kinds.update(kind for _, kind, _ in faulty.injected)
-    assert operations >= 10_000 and kinds["error"] and kinds["stored_then_error"]
+    assert operations >= 10_000
+    assert kinds["error"]
+    assert kinds["stored_then_error"]
     report(capsys, f"faults: {operations} operations, {calls} store calls, "
            f"{sum(kinds.values())} faults {dict(kinds)}, {time.perf_counter() - t0:.0f} s")
 
@@ -162,12 +165,12 @@ def field_paths(doc, prefix=()) -> list:
     out = []
     if isinstance(doc, dict):
         for k, v in doc.items():
-            out.append(prefix + (k,))
-            out += field_paths(v, prefix + (k,))
+            out.append((*prefix, k))
+            out += field_paths(v, (*prefix, k))
     elif isinstance(doc, list):
         for i, v in enumerate(doc):
-            out.append(prefix + (i,))
-            out += field_paths(v, prefix + (i,))
+            out.append((*prefix, i))
+            out += field_paths(v, (*prefix, i))
     return out
 
 
@@ -198,15 +201,13 @@ def check_mutated_manifest(where, value) -> None:
                                        "created": 0.0}))
     store.put("runs/default/steps/0000000000000001.manifest", data)
     assert manifest.step == 1
-    try:
+    with contextlib.suppress(casstore.CasstoreError):
         casstore.restore(store, 1)
-    except casstore.CasstoreError:
-        pass
 
 
 def check_random_bytes(data: bytes) -> None:
     FUZZED["random manifests"] += 1
-    with pytest.raises(casstore.ManifestError, match="^(not msgpack|invalid|unsupported format)"):
+    with pytest.raises(casstore.ManifestError, match=r"^(not msgpack|invalid|unsupported format)"):
         decode_manifest(data, run="default", step=1, url="mem")
 
 
@@ -274,7 +275,8 @@ def check_hostile_chunk(case: tuple[bytes, bytes, int]) -> None:
         decoded = decode_chunk(obj, chunk_id(raw), claimed)
     except casstore.UnsupportedFormatError:
         magic, version, codec, _, _ = HEADER.unpack_from(obj)
-        assert magic == MAGIC and (version != 1 or codec not in KNOWN_CODECS)
+        assert magic == MAGIC
+        assert (version != 1 or codec not in KNOWN_CODECS)
         return
     except casstore.CorruptChunkError:
         return
@@ -311,7 +313,7 @@ def test_hostile_leaf_fields_fail_before_any_allocation(hostile):
     leaf = next(x for x in doc["leaves"] if x["path"] == "a/w")
     leaf.update(hostile)
     with pytest.raises(casstore.ManifestError,
-                       match="exceeds the limit|bad shape|not an allowed array dtype") as info:
+                       match=r"exceeds the limit|bad shape|not an allowed array dtype") as info:
         decode_manifest(msgpack.packb(doc, use_bin_type=True), run="default", step=1, url="m")
     assert info.value.key_path == "a/w"
 
@@ -367,11 +369,14 @@ def test_secrets_never_appear_in_manifests_reprs_logs_or_errors(object_servers, 
     seen = [repr(store), str(store.url)]
     casstore.save(store, 1, tree_for(1), metadata={"note": "hello"})
     seen.append(repr(casstore.read_manifest(store, 1)))
-    for failing in (lambda: casstore.restore(store, 99),
-                    lambda: casstore.save(store, 1, tree_for(1)),
-                    lambda: casstore.restore(casstore.open_store(
-                        "s3://no-such-bucket-casstore/x", **options), 1)):
-        with pytest.raises(Exception) as info:
+    for failing, error, message in (
+            (lambda: casstore.restore(store, 99), casstore.StepNotFoundError, "no such step"),
+            (lambda: casstore.save(store, 1, tree_for(1)), casstore.StepAlreadyExistsError,
+             "step already exists"),
+            (lambda: casstore.restore(casstore.open_store(
+                "s3://no-such-bucket-casstore/x", **options), 1), casstore.StepNotFoundError,
+             "no casstore repository here")):
+        with pytest.raises(error, match=message) as info:
             failing()
         seen += [str(info.value), repr(info.value), *getattr(info.value, "__notes__", [])]
     raw = FsspecStore.from_url(url, **options)

@@ -85,9 +85,11 @@ def test_the_issues_example_returns_the_saved_int64_and_float64(tmp_path):
                                 "f": np.array([1e300], np.float64)})
     t = {"a": jax.ShapeDtypeStruct((2,), np.int64), "f": jax.ShapeDtypeStruct((1,), np.float64)}
     got = casstore.restore(tmp_path, 0, target=t)
-    assert isinstance(got["a"], np.ndarray) and got["a"].dtype == np.int64
+    assert isinstance(got["a"], np.ndarray)
+    assert got["a"].dtype == np.int64
     assert got["a"].tolist() == [2**40 + 7, -3]
-    assert isinstance(got["f"], np.ndarray) and got["f"].tolist() == [1e300]
+    assert isinstance(got["f"], np.ndarray)
+    assert got["f"].tolist() == [1e300]
 
 
 def test_64_bit_leaves_that_fit_32_bits_need_no_x64():
@@ -97,13 +99,17 @@ def test_64_bit_leaves_that_fit_32_bits_need_no_x64():
     t = {"a": sharded_struct((2,), np.int64), "s": jax.ShapeDtypeStruct((), np.int64),
          "big": jax.ShapeDtypeStruct((), np.int64)}
     got = casstore.restore(store, 0, target=t)
-    assert isinstance(got["a"], jax.Array) and got["a"].dtype == jnp.int32
-    assert got["a"].tolist() == [7, -3] and got["a"].sharding == t["a"].sharding
-    assert isinstance(got["s"], jax.Array) and int(got["s"]) == 5  # a scalar that fits
-    assert isinstance(got["big"], np.ndarray) and int(got["big"]) == 2**40  # one that does not
+    assert isinstance(got["a"], jax.Array)
+    assert got["a"].dtype == jnp.int32
+    assert got["a"].tolist() == [7, -3]
+    assert got["a"].sharding == t["a"].sharding
+    assert isinstance(got["s"], jax.Array)
+    assert int(got["s"]) == 5
+    assert isinstance(got["big"], np.ndarray)
+    assert int(got["big"]) == 2**40
     t["big"] = jax.ShapeDtypeStruct((), np.int64, sharding=NamedSharding(
         t["a"].sharding.mesh, PartitionSpec()))
-    with pytest.raises(casstore.TargetMismatchError, match="(?s)'big'.*jax_enable_x64"):
+    with pytest.raises(casstore.TargetMismatchError, match=r"(?s)'big'.*jax_enable_x64"):
         casstore.restore(store, 0, target=t)
 
 
@@ -115,7 +121,7 @@ def test_saved_sharding_of_x64_leaves_raises_without_x64():
         store = MemoryStore()
         casstore.save(store, 0, {"x": x})
         assert casstore.restore(store, 0, sharding="saved")["x"].tolist()[0] == 2**40
-    with pytest.raises(casstore.TargetMismatchError, match="(?s)'x'.*int64.*jax_enable_x64"):
+    with pytest.raises(casstore.TargetMismatchError, match=r"(?s)'x'.*int64.*jax_enable_x64"):
         casstore.restore(store, 0, sharding="saved")
 
 
@@ -124,7 +130,7 @@ INT_DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "u
 
 @settings(max_examples=60, deadline=None)
 @given(values=st.lists(st.integers(-2**63, 2**63 - 1), min_size=1, max_size=6),
-       target=st.sampled_from(INT_DTYPES + ["bool"]), as_jax=st.booleans())
+       target=st.sampled_from([*INT_DTYPES, "bool"]), as_jax=st.booleans())
 def test_an_integer_cast_keeps_every_value_or_raises(values, target, as_jax):
     saved = np.array(values, np.int64)
     store = MemoryStore()
@@ -140,7 +146,8 @@ def test_an_integer_cast_keeps_every_value_or_raises(values, target, as_jax):
                 casstore.restore(store, 0, target={"x": t})
             return
         got = casstore.restore(store, 0, target={"x": t})["x"]
-    assert got.dtype == dt and [int(v) for v in np.asarray(got)] == values
+    assert got.dtype == dt
+    assert [int(v) for v in np.asarray(got)] == values
 
 
 FLOATS = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
@@ -164,23 +171,26 @@ def test_a_float_narrowing_rounds_or_raises_never_overflows(values, target):
             casstore.restore(store, 0, target=t)
         return
     got = casstore.restore(store, 0, target=t)["x"]
-    assert got.dtype == dt and got.tobytes() == cast.tobytes()
+    assert got.dtype == dt
+    assert got.tobytes() == cast.tobytes()
 
 
 def test_other_casts_refuse_what_the_target_cannot_hold():
     store = MemoryStore()
     casstore.save(store, 0, {"nan": np.array([1.0, np.nan]), "c": np.array([1 + 2j]),
                   "real": np.array([3 + 0j]), "frac": np.array([2.7, -2.7]), "flag": 2})
-    with pytest.raises(casstore.TargetMismatchError, match="NaN or infinity.*'nan'"):
+    with pytest.raises(casstore.TargetMismatchError, match=r"NaN or infinity.*'nan'"):
         casstore.restore(store, 0, target={"nan": np.zeros(2, np.int32)}, partial=True)
-    with pytest.raises(casstore.TargetMismatchError, match="imaginary part.*'c'"):
+    with pytest.raises(casstore.TargetMismatchError, match=r"imaginary part.*'c'"):
         casstore.restore(store, 0, target={"c": np.zeros(1, np.float64)}, partial=True)
-    with pytest.raises(casstore.TargetMismatchError, match="not a bool.*'flag'"):
+    with pytest.raises(casstore.TargetMismatchError, match=r"not a bool.*'flag'"):
         casstore.restore(store, 0, target={"flag": False}, partial=True)
     got = casstore.restore(store, 0, partial=True, target={
         "real": np.zeros(1, np.float32), "frac": np.zeros(2, np.int8), "flag": 0})
-    assert got["real"].tolist() == [3.0] and got["frac"].tolist() == [2, -2]  # trunc
-    assert got["flag"] == 2 and type(got["flag"]) is int
+    assert got["real"].tolist() == [3.0]
+    assert got["frac"].tolist() == [2, -2]
+    assert got["flag"] == 2
+    assert type(got["flag"]) is int
 
 
 def test_an_ndarray_class_target_gives_numpy_of_the_saved_shape_and_dtype():
@@ -193,9 +203,12 @@ def test_an_ndarray_class_target_gives_numpy_of_the_saved_shape_and_dtype():
     got = casstore.restore(store, 0, target=jax.tree.map(lambda _: np.ndarray, tree))
     for k in ("w", "b", "bf"):
         assert type(got[k]) is np.ndarray, k
-        assert got[k].dtype == np.asarray(tree[k]).dtype and got[k].shape == tree[k].shape, k
+        assert got[k].dtype == np.asarray(tree[k]).dtype, k
+        assert got[k].shape == tree[k].shape, k
         np.testing.assert_array_equal(got[k], np.asarray(tree[k]))
-    assert type(got["step"]) is np.ndarray and got["step"].shape == () and got["step"] == 7
+    assert type(got["step"]) is np.ndarray
+    assert got["step"].shape == ()
+    assert got["step"] == 7
     assert jax.dtypes.issubdtype(got["key"].dtype, jax.dtypes.prng_key)  # numpy cannot hold
     np.testing.assert_array_equal(jax.random.key_data(got["key"]),
                                   jax.random.key_data(tree["key"]))
@@ -217,16 +230,19 @@ def test_placeholder_leaves_are_left_out_and_none_of_their_chunks_read():
     target = {"params": {"w": casstore.PLACEHOLDER, "b": np.ndarray},
               "opt": jax.tree.map(lambda _: ..., tree["opt"]), "step": 0}
     got = casstore.restore(store, 0, target=target)
-    assert got["params"]["w"] is ... and got["opt"] == {"mu": ..., "nu": ...}
+    assert got["params"]["w"] is ...
+    assert got["opt"] == {"mu": ..., "nu": ...}
     np.testing.assert_array_equal(got["params"]["b"], tree["params"]["b"])
     assert got["step"] == 3
     read = {k for k in store.keys_read if k.startswith("chunks/")}
-    assert read == chunk_keys(store, ["params/b"]) and read  # nothing of w, mu or nu
+    assert read == chunk_keys(store, ["params/b"])
+    assert read
     store.reset()
     subtree = casstore.restore(store, 0, target={"params": ..., "opt": {"mu": np.ndarray,
                                                                         "nu": np.ndarray},
                                                  "step": ...})
-    assert subtree["params"] is ... and subtree["step"] is ...  # a whole subtree left out
+    assert subtree["params"] is ...
+    assert subtree["step"] is ...
     np.testing.assert_array_equal(subtree["opt"]["mu"], tree["opt"]["mu"])
     read = {k for k in store.keys_read if k.startswith("chunks/")}
     assert read == chunk_keys(store, ["opt/mu", "opt/nu"])
@@ -244,15 +260,22 @@ def test_abstract_tree_keeps_shardings_and_passes_scalars_through():
     store = MemoryStore()
     casstore.save(store, 0, state)
     target = casstore.abstract_tree(state)
-    assert target["w"].sharding == state["w"].sharding and target["w"].dtype == jnp.float32
-    assert target["step"] == 12 and target["name"] == "run-a" and target["lr"] == 0.5
-    assert isinstance(target["host"], jax.ShapeDtypeStruct) and target["host"].sharding is None
+    assert target["w"].sharding == state["w"].sharding
+    assert target["w"].dtype == jnp.float32
+    assert target["step"] == 12
+    assert target["name"] == "run-a"
+    assert target["lr"] == 0.5
+    assert isinstance(target["host"], jax.ShapeDtypeStruct)
+    assert target["host"].sharding is None
     got = casstore.restore(store, 0, target=target)
     for k in ("w", "emb"):
-        assert got[k].sharding == state[k].sharding and got[k].dtype == state[k].dtype, k
+        assert got[k].sharding == state[k].sharding, k
+        assert got[k].dtype == state[k].dtype, k
         np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(state[k]))
     np.testing.assert_array_equal(jax.random.key_data(got["key"]),
                                   jax.random.key_data(state["key"]))
-    assert isinstance(got["host"], jax.Array) and got["host"].tolist() == [0, 1, 2]
-    assert got["step"] == 12 and got["name"] == "run-a"
+    assert isinstance(got["host"], jax.Array)
+    assert got["host"].tolist() == [0, 1, 2]
+    assert got["step"] == 12
+    assert got["name"] == "run-a"
     assert casstore.abstract_tree(target)["w"] is target["w"]  # already abstract: unchanged

@@ -1,5 +1,6 @@
 """Save/restore round trips: every dtype and shape, every store, the pytrees JAX users have."""
 
+import contextlib
 import dataclasses
 from typing import NamedTuple
 
@@ -39,13 +40,14 @@ def random_array(rng: np.random.Generator, shape, dtype) -> np.ndarray:
 
 def assert_bitwise_equal(a, b):
     a, b = np.asarray(a), np.asarray(b)
-    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+    assert a.shape == b.shape, (a.shape, a.dtype, b.shape, b.dtype)
+    assert a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
     assert a.tobytes() == b.tobytes()
 
 
 def assert_trees_equal(saved, restored):
-    s_leaves, s_def = jax.tree_util.tree_flatten(saved)
-    r_leaves, r_def = jax.tree_util.tree_flatten(restored)
+    s_leaves, _s_def = jax.tree_util.tree_flatten(saved)
+    r_leaves, _r_def = jax.tree_util.tree_flatten(restored)
     assert len(s_leaves) == len(r_leaves)
     for s, r in zip(s_leaves, r_leaves):
         if isinstance(s, jax.Array) and jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key):
@@ -54,7 +56,8 @@ def assert_trees_equal(saved, restored):
         elif isinstance(s, (np.ndarray, np.generic, jax.Array)):
             assert_bitwise_equal(s, r)
         else:
-            assert type(s) is type(r) and s == r
+            assert type(s) is type(r)
+            assert s == r
 
 
 SHAPES = [(), (0,), (3, 0, 2), (7,), (5, 3), (40, 33, 3)]
@@ -68,10 +71,8 @@ def dtype_tree(pairs) -> dict:
     for dtype, shape in pairs:
         name = f"{dtype.name}-{'x'.join(map(str, shape))}"
         tree["np"][name] = random_array(rng, shape, dtype)
-        try:
+        with contextlib.suppress(TypeError, ValueError):
             tree["jax"][name] = jnp.asarray(random_array(rng, shape, dtype))
-        except (TypeError, ValueError):
-            pass
     return tree
 
 
@@ -173,8 +174,11 @@ def test_python_scalars_keep_their_type(repo_store):
     casstore.save(repo_store, 0, tree)
     restored = casstore.restore(repo_store, 0)
     assert_trees_equal(tree, restored)
-    assert restored["n"] is None and restored["empty"] == {} and restored["empty_list"] == []
-    assert isinstance(restored["np_scalar"], np.ndarray) and restored["np_scalar"] == 1.5
+    assert restored["n"] is None
+    assert restored["empty"] == {}
+    assert restored["empty_list"] == []
+    assert isinstance(restored["np_scalar"], np.ndarray)
+    assert restored["np_scalar"] == 1.5
 
 
 def test_typed_prng_keys_restore_as_typed_keys(repo_store):
@@ -208,13 +212,15 @@ def test_namedtuple_flax_struct_and_optax_state(repo_store):
     casstore.save(repo_store, 0, state)
     plain = casstore.restore(repo_store, 0)
     assert set(plain["train"]) == {"params", "step"}
-    assert plain["opt"][0]["count"] == 0 and plain["pt"]["y"] == 4
+    assert plain["opt"][0]["count"] == 0
+    assert plain["pt"]["y"] == 4
     np.testing.assert_array_equal(plain["opt"][0]["mu"]["w"], np.zeros((4, 3)))
     target = jax.eval_shape(lambda: state)
     target["pt"] = target["pt"]._replace(y=0)  # a Python int target leaf gives a Python int
     restored = casstore.restore(repo_store, 0, target=target)
     assert isinstance(restored["opt"][0], optax.ScaleByAdamState)
-    assert isinstance(restored["train"], TrainState) and restored["train"].name == "run"
+    assert isinstance(restored["train"], TrainState)
+    assert restored["train"].name == "run"
     assert_trees_equal(state, restored)
 
 
@@ -263,7 +269,8 @@ class Opaque:
 def test_unsupported_leaves_name_their_key_path(repo_store, bad):
     with pytest.raises(casstore.UnsupportedLeafError, match="params/bad") as info:
         casstore.save(repo_store, 0, {"params": {"ok": np.ones(2), "bad": bad}})
-    assert info.value.key_path == "params/bad" and "params/bad" in str(info.value)
+    assert info.value.key_path == "params/bad"
+    assert "params/bad" in str(info.value)
     assert isinstance(info.value, TypeError)
     assert casstore.list_steps(repo_store) == []
 
@@ -273,6 +280,7 @@ def test_bfloat16_and_float8_values_survive(repo_store):
     y = np.linspace(-3, 3, 50).astype(ml_dtypes.float8_e4m3fn)
     casstore.save(repo_store, 0, {"x": x, "y": y})
     r = casstore.restore(repo_store, 0)
-    assert r["x"].dtype == jnp.bfloat16 and r["y"].dtype == ml_dtypes.float8_e4m3fn
+    assert r["x"].dtype == jnp.bfloat16
+    assert r["y"].dtype == ml_dtypes.float8_e4m3fn
     assert_bitwise_equal(x, r["x"])
     assert_bitwise_equal(y, r["y"])

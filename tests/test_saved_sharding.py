@@ -52,22 +52,27 @@ def test_a_4x2_mesh_restores_bit_exact_on_its_saved_sharding(monkeypatch):
         want, have = tree[leaf[0]], got[leaf[0]]
         if len(leaf) == 2:
             want, have = want[leaf[1]], have[leaf[1]]
-        assert isinstance(have, jax.Array) and have.sharding == want.sharding, leaf
+        assert isinstance(have, jax.Array), leaf
+        assert have.sharding == want.sharding, leaf
         assert have.dtype == want.dtype, leaf
         if leaf == ("rng",):
             want, have = jax.random.key_data(want), jax.random.key_data(have)
         assert np.asarray(have).tobytes() == np.asarray(want).tobytes(), leaf
     assert got["one_device"].sharding == jax.sharding.SingleDeviceSharding(jax.devices()[0])
     np.testing.assert_array_equal(got["one_device"], tree["one_device"])
-    assert type(got["host"]) is np.ndarray and got["host"].dtype == np.int16
+    assert type(got["host"]) is np.ndarray
+    assert got["host"].dtype == np.int16
     np.testing.assert_array_equal(got["host"], tree["host"])
-    assert got["step"] == 12 and got["layers"][0] is None
+    assert got["step"] == 12
+    assert got["layers"][0] is None
     # Each device's region of "params/w" was requested on its own, every chunk read once.
     manifest = casstore.read_manifest(store, 0)
     w = [leaf.path for leaf in manifest.leaves].index("params/w")
     regions = {(tuple(s.start for s in index), tuple(s.stop for s in index))
                for index in tree["params"]["w"].sharding.devices_indices_map((64, 32)).values()}
-    assert len(requests) == 1 and set(requests[0][w]) == regions and len(regions) == 8
+    assert len(requests) == 1
+    assert set(requests[0][w]) == regions
+    assert len(regions) == 8
     chunk_reads = [k for k in store.keys_read if k.startswith("chunks/")]
     assert len(chunk_reads) == len(set(chunk_reads)) == len(manifest.chunk_ids())
     # The default without a target stays numpy.
@@ -79,7 +84,8 @@ def test_paths_prune_the_saved_sharding_restore():
     tree = saved_tree()
     casstore.save(store, 0, tree)
     got = casstore.restore(store, 0, sharding="saved", paths=["params/w", "layers"])
-    assert set(got) == {"params", "layers"} and set(got["params"]) == {"w"}
+    assert set(got) == {"params", "layers"}
+    assert set(got["params"]) == {"w"}
     assert got["params"]["w"].sharding == tree["params"]["w"].sharding
     with pytest.raises(casstore.TargetMismatchError, match="'nope'"):
         casstore.restore(store, 0, sharding="saved", paths=["nope"])
@@ -146,4 +152,5 @@ def test_a_mesh_the_devices_cannot_host_is_a_clear_error(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("ERROR params/w "), done.stdout
     assert "the saved mesh {'data': 4, 'model': 2} needs 8 devices" in done.stdout
-    assert "4 cpu devices" in done.stdout and "key path 'params/w'" in done.stdout
+    assert "4 cpu devices" in done.stdout
+    assert "key path 'params/w'" in done.stdout

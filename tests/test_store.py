@@ -62,8 +62,10 @@ class TestCountingStore(StoreContract):
         store.put("a", b"123")
         store.get("a")
         store.get_many(["a", "a"])
-        assert store.counts["put"] == 1 and store.counts["get"] == 3
-        assert store.bytes_written == 3 and store.bytes_read == 9
+        assert store.counts["put"] == 1
+        assert store.counts["get"] == 3
+        assert store.bytes_written == 3
+        assert store.bytes_read == 9
 
 
 def test_open_store_picks_backend(tmp_path):

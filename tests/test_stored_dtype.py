@@ -147,7 +147,7 @@ def test_a_longer_prefix_keeps_a_leaf_in_its_own_dtype():
         "params/w": "bfloat16", "params/step": "int32"}
 
 
-@pytest.mark.parametrize("dtypes, path, message", [
+@pytest.mark.parametrize(("dtypes", "path", "message"), [
     ({"params/w": np.int8}, "params/w", "as int8: casting float32 .floating. to integer"),
     ({"": jnp.bfloat16}, "count", "int32 .integer. to floating"),
     ({"params/w": np.float32, "params/c": np.float32}, "params/c", "complex. to floating"),
@@ -161,7 +161,8 @@ def test_refused_casts_name_the_key_path_and_write_nothing(dtypes, path, message
     store = CountingStore(MemoryStore())
     with pytest.raises(casstore.UnsupportedLeafError, match=message) as e:
         casstore.save(store, 0, tree, dtypes=dtypes)
-    assert e.value.key_path == path and repr(path) in str(e.value)
+    assert e.value.key_path == path
+    assert repr(path) in str(e.value)
     assert store.keys_written == []
 
 

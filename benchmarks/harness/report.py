@@ -115,23 +115,23 @@ def target_lines(targets: list[tuple[str, float, float]]) -> list[str]:
 
 
 OPTIONS = {  # the command-line options benchmarks share: name -> argparse keywords
-    "dir": dict(default=None,
-                help="where to write (a fresh temp dir inside it; default: under /tmp)"),
-    "repeat": dict(type=int, default=1, help="runs per system; medians are shown"),
-    "tiny": dict(action="store_true", help="a tiny state, the smoke test's setting"),
-    "drop-caches": dict(action="store_true",
-                        help="drop the OS page cache before each timed phase (needs root)"),
-    "no-warm": dict(action="store_true",
-                    help="do not warm memory before each timed phase (timing.settle)"),
-    "device": dict(choices=("default", "cpu"), default="default",
-                   help="where the state lives: jax's default device (an accelerator when "
-                        "there is one) or the CPU"),
-    "endpoint": dict(default=None,
-                     help="an existing S3 server's URL (default: start SeaweedFS on loopback)"),
-    "key": dict(default=None, help="with --endpoint: access key (default anonymous)"),
-    "secret": dict(default=None, help="with --endpoint: secret key"),
-    "json": dict(default=None, help="also write all figures as JSON here"),
-    "plot": dict(default=None, help="also plot the ratios and fractions of the limit here (PNG)"),
+    "dir": {"default": None,
+                "help": "where to write (a fresh temp dir inside it; default: under /tmp)"},
+    "repeat": {"type": int, "default": 1, "help": "runs per system; medians are shown"},
+    "tiny": {"action": "store_true", "help": "a tiny state, the smoke test's setting"},
+    "drop-caches": {"action": "store_true",
+                        "help": "drop the OS page cache before each timed phase (needs root)"},
+    "no-warm": {"action": "store_true",
+                    "help": "do not warm memory before each timed phase (timing.settle)"},
+    "device": {"choices": ("default", "cpu"), "default": "default",
+                   "help": "where the state lives: jax's default device (an accelerator when "
+                        "there is one) or the CPU"},
+    "endpoint": {"default": None,
+                     "help": "an existing S3 server's URL (default: start SeaweedFS on loopback)"},
+    "key": {"default": None, "help": "with --endpoint: access key (default anonymous)"},
+    "secret": {"default": None, "help": "with --endpoint: secret key"},
+    "json": {"default": None, "help": "also write all figures as JSON here"},
+    "plot": {"default": None, "help": "also plot the ratios and fractions of the limit here (PNG)"},
 }
 
 

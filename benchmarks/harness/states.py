@@ -20,10 +20,11 @@ import numpy as np
 import zstandard
 
 SIZES = {  # GPT-2 shapes: vocabulary, context, width, blocks
-    "gpt2-xl": dict(vocab=50257, ctx=1024, width=1600, blocks=48),
-    "gpt2": dict(vocab=50257, ctx=1024, width=768, blocks=12),
-    "small": dict(vocab=50257, ctx=1024, width=256, blocks=12),  # 0.27 GB, for slow machines
-    "tiny": dict(vocab=1000, ctx=64, width=64, blocks=3),
+    "gpt2-xl": {"vocab": 50257, "ctx": 1024, "width": 1600, "blocks": 48},
+    "gpt2": {"vocab": 50257, "ctx": 1024, "width": 768, "blocks": 12},
+    # 0.27 GB, for slow machines
+    "small": {"vocab": 50257, "ctx": 1024, "width": 256, "blocks": 12},
+    "tiny": {"vocab": 1000, "ctx": 64, "width": 64, "blocks": 3},
 }
 JAX_SIZES = ("gpt2-xl",)  # made with jax.random on the device, not with numpy
 CHANGED_BLOCKS = 2  # changed_state gives the last blocks new values

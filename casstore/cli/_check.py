@@ -58,7 +58,7 @@ def verify_command(url: str, step: int | None, run: str | None, read_data: bool,
     report = progress("verifying", lambda: casstore.verify(
         store, step, run=run, read_data=read_data, progress=meter), meter)
     if as_json:
-        emit_json({"ok": report.ok, **{k: v for k, v in rows_of([report])[0].items()},
+        emit_json({"ok": report.ok, **dict(rows_of([report])[0].items()),
                    "problems": [problem_json(p) for p in report.problems]})
     else:
         for p in report.problems:

@@ -19,8 +19,18 @@ from rich.table import Table
 JSON_SCHEMA_VERSION = 1  # of every --json output; raised when a field changes meaning
 console = Console(highlight=False, markup=False, soft_wrap=True)  # key paths hold "[0]"
 
-__all__ = ["JSON_SCHEMA_VERSION", "console", "emit_json", "error_line", "human", "progress", "say",
-           "ratio", "rows_of", "table"]
+__all__ = [
+    "JSON_SCHEMA_VERSION",
+    "console",
+    "emit_json",
+    "error_line",
+    "human",
+    "progress",
+    "ratio",
+    "rows_of",
+    "say",
+    "table",
+]
 
 
 def rows_of(items: Any) -> list[dict]:

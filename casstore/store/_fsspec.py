@@ -17,6 +17,7 @@ botocore and gcsfs make one attempt per call.
 
 from __future__ import annotations
 
+import contextlib
 import posixpath
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -269,10 +270,8 @@ class FsspecStore(Store):
         self.policy.run(key, create)
 
     def _delete(self, key: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.policy.run(key, lambda t: self._call("rm_file", self._path(key), timeout=t))
-        except FileNotFoundError:
-            pass
 
     def get_many(self, keys: Iterable[str]) -> dict[str, bytes]:
         keys = [check_key(k) for k in keys]
