@@ -28,7 +28,7 @@ import numpy as np
 import casstore
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import harness as h  # noqa: E402
+import harness as h
 
 STEPS = 10
 RCLONE = "rclone"  # the program compared with; the smoke test names a missing one
