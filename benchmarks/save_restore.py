@@ -1,6 +1,7 @@
 """casstore vs orbax-checkpoint vs safetensors: save and restore a GPT-2-small train state.
 
-Every system (``harness.peers``: casstore, casstore-raw with ``shuffle=False``, orbax,
+Every system (``harness.peers``: casstore, casstore-bytes with ``compression="bytes"``,
+casstore-raw with ``shuffle=False``, orbax,
 safetensors) saves ``harness.train_state`` (1.49 GB; ``--size gpt2-xl``: 18.7 GB made on the
 device) to local disk, then a state with the last 2 blocks new, then the unchanged state, and
 restores it, checked bit-exact (AssertionError otherwise); each figure beside its ratio to
@@ -26,8 +27,9 @@ import jax
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import harness as h
 
-SYSTEMS = ("casstore", "casstore-raw", "orbax", "safetensors")
+SYSTEMS = ("casstore", "casstore-bytes", "casstore-raw", "orbax", "safetensors")
 PEERS = {"casstore": lambda root: h.peers.Casstore(root / "repo"),
+         "casstore-bytes": lambda root: h.peers.Casstore(root / "repo", compression="bytes"),
          "casstore-raw": lambda root: h.peers.Casstore(root / "repo", shuffle=False),
          "orbax": h.peers.Orbax, "safetensors": h.peers.Safetensors}
 MAX_WARM_BYTES = 8 << 30  # warm at most this much memory before a phase (gpt2-xl: 3x = 56 GB)
@@ -110,10 +112,10 @@ def run(args) -> dict:
 
 def limit_seconds(result: dict) -> dict[str, float]:
     """The machine's limit (seconds) of the first and the changed save (of the changed leaves)
-    and of the restore, for the bytes casstore stores (casstore-raw's where casstore did not
-    run; the limit's sample's encoded fraction where neither did)."""
+    and of the restore, for the bytes casstore stores (casstore-bytes' or casstore-raw's where
+    casstore did not run; the limit's sample's encoded fraction where none did)."""
     lim, res, raw = result["limit"], result["results"], result["logical_bytes"]
-    ours = res.get("casstore") or res.get("casstore-raw") or {}
+    ours = res.get("casstore") or res.get("casstore-bytes") or res.get("casstore-raw") or {}
     raw_of = {"first_save": raw, "changed_save": result["changed_raw_bytes"]}
     out = {f"{k}_s": h.limit.save_s(lim, r, ours.get(f"{k}_written_bytes",
                                                      r * lim["encoded_fraction"]))
