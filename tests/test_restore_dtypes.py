@@ -35,7 +35,7 @@ def extreme_values(dtype: str) -> np.ndarray:
 
 
 def sharded_struct(shape, dtype):
-    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("x",))
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec("x")))
 
 
@@ -114,7 +114,7 @@ def test_64_bit_leaves_that_fit_32_bits_need_no_x64():
 
 
 def test_saved_sharding_of_x64_leaves_raises_without_x64():
-    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("x",))
     with jax.enable_x64(True):
         x = jax.device_put(jnp.arange(4, dtype=jnp.int64) + 2**40,
                            NamedSharding(mesh, PartitionSpec("x")))
@@ -194,7 +194,7 @@ def test_other_casts_refuse_what_the_target_cannot_hold():
 
 
 def test_an_ndarray_class_target_gives_numpy_of_the_saved_shape_and_dtype():
-    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    mesh = Mesh(np.array(jax.devices("cpu")[:4]), ("x",))
     w = jax.device_put(jnp.arange(8.0).reshape(4, 2), NamedSharding(mesh, PartitionSpec("x")))
     tree = {"w": w, "b": np.arange(3, dtype=np.int16), "step": 7,
             "key": jax.random.key(1), "bf": jnp.ones(5, jnp.bfloat16)}
@@ -250,7 +250,7 @@ def test_placeholder_leaves_are_left_out_and_none_of_their_chunks_read():
 
 
 def test_abstract_tree_keeps_shardings_and_passes_scalars_through():
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+    mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(4, 2), ("data", "model"))
     state = {"w": jax.device_put(jnp.arange(32.0).reshape(8, 4),
                                  NamedSharding(mesh, PartitionSpec("data", "model"))),
              "emb": jax.device_put(jnp.ones((8, 2), jnp.bfloat16),
