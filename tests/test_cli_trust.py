@@ -256,13 +256,17 @@ def test_unknown_storage_options_are_refused_before_any_request(url, monkeypatch
     assert result.stderr.count("\n") == 1
 
 
-def test_a_closed_port_fails_within_seconds_naming_the_endpoint():
+@pytest.mark.parametrize(("url", "credentials"), [
+    ("s3://bucket/ckpts", ["-o", "key=a", "-o", "secret=b"]),
+    ("gs://bucket/ckpts", ["-o", "token=anon"]),
+])
+def test_a_closed_port_fails_within_seconds_naming_the_endpoint(url, credentials):
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(cli.__file__).parents[2])}
+    env.pop("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", None)  # gcsfs's default, as users run it
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "casstore", "ls", "s3://bucket/ckpts", "-o",
-                           "endpoint_url=http://127.0.0.1:9", "-o", "key=a", "-o", "secret=b"],
-                          capture_output=True, text=True, timeout=120, env={
-                              **os.environ, "PYTHONPATH": str(pathlib.Path(
-                                  cli.__file__).parents[2])})
+    proc = subprocess.run([sys.executable, "-m", "casstore", "ls", url, "-o",
+                           "endpoint_url=http://127.0.0.1:9", *credentials],
+                          capture_output=True, text=True, timeout=120, env=env)
     elapsed = time.monotonic() - t0
     assert proc.returncode == cli.EXIT_UNREACHABLE, proc.stderr
     assert "127.0.0.1:9" in proc.stderr

@@ -5,6 +5,7 @@ API only, imported on first use so ``casstore --help`` does not import jax."""
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from typing import Any
 
@@ -130,6 +131,9 @@ def main(debug: bool) -> None:
       casstore ls s3://bucket/ckpt -o endpoint_url=http://127.0.0.1:9000
       casstore verify ./ckpt --json
     """
+    if not debug:  # one line per error: not gcsfs's "could not determine bucket type" warnings
+        logging.getLogger("gcsfs").addFilter(
+            lambda r: not str(r.msg).startswith("Could not determine"))
 
 
 def command(name: str) -> Any:

@@ -26,7 +26,7 @@ import fsspec
 
 from .._errors import AccessDeniedError, CasstoreError
 from ._adaptive import AdaptiveLimit
-from ._reach import no_answer, retry_deadline
+from ._reach import UNREACHABLE_S, is_unreachable, no_answer, retry_deadline
 
 DEFAULT_REQUEST_TIMEOUT_S = 20.0
 DEFAULT_OPERATION_TIMEOUT_S = 60.0
@@ -108,6 +108,10 @@ def one_attempt_options(protocol: str, request_timeout_s: float, options: dict) 
 
         options.setdefault("requests_timeout", aiohttp.ClientTimeout(
             sock_connect=request_timeout_s, sock_read=request_timeout_s))
+        # gcsfs >= 2025.x asks the storage-control API for the bucket's layout before the first
+        # request (ExtendedGcsFileSystem), retrying for 60 s by default, and falls back to plain
+        # JSON-API access when it fails: bound that, so a refused endpoint fails in seconds.
+        options.setdefault("retry_timeout", min(request_timeout_s, UNREACHABLE_S))
     # Our own instance: the settings below must not leak into a user's cached filesystem.
     options.setdefault("skip_instance_cache", True)
     return options
@@ -180,7 +184,7 @@ class RetryPolicy:
         budget = self.operation_timeout_s
         if self._unanswered:
             budget = min(budget, self.request_timeout_s)
-        deadline = time.monotonic() + budget
+        deadline, refused = time.monotonic() + budget, None
         for attempt in itertools.count():
             try:  # one attempt gets at most half the deadline: a trickle leaves time to retry
                 result = self._attempt(fn, min(deadline, time.monotonic() + budget / 2))
@@ -191,6 +195,7 @@ class RetryPolicy:
                                         url=f"{self.url}/{key}") from e
             except Exception as e:  # classified by is_transient; anything else is re-raised
                 last, deadline = e, min(deadline, retry_deadline(e))  # refused: within seconds
+                refused = e if is_unreachable(e) else refused  # a later attempt may time out
                 if not is_transient(e) or (self.retries is not None and attempt >= self.retries):
                     if not isinstance(e, FileNotFoundError) and hasattr(e, "add_note"):
                         e.add_note(f"casstore: while accessing {self.url}/{key}")
@@ -204,4 +209,4 @@ class RetryPolicy:
                 self._unanswered = False
                 return result
         self._unanswered = True
-        raise no_answer(budget, last, key=key, url=self.url) from last
+        raise no_answer(budget, refused or last, key=key, url=self.url) from last
