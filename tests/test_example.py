@@ -10,6 +10,8 @@ import jax
 import numpy as np
 
 import casstore
+from casstore._compression import PLANES, choose
+from casstore.store import LocalStore
 
 EXAMPLE = pathlib.Path(__file__).parents[1] / "examples" / "finetune_minilm.py"
 
@@ -65,9 +67,13 @@ def test_full_finetune_changes_every_leaf_and_stores_deltas(tmp_path):
     assert re.search(r"MB without deltas\)", out)
     assert rows[0][1] > 250  # params + adam mu and nu, all 22.7M parameters trained
     assert rows[0][4] == 0  # the run's first step has no previous step to take a delta from
+    # Whole chunks are byte planes where the cores outpace the local disk (4 cores or more,
+    # docs/tuning.md), else raw: the bytes plus chunk framing.
+    planes = choose("auto", LocalStore.write_bytes_per_s, LocalStore.read_bytes_per_s) is PLANES
     for _, logical, written, whole, deltas in rows[1:]:
         assert deltas > 0
-        assert written < 0.8 * whole < 0.8 * logical
+        assert written < 0.8 * whole
+        assert whole < 0.8 * logical if planes else whole <= 1.01 * logical
 
     # Every float leaf (params, adam mu and nu of every layer and the head) changed each step.
     steps = [jax.tree_util.tree_leaves_with_path(casstore.restore(url, n)) for n in (0, 1, 2)]
