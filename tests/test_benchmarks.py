@@ -107,3 +107,24 @@ def test_jax_built_state_is_reproducible_and_changed_state_keeps_unchanged_leave
     same = [k for k, x in harness.flatten(changed).items() if x is flat_a[k]]
     n_changed, _, _ = harness.changed_zstd_bytes(a, changed)
     assert n_changed == 121 - len(same) == 79
+
+
+def test_tuning_benchmark_changes_one_setting_per_variant(tmp_path, capsys):
+    bench = load_benchmark("tuning")
+    result = bench.main(["--tiny", "--dir", str(tmp_path / "work")])
+    res = result["results"]
+    assert set(res) == set(bench.VARIANTS)
+    for name, figures in res.items():
+        for key, _, _ in bench.COLUMNS:
+            assert math.isfinite(figures[key]), (name, key)
+            assert figures[key] >= 0, (name, key)
+        assert 0 < figures["changed_written_bytes"] < figures["stored_bytes"], name
+    # Byte planes store the random float32 state in fewer bytes than it has; chunk size and
+    # workers do not change what is stored for leaves under 4 MiB.
+    assert res["compression bytes"]["stored_bytes"] < 0.95 * result["logical_bytes"]
+    assert res["4 workers"]["stored_bytes"] == res["1 worker"]["stored_bytes"]
+    assert res["chunk 4 MiB"]["objects"] == res["chunk 64 MiB"]["objects"]
+    for kind in ("safetensors", "npz"):  # both exports hold at least the state's bytes
+        assert res["default"][f"export_{kind}_file_bytes"] >= result["logical_bytes"]
+    assert "| bytes, zstd 9 |" in capsys.readouterr().out
+    assert list((tmp_path / "work").iterdir()) == []

@@ -25,8 +25,9 @@ def age_all(store: LocalStore, seconds: float) -> None:
 
 def test_gc_deletes_only_unreferenced_chunks_older_than_the_grace(tmp_path):
     store = LocalStore(tmp_path / "r")
-    casstore.save(store, 1, {"a": np.arange(10_000), "b": np.ones(10_000)})
-    casstore.save(store, 2, {"a": np.arange(10_000), "b": np.zeros(10_000)})
+    # whole chunks (no deltas): where the store takes raw chunks, zeros would be a delta of ones
+    casstore.save(store, 1, {"a": np.arange(10_000), "b": np.ones(10_000)}, delta=False)
+    casstore.save(store, 2, {"a": np.arange(10_000), "b": np.zeros(10_000)}, delta=False)
     casstore.delete(store, 1)  # b=ones is now unreferenced
     young = casstore.gc(store, grace_period_s=3600)
     assert young.deleted_chunks == 0
@@ -151,8 +152,8 @@ def test_stress_saves_while_gc_runs_in_a_loop(tmp_path, backend, request):
 
 def test_verify_finds_a_deleted_chunk_and_a_flipped_byte(tmp_path):
     store = LocalStore(tmp_path / "r")
-    casstore.save(store, 1, {"p": {"w": np.arange(50_000.0)}, "q": np.ones(30_000)})
-    casstore.save(store, 2, {"p": {"w": np.arange(50_000.0)}, "q": np.zeros(30_000)})
+    casstore.save(store, 1, {"p": {"w": np.arange(50_000.0)}, "q": np.ones(30_000)}, delta=False)
+    casstore.save(store, 2, {"p": {"w": np.arange(50_000.0)}, "q": np.zeros(30_000)}, delta=False)
     assert casstore.verify(store).ok
     manifest = casstore.read_manifest(store, 1)
     w_id = manifest.leaves[0].chunks[0].id
@@ -182,7 +183,8 @@ def test_verify_finds_a_deleted_chunk_and_a_flipped_byte(tmp_path):
 def test_gc_counts_add_up_with_a_missing_chunk_and_a_damaged_manifest(tmp_path):
     store = LocalStore(tmp_path / "r")
     for step in range(3):
-        casstore.save(store, step, {"a": np.arange(40_000) + step, "b": np.ones(40_000)})
+        casstore.save(store, step, {"a": np.arange(40_000) + step, "b": np.ones(40_000)},
+                      delta=False)
     casstore.delete(store, 0)
     gone = casstore.read_manifest(store, 1).leaves[0].chunks[0].id
     store.delete(chunk_key(gone))
