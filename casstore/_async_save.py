@@ -19,13 +19,17 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from ._chunking import DEFAULT_CHUNK_SIZE_BYTES, DEFAULT_PACK_THRESHOLD_BYTES
 from ._codec import DEFAULT_ZSTD_LEVEL
-from ._errors import StoreTimeoutError
+from ._errors import CasstoreError, StoreTimeoutError
 from ._layout import check_run, check_step
 from ._locks import check_write_access
+from ._manifest import Manifest
 from ._repository import Url
 from ._save import SaveInfo, inflight_window, plan_jobs, prepare, write
+from ._save_encode import previous_manifest
 from ._staging import StagingStream
 from .store import Store, open_store
 
@@ -50,12 +54,13 @@ class AsyncCheckpointer:
     ``save`` returns once every array is staged; the step is committed in the background and
     :meth:`wait_until_finished` waits for it and raises its error. Once ``save`` returns the
     caller may overwrite its numpy arrays and donate or delete its jax arrays: the step holds
-    the values at the call. Host memory: numpy leaves are copied (their bytes once more);
-    accelerator arrays are copied block by block to pinned host memory; CPU-device jax arrays
-    are zero-copy views (jax copies a buffer donated while the save runs); Python scalars, str
-    and bytes are read at ``save``. With ``max_staging_bytes`` the copies held at once never
-    exceed that many bytes: ``save`` then stages what fits and waits for the background save
-    to store chunks before staging more.
+    the values at the call. Host memory: numpy leaves are copied (their bytes once more),
+    except for blocks that hash to a chunk of the previous step (the manager's saves: a frozen
+    base is hashed, not copied); accelerator arrays are copied block by block to pinned host
+    memory; CPU-device jax arrays are zero-copy views (jax copies a buffer donated while the
+    save runs); Python scalars, str and bytes are read at ``save``. With
+    ``max_staging_bytes`` the copies held at once never exceed that many bytes: ``save`` then
+    stages what fits and waits for the background save to store chunks before staging more.
 
     Thread-safety: NOT thread-safe (call it from one thread). At interpreter exit an in-flight
     save is finished first; a save killed with the process leaves no manifest, never a partial
@@ -144,27 +149,41 @@ class AsyncCheckpointer:
             check_write_access(self.store)
             self._writable = True
         prepared, arrays = prepare(tree, metadata)
+        previous = self._previous(previous_step, arrays)
         inline, jobs = plan_jobs(prepared, arrays, self.chunk_size_bytes,
                                  DEFAULT_PACK_THRESHOLD_BYTES)
         del arrays
-        stream = StagingStream(jobs, self.max_staging_bytes, self.chunk_size_bytes)
+        stored = {r.id for leaf in previous.leaves for r in leaf.chunks} if previous else ()
+        stream = StagingStream(jobs, self.max_staging_bytes, self.chunk_size_bytes, stored)
         self._pending = self._executor.submit(self._write, step, prepared, inline, stream,
-                                              previous_step, then)
+                                              previous_step, then, previous)
         try:
             stream.fill()
         finally:
             self.last_staging_peak_bytes = stream.peak_bytes
             self.last_save_blocking_s = time.perf_counter() - t0
 
+    def _previous(self, previous_step: int | None, arrays: dict) -> Manifest | None:
+        """The manifest of ``previous_step`` where the tree has numpy leaves, whose unchanged
+        blocks staging then hands over by chunk id instead of copying; else None (also where
+        it cannot be read: the background save reads it, and reports the error)."""
+        if previous_step is None or not any(isinstance(a, np.ndarray) for a in arrays.values()):
+            return None
+        try:
+            return previous_manifest(self.store, self.run, previous_step)
+        except (CasstoreError, OSError):
+            return None
+
     def _write(self, step: int, prepared: Any, inline: dict, stream: StagingStream,
-               previous_step: int | None, then: Callable[[SaveInfo], None] | None) -> None:
+               previous_step: int | None, then: Callable[[SaveInfo], None] | None,
+               previous: Manifest | None = None) -> None:
         workers = self.store.max_workers
         try:
             self.last_save_info = write(
                 self.store, step, prepared, inline, stream, run=self.run,
                 zstd_level=self.zstd_level, shuffle=None, max_workers=workers,
                 window=inflight_window(workers, self.chunk_size_bytes), delta=self.delta,
-                previous_step=previous_step)
+                previous_step=previous_step, previous=previous)
         except StoreTimeoutError as e:  # surfaces from wait_until_finished: name the step
             stream.abandon()
             raise e.at(run=self.run, step=step) from e

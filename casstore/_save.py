@@ -28,6 +28,7 @@ from ._codec import DEFAULT_ZSTD_LEVEL
 from ._compression import chunk_settings
 from ._layout import check_run, check_step, manifest_key
 from ._locks import save_lock
+from ._manifest import Manifest
 from ._multihost import SaveAgreement
 from ._repository import Url, ensure_config, list_runs
 from ._save_commit import check_absent, commit
@@ -194,7 +195,8 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
 def write(store: Store, step: int, prepared: Prepared, inline: dict[int, bytes],
           jobs: Iterable[Job], *, run: str, zstd_level: int, shuffle: bool | None,
           max_workers: int, window: int, delta: bool = True, previous_step: int | None = None,
-          t0: float | None = None, compression: str | None = None) -> SaveInfo:
+          t0: float | None = None, compression: str | None = None,
+          previous: Manifest | None = None) -> SaveInfo:
     """Stores the chunks of ``jobs`` and commits the step (stages 3 to 6 of :func:`save`).
 
     Args:
@@ -203,6 +205,8 @@ def write(store: Store, step: int, prepared: Prepared, inline: dict[int, bytes],
       previous_step: a step of ``run`` known to be committed (the manager's latest), whose
         manifest tells which chunks exist and is the base of deltas; None reads the run's
         latest.
+      previous: that manifest, read already (the one ``jobs`` were staged against: jobs
+        without bytes name chunks it references); None reads it here.
 
     Raises:
       As :func:`save`.
@@ -216,7 +220,7 @@ def write(store: Store, step: int, prepared: Prepared, inline: dict[int, bytes],
     with save_lock(store), agreement.committing():
         if agreement.is_primary:
             ensure_config(store)
-        previous = previous_manifest(store, run, previous_step)
+        previous = previous or previous_manifest(store, run, previous_step)
         # No committed step anywhere: no chunk to reuse, so none is looked up (one HEAD per
         # chunk saved on an object store).
         lookup = previous is not None or bool(list_runs(store))

@@ -17,7 +17,7 @@ import threading
 from ._buffers import BufferPool
 from ._codec import chunk_id, encode_chunk, raw_object
 from ._delta import RestoreBudget, base_bytes, encode_delta
-from ._errors import CorruptChunkError, ManifestError, StepNotFoundError
+from ._errors import CasstoreError, CorruptChunkError, ManifestError, StepNotFoundError
 from ._layout import chunk_key, delta_key
 from ._manifest import Manifest
 from ._repository import list_steps, read_manifest
@@ -66,18 +66,30 @@ class ChunkWriter:
         self.buffers = BufferPool() if store.put_copies else None
         self.booked: set[str] = set()  # chunks of the step the budget has, each once
 
-    def write(self, raw: memoryview, element_size: int, block: tuple[str, tuple, tuple] | None
+    def write(self, raw: memoryview | None, element_size: int,
+              block: tuple[str, tuple, tuple] | None, cid: str | None = None
               ) -> tuple[str, int, str | None, tuple[str, bytes] | None]:
         """Encodes ``raw`` (elements of ``element_size`` bytes; the whole block ``(key path,
         start, stop)`` of one leaf, or None for a pack) if the repository lacks it; returns
         ``(chunk id, stored bytes, base chunk id or None, upload)``, where ``upload`` is the
         ``(key, object)`` the caller must put, or None if the chunk is stored or put by another
-        block with the same id."""
-        cid = chunk_id(raw)
+        block with the same id. ``cid``, if given, is ``raw``'s id, hashed already; ``raw``
+        may then be None for a chunk of ``previous`` (staging did not copy it).
+
+        Raises:
+          CasstoreError: ``raw`` is None and ``previous`` does not reference ``cid`` (another
+            process deleted the step the save was staged against).
+        """
+        cid = cid or chunk_id(raw)
         with self.lock:
             stored = self.known.get(cid)
             future = self.inflight.get(cid) if stored is None else None
             owner = stored is None and future is None
+            if owner and raw is None:
+                raise CasstoreError(
+                    f"chunk {cid} was staged as stored by step "
+                    f"{getattr(self.previous, 'step', None)}, which is no longer there (deleted "
+                    "by another process); nothing was committed: save again")
             if owner:
                 future = self.inflight[cid] = cf.Future()
             else:

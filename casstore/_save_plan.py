@@ -37,22 +37,25 @@ class Job:
     """One chunk to store.
 
     Attributes:
-      read: returns the chunk's raw bytes (waiting for a device-to-host copy if one runs).
+      read: returns the chunk's raw bytes (waiting for a device-to-host copy if one runs);
+        None for a chunk that staging found stored (``chunk_id``) and did not copy.
       blocks: ``(leaf index, start, stop, byte offset)`` of every block the chunk holds.
       element_size: bytes per element (1 for a pack of mixed dtypes).
       nbytes: raw length, bytes.
       caller_memory: ``read`` views memory the caller may overwrite (a numpy leaf's buffer).
       holds_copy: ``read`` reads a copy made for this job (a pack, a device-to-host copy).
       release: called once the chunk is stored or has failed (frees a staging budget).
+      chunk_id: the chunk's id where staging hashed the bytes already, else None.
     """
 
-    read: Callable[[], memoryview]
+    read: Callable[[], memoryview] | None
     blocks: list[tuple[int, tuple[int, ...], tuple[int, ...], int]]
     element_size: int
     nbytes: int
     caller_memory: bool = False
     holds_copy: bool = False
     release: Callable[[], None] | None = None
+    chunk_id: str | None = None
 
 
 

@@ -50,7 +50,9 @@ def store_chunks(jobs: Iterable[Job], writer: ChunkWriter, max_workers: int, win
         block = (paths[i], start, stop) if len(job.blocks) == 1 and offset == 0 else None
         try:
             with _naming(paths[i]):
-                cid, stored, base, upload = writer.write(job.read(), job.element_size, block)
+                raw = job.read() if job.read is not None else None
+                cid, stored, base, upload = writer.write(raw, job.element_size, block,
+                                                         job.chunk_id)
         finally:
             if job.release is not None:
                 job.release()

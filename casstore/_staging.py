@@ -5,7 +5,9 @@ The caller's thread runs :meth:`StagingStream.fill`: it takes each job of the sa
 it; the background save consumes the queue as an iterator. What a job needs depends on where
 its bytes live:
 
-- a numpy leaf's block is copied (the caller may overwrite its array once ``save`` returns);
+- a numpy leaf's block is copied (the caller may overwrite its array once ``save`` returns),
+  unless it is hashed and found among ``stored``, the chunks of the step the save reuses
+  (a frozen base, an untouched embedding): then only its chunk id is handed over;
 - an accelerator's block was already copied to host memory by the stream (pinned memory where
   the device offers it: a DMA dispatched at once, as torch.distributed.checkpoint's
   ``async_with_pinned_mem`` staging does); a later donation of the array does not change it;
@@ -23,8 +25,9 @@ from __future__ import annotations
 import collections
 import functools
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 
+from ._codec import chunk_id
 from ._errors import CasstoreError
 from ._save import Job
 
@@ -38,16 +41,20 @@ class StagingStream:
         state's numpy and accelerator bytes are then held until stored). Must be at least
         ``chunk_size_bytes``, the largest job.
       chunk_size_bytes: the largest raw size of one job, bytes.
+      stored: chunk ids the background save will reuse without reading them (the previous
+        manifest's); empty: numpy blocks are copied without hashing.
 
     Raises:
       ValueError: ``max_bytes`` is smaller than one chunk.
     """
 
-    def __init__(self, jobs: Iterable[Job], max_bytes: int | None, chunk_size_bytes: int):
+    def __init__(self, jobs: Iterable[Job], max_bytes: int | None, chunk_size_bytes: int,
+                 stored: Collection[str] = frozenset()):
         if max_bytes is not None and max_bytes < chunk_size_bytes:
             raise ValueError(f"max_staging_bytes={max_bytes} is smaller than one chunk "
                              f"({chunk_size_bytes} bytes)")
         self._jobs, self._max, self._chunk = jobs, max_bytes, chunk_size_bytes
+        self._stored = stored
         self._queue: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._used = self.peak_bytes = 0
@@ -70,7 +77,7 @@ class StagingStream:
                 job = next(jobs, None)
                 if job is None:
                     break
-                self._put(_independent(job))
+                self._put(_independent(job, self._stored))
         except BaseException as e:
             with self._cond:
                 self._error = e
@@ -130,10 +137,15 @@ class StagingStream:
             self._cond.notify_all()
 
 
-def _independent(job: Job) -> Job:
-    """``job``, reading a copy of its bytes if they lie in memory the caller may change."""
+def _independent(job: Job, stored: Collection[str]) -> Job:
+    """``job``, independent of memory the caller may change: its chunk id alone if that chunk
+    is among ``stored``, else a copy of its bytes (with the id, where it was hashed)."""
     if not job.caller_memory:
         return job
-    data = bytes(job.read())
-    return Job(functools.partial(memoryview, data), job.blocks, job.element_size, job.nbytes,
-               holds_copy=True)
+    raw, cid = job.read(), None
+    if stored:
+        cid = chunk_id(raw)
+        if cid in stored:
+            return Job(None, job.blocks, job.element_size, job.nbytes, chunk_id=cid)
+    return Job(functools.partial(memoryview, bytes(raw)), job.blocks, job.element_size,
+               job.nbytes, holds_copy=True, chunk_id=cid)

@@ -362,3 +362,50 @@ def test_the_first_save_into_an_empty_repository_looks_up_no_chunk():
     assert info.reused_chunks == 4
     assert info.new_chunks == 1
     np.testing.assert_array_equal(casstore.restore(store, 0, run="other")["w"], tree["w"])
+
+
+def test_unchanged_numpy_blocks_are_handed_over_by_chunk_id_not_copied(gated, monkeypatch):
+    from casstore import _staging
+
+    staged = []  # (handed over by id, raw bytes) of every numpy block staging saw
+    independent = _staging._independent
+
+    def spy(job, stored):
+        out = independent(job, stored)
+        if job.caller_memory:
+            staged.append((out.read is None, job.nbytes))
+        return out
+
+    monkeypatch.setattr(_staging, "_independent", spy)
+    rng = np.random.default_rng(0)
+    base = rng.normal(size=4 * 2**14).astype(np.float32)  # 4 chunks of 64 KiB
+    head = rng.normal(size=2**15).astype(np.float32)  # 2 chunks
+    first = {"base": base.copy(), "head": head.copy()}
+    with casstore.CheckpointManager(gated, chunk_size_bytes=2**16) as mngr:
+        gated.gate.set()
+        mngr.save(1, {"base": base, "head": head})
+        mngr.wait_until_finished()
+        gated.gate.clear()
+        base[-10:] = 5.0  # the last of base's chunks changes, the other three do not
+        head += 1.0
+        expected = {"base": base.copy(), "head": head.copy()}
+        staged.clear()
+        mngr.save(2, {"base": base, "head": head})
+        assert sorted(staged) == [(False, 2**16)] * 3 + [(True, 2**16)] * 3
+        base[:] = -7.0  # the caller overwrites everything while the save is in flight
+        head[:] = -7.0
+        gated.gate.set()
+        mngr.wait_until_finished()
+        assert mngr.last_save_info.reused_chunks == 3
+        for step, want in ((1, first), (2, expected)):
+            got = mngr.restore(step)
+            for k in want:
+                assert got[k].tobytes() == want[k].tobytes(), (step, k)
+
+
+def test_a_chunk_staged_as_stored_but_gone_fails_the_save_by_name():
+    from casstore._save_encode import ChunkWriter
+
+    writer = ChunkWriter(MemoryStore(), None, 1, False, delta=False)
+    with pytest.raises(casstore.CasstoreError, match=r"no longer there.*save again"):
+        writer.write(None, 4, None, "0" * 32)
