@@ -27,9 +27,8 @@ from ._errors import CasstoreError, StoreTimeoutError
 from ._layout import check_run, check_step
 from ._locks import check_write_access
 from ._manifest import Manifest
-from ._repository import Url
+from ._repository import Url, read_manifest
 from ._save import SaveInfo, inflight_window, plan_jobs, prepare, write
-from ._save_encode import previous_manifest
 from ._staging import StagingStream
 from .store import Store, open_store
 
@@ -106,6 +105,7 @@ class AsyncCheckpointer:
         self._writable = False  # write access checked by the first save
         self.last_save_blocking_s: float | None = None
         self.last_save_info: SaveInfo | None = None
+        self._committed: Manifest | None = None  # this object's last committed manifest
         self.last_staging_peak_bytes: int | None = None
         _register_exit_hook(self)
 
@@ -164,13 +164,22 @@ class AsyncCheckpointer:
             self.last_save_blocking_s = time.perf_counter() - t0
 
     def _previous(self, previous_step: int | None, arrays: dict) -> Manifest | None:
-        """The manifest of ``previous_step`` where the tree has numpy leaves, whose unchanged
-        blocks staging then hands over by chunk id instead of copying; else None (also where
-        it cannot be read: the background save reads it, and reports the error)."""
-        if previous_step is None or not any(isinstance(a, np.ndarray) for a in arrays.values()):
+        """The manifest of ``previous_step`` if this object committed it (held in memory: no
+        request on ``save``'s path) and the tree has numpy leaves over the pack threshold,
+        whose unchanged blocks staging then hands over by chunk id instead of copying; else
+        None."""
+        committed = self._committed
+        if committed is None or committed.step != previous_step or not any(
+                isinstance(a, np.ndarray) and a.nbytes > DEFAULT_PACK_THRESHOLD_BYTES
+                for a in arrays.values()):  # smaller numpy leaves are packed: copied anyway
             return None
+        return committed
+
+    def _read_committed(self, step: int) -> Manifest | None:
+        """``step``'s manifest, read back after its commit (in the background); None if it
+        cannot be read (the next save then copies its numpy blocks, as without it)."""
         try:
-            return previous_manifest(self.store, self.run, previous_step)
+            return read_manifest(self.store, step, run=self.run)
         except (CasstoreError, OSError):
             return None
 
@@ -190,6 +199,7 @@ class AsyncCheckpointer:
         except BaseException:
             stream.abandon()
             raise
+        self._committed = self._read_committed(step)
         if then is not None:
             then(self.last_save_info)
 
