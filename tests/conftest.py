@@ -9,6 +9,7 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gc
 import contextlib
 import importlib.util
 import pathlib
+import threading
 import uuid
 
 import fsspec
@@ -51,6 +52,20 @@ def object_servers(tmp_path_factory):
             servers.external_gcs() if os.environ.get("CASSTORE_TEST_GCS_ENDPOINT")
             else servers.fake_gcs(root))
         yield found
+
+
+class GatedStore(MemoryStore):
+    """A memory store that holds every chunk write until ``gate`` is set (at most 60 s), so a
+    test can act while a save is in flight."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+
+    def _put(self, key, data, *, exclusive):
+        if key.startswith("chunks/"):
+            assert self.gate.wait(60)
+        super()._put(key, data, exclusive=exclusive)
 
 
 def object_store(server: servers.ObjectServer, **kwargs) -> FsspecStore:

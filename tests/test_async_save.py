@@ -1,7 +1,6 @@
 """AsyncCheckpointer: save returns once staged, the step keeps the values of the call, errors
 surface from wait_until_finished."""
 
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -11,18 +10,7 @@ import pytest
 import casstore
 from casstore.store import MemoryStore
 
-
-class GatedStore(MemoryStore):
-    """Holds every chunk write until ``gate`` is set; counts the writes it held."""
-
-    def __init__(self):
-        super().__init__()
-        self.gate = threading.Event()
-
-    def _put(self, key, data, *, exclusive):
-        if key.startswith("chunks/"):
-            assert self.gate.wait(60)
-        super()._put(key, data, exclusive=exclusive)
+from conftest import GatedStore
 
 
 def test_numpy_buffers_overwritten_after_save_returns_keep_the_saved_values():

@@ -10,22 +10,11 @@ import pytest
 import casstore
 from casstore.store import MemoryStore
 
+from conftest import GatedStore
+
 
 def state(step: int) -> dict:
     return {"w": jnp.full((64, 64), step, jnp.float32), "step": step}
-
-
-class GatedStore(MemoryStore):
-    """Holds every chunk write until ``gate`` is set."""
-
-    def __init__(self):
-        super().__init__()
-        self.gate = threading.Event()
-
-    def _put(self, key, data, *, exclusive):
-        if key.startswith("chunks/"):
-            assert self.gate.wait(30)
-        super()._put(key, data, exclusive=exclusive)
 
 
 def test_async_save_then_overwrite_keeps_the_old_values():

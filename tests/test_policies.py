@@ -28,6 +28,8 @@ from casstore import (
 )
 from casstore.store import MemoryStore
 
+from conftest import GatedStore
+
 T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
 
 
@@ -147,17 +149,6 @@ def test_a_policy_and_the_keywords_it_replaces_are_refused():
     for bad in ({"save_interval_steps": 0}, {"max_to_keep": 0}, {"keep_period": -1}):
         with pytest.raises(ValueError, match="must be a positive int"):
             casstore.CheckpointManager(MemoryStore(), **bad)
-
-
-class GatedStore(MemoryStore):
-    def __init__(self):
-        super().__init__()
-        self.gate = threading.Event()
-
-    def _put(self, key, data, *, exclusive):
-        if key.startswith("chunks/"):
-            assert self.gate.wait(60)
-        super()._put(key, data, exclusive=exclusive)
 
 
 def test_continuous_checkpointing_skips_steps_while_a_save_is_in_flight():
