@@ -149,31 +149,25 @@ class AsyncCheckpointer:
             check_write_access(self.store)
             self._writable = True
         prepared, arrays = prepare(tree, metadata)
-        previous = self._previous(previous_step, arrays)
+        # numpy blocks over the pack threshold are copied at staging unless the previous step
+        # stores their chunk (smaller numpy leaves are packed: copied anyway)
+        numpy_blocks = any(isinstance(a, np.ndarray) and a.nbytes > DEFAULT_PACK_THRESHOLD_BYTES
+                           for a in arrays.values())
+        previous = self._committed  # read back after its commit: no request on this path
+        if not numpy_blocks or previous is None or previous.step != previous_step:
+            previous = None
         inline, jobs = plan_jobs(prepared, arrays, self.chunk_size_bytes,
                                  DEFAULT_PACK_THRESHOLD_BYTES)
         del arrays
         stored = {r.id for leaf in previous.leaves for r in leaf.chunks} if previous else ()
         stream = StagingStream(jobs, self.max_staging_bytes, self.chunk_size_bytes, stored)
         self._pending = self._executor.submit(self._write, step, prepared, inline, stream,
-                                              previous_step, then, previous)
+                                              previous_step, then, previous, numpy_blocks)
         try:
             stream.fill()
         finally:
             self.last_staging_peak_bytes = stream.peak_bytes
             self.last_save_blocking_s = time.perf_counter() - t0
-
-    def _previous(self, previous_step: int | None, arrays: dict) -> Manifest | None:
-        """The manifest of ``previous_step`` if this object committed it (held in memory: no
-        request on ``save``'s path) and the tree has numpy leaves over the pack threshold,
-        whose unchanged blocks staging then hands over by chunk id instead of copying; else
-        None."""
-        committed = self._committed
-        if committed is None or committed.step != previous_step or not any(
-                isinstance(a, np.ndarray) and a.nbytes > DEFAULT_PACK_THRESHOLD_BYTES
-                for a in arrays.values()):  # smaller numpy leaves are packed: copied anyway
-            return None
-        return committed
 
     def _read_committed(self, step: int) -> Manifest | None:
         """``step``'s manifest, read back after its commit (in the background); None if it
@@ -185,7 +179,9 @@ class AsyncCheckpointer:
 
     def _write(self, step: int, prepared: Any, inline: dict, stream: StagingStream,
                previous_step: int | None, then: Callable[[SaveInfo], None] | None,
-               previous: Manifest | None = None) -> None:
+               previous: Manifest | None = None, keep_manifest: bool = False) -> None:
+        """The background half of a save: stores and commits ``stream``; with
+        ``keep_manifest``, reads the committed manifest back for the next save's staging."""
         workers = self.store.max_workers
         try:
             self.last_save_info = write(
@@ -199,7 +195,7 @@ class AsyncCheckpointer:
         except BaseException:
             stream.abandon()
             raise
-        self._committed = self._read_committed(step)
+        self._committed = self._read_committed(step) if keep_manifest else None
         if then is not None:
             then(self.last_save_info)
 
