@@ -110,15 +110,18 @@ def copies(local: pathlib.Path, a: tuple, b: tuple, cfg, out: dict) -> None:
     s3 = lambda url, o: casstore.open_store(url, skip_instance_cache=True, **o)  # noqa: E731
     phase = functools.partial(h.phase, out, warm=cfg.warm)
     phase("copy_local_s3_s", lambda: casstore.copy(str(local), s3(src, a_opts)))
-    phase("copy_s3_s3_s", lambda: casstore.copy(s3(src, a_opts), s3(dst, b_opts)))
     out["rclone"] = shutil.which(RCLONE)
     if out["rclone"] is None:
+        phase("copy_s3_s3_s", lambda: casstore.copy(s3(src, a_opts), s3(dst, b_opts)))
         out["rclone_local_s3_s"] = out["rclone_s3_s3_s"] = math.nan
         return
     env = {**h.rclone_env("a", a_opts), **h.rclone_env("b", b_opts)}
     rclone = functools.partial(h.rclone_copy, env=env, program=out["rclone"])
     phase("rclone_local_s3_s", lambda: rclone(str(local), f"a:{a_bucket}/rc"))
-    phase("rclone_s3_s3_s", lambda: rclone(f"a:{src[5:]}", f"b:{b_bucket}/rc"))
+    # the first copy into server b grows its volumes: who goes first alternates with the repeat
+    for key in h.rotated(("copy_s3_s3_s", "rclone_s3_s3_s"), cfg.r):
+        phase(key, (lambda: casstore.copy(s3(src, a_opts), s3(dst, b_opts))) if "copy" in key
+              else (lambda: rclone(f"a:{src[5:]}", f"b:{b_bucket}/rc")))
     a_fs, b_fs = (fsspec.filesystem("s3", skip_instance_cache=True, **o) for o in (a_opts, b_opts))
     copied = (len(a_fs.find(f"{a_bucket}/rc")), len(b_fs.find(f"{b_bucket}/rc")))
     assert copied == (h.du(local)[0], len(a_fs.find(src[5:]))), f"rclone copied {copied}"
