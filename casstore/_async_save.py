@@ -54,12 +54,13 @@ class AsyncCheckpointer:
     :meth:`wait_until_finished` waits for it and raises its error. Once ``save`` returns the
     caller may overwrite its numpy arrays and donate or delete its jax arrays: the step holds
     the values at the call. Host memory: numpy leaves are copied (their bytes once more),
-    except for blocks that hash to a chunk of the previous step (the manager's saves: a frozen
-    base is hashed, not copied); accelerator arrays are copied block by block to pinned host
-    memory; CPU-device jax arrays are zero-copy views (jax copies a buffer donated while the
-    save runs); Python scalars, str and bytes are read at ``save``. With
-    ``max_staging_bytes`` the copies held at once never exceed that many bytes: ``save`` then
-    stages what fits and waits for the background save to store chunks before staging more.
+    except, after a save that reused more chunks than it wrote, for blocks that hash to a
+    chunk of the previous step (the manager's saves: a frozen base is hashed, not copied);
+    accelerator arrays are copied block by block to pinned host memory; CPU-device jax arrays
+    are zero-copy views (jax copies a buffer donated while the save runs); Python scalars, str
+    and bytes are read at ``save``. With ``max_staging_bytes`` the copies held at once never
+    exceed that many bytes: ``save`` then stages what fits and waits for the background save
+    to store chunks before staging more.
 
     Thread-safety: NOT thread-safe (call it from one thread). At interpreter exit an in-flight
     save is finished first; a save killed with the process leaves no manifest, never a partial
@@ -150,11 +151,14 @@ class AsyncCheckpointer:
             self._writable = True
         prepared, arrays = prepare(tree, metadata)
         # numpy blocks over the pack threshold are copied at staging unless the previous step
-        # stores their chunk (smaller numpy leaves are packed: copied anyway)
+        # stores their chunk (smaller numpy leaves are packed: copied anyway). Hashing them here
+        # pays where blocks repeat, so only after a save that reused more chunks than it wrote
+        # (a frozen base); after one that did not (every leaf trained) they are copied unhashed.
         numpy_blocks = any(isinstance(a, np.ndarray) and a.nbytes > DEFAULT_PACK_THRESHOLD_BYTES
                            for a in arrays.values())
-        previous = self._committed  # read back after its commit: no request on this path
-        if not numpy_blocks or previous is None or previous.step != previous_step:
+        previous, info = self._committed, self.last_save_info  # no request on this path
+        if (not numpy_blocks or previous is None or previous.step != previous_step
+                or info is None or info.reused_chunks <= info.new_chunks):
             previous = None
         inline, jobs = plan_jobs(prepared, arrays, self.chunk_size_bytes,
                                  DEFAULT_PACK_THRESHOLD_BYTES)

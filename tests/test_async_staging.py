@@ -383,21 +383,25 @@ def test_unchanged_numpy_blocks_are_handed_over_by_chunk_id_not_copied(gated, mo
     first = {"base": base.copy(), "head": head.copy()}
     with casstore.CheckpointManager(gated, chunk_size_bytes=2**16) as mngr:
         gated.gate.set()
-        mngr.save(1, {"base": base, "head": head})
-        mngr.wait_until_finished()
+        for step in (1, 2):  # the first save wrote every chunk, so the second copies unhashed
+            staged.clear()
+            mngr.save(step, {"base": base, "head": head})
+            mngr.wait_until_finished()
+            assert sorted(staged) == [(False, 2**16)] * 6, step
+        assert mngr.last_save_info.reused_chunks == 6  # the second reused them all: now hash
         gated.gate.clear()
         base[-10:] = 5.0  # the last of base's chunks changes, the other three do not
         head += 1.0
         expected = {"base": base.copy(), "head": head.copy()}
         staged.clear()
-        mngr.save(2, {"base": base, "head": head})
+        mngr.save(3, {"base": base, "head": head})
         assert sorted(staged) == [(False, 2**16)] * 3 + [(True, 2**16)] * 3
         base[:] = -7.0  # the caller overwrites everything while the save is in flight
         head[:] = -7.0
         gated.gate.set()
         mngr.wait_until_finished()
         assert mngr.last_save_info.reused_chunks == 3
-        for step, want in ((1, first), (2, expected)):
+        for step, want in ((1, first), (3, expected)):
             got = mngr.restore(step)
             for k in want:
                 assert got[k].tobytes() == want[k].tobytes(), (step, k)
