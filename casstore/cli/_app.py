@@ -132,8 +132,12 @@ def main(debug: bool) -> None:
       casstore verify ./ckpt --json
     """
     if not debug:  # one line per error: not gcsfs's "could not determine bucket type" warnings
-        logging.getLogger("gcsfs").addFilter(
-            lambda r: not str(r.msg).startswith("Could not determine"))
+        logging.getLogger("gcsfs").addFilter(_no_bucket_type_warnings)  # added once
+
+
+def _no_bucket_type_warnings(record: logging.LogRecord) -> bool:
+    """False for gcsfs's "Could not determine bucket type ..." warning (it falls back anyway)."""
+    return not str(record.msg).startswith("Could not determine")
 
 
 def command(name: str) -> Any:
