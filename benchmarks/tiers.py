@@ -108,7 +108,7 @@ def copies(local: pathlib.Path, a: tuple, b: tuple, cfg, out: dict) -> None:
     (a_opts, a_bucket), (b_opts, b_bucket) = a, b
     src, dst = f"s3://{a_bucket}/copy-src", f"s3://{b_bucket}/copy-dst"
     s3 = lambda url, o: casstore.open_store(url, skip_instance_cache=True, **o)  # noqa: E731
-    phase = functools.partial(h.phase, out, warm=cfg.warm)
+    phase = functools.partial(h.phase, out, warm=cfg.warm, probes=[h.peers.ServerCpu()])
     phase("copy_local_s3_s", lambda: casstore.copy(str(local), s3(src, a_opts)))
     out["rclone"] = shutil.which(RCLONE)
     if out["rclone"] is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import pathlib
+import resource
 from typing import Any
 
 import jax
@@ -229,24 +230,28 @@ class RequestCounter:
 
 
 class ServerCpu:
-    """Probe: CPU time (user + system) of this process's children, a server it started, in a
-    phase (``{name}_server_cpu_s``); NaN without children (``--endpoint``)."""
+    """Probe: CPU time (user + system) of this process's children in a phase: the servers it
+    started (``{name}_server_cpu_s``; NaN without children, ``--endpoint``) and the programs
+    that ran and exited meanwhile, such as rclone (``{name}_program_cpu_s``)."""
 
     @staticmethod
-    def _cpu_s() -> float:
+    def _cpu_s() -> tuple[float, float]:
         children = psutil.Process().children(recursive=True)
         total = 0.0 if children else float("nan")
         for child in children:
             with contextlib.suppress(psutil.Error):
                 cpu = child.cpu_times()
                 total += cpu.user + cpu.system
-        return total
+        exited = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return total, exited.ru_utime + exited.ru_stime
 
     def start(self) -> None:
         self.t0 = self._cpu_s()
 
     def stop(self, out: dict, name: str) -> None:
-        out[f"{name}_server_cpu_s"] = self._cpu_s() - self.t0
+        (servers, programs), (s0, p0) = self._cpu_s(), self.t0
+        out[f"{name}_server_cpu_s"] = servers - s0
+        out[f"{name}_program_cpu_s"] = programs - p0
 
 
 class StoreOps:
