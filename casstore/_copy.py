@@ -13,7 +13,11 @@ Integrity of each object as it passes (``verify``):
   (format.md §3.2: magic, version, codec, element size, the raw length the manifest gives), the
   payload's length for a raw chunk, the plane table of codecs 3, 4 and 5 (lengths that add up to
   the payload), and the content size each zstd frame declares. A truncated, mis-sized or
-  foreign object is refused; a changed byte inside a payload is not seen here. It is seen by
+  foreign object is refused; a changed byte inside a payload is not seen here. On S3 a byte
+  changed in transit is seen without decoding: botocore sends a CRC32 with every upload, which
+  the store checks (it refuses the body), and checks every download against the CRC32 the
+  store keeps; the object is sent or fetched again, then the copy fails
+  (:mod:`casstore.store._retry`). gcsfs checks neither way. Damage at the source is seen by
   every restore and ``verify`` of the destination (the chunk id is checked on every read, so
   damage is never restored silently), and a tiered restore then takes the chunk from the other
   tier (``docs/tiers.md``).

@@ -8,7 +8,9 @@ requests from then on:
 - ``"slowdown"``: answer ``503 SlowDown`` with an S3 XML error body, without asking upstream;
 - ``"cut"``: close both connections halfway through the request body (uploads) or the response
   body (downloads);
-- ``"trickle"``: relay the answer at ``rate_bytes_s`` bytes per second.
+- ``"trickle"``: relay the answer at ``rate_bytes_s`` bytes per second;
+- ``"flip"``: invert one byte in the middle of the request body (an upload) or, for a request
+  without a body, of the response body (a download): a bit error the TCP checksum missed.
 
 With ``max_in_flight=N`` the fault hits only requests that arrive while N others are in
 flight (a store that throttles above a request rate). ``proxy.set(None)`` heals it.
@@ -26,7 +28,8 @@ from collections import Counter
 from collections.abc import Iterator
 
 HOST = "127.0.0.1"
-FAULTS = ("stall", "slowdown", "cut", "trickle")
+FAULTS = ("stall", "slowdown", "cut", "trickle")  # the ones that cost time
+CORRUPTING = ("flip",)
 SLOWDOWN = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>SlowDown</Code><Message>"
             b"Please reduce your request rate.</Message><RequestId>faultproxy</RequestId></Error>")
 
@@ -60,6 +63,7 @@ class FaultProxy:
         self.fraction = 1.0
         self.rate_bytes_s = 4096
         self.max_in_flight: int | None = None
+        self.only = b""
         self.in_flight = 0
         self.faults: Counter = Counter()
         self.requests = 0
@@ -73,13 +77,14 @@ class FaultProxy:
         self.endpoint_url = f"http://{HOST}:{self.port}"
 
     def set(self, fault: str | None, fraction: float = 1.0, rate_bytes_s: int = 4096,
-            max_in_flight: int | None = None) -> None:
-        """Injects ``fault`` (one of FAULTS, or None to heal) into ``fraction`` of requests
-        (of those beyond ``max_in_flight`` concurrent ones, if given)."""
-        if fault is not None and fault not in FAULTS:
+            max_in_flight: int | None = None, only: bytes = b"") -> None:
+        """Injects ``fault`` (one of FAULTS or CORRUPTING, or None to heal) into ``fraction`` of
+        requests (of those beyond ``max_in_flight`` concurrent ones, if given) whose request
+        line contains ``only``."""
+        if fault is not None and fault not in FAULTS + CORRUPTING:
             raise ValueError(f"unknown fault {fault!r}")
         self.fault, self.fraction, self.rate_bytes_s = fault, fraction, rate_bytes_s
-        self.max_in_flight = max_in_flight
+        self.max_in_flight, self.only = max_in_flight, only
 
     def close(self) -> None:
         async def stop():
@@ -101,6 +106,7 @@ class FaultProxy:
             self.requests += 1
             self.in_flight += 1
             busy = self.max_in_flight is None or self.in_flight > self.max_in_flight
+            busy = busy and self.only in head.split(b"\r\n", 1)[0]
             fault = self.fault if busy and self.rng.random() < self.fraction else None
             if fault:
                 self.faults[fault] += 1
@@ -123,7 +129,10 @@ class FaultProxy:
                 upstream_w.write(await client_r.readexactly(length // 2))
                 await upstream_w.drain()
                 return  # both connections closed mid-body
-            up = asyncio.ensure_future(self._pipe(client_r, upstream_w))
+            flip_upload = fault == "flip" and length > 0
+            up = asyncio.ensure_future(self._flip(client_r, upstream_w, length) if flip_upload
+                                       else self._pipe(client_r, upstream_w))
+            fault = None if flip_upload else fault  # the answer goes back as it is
             try:
                 await self._answer(upstream_r, client_w, fault)
             finally:
@@ -142,13 +151,29 @@ class FaultProxy:
             writer.write(data)
             await writer.drain()
 
+    async def _flip(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    length: int) -> None:
+        """Relays a request body of ``length`` bytes with its middle byte inverted (the answer
+        is relayed meanwhile: a client may wait for ``100 Continue`` before sending it)."""
+        body = bytearray(await reader.readexactly(length))
+        body[length // 2] ^= 0xFF
+        writer.write(body)
+        await writer.drain()
+
     async def _answer(self, upstream_r: asyncio.StreamReader, client_w: asyncio.StreamWriter,
                       fault: str | None) -> None:
         """Relays the upstream answer to the client, cut or trickled as ``fault`` says."""
-        if fault == "cut":
+        if fault in ("cut", "flip"):
             head = await _read_head(upstream_r)
             length = _content_length(head) or 0
-            client_w.write(head + await upstream_r.readexactly(length // 2))
+            if fault == "cut":
+                client_w.write(head + await upstream_r.readexactly(length // 2))
+                await client_w.drain()
+                return
+            body = bytearray(await upstream_r.readexactly(length))
+            if length:
+                body[length // 2] ^= 0xFF
+            client_w.write(head + body)
             await client_w.drain()
             return
         if fault != "trickle":

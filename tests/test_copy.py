@@ -1,16 +1,19 @@
 """casstore.copy: counts, checks before writing, one pool across steps, per-step commits in
-order, framing checks and verify=True, progress (local directories and SeaweedFS)."""
+order, framing checks and verify=True, progress, and bytes changed in transit (local directories
+and SeaweedFS)."""
 
 import threading
 import time
 
 import numpy as np
 import pytest
+from faultproxy import fault_proxy
 
 import casstore
 from casstore._layout import parse_manifest_key
 from casstore._repository import list_chunk_objects
-from casstore.store import CountingStore, LocalStore, MemoryStore
+from casstore.store import CountingStore, FsspecStore, LocalStore, MemoryStore
+from casstore.store._retry import CHECKSUM_ATTEMPTS
 
 from conftest import object_store
 
@@ -171,3 +174,55 @@ def test_verify_true_refuses_a_changed_byte_the_framing_check_lets_through(tmp_p
     casstore.copy(src, tmp_path / "fast")  # framing intact: passed on as stored
     with pytest.raises(casstore.CorruptChunkError, match=cid):
         casstore.restore(tmp_path / "fast", 1)  # and caught by the id check on every read
+
+
+@pytest.fixture
+def flipping_s3(object_servers):
+    """``(proxy, the store through a proxy that flips bytes in transit, the same store
+    direct)`` on a fresh SeaweedFS bucket; small deadlines keep a failing test short."""
+    server = object_servers["seaweedfs"]
+    url = server.url()
+    with fault_proxy(server.endpoint_url) as proxy:
+        through = FsspecStore.from_url(url, **{**server.storage_options,
+                                               "endpoint_url": proxy.endpoint_url},
+                                       request_timeout_s=2, operation_timeout_s=10)
+        through.policy.backoff_s = 0.05
+        yield proxy, through, FsspecStore.from_url(url, **server.storage_options)
+
+
+def test_a_byte_flipped_in_transit_to_s3_is_refused_by_the_store(tmp_path, flipping_s3):
+    """The framing-only copy sends each object with a CRC32 the store checks (botocore's
+    default): a changed byte is refused, retried, and never stored."""
+    proxy, through, direct = flipping_s3
+    x = np.random.default_rng(0).normal(size=50_000).astype(np.float32)  # one chunk object
+    casstore.save(tmp_path / "src", 0, {"x": x})
+    proxy.set("flip", only=b"/chunks/")
+    with pytest.raises(OSError, match="did not match"):
+        casstore.copy(tmp_path / "src", through)
+    assert proxy.faults["flip"] == CHECKSUM_ATTEMPTS  # sent 3 times, refused 3 times
+    assert casstore.list_steps(direct) == []
+    assert list(list_chunk_objects(direct)) == []  # nothing damaged (or at all) was stored
+    proxy.set(None)
+    casstore.copy(tmp_path / "src", through)
+    assert casstore.restore(direct, 0)["x"].tobytes() == x.tobytes()
+
+
+def test_a_byte_flipped_in_transit_from_s3_fails_the_copy_and_a_tier_has_the_chunk(
+        tmp_path, flipping_s3):
+    """A download is checked against the CRC32 the store keeps, without decoding: the copy
+    names the chunk and writes no step; a tiered restore takes the chunk from the other tier."""
+    proxy, through, direct = flipping_s3
+    trees = shared_steps(LocalStore(tmp_path / "local"), n=1)
+    casstore.copy(tmp_path / "local", direct)
+    proxy.set("flip", only=b"/chunks/")
+    with pytest.raises(casstore.CorruptChunkError, match="transfer checksum 3 time") as info:
+        casstore.copy(through, tmp_path / "back")
+    assert info.value.step == 0
+    assert info.value.chunk_id in casstore.read_manifest(direct, 0).chunk_ids()
+    assert casstore.list_steps(tmp_path / "back") == []
+    with pytest.raises(casstore.CorruptChunkError, match="transfer checksum"):
+        casstore.restore(through, 0)
+    tiered = casstore.FallbackStore(through, [tmp_path / "local"])
+    restored = casstore.restore(tiered, 0)
+    assert all(restored[k].tobytes() == trees[0][k].tobytes() for k in trees[0])
+    assert tiered.objects_recovered == len(casstore.read_manifest(direct, 0).chunk_ids())

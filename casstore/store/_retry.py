@@ -24,7 +24,7 @@ from typing import Any
 
 import fsspec
 
-from .._errors import AccessDeniedError, CasstoreError
+from .._errors import AccessDeniedError, CasstoreError, CorruptChunkError
 from ._adaptive import AdaptiveLimit
 from ._reach import UNREACHABLE_S, is_unreachable, no_answer, retry_deadline
 
@@ -54,6 +54,8 @@ def is_transient(exc: BaseException) -> bool:
     botocore / HTTP errors in OSError.
     """
     seen = [exc, exc.__cause__, exc.__context__]
+    if is_checksum_mismatch(exc):
+        return True  # the next transfer's bytes may arrive intact
     if isinstance(exc, _PERMANENT):
         return False
     for e in (x for x in seen if x is not None):
@@ -73,6 +75,28 @@ def is_transient(exc: BaseException) -> bool:
         if type(e).__module__.split(".")[0] in ("aiohttp", "urllib3"):
             return True
     return False
+
+
+_CHECKSUM_CODES = {"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch"}
+CHECKSUM_ATTEMPTS = 3  # transfers of one object whose bytes fail their checksum
+
+
+def is_checksum_mismatch(exc: BaseException) -> str | None:
+    """``"upload"`` if the store refused an upload whose body does not match the checksum sent
+    with it (S3 ``BadDigest``: botocore sends a CRC32 with every ``PutObject``), ``"download"``
+    if a download's body does not match the checksum the store keeps (botocore's
+    ``FlexibleChecksumError``, gcsfs's ``ChecksumError``), else None. The exception and its
+    causes are inspected."""
+    for e in (exc, exc.__cause__, exc.__context__):
+        if e is None:
+            continue
+        if type(e).__name__ in ("FlexibleChecksumError", "ChecksumError"):
+            return "download"
+        response = getattr(e, "response", None)  # botocore ClientError
+        if isinstance(response, dict) and response.get("Error", {}).get("Code") in (
+                _CHECKSUM_CODES):
+            return "upload"
+    return None
 
 
 _CONGESTION_CODES = {"SlowDown", "ServiceUnavailable", "Throttling", "ThrottlingException",
@@ -179,12 +203,16 @@ class RetryPolicy:
         A permanent error (or the last transient one, when ``retries`` ran out) is raised with
         the object's URL added; a deadline that passed raises StoreTimeoutError. A refused
         request (s3fs maps 403 AccessDenied and bad keys to PermissionError) becomes
-        :class:`~casstore.AccessDeniedError`, whose message names that URL.
+        :class:`~casstore.AccessDeniedError`, whose message names that URL. Bytes that fail
+        their transfer checksum (:func:`is_checksum_mismatch`) are sent or fetched again, up
+        to :data:`CHECKSUM_ATTEMPTS` times in all; then an upload raises the store's refusal
+        (with the URL added) and a download raises :class:`~casstore.CorruptChunkError` naming
+        that URL (a restore then takes the chunk from another tier, where there is one).
         """
         budget = self.operation_timeout_s
         if self._unanswered:
             budget = min(budget, self.request_timeout_s)
-        deadline, refused = time.monotonic() + budget, None
+        deadline, refused, mismatches = time.monotonic() + budget, None, 0
         for attempt in itertools.count():
             try:  # one attempt gets at most half the deadline: a trickle leaves time to retry
                 result = self._attempt(fn, min(deadline, time.monotonic() + budget / 2))
@@ -194,9 +222,17 @@ class RetryPolicy:
                 raise AccessDeniedError(f"the server refused access: {e}",
                                         url=f"{self.url}/{key}") from e
             except Exception as e:  # classified by is_transient; anything else is re-raised
+                mismatch = is_checksum_mismatch(e)
+                mismatches += mismatch is not None
+                if mismatch == "download" and (mismatches >= CHECKSUM_ATTEMPTS or (
+                        time.monotonic() + self.backoff_s >= deadline)):
+                    raise CorruptChunkError(
+                        f"the object's bytes failed their transfer checksum {mismatches} "
+                        f"time(s): {e}", url=f"{self.url}/{key}") from e
                 last, deadline = e, min(deadline, retry_deadline(e))  # refused: within seconds
                 refused = e if is_unreachable(e) else refused  # a later attempt may time out
-                if not is_transient(e) or (self.retries is not None and attempt >= self.retries):
+                if not is_transient(e) or mismatches >= CHECKSUM_ATTEMPTS or (
+                        self.retries is not None and attempt >= self.retries):
                     if not isinstance(e, FileNotFoundError) and hasattr(e, "add_note"):
                         e.add_note(f"casstore: while accessing {self.url}/{key}")
                     raise
