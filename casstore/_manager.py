@@ -32,6 +32,8 @@ from ._policies import (
     SaveDecisionPolicy,
     find,
     manager_policies,
+    manifest_details,
+    persistent_preservation,
     utc_now,
 )
 from ._preemption import PreemptionNotice
@@ -101,8 +103,13 @@ class CheckpointManager:
         :meth:`all_steps` cover both tiers; :meth:`restore` reads each chunk from ``url`` and
         one missing or damaged there from the persistent tier.
       persist_interval_steps: a step divisible by this is persisted.
-      persistent_max_to_keep: persisted steps kept on the persistent tier (None keeps all);
-        ``gc_after_retention`` and ``grace_period_s`` apply to it too.
+      persistent_max_to_keep: persisted steps kept on the persistent tier (``LatestN``; None
+        keeps all); ``gc_after_retention`` and ``grace_period_s`` apply to it too.
+      persistent_keep_period: also keep every persisted step divisible by this there
+        (``EveryNSteps``).
+      persistent_preservation_policy: which persisted steps the persistent tier keeps, as
+        ``preservation_policy`` (e.g. ``BestN`` on the metrics saved with each step); not with
+        the two arguments above.
       **storage_options: passed to fsspec for URLs.
 
     Raises:
@@ -132,7 +139,10 @@ class CheckpointManager:
                  chunk_size_bytes: int = DEFAULT_CHUNK_SIZE_BYTES,
                  zstd_level: int = DEFAULT_ZSTD_LEVEL, delta: bool = True,
                  persistent: Url | None = None, persist_interval_steps: int = 1,
-                 persistent_max_to_keep: int | None = None, **storage_options):
+                 persistent_max_to_keep: int | None = None,
+                 persistent_keep_period: int | None = None,
+                 persistent_preservation_policy: PreservationPolicy | None = None,
+                 **storage_options):
         self.save_decision_policy, self.preservation_policy = manager_policies(
             save_decision_policy, preservation_policy, save_interval_steps=save_interval_steps,
             max_to_keep=max_to_keep, keep_period=keep_period, best_fn=best_fn,
@@ -154,8 +164,9 @@ class CheckpointManager:
         # tiers (_tiers.py): the persister, which resumes what a killed manager left
         self.persister = None if persistent is None else start_persister(
             self.store, persistent, run, self._steps, PersistPolicy(
-                persist_interval_steps, persistent_max_to_keep, gc_after_retention,
-                grace_period_s))
+                persist_interval_steps, persistent_preservation(
+                    persistent_preservation_policy, persistent_max_to_keep,
+                    persistent_keep_period), gc_after_retention, grace_period_s))
         # last: a signal handler is installed only once nothing else can fail
         preemption = find(self.save_decision_policy, PreemptionCheckpointingPolicy)
         self._notice = PreemptionNotice(preemption.signals if preemption else ())
@@ -316,11 +327,8 @@ class CheckpointManager:
     def _step_details(self, step: int) -> tuple[Any, datetime.datetime]:
         """(metrics, save time) of ``step``: remembered, or read from its manifest once."""
         if step not in self._details:
-            manifest = read_manifest(self._reader(), step, run=self.run)
-            metadata = manifest.metadata
-            metrics = metadata.get("metrics") if isinstance(metadata, dict) else None
-            created = datetime.datetime.fromtimestamp(manifest.created, datetime.timezone.utc)
-            self._details[step] = (metrics, created)
+            self._details[step] = manifest_details(read_manifest(self._reader(), step,
+                                                                 run=self.run))
         return self._details[step]
 
     def _infos(self) -> list[PolicyCheckpointInfo]:

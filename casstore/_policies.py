@@ -62,6 +62,14 @@ def utc_now() -> datetime.datetime:
     return datetime.datetime.now(tz=datetime.timezone.utc)
 
 
+def manifest_details(manifest: Any) -> tuple[Any, datetime.datetime]:
+    """(metrics, save time in UTC) of a step, from its ``Manifest``: the metrics a manager
+    saved in its metadata (None without), and its ``created`` time."""
+    metadata = manifest.metadata
+    metrics = metadata.get("metrics") if isinstance(metadata, dict) else None
+    return metrics, datetime.datetime.fromtimestamp(manifest.created, datetime.timezone.utc)
+
+
 @dataclasses.dataclass(kw_only=True)
 class DecisionContext:
     """What a save decision may depend on besides the steps.
@@ -342,6 +350,27 @@ def manager_policies(save_decision_policy: SaveDecisionPolicy | None,
         preservation_policy = _preservation_of(max_to_keep, keep_period, best_fn, best_mode,
                                                keep_checkpoints_without_metrics)
     return save_decision_policy, preservation_policy
+
+
+def persistent_preservation(policy: PreservationPolicy | None, max_to_keep: int | None,
+                            keep_period: int | None) -> PreservationPolicy | None:
+    """The persistent tier's preservation policy: ``policy``, or ``LatestN(max_to_keep)`` with
+    ``EveryNSteps(keep_period)`` added, or None (keep every persisted step) without either.
+
+    Raises:
+      ValueError: ``policy`` is given with ``max_to_keep`` or ``keep_period``, or a count is
+        not a positive int (naming the manager's ``persistent_*`` argument).
+    """
+    _check_positive("persistent_max_to_keep", max_to_keep, none_ok=True)
+    _check_positive("persistent_keep_period", keep_period, none_ok=True)
+    given = [name for name, value in (("persistent_max_to_keep", max_to_keep),
+                                      ("persistent_keep_period", keep_period)) if value]
+    if policy is not None and given:
+        raise ValueError(f"persistent_preservation_policy= replaces {', '.join(given)}: pass "
+                         "one or the other")
+    if policy is not None or (max_to_keep is None and keep_period is None):
+        return policy
+    return _preservation_of(max_to_keep, keep_period, None, "max", True)
 
 
 def _preservation_of(max_to_keep, keep_period, best_fn, best_mode,

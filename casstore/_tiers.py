@@ -28,6 +28,12 @@ from ._errors import CasstoreError, StoreTimeoutError
 from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, gc
 from ._layout import manifest_key
 from ._locks import save_lock
+from ._policies import (
+    PolicyCheckpointInfo,
+    PreservationContext,
+    PreservationPolicy,
+    manifest_details,
+)
 from ._repository import delete, ensure_config, list_steps, read_manifest
 from .store import Store, open_store
 
@@ -48,22 +54,20 @@ class PersistError(CasstoreError, OSError):
 @dataclasses.dataclass(frozen=True, slots=True)
 class PersistPolicy:
     """How a manager persists: ``interval_steps`` (a step divisible by it is persisted),
-    ``max_to_keep`` (persisted steps kept on the persistent tier, latest first; None keeps all),
-    ``gc_after_retention`` and ``grace_period_s`` (garbage collection of the persistent tier
-    after its retention deleted steps)."""
+    ``preservation_policy`` (which persisted steps the persistent tier keeps: a
+    ``PreservationPolicy`` as the manager's local one, e.g. ``LatestN``, ``EveryNSteps``,
+    ``BestN``; None keeps all), ``gc_after_retention`` and ``grace_period_s`` (garbage
+    collection of the persistent tier after its retention deleted steps)."""
 
     interval_steps: int = 1
-    max_to_keep: int | None = None
+    preservation_policy: PreservationPolicy | None = None
     gc_after_retention: bool = False
     grace_period_s: float = DEFAULT_GRACE_PERIOD_S
 
     def __post_init__(self):
-        for name, arg in (("interval_steps", "persist_interval_steps"),
-                          ("max_to_keep", "persistent_max_to_keep")):
-            value = getattr(self, name)
-            if (value is not None or name == "interval_steps") and (
-                    not isinstance(value, int) or value < 1):
-                raise ValueError(f"{arg} must be a positive int, not {value!r}")
+        value = self.interval_steps
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"persist_interval_steps must be a positive int, not {value!r}")
 
 
 class Persister:
@@ -93,6 +97,7 @@ class Persister:
             self._remote_steps = set()
             self._error = _located(e, None, persistent.url, run)
         self._known: dict[str, int] = {}  # objects the latest persisted step references
+        self._details: dict[int, tuple] = {}  # step -> (metrics, save time), for retention
         self._running: int | None = None
         self._queued: int | None = None
         self._closed = False
@@ -198,20 +203,34 @@ class Persister:
         self.persisted[step] = info
         self._remote_steps.add(step)
         manifest = read_manifest(self.local, step, run=self.run)
+        self._details[step] = manifest_details(manifest)
         self._known = {k: present[k] for k in needed_objects(manifest) if k in present}
         self._retain()
 
     def _retain(self) -> None:
-        keep = self.policy.max_to_keep
-        if keep is None:
+        policy = self.policy.preservation_policy
+        if policy is None:
             return
-        doomed = sorted(self._remote_steps)[:-keep]
+        steps = sorted(self._remote_steps)
+        infos = [PolicyCheckpointInfo(step, details=self._step_details) for step in steps]
+        keep = policy.should_preserve(infos, context=PreservationContext())
+        doomed = [step for step, kept in zip(steps, keep, strict=True) if not kept]
         for step in doomed:
             with contextlib.suppress(FileNotFoundError):
                 delete(self.persistent, step, run=self.run)
             self._remote_steps.discard(step)
+            self._details.pop(step, None)
         if doomed and self.policy.gc_after_retention:
             self.last_gc_info = gc(self.persistent, grace_period_s=self.policy.grace_period_s)
+
+
+    def _step_details(self, step: int) -> tuple:
+        """(metrics, save time) of a persisted step: remembered from its persist, or read from
+        its manifest on the persistent tier once (a step an earlier manager persisted)."""
+        if step not in self._details:
+            self._details[step] = manifest_details(read_manifest(self.persistent, step,
+                                                                 run=self.run))
+        return self._details[step]
 
 
 def start_persister(local: Store, persistent, run: str, local_steps: list[int],

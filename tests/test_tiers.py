@@ -245,6 +245,35 @@ def test_persistent_retention_and_gc_run_on_the_persistent_tier(tmp_path, remote
     assert casstore.gc(remote, grace_period_s=0, dry_run=True).deleted_chunks == 0
 
 
+def test_persistent_keep_period_keeps_every_kth_step_beside_the_latest(tmp_path, remote):
+    with manager(tmp_path / "local", remote, persistent_max_to_keep=2,
+                 persistent_keep_period=3, max_to_keep=1) as mngr:
+        for step in range(8):
+            mngr.save(step, tree_for(step))
+            mngr.wait_until_persisted()
+        assert casstore.list_steps(remote) == [0, 3, 6, 7]  # every 3rd, and the latest 2
+        assert casstore.list_steps(tmp_path / "local") == [7]  # local retention: its own values
+    for step in (0, 3):
+        assert_bit_exact(casstore.restore(remote, step), step)
+
+
+def test_persistent_best_n_ranks_the_metrics_saved_with_each_step(tmp_path, remote):
+    best = casstore.BestN(get_metric_fn=lambda m: m["loss"], reverse=True, n=2)
+    losses = [5.0, 1.0, 4.0, 2.0, 3.0]
+    with manager(tmp_path / "local", remote, persistent_preservation_policy=best) as mngr:
+        for step, loss in enumerate(losses):
+            mngr.save(step, tree_for(step), metrics={"loss": loss})
+            mngr.wait_until_persisted()
+        assert casstore.list_steps(remote) == [1, 3]  # the two lowest losses
+        assert mngr.all_steps() == [0, 1, 2, 3, 4]  # local keeps all (max_to_keep=None)
+    # A new manager ranks the steps an earlier one persisted by their manifests' metrics.
+    with manager(tmp_path / "local2", remote, persistent_preservation_policy=best) as mngr:
+        mngr.save(5, tree_for(5), metrics={"loss": 1.5})
+        mngr.wait_until_persisted()
+    assert casstore.list_steps(remote) == [1, 5]
+    assert_bit_exact(casstore.restore(remote, 5), 5)
+
+
 def test_local_retention_never_deletes_a_step_whose_persist_is_pending(tmp_path, object_servers):
     server = object_servers["seaweedfs"]
     url = server.url_for("pending")
@@ -349,7 +378,11 @@ def test_two_jax_processes_save_locally_and_process_0_persists(tmp_path, object_
 
 @pytest.mark.parametrize(("kwargs", "named"), [({"persist_interval_steps": 0}, "persist_interval"),
                                            ({"persist_interval_steps": None}, "persist_interval"),
-                                           ({"persistent_max_to_keep": 0}, "persistent_max")])
+                                           ({"persistent_max_to_keep": 0}, "persistent_max"),
+                                           ({"persistent_keep_period": 0}, "persistent_keep"),
+                                           ({"persistent_max_to_keep": 2,
+                                             "persistent_preservation_policy":
+                                                 casstore.LatestN(1)}, "replaces")])
 def test_bad_tier_arguments_are_refused_naming_them(tmp_path, kwargs, named):
     with pytest.raises(ValueError, match=named):
         casstore.CheckpointManager(tmp_path / "local", persistent=tmp_path / "remote", **kwargs)
