@@ -70,7 +70,9 @@ def _shared_aio_session():
     """One aiobotocore session for every S3 store this process opens. A session caches the
     JSON models botocore parses for each new client (the endpoints, the S3 API and its rules:
     0.08-0.24 s of CPU a client on the 2-core machine), so only the first S3 store pays it.
-    Credentials and endpoints are the client's, not the session's."""
+    Keys and endpoints given in the storage options are each client's own; credentials found
+    in the environment or config files are resolved once per process (and refreshed when they
+    expire), as boto3's default session does. Pass ``session=None`` for a store of its own."""
     import aiobotocore.session
 
     return aiobotocore.session.AioSession()
