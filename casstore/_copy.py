@@ -31,6 +31,7 @@ import dataclasses
 import struct
 import threading
 import time
+import zlib
 from collections.abc import Callable
 
 import zstandard
@@ -167,12 +168,16 @@ def select_steps(src: Store, *, steps: list[int] | None = None,
 def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
                   present: dict[str, int], *, max_workers: int | None = None,
                   verify: bool = False, probe: bool = False,
-                  progress: Callable[[CopyProgress], None] | None = None) -> CopyInfo:
+                  progress: Callable[[CopyProgress], None] | None = None,
+                  share: tuple[int, int] | None = None) -> CopyInfo:
     """The engine of :func:`copy` (and of the manager's persist): copies ``selected`` steps
     from ``src`` to ``dst`` given ``present``, destination object keys and sizes known to be
     there, which it updates with what it sends or finds. With ``probe``, an object not in
     ``present`` is looked up (one ``stat``) before it is sent, so ``present`` may hold only
-    what is known, not everything. The caller holds the destination's save lock."""
+    what is known, not everything. With ``share=(i, n)`` it sends only the objects of share
+    ``i`` of ``n`` (:func:`share_of`) and writes no manifest: ``n`` processes each send
+    theirs, then one copies with every object in ``present``, writing the manifests. The
+    caller holds the destination's save lock."""
     t0 = time.perf_counter()
     plan, skipped_steps = _plan(src, dst, selected)
     needed: dict[str, tuple[str, str | None, int, str, _Step]] = {}
@@ -182,12 +187,14 @@ def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
     order = {id(s): i for i, s in enumerate(plan)}
     # In step order (a step's manifest goes up as soon as its objects are in), and within a
     # step a base beside the deltas on it.
-    missing = sorted((k for k in needed if k not in present),
+    missing = sorted((k for k in needed if k not in present
+                      and (share is None or share_of(k, share[1]) == share[0])),
                      key=lambda k: (order[id(needed[k][4])], needed[k][1] or needed[k][0]))
     skipped = [k for k in needed if k in present]
     for s in plan:
         s.waiting = {k for k in needed_objects(s.manifest) if k not in present}
-    engine = _Engine(src, dst, plan, needed, len(missing), verify, progress, probe)
+    engine = _Engine(src, dst, plan if share is None else [], needed, len(missing), verify,
+                     progress, probe)
     engine.commit_ready()
     # With verify, a base that deltas share is read from the source once for all of them;
     # without, no base is decoded, so none is held.
@@ -354,6 +361,12 @@ def _check_frame_size(frame: memoryview, size: int, bad: Callable) -> None:
         raise bad(f"not a zstd frame: {e}") from e
     if declared != size:
         raise bad(f"zstd frame declares {declared} bytes, expected {size}")
+
+
+def share_of(key: str, count: int) -> int:
+    """Which of ``count`` processes sends object ``key`` in a shared persist (a CRC32 of the
+    key: about as many objects each, whoever wrote them)."""
+    return zlib.crc32(key.encode()) % count
 
 
 def needed_objects(manifest: Manifest) -> dict[str, tuple[str, str | None, int, str]]:

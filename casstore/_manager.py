@@ -101,7 +101,8 @@ class CheckpointManager:
         eligible step is copied there in the background after its local commit, moving only
         the chunks it lacks; ``save`` never waits for it. :meth:`latest_step` and
         :meth:`all_steps` cover both tiers; :meth:`restore` reads each chunk from ``url`` and
-        one missing or damaged there from the persistent tier.
+        one missing or damaged there from the persistent tier. With several ``jax.distributed``
+        processes each sends a share of every persisted step and process 0 commits it.
       persist_interval_steps: a step divisible by this is persisted.
       persistent_max_to_keep: persisted steps kept on the persistent tier (``LatestN``; None
         keeps all); ``gc_after_retention`` and ``grace_period_s`` apply to it too.

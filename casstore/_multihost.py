@@ -34,6 +34,18 @@ def timeout_ms() -> int:
     return int(float(os.environ.get("CASSTORE_MULTIHOST_TIMEOUT_S", "600")) * 1000)
 
 
+def kv_client():
+    """The ``jax.distributed`` coordinator's key-value store client.
+
+    Raises:
+      CasstoreError: ``jax.distributed`` is not initialized.
+    """
+    from jax._src.distributed import global_state  # the only handle on the KV store
+    if global_state.client is None:
+        raise CasstoreError("jax.distributed is not initialized in a multi-process job")
+    return global_state.client
+
+
 class SaveAgreement:
     """One save's exchange between processes; a no-op in a single-process job."""
 
@@ -49,10 +61,7 @@ class SaveAgreement:
         return self.index == 0
 
     def _client(self):
-        from jax._src.distributed import global_state  # the only handle on the KV store
-        if global_state.client is None:
-            raise CasstoreError("jax.distributed is not initialized in a multi-process job")
-        return global_state.client
+        return kv_client()
 
     def gather(self, refs: list, error: str | None) -> list[list]:
         """Posts this process's refs (or error); on process 0 returns every process's refs.

@@ -10,6 +10,14 @@ Backlog: at most one step is persisting and one is queued. A step submitted whil
 queued replaces it (the newest pending step wins); the replaced step stays on the local tier
 only, and is listed in :attr:`Persister.dropped`. So a persistent tier slower than the save
 interval costs neither memory nor local disk: local retention only keeps the two pending steps.
+
+Several ``jax.distributed`` processes share the work of each persist (:class:`Rounds`):
+process 0 runs the backlog and, for each step it persists, starts a round on the coordinator's
+key-value store; every process sends its share of the step's missing objects (a hash of the
+key picks the process) and posts what it sent; process 0 writes the step's manifest on the
+persistent tier once every process has posted without error, so a step appears there only with
+all its objects (format.md §7). The local tier must be one that every process reads (one
+machine or a shared filesystem), as it must for a multi-process restore.
 """
 
 from __future__ import annotations
@@ -17,17 +25,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import threading
+import time
 import weakref
 
 import jax
+import msgpack
 
 from ._copy import CopyInfo, copy_selected, needed_objects
 from ._errors import CasstoreError, StoreTimeoutError
 from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, gc
 from ._layout import manifest_key
 from ._locks import save_lock
+from ._multihost import kv_client, timeout_ms
 from ._policies import (
     PolicyCheckpointInfo,
     PreservationContext,
@@ -38,6 +50,7 @@ from ._repository import delete, ensure_config, list_steps, read_manifest
 from .store import Store, open_store
 
 log = logging.getLogger("casstore")
+_managers = itertools.count()  # SPMD: managers are opened in the same order everywhere
 
 
 class PersistError(CasstoreError, OSError):
@@ -80,7 +93,9 @@ class Persister:
 
     Attributes:
       persisted: ``{step: CopyInfo}`` of the persists this object did (``bytes_copied``: the
-        stored bytes of chunk objects sent; chunks the tier had are not sent).
+        stored bytes of chunk objects sent; chunks the tier had are not sent). With several
+        processes, process 0's counts every process's objects, and another process's counts
+        its share.
       dropped: steps replaced in the backlog by newer ones (never persisted).
       last_gc_info: the persistent tier's last :class:`GcInfo`, if GC ran.
     """
@@ -103,7 +118,10 @@ class Persister:
         self._closed = False
         self._configured = False
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._loop, name="casstore-persist", daemon=True)
+        self.rounds = Rounds(run) if jax.process_count() > 1 else None
+        follower = self.rounds is not None and not self.rounds.is_leader
+        self._thread = threading.Thread(target=self._follow if follower else self._loop,
+                                        name="casstore-persist", daemon=True)
         self._thread.start()
         register = getattr(threading, "_register_atexit", None)
         if register is not None:  # let an in-flight persist finish before the interpreter exits
@@ -163,12 +181,16 @@ class Persister:
                                        timeout_s)
 
     def close(self) -> None:
-        """Waits for the backlog, then stops the thread. Idempotent."""
+        """Waits for the backlog, then stops the thread (with several processes: process 0
+        ends the rounds, and the others wait for that, at most the multi-process timeout).
+        Idempotent."""
         self.wait()
         with self._cond:
-            self._closed = True
+            closing, self._closed = not self._closed, True
             self._cond.notify_all()
-        self._thread.join()
+        if closing and self.rounds is not None and self.rounds.is_leader:
+            self.rounds.stop()
+        self._thread.join(None if self.rounds is None else timeout_ms() / 1000)
 
     def _loop(self) -> None:
         while True:
@@ -198,8 +220,11 @@ class Persister:
             self._configured = True
         with save_lock(self.persistent):
             present = dict(self._known)
-            info = copy_selected(self.local, self.persistent, [(self.run, step)], present,
-                                 probe=True)
+            if self.rounds is None:
+                info = copy_selected(self.local, self.persistent, [(self.run, step)], present,
+                                     probe=True)
+            else:
+                info = self._persist_shared(step, present)
         self.persisted[step] = info
         self._remote_steps.add(step)
         manifest = read_manifest(self.local, step, run=self.run)
@@ -224,6 +249,55 @@ class Persister:
             self.last_gc_info = gc(self.persistent, grace_period_s=self.policy.grace_period_s)
 
 
+    def _persist_shared(self, step: int, present: dict[str, int]) -> CopyInfo:
+        """Process 0's part of a shared persist: a round for ``step``, its own share, the
+        others' posts, then the manifest (every object in ``present`` by then: no transfer)."""
+        t0 = time.perf_counter()
+        self.rounds.start(step)
+        try:
+            own = copy_selected(self.local, self.persistent, [(self.run, step)], present,
+                                probe=True, share=(0, self.rounds.count))
+        except BaseException:
+            with contextlib.suppress(Exception):  # the round ends either way: no manifest
+                self.rounds.gather()
+            raise
+        theirs, chunks, nbytes = self.rounds.gather()  # raises if one failed: no manifest
+        present.update(theirs)
+        last = copy_selected(self.local, self.persistent, [(self.run, step)], present,
+                             probe=True)
+        chunks += own.chunks_copied + last.chunks_copied
+        nbytes += own.bytes_copied + last.bytes_copied
+        return dataclasses.replace(
+            last, chunks_copied=chunks, bytes_copied=nbytes,
+            chunks_skipped=last.chunks_skipped - chunks + last.chunks_copied,
+            bytes_skipped=last.bytes_skipped - nbytes + last.bytes_copied,
+            seconds=time.perf_counter() - t0)
+
+    def _follow(self) -> None:
+        """A process other than 0: sends its share of each step process 0 starts a round
+        for, and posts what it sent (or its error), until process 0 ends the rounds."""
+        while (step := self.rounds.next_step(lambda: self._closed)) is not None:
+            with self._cond:
+                self._running = step
+            try:
+                with save_lock(self.persistent):
+                    # Nothing known ahead: this process cannot tell whether the last round
+                    # committed (and its objects are referenced), so it looks each one up.
+                    present: dict[str, int] = {}
+                    info = copy_selected(self.local, self.persistent, [(self.run, step)],
+                                         present, probe=True,
+                                         share=(self.rounds.index, self.rounds.count))
+                self.rounds.post(present, info, None)
+                self.persisted[step] = info  # this process's share
+            except BaseException as e:  # process 0 names it; it also surfaces here on save()
+                self.rounds.post({}, None, f"{type(e).__name__}: {e}")
+                with self._cond:
+                    self._error = _located(e, step, self.persistent.url, self.run)
+            finally:
+                with self._cond:
+                    self._running = None
+                    self._cond.notify_all()
+
     def _step_details(self, step: int) -> tuple:
         """(metrics, save time) of a persisted step: remembered from its persist, or read from
         its manifest on the persistent tier once (a step an earlier manager persisted)."""
@@ -233,15 +307,90 @@ class Persister:
         return self._details[step]
 
 
+class Rounds:
+    """The exchange of a shared persist between the processes of a ``jax.distributed`` job, on
+    the coordinator's key-value store (as the save agreement, :mod:`casstore._multihost`).
+
+    Round ``k`` of a manager: process 0 sets ``round/k`` to the step (or ``stop``); every other
+    process sends its share and sets ``done/k/<process>`` to the objects it sent or found there
+    and its counts, or its error; process 0 waits for them all (at most the multi-process
+    timeout, ``CASSTORE_MULTIHOST_TIMEOUT_S``). Managers are opened in the same order on every
+    process (SPMD), so their counter names the same rounds everywhere.
+    """
+
+    def __init__(self, run: str):
+        self.count, self.index = jax.process_count(), jax.process_index()
+        self.is_leader = self.index == 0
+        self.tag = f"casstore/persist/{next(_managers)}/{run}"
+        self.k = 0
+
+    def start(self, step: int) -> None:
+        """Process 0: starts the next round, for ``step``."""
+        kv_client().key_value_set(f"{self.tag}/round/{self.k}", str(step))
+
+    def stop(self) -> None:
+        """Process 0: ends the rounds (the others' persist threads end)."""
+        kv_client().key_value_set(f"{self.tag}/round/{self.k}", "stop")
+
+    def gather(self) -> tuple[dict[str, int], int, int]:
+        """Process 0: the other processes' posts of this round: ``(objects there, chunks
+        copied, bytes copied)``.
+
+        Raises:
+          PersistError: a process failed or did not post within the timeout.
+        """
+        client, k = kv_client(), self.k
+        self.k += 1
+        present, chunks, nbytes, failed = {}, 0, 0, []
+        for p in range(1, self.count):
+            try:
+                post = msgpack.unpackb(client.blocking_key_value_get_bytes(
+                    f"{self.tag}/done/{k}/{p}", timeout_ms()))
+            except Exception as e:  # jax's runtime error for a timeout or a dead peer
+                failed.append(f"process {p}: no answer within {timeout_ms() / 1000:g} s ({e})")
+                continue
+            if post["error"]:
+                failed.append(f"process {p}: {post['error']}")
+                continue
+            present.update(post["present"])
+            chunks, nbytes = chunks + post["chunks"], nbytes + post["bytes"]
+        if failed:
+            raise CasstoreError("other processes did not send their share; no manifest "
+                                "written: " + "; ".join(failed))
+        return present, chunks, nbytes
+
+    def next_step(self, closed) -> int | None:
+        """Another process: the step of the next round, waiting for it; None once process 0
+        ends the rounds, or the timeout after ``closed()`` turned true passed."""
+        client, gave_up = kv_client(), None
+        while True:
+            try:
+                value = client.blocking_key_value_get(f"{self.tag}/round/{self.k}", 1000)
+                return None if value == "stop" else int(value)
+            except Exception:  # no round yet (or the coordinator is gone)
+                if closed():
+                    gave_up = gave_up or time.monotonic() + timeout_ms() / 1000
+                    if time.monotonic() > gave_up:
+                        return None
+                time.sleep(0.05)
+
+    def post(self, present: dict[str, int], info: CopyInfo | None, error: str | None) -> None:
+        """Another process: what it sent or found for this round, or its error."""
+        kv_client().key_value_set_bytes(f"{self.tag}/done/{self.k}/{self.index}", msgpack.packb(
+            {"error": error, "present": present, "chunks": info.chunks_copied if info else 0,
+             "bytes": info.bytes_copied if info else 0}))
+        self.k += 1
+
+
 def start_persister(local: Store, persistent, run: str, local_steps: list[int],
                     policy: PersistPolicy) -> Persister:
     """A :class:`Persister` from ``local`` to ``persistent`` (a URL or Store), which has
     queued the eligible ``local_steps`` a killed manager left unpersisted.
 
-    With several ``jax.distributed`` processes only process 0 persists (and resumes), from the
-    local tier as it sees it: every process must write its chunks where process 0 reads them
-    (one machine, or a shared filesystem). The other processes list the persistent tier's steps
-    and restore through it.
+    With several ``jax.distributed`` processes every process sends its share of each step
+    (:class:`Rounds`); process 0 decides which steps (the backlog, resuming) and writes their
+    manifests. Every process must read the local tier where the others write (one machine, or
+    a shared filesystem).
 
     Raises:
       ValueError: a policy value is out of range.

@@ -343,7 +343,8 @@ def test_an_unreachable_persistent_tier_leaves_the_local_tier_working(tmp_path, 
         assert_bit_exact(casstore.restore(tmp_path / "local", step), step)
 
 
-def test_two_jax_processes_save_locally_and_process_0_persists(tmp_path, object_servers):
+def test_two_jax_processes_each_persist_a_share_and_process_0_commits(tmp_path,
+                                                                        object_servers):
     server = object_servers["seaweedfs"]
     remote = object_store(server)
     with socket.socket() as s:
@@ -357,6 +358,7 @@ def test_two_jax_processes_save_locally_and_process_0_persists(tmp_path, object_
                                json.dumps(server.storage_options), "5"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
+    sent = []
     for p in procs:
         try:
             out, _ = p.communicate(timeout=180)
@@ -365,7 +367,14 @@ def test_two_jax_processes_save_locally_and_process_0_persists(tmp_path, object_
             out, _ = p.communicate()
         assert p.returncode == 0, out[-3000:]
         assert "OK" in out, out[-3000:]
+        line = next(x for x in out.splitlines() if x.startswith("SENT "))
+        sent.append([int(n) for n in line.rsplit(" ", 2)[1:]])  # chunks, bytes
     persisted = casstore.list_steps(remote)
+    # Both processes sent objects; process 0's counts are every process's (its own included).
+    assert sent[1][0] > 0, sent
+    assert sent[0][0] > sent[1][0], sent
+    stored = {info.key: info.size for info in remote.list("") if is_object_key(info.key)}
+    assert sent[0][1] == sum(stored.values()), (sent, len(stored))  # each object sent once
     assert set(persisted) <= {0, 2, 4}
     assert persisted[-1] == 4
     assert casstore.verify(remote).ok
@@ -374,6 +383,37 @@ def test_two_jax_processes_save_locally_and_process_0_persists(tmp_path, object_
         w = np.arange(64 * 48, dtype=np.float32).reshape(64, 48) * step
         assert restored["state"]["w"].tobytes() == w.tobytes()
         assert restored["state"]["b"].tobytes() == np.full(48, step, np.float32).tobytes()
+
+
+def test_when_one_process_cannot_send_its_share_no_step_appears_and_both_say_so(
+        tmp_path, object_servers):
+    server = object_servers["seaweedfs"]
+    remote = object_store(server)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, CASSTORE_MULTIHOST_TIMEOUT_S="8", PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)
+    worker = pathlib.Path(__file__).with_name("tiers_multiprocess_worker.py")
+    procs = [subprocess.Popen([sys.executable, str(worker), str(port), str(i),
+                               str(tmp_path / "local"), remote.url,
+                               json.dumps(server.storage_options), "1", "fail1"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    errors = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+        assert p.returncode == 0, out[-3000:]
+        errors.append(next(x for x in out.splitlines() if x.startswith("PERSIST-ERROR")))
+    assert "process 1" in errors[0], errors  # process 0 names who failed, step and URL
+    assert "step 0" in errors[0], errors
+    assert "read-only" in errors[1].lower() or "read only" in errors[1].lower(), errors
+    assert casstore.list_steps(remote) == []  # no manifest without every share
+    assert casstore.list_steps(tmp_path / "local") == [0]  # the local tier has the step
 
 
 @pytest.mark.parametrize(("kwargs", "named"), [({"persist_interval_steps": 0}, "persist_interval"),

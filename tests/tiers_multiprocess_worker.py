@@ -1,16 +1,19 @@
 """One process of a two-process JAX job saving through a tiered manager; launched by
-test_tiers.py. Both processes write to one local tier (a directory both see); process 0
-persists every other step to the persistent tier once the step is committed.
+test_tiers.py. Both processes write to one local tier (a directory both see); every other
+step is persisted once committed, each process sending its share of the step's objects and
+process 0 writing the manifest.
 
-Usage: tiers_multiprocess_worker.py PORT PROCESS_ID LOCAL PERSISTENT_URL OPTIONS_JSON STEPS
-Prints ``OK`` on success.
+Usage: tiers_multiprocess_worker.py PORT PROCESS_ID LOCAL PERSISTENT_URL OPTIONS_JSON STEPS [fail1]
+Prints ``SENT <steps persisted> <chunks> <bytes>`` (this process's share) and ``OK``. With
+``fail1`` process 1 opens the persistent tier read-only, so its share fails; each process then
+prints ``PERSIST-ERROR <message>`` for the error its manager raised.
 """
 
 import json
 import os
 import sys
 
-port, pid, local, url, options, steps = sys.argv[1:]
+port, pid, local, url, options, steps, *mode = sys.argv[1:]
 pid, steps = int(pid), int(steps)
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 
@@ -34,14 +37,21 @@ jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processe
 mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
 SHARDINGS = {"w": NamedSharding(mesh, P("data", "model")), "b": NamedSharding(mesh, P())}
 
-persistent = casstore.open_store(url, **json.loads(options))
-with casstore.CheckpointManager(local, persistent=persistent, persist_interval_steps=2,
-                                max_to_keep=1) as mngr:
-    for step in range(steps):
-        values = expected(step)
-        state = {k: jax.make_array_from_callback(v.shape, s, lambda idx, v=v: v[idx])
-                 for (k, v), s in zip(values.items(), SHARDINGS.values())}
-        assert mngr.save(step, {"state": state, "step": step}, force=True)
-    mngr.wait_until_persisted()
+persistent = casstore.open_store(url, read_only=mode == ["fail1"] and pid == 1,
+                                 **json.loads(options))
+try:
+    with casstore.CheckpointManager(local, persistent=persistent, persist_interval_steps=2,
+                                    max_to_keep=1) as mngr:
+        for step in range(steps):
+            values = expected(step)
+            state = {k: jax.make_array_from_callback(v.shape, s, lambda idx, v=v: v[idx])
+                     for (k, v), s in zip(values.items(), SHARDINGS.values())}
+            assert mngr.save(step, {"state": state, "step": step}, force=True)
+        mngr.wait_until_persisted()
+except (casstore.PersistError, casstore.ReadOnlyStoreError) as e:
+    print("PERSIST-ERROR", str(e).replace("\n", " "), flush=True)
+infos = mngr.persister.persisted  # final once closed: process 0 ended the rounds
+print("SENT", sorted(infos), sum(i.chunks_copied for i in infos.values()),
+      sum(i.bytes_copied for i in infos.values()), flush=True)
 jax.distributed.shutdown()
 print("OK", flush=True)
