@@ -17,7 +17,8 @@ Integrity of each object as it passes (``verify``):
   changed in transit is seen without decoding: botocore sends a CRC32 with every upload, which
   the store checks (it refuses the body), and checks every download against the CRC32 the
   store keeps; the object is sent or fetched again, then the copy fails
-  (:mod:`casstore.store._retry`). gcsfs checks neither way. Damage at the source is seen by
+  (:mod:`casstore.store._retry`). gcsfs checks neither way (GCS itself is reached over
+  HTTPS, whose TLS refuses a changed byte). Damage at the source is seen by
   every restore and ``verify`` of the destination (the chunk id is checked on every read, so
   damage is never restored silently), and a tiered restore then takes the chunk from the other
   tier (``docs/tiers.md``).
