@@ -239,6 +239,8 @@ class _Engine:
         self.total, self.verify, self.progress, self.probe = total, verify, progress, probe
         self.bases: DeltaBases | None = None
         self.sent: dict[str, int] = {}
+        self.bytes_sent = 0
+        self.recheck = False  # a step may have become ready while another thread committed
         self.found: dict[str, int] = {}  # probed and found at the destination
         self.committed: list[tuple[str, int]] = []
         self.raced: list[tuple[str, int]] = []
@@ -275,33 +277,48 @@ class _Engine:
     def _done(self, obj: str, record: dict[str, int], size: int) -> None:
         with self.lock:
             record[obj] = size
+            self.bytes_sent += size if record is self.sent else 0
             for step in self.plan[self.next:]:
                 step.waiting.discard(obj)
-        self.commit_ready()
+        self.commit_ready(wait=False)
 
-    def commit_ready(self) -> None:
-        """Writes, in step order, the manifests whose objects are all in."""
-        with self.commit_lock:
-            while self.next < len(self.plan):
-                s = self.plan[self.next]
-                with self.lock:
-                    if s.waiting:
-                        break
-                try:
-                    self.dst.put_if_absent(manifest_key(s.run, s.step), s.data)
-                    self.committed.append((s.run, s.step))
-                except FileExistsError:  # written concurrently by someone else
-                    self.raced.append((s.run, s.step))
-                except StoreTimeoutError as e:
-                    raise e.at(run=s.run, step=s.step) from e
-                self.next += 1
-            self._report()
+    def commit_ready(self, wait: bool = True) -> None:
+        """Writes, in step order, the manifests whose objects are all in. With ``wait=False``
+        a thread that finds another one committing leaves its step to that one (which looks
+        again before it lets go), instead of waiting for the manifest write in flight."""
+        while True:
+            self.recheck = True  # before trying: the holder looks again after letting go
+            if not self.commit_lock.acquire(blocking=wait):
+                return
+            try:
+                self.recheck = False
+                self._commit_ready_steps()
+                self._report()
+            finally:
+                self.commit_lock.release()
+            if not self.recheck:
+                return
+
+    def _commit_ready_steps(self) -> None:
+        while self.next < len(self.plan):
+            s = self.plan[self.next]
+            with self.lock:
+                if s.waiting:
+                    break
+            try:
+                self.dst.put_if_absent(manifest_key(s.run, s.step), s.data)
+                self.committed.append((s.run, s.step))
+            except FileExistsError:  # written concurrently by someone else
+                self.raced.append((s.run, s.step))
+            except StoreTimeoutError as e:
+                raise e.at(run=s.run, step=s.step) from e
+            self.next += 1
 
     def _report(self) -> None:
         if self.progress is not None:
             with self.lock:
                 state = CopyProgress(len(self.sent) + len(self.found), self.total,
-                                     sum(self.sent.values()), self.next, len(self.plan))
+                                     self.bytes_sent, self.next, len(self.plan))
             self.progress(state)
 
 
