@@ -337,7 +337,8 @@ class Rounds:
         copied, bytes copied)``.
 
         Raises:
-          PersistError: a process failed or did not post within the timeout.
+          CasstoreError: a process failed or did not post within the timeout, naming it (the
+            persist loop raises it as a :class:`PersistError` naming step and URL).
         """
         client, k = kv_client(), self.k
         self.k += 1
