@@ -343,10 +343,9 @@ def test_an_unreachable_persistent_tier_leaves_the_local_tier_working(tmp_path, 
         assert_bit_exact(casstore.restore(tmp_path / "local", step), step)
 
 
-def test_two_jax_processes_each_persist_a_share_and_process_0_commits(tmp_path,
-                                                                        object_servers):
-    server = object_servers["seaweedfs"]
-    remote = object_store(server)
+def two_processes(tmp_path, server, remote, *args: str) -> list[str]:
+    """The outputs of the two processes of tests/tiers_multiprocess_worker.py (each exited
+    with 0), saving into ``tmp_path / "local"`` and persisting to ``remote``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -355,10 +354,10 @@ def test_two_jax_processes_each_persist_a_share_and_process_0_commits(tmp_path,
     worker = pathlib.Path(__file__).with_name("tiers_multiprocess_worker.py")
     procs = [subprocess.Popen([sys.executable, str(worker), str(port), str(i),
                                str(tmp_path / "local"), remote.url,
-                               json.dumps(server.storage_options), "5"], env=env,
+                               json.dumps(server.storage_options), *args], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
-    sent = []
+    outs = []
     for p in procs:
         try:
             out, _ = p.communicate(timeout=180)
@@ -366,6 +365,16 @@ def test_two_jax_processes_each_persist_a_share_and_process_0_commits(tmp_path,
             p.kill()
             out, _ = p.communicate()
         assert p.returncode == 0, out[-3000:]
+        outs.append(out)
+    return outs
+
+
+def test_two_jax_processes_each_persist_a_share_and_process_0_commits(tmp_path,
+                                                                        object_servers):
+    server = object_servers["seaweedfs"]
+    remote = object_store(server)
+    sent = []
+    for out in two_processes(tmp_path, server, remote, "5"):
         assert "OK" in out, out[-3000:]
         line = next(x for x in out.splitlines() if x.startswith("SENT "))
         sent.append([int(n) for n in line.rsplit(" ", 2)[1:]])  # chunks, bytes
@@ -389,26 +398,8 @@ def test_when_one_process_cannot_send_its_share_no_step_appears_and_both_say_so(
         tmp_path, object_servers):
     server = object_servers["seaweedfs"]
     remote = object_store(server)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, CASSTORE_MULTIHOST_TIMEOUT_S="8", PYTHONUNBUFFERED="1")
-    env.pop("XLA_FLAGS", None)
-    worker = pathlib.Path(__file__).with_name("tiers_multiprocess_worker.py")
-    procs = [subprocess.Popen([sys.executable, str(worker), str(port), str(i),
-                               str(tmp_path / "local"), remote.url,
-                               json.dumps(server.storage_options), "1", "fail1"], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    errors = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
-        assert p.returncode == 0, out[-3000:]
-        errors.append(next(x for x in out.splitlines() if x.startswith("PERSIST-ERROR")))
+    errors = [next(x for x in out.splitlines() if x.startswith("PERSIST-ERROR"))
+              for out in two_processes(tmp_path, server, remote, "1", "fail1")]
     assert "process 1" in errors[0], errors  # process 0 names who failed, step and URL
     assert "step 0" in errors[0], errors
     assert "read-only" in errors[1].lower() or "read only" in errors[1].lower(), errors
