@@ -170,15 +170,17 @@ def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
                   present: dict[str, int], *, max_workers: int | None = None,
                   verify: bool = False, probe: bool = False,
                   progress: Callable[[CopyProgress], None] | None = None,
-                  share: tuple[int, int] | None = None) -> CopyInfo:
+                  share: tuple[int, int] | None = None,
+                  gate: Callable[[], None] | None = None) -> CopyInfo:
     """The engine of :func:`copy` (and of the manager's persist): copies ``selected`` steps
     from ``src`` to ``dst`` given ``present``, destination object keys and sizes known to be
     there, which it updates with what it sends or finds. With ``probe``, an object not in
     ``present`` is looked up (one ``stat``) before it is sent, so ``present`` may hold only
     what is known, not everything. With ``share=(i, n)`` it sends only the objects of share
     ``i`` of ``n`` (:func:`share_of`) and writes no manifest: ``n`` processes each send
-    theirs, then one copies with every object in ``present``, writing the manifests. The
-    caller holds the destination's save lock."""
+    theirs, then one copies with every object in ``present``, writing the manifests. ``gate``
+    runs before each object's transfer (a persist waiting for local saves). The caller holds
+    the destination's save lock."""
     t0 = time.perf_counter()
     plan, skipped_steps = _plan(src, dst, selected)
     needed: dict[str, tuple[str, str | None, int, str, _Step]] = {}
@@ -195,7 +197,7 @@ def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
     for s in plan:
         s.waiting = {k for k in needed_objects(s.manifest) if k not in present}
     engine = _Engine(src, dst, plan if share is None else [], needed, len(missing), verify,
-                     progress, probe)
+                     progress, probe, gate)
     engine.commit_ready()
     # With verify, a base that deltas share is read from the source once for all of them;
     # without, no base is decoded, so none is held.
@@ -234,8 +236,9 @@ class _Engine:
     """The shared state of one copy: objects sent, manifests committed in step order."""
 
     def __init__(self, src: Store, dst: Store, plan: list[_Step], needed: dict, total: int,
-                 verify: bool, progress: Callable[[CopyProgress], None] | None, probe: bool):
-        self.src, self.dst, self.plan, self.needed = src, dst, plan, needed
+                 verify: bool, progress: Callable[[CopyProgress], None] | None, probe: bool,
+                 gate: Callable[[], None] | None = None):
+        self.src, self.dst, self.plan, self.needed, self.gate = src, dst, plan, needed, gate
         self.total, self.verify, self.progress, self.probe = total, verify, progress, probe
         self.bases: DeltaBases | None = None
         self.sent: dict[str, int] = {}
@@ -250,6 +253,8 @@ class _Engine:
 
     def transfer(self, obj: str) -> None:
         cid, base, raw_length, path, s = self.needed[obj]
+        if self.gate is not None:
+            self.gate()
         try:
             if self.probe and self._found(obj):
                 return

@@ -251,15 +251,17 @@ class CheckpointManager:
         if not force and not self.should_save(step):
             return False
         self._preemption_saved |= self.reached_preemption(step)
-        self._saver.wait_until_finished()
-        started = utc_now()
-        self._saving = step
-        try:
+        done = self.persister.local_save() if self.persister is not None else None
+        try:  # persists yield to this save until its commit (_tiers)
+            self._saver.wait_until_finished()
+            started, self._saving = utc_now(), step
             self._saver._start(step, tree, {"metrics": metrics, "user": metadata},
                               previous_step=self._steps[-1] if self._steps else None,
                               then=lambda _: self._committed(step, metrics, started))
         finally:
             self.last_save_blocking_s = time.perf_counter() - t0
+            if done is not None:  # the background write's future, None if not started
+                done(self._saver._pending)
         if not self.enable_async_checkpointing:
             self.wait_until_finished()
         return True

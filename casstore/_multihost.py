@@ -11,6 +11,9 @@ In a single-process job every step of the exchange is a no-op.
 
 A save runs its chunk and commit stages inside :meth:`SaveAgreement.committing` and calls
 :meth:`SaveAgreement.gather_refs` between them; nothing else of the exchange is in the save.
+
+:class:`Rounds` is the other exchange on the same store: the rounds of a manager's shared
+persist to its persistent tier (``_tiers``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import jax
 import msgpack
@@ -26,7 +31,11 @@ import msgpack
 from ._errors import CasstoreError
 from ._manifest import ChunkRef
 
+if TYPE_CHECKING:
+    from ._copy import CopyInfo
+
 _save_counter = itertools.count()  # SPMD: every process calls save() in the same order
+_managers = itertools.count()  # SPMD: managers are opened in the same order everywhere
 
 
 def timeout_ms() -> int:
@@ -156,3 +165,79 @@ class SaveAgreement:
         outcome = self._client().blocking_key_value_get(f"{self.tag}/outcome", timeout_ms())
         if outcome:
             raise CasstoreError(f"process 0 did not commit the step: {outcome}")
+
+
+class Rounds:
+    """The exchange of a shared persist between the processes of a ``jax.distributed`` job, on
+    the coordinator's key-value store (as the save agreement, :mod:`casstore._multihost`).
+
+    Round ``k`` of a manager: process 0 sets ``round/k`` to the step (or ``stop``); every other
+    process sends its share and sets ``done/k/<process>`` to the objects it sent or found there
+    and its counts, or its error; process 0 waits for them all (at most the multi-process
+    timeout, ``CASSTORE_MULTIHOST_TIMEOUT_S``). Managers are opened in the same order on every
+    process (SPMD), so their counter names the same rounds everywhere.
+    """
+
+    def __init__(self, run: str):
+        self.count, self.index = jax.process_count(), jax.process_index()
+        self.is_leader = self.index == 0
+        self.tag = f"casstore/persist/{next(_managers)}/{run}"
+        self.k = 0
+
+    def start(self, step: int) -> None:
+        """Process 0: starts the next round, for ``step``."""
+        kv_client().key_value_set(f"{self.tag}/round/{self.k}", str(step))
+
+    def stop(self) -> None:
+        """Process 0: ends the rounds (the others' persist threads end)."""
+        kv_client().key_value_set(f"{self.tag}/round/{self.k}", "stop")
+
+    def gather(self) -> tuple[dict[str, int], int, int]:
+        """Process 0: the other processes' posts of this round: ``(objects there, chunks
+        copied, bytes copied)``.
+
+        Raises:
+          CasstoreError: a process failed or did not post within the timeout, naming it (the
+            persist loop raises it as a :class:`PersistError` naming step and URL).
+        """
+        client, k = kv_client(), self.k
+        self.k += 1
+        present, chunks, nbytes, failed = {}, 0, 0, []
+        for p in range(1, self.count):
+            try:
+                post = msgpack.unpackb(client.blocking_key_value_get_bytes(
+                    f"{self.tag}/done/{k}/{p}", timeout_ms()))
+            except Exception as e:  # jax's runtime error for a timeout or a dead peer
+                failed.append(f"process {p}: no answer within {timeout_ms() / 1000:g} s ({e})")
+                continue
+            if post["error"]:
+                failed.append(f"process {p}: {post['error']}")
+                continue
+            present.update(post["present"])
+            chunks, nbytes = chunks + post["chunks"], nbytes + post["bytes"]
+        if failed:
+            raise CasstoreError("other processes did not send their share; no manifest "
+                                "written: " + "; ".join(failed))
+        return present, chunks, nbytes
+
+    def next_step(self, closed) -> int | None:
+        """Another process: the step of the next round, waiting for it; None once process 0
+        ends the rounds, or the timeout after ``closed()`` turned true passed."""
+        client, gave_up = kv_client(), None
+        while True:
+            try:
+                value = client.blocking_key_value_get(f"{self.tag}/round/{self.k}", 1000)
+                return None if value == "stop" else int(value)
+            except Exception:  # no round yet (or the coordinator is gone)
+                if closed():
+                    gave_up = gave_up or time.monotonic() + timeout_ms() / 1000
+                    if time.monotonic() > gave_up:
+                        return None
+                time.sleep(0.05)
+
+    def post(self, present: dict[str, int], info: CopyInfo | None, error: str | None) -> None:
+        """Another process: what it sent or found for this round, or its error."""
+        kv_client().key_value_set_bytes(f"{self.tag}/done/{self.k}/{self.index}", msgpack.packb(
+            {"error": error, "present": present, "chunks": info.chunks_copied if info else 0,
+             "bytes": info.bytes_copied if info else 0}))
+        self.k += 1

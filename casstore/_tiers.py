@@ -11,6 +11,12 @@ queued replaces it (the newest pending step wins); the replaced step stays on th
 only, and is listed in :attr:`Persister.dropped`. So a persistent tier slower than the save
 interval costs neither memory nor local disk: local retention only keeps the two pending steps.
 
+Priority: a persist yields to the local saves (:meth:`Persister.local_save`, from the
+manager's ``save`` call to its local commit): each object transfer starts only while no local
+save runs (a transfer in flight finishes), so persisting takes the time between saves rather
+than CPU from them. A step's persist yields for at most ``PersistPolicy.yield_s`` seconds in
+all, so saves that never pause still let it through.
+
 Several ``jax.distributed`` processes share the work of each persist (:class:`Rounds`):
 process 0 runs the backlog and, for each step it persists, starts a round on the coordinator's
 key-value store; every process sends its share of the step's missing objects (a hash of the
@@ -22,24 +28,24 @@ machine or a shared filesystem), as it must for a multi-process restore.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import dataclasses
 import functools
-import itertools
 import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 
 import jax
-import msgpack
 
 from ._copy import CopyInfo, copy_selected, needed_objects
 from ._errors import CasstoreError, StoreTimeoutError
 from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, gc
 from ._layout import manifest_key
 from ._locks import save_lock
-from ._multihost import kv_client, timeout_ms
+from ._multihost import Rounds, timeout_ms
 from ._policies import (
     PolicyCheckpointInfo,
     PreservationContext,
@@ -50,7 +56,6 @@ from ._repository import delete, ensure_config, list_steps, read_manifest
 from .store import Store, open_store
 
 log = logging.getLogger("casstore")
-_managers = itertools.count()  # SPMD: managers are opened in the same order everywhere
 
 
 class PersistError(CasstoreError, OSError):
@@ -70,12 +75,14 @@ class PersistPolicy:
     ``preservation_policy`` (which persisted steps the persistent tier keeps: a
     ``PreservationPolicy`` as the manager's local one, e.g. ``LatestN``, ``EveryNSteps``,
     ``BestN``; None keeps all), ``gc_after_retention`` and ``grace_period_s`` (garbage
-    collection of the persistent tier after its retention deleted steps)."""
+    collection of the persistent tier after its retention deleted steps), ``yield_s`` (the most
+    seconds a step's persist waits, in all, for local saves to finish: module docstring)."""
 
     interval_steps: int = 1
     preservation_policy: PreservationPolicy | None = None
     gc_after_retention: bool = False
     grace_period_s: float = DEFAULT_GRACE_PERIOD_S
+    yield_s: float = 60.0
 
     def __post_init__(self):
         value = self.interval_steps
@@ -115,6 +122,7 @@ class Persister:
         self._details: dict[int, tuple] = {}  # step -> (metrics, save time), for retention
         self._running: int | None = None
         self._queued: int | None = None
+        self._local_saves = 0  # running on the local tier: persists yield to them
         self._closed = False
         self._configured = False
         self._cond = threading.Condition()
@@ -144,6 +152,29 @@ class Persister:
                             self._queued, step)
             self._queued = step
             self._cond.notify_all()
+
+    def local_save(self) -> Callable[[cf.Future | None], None]:
+        """Counts a local save as running (persists yield to it: module docstring); returns
+        ``done(future)``: finished when ``future`` (its background write) is, or now if None."""
+        with self._cond:
+            self._local_saves += 1
+        return lambda future: self._local_done() if future is None else (
+            future.add_done_callback(self._local_done))
+
+    def _local_done(self, _: object = None) -> None:
+        with self._cond:
+            self._local_saves -= 1
+            self._cond.notify_all()
+
+    def _yielder(self) -> Callable[[], None]:
+        """One step's gate: waits while a local save runs, until ``yield_s`` from now."""
+        deadline = time.monotonic() + self.policy.yield_s
+
+        def gate() -> None:
+            with self._cond:
+                self._cond.wait_for(lambda: not self._local_saves, deadline - time.monotonic())
+
+        return gate
 
     def resume(self, local_steps: list[int]) -> None:
         """Submits the eligible local steps newer than the newest persisted one (what a killed
@@ -222,7 +253,7 @@ class Persister:
             present = dict(self._known)
             if self.rounds is None:
                 info = copy_selected(self.local, self.persistent, [(self.run, step)], present,
-                                     probe=True)
+                                     probe=True, gate=self._yielder())
             else:
                 info = self._persist_shared(step, present)
         self.persisted[step] = info
@@ -256,7 +287,8 @@ class Persister:
         self.rounds.start(step)
         try:
             own = copy_selected(self.local, self.persistent, [(self.run, step)], present,
-                                probe=True, share=(0, self.rounds.count))
+                                probe=True, share=(0, self.rounds.count),
+                                gate=self._yielder())
         except BaseException:
             with contextlib.suppress(Exception):  # the round ends either way: no manifest
                 self.rounds.gather()
@@ -285,7 +317,7 @@ class Persister:
                     # committed (and its objects are referenced), so it looks each one up.
                     present: dict[str, int] = {}
                     info = copy_selected(self.local, self.persistent, [(self.run, step)],
-                                         present, probe=True,
+                                         present, probe=True, gate=self._yielder(),
                                          share=(self.rounds.index, self.rounds.count))
                 self.rounds.post(present, info, None)
                 self.persisted[step] = info  # this process's share
@@ -305,82 +337,6 @@ class Persister:
             self._details[step] = manifest_details(read_manifest(self.persistent, step,
                                                                  run=self.run))
         return self._details[step]
-
-
-class Rounds:
-    """The exchange of a shared persist between the processes of a ``jax.distributed`` job, on
-    the coordinator's key-value store (as the save agreement, :mod:`casstore._multihost`).
-
-    Round ``k`` of a manager: process 0 sets ``round/k`` to the step (or ``stop``); every other
-    process sends its share and sets ``done/k/<process>`` to the objects it sent or found there
-    and its counts, or its error; process 0 waits for them all (at most the multi-process
-    timeout, ``CASSTORE_MULTIHOST_TIMEOUT_S``). Managers are opened in the same order on every
-    process (SPMD), so their counter names the same rounds everywhere.
-    """
-
-    def __init__(self, run: str):
-        self.count, self.index = jax.process_count(), jax.process_index()
-        self.is_leader = self.index == 0
-        self.tag = f"casstore/persist/{next(_managers)}/{run}"
-        self.k = 0
-
-    def start(self, step: int) -> None:
-        """Process 0: starts the next round, for ``step``."""
-        kv_client().key_value_set(f"{self.tag}/round/{self.k}", str(step))
-
-    def stop(self) -> None:
-        """Process 0: ends the rounds (the others' persist threads end)."""
-        kv_client().key_value_set(f"{self.tag}/round/{self.k}", "stop")
-
-    def gather(self) -> tuple[dict[str, int], int, int]:
-        """Process 0: the other processes' posts of this round: ``(objects there, chunks
-        copied, bytes copied)``.
-
-        Raises:
-          CasstoreError: a process failed or did not post within the timeout, naming it (the
-            persist loop raises it as a :class:`PersistError` naming step and URL).
-        """
-        client, k = kv_client(), self.k
-        self.k += 1
-        present, chunks, nbytes, failed = {}, 0, 0, []
-        for p in range(1, self.count):
-            try:
-                post = msgpack.unpackb(client.blocking_key_value_get_bytes(
-                    f"{self.tag}/done/{k}/{p}", timeout_ms()))
-            except Exception as e:  # jax's runtime error for a timeout or a dead peer
-                failed.append(f"process {p}: no answer within {timeout_ms() / 1000:g} s ({e})")
-                continue
-            if post["error"]:
-                failed.append(f"process {p}: {post['error']}")
-                continue
-            present.update(post["present"])
-            chunks, nbytes = chunks + post["chunks"], nbytes + post["bytes"]
-        if failed:
-            raise CasstoreError("other processes did not send their share; no manifest "
-                                "written: " + "; ".join(failed))
-        return present, chunks, nbytes
-
-    def next_step(self, closed) -> int | None:
-        """Another process: the step of the next round, waiting for it; None once process 0
-        ends the rounds, or the timeout after ``closed()`` turned true passed."""
-        client, gave_up = kv_client(), None
-        while True:
-            try:
-                value = client.blocking_key_value_get(f"{self.tag}/round/{self.k}", 1000)
-                return None if value == "stop" else int(value)
-            except Exception:  # no round yet (or the coordinator is gone)
-                if closed():
-                    gave_up = gave_up or time.monotonic() + timeout_ms() / 1000
-                    if time.monotonic() > gave_up:
-                        return None
-                time.sleep(0.05)
-
-    def post(self, present: dict[str, int], info: CopyInfo | None, error: str | None) -> None:
-        """Another process: what it sent or found for this round, or its error."""
-        kv_client().key_value_set_bytes(f"{self.tag}/done/{self.k}/{self.index}", msgpack.packb(
-            {"error": error, "present": present, "chunks": info.chunks_copied if info else 0,
-             "bytes": info.bytes_copied if info else 0}))
-        self.k += 1
 
 
 def start_persister(local: Store, persistent, run: str, local_steps: list[int],

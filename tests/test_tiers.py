@@ -3,6 +3,7 @@ fake-gcs-server): background persists of every N-th step moving only new chunks,
 falling back per chunk, a replaced node, a stalled persistent tier, resume and retention."""
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -220,6 +222,59 @@ def test_a_stalled_persistent_tier_never_blocks_save_and_its_error_names_step_an
         assert mngr.wait_until_persisted()
         assert last + 1 in casstore.list_steps(remote)
         mngr.close()
+
+
+class HeldLocalStore(LocalStore):
+    """A local tier whose writes wait while ``writes`` is clear: a local save held running."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.writes = threading.Event()
+        self.writes.set()
+
+    def _put(self, key, data, *, exclusive):
+        self.writes.wait(30)
+        super()._put(key, data, exclusive=exclusive)
+
+
+def _persist_during_a_held_save(tmp_path, remote, **policy):
+    """A manager that persisted step 0, holding its save of step 3 (its write waits) while
+    step 2 (saved beside it) is submitted for persisting; returns (manager, local tier, step
+    2's objects the persistent tier lacks)."""
+    local = HeldLocalStore(tmp_path / "local")
+    mngr = manager(local, remote, persist_interval_steps=2)
+    mngr.persister.policy = dataclasses.replace(mngr.persister.policy, **policy)
+    mngr.save(0, tree_for(0))
+    assert mngr.wait_until_persisted()
+    casstore.save(local, 2, tree_for(2), chunk_size_bytes=CHUNK)
+    new = object_keys(local, [2]) - object_keys(remote, [0])
+    assert new
+    local.writes.clear()
+    mngr.save(3, tree_for(3))  # returns once staged; its write waits
+    mngr.persister.submit(2)
+    return mngr, local, new
+
+
+def test_a_persist_waits_for_the_local_save_in_progress(tmp_path, remote):
+    mngr, local, new = _persist_during_a_held_save(tmp_path, remote)
+    time.sleep(1.0)
+    assert casstore.list_steps(remote) == [0]
+    assert not any(remote.exists(k) for k in new)  # no transfer started
+    local.writes.set()
+    assert mngr.wait_until_persisted()
+    assert casstore.list_steps(remote) == [0, 2]
+    assert_bit_exact(casstore.restore(remote, 2), 2)
+    mngr.close()
+
+
+def test_a_persist_waits_for_local_saves_at_most_yield_s(tmp_path, remote):
+    mngr, local, _ = _persist_during_a_held_save(tmp_path, remote, yield_s=0.5)
+    assert mngr.persister.wait(timeout_s=30)  # while step 3's save still waits
+    assert casstore.list_steps(remote) == [0, 2]
+    assert casstore.list_steps(local) == [0, 2]
+    local.writes.set()
+    mngr.close()
+    assert casstore.list_steps(local) == [0, 2, 3]
 
 
 def test_a_reopened_manager_persists_what_a_killed_one_left(tmp_path, remote):

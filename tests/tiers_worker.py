@@ -6,6 +6,7 @@ once the manager is open (it may already be persisting what an earlier, killed w
 
 import json
 import sys
+import time
 
 from crash_worker import tree_for
 
@@ -22,3 +23,4 @@ if __name__ == "__main__":
     print("ready", flush=True)
     for step in range(first, first + 1000):
         mngr.save(step, tree_for(step), force=True)
+        time.sleep(0.02)  # a training step: persists yield to saves and run in between
