@@ -55,14 +55,14 @@ def normal(seed: int, nbytes: int) -> np.ndarray:
 
 def run_manager(local: pathlib.Path, cfg, persistent=None):
     """Saves ``cfg.trees`` through a manager (persisting every ``cfg.n``-th step to
-    ``persistent``); returns (the closed manager, mean seconds a save() blocked)."""
+    ``persistent``); returns (the closed manager, mean seconds a save() blocked, seconds
+    close() took: it waits for the local saves and the persist backlog)."""
     mngr = casstore.CheckpointManager(local, persistent=persistent, chunk_size_bytes=cfg.chunk,
                                       persist_interval_steps=cfg.n)
     h.settle(cfg.warm)
     blocked = sum(h.seconds(lambda s=s, t=t: mngr.save(s, t))[0]
                   for s, t in enumerate(cfg.trees))
-    mngr.close()  # waits for the local saves and the persist backlog: not blocked time
-    return mngr, blocked / len(cfg.trees)
+    return mngr, blocked / len(cfg.trees), h.seconds(mngr.close)[0]
 
 
 def check(got: dict, want: dict, what: str) -> None:
@@ -75,8 +75,9 @@ def tiers(root: pathlib.Path, persistent, cfg, out: dict) -> pathlib.Path:
     """Figures 1-4 (orders alternate with the repeat); returns the local repository of every
     step saved without persistence."""
     for on in h.rotated((False, True), cfg.r):
-        mngr, out[f"save_blocked_{'on' if on else 'off'}_s"] = run_manager(
-            root / ("on" if on else "off"), cfg, persistent if on else None)
+        tag = "on" if on else "off"
+        mngr, out[f"save_blocked_{tag}_s"], out[f"close_{tag}_s"] = run_manager(
+            root / tag, cfg, persistent if on else None)
         if on:
             done, infos = sorted(mngr.persister.persisted), mngr.persister.persisted.values()
             dropped = sorted(mngr.persister.dropped)
