@@ -336,6 +336,51 @@ def raw_object(raw: memoryview | bytes, pool: BufferPool | None = None) -> bytes
     return memoryview(buffer)
 
 
+def check_header(data: bytes | memoryview, expected_id: str, raw_length: int
+                 ) -> tuple[int, int]:
+    """Checks a chunk object's header (format.md §3.2) as :func:`decode_chunk` does; returns
+    its ``(codec, element_size)``. Raises as :func:`decode_chunk` for a bad header."""
+    if len(data) < HEADER.size:
+        raise CorruptChunkError(f"chunk object of {len(data)} bytes is shorter than its header",
+                                chunk_id=expected_id)
+    magic, version, codec, element_size, length = HEADER.unpack_from(data)
+    if magic != MAGIC or version == 0:
+        raise CorruptChunkError("bad chunk header", chunk_id=expected_id)
+    if version != VERSION or codec not in KNOWN_CODECS:  # format.md §10: a newer writer's
+        what = f"chunk header version {version}" if version != VERSION else f"chunk codec {codec}"
+        raise UnsupportedFormatError(what + " (or a damaged chunk)", needs=None,
+                                     reader=READER_VERSION, chunk_id=expected_id)
+    if codec in (CODEC_SHUFFLE_ZSTD, *PLANE_CODECS):
+        bad = not 2 <= element_size <= MAX_ELEMENT_SIZE or length % element_size
+    else:
+        bad = element_size != 0
+    if bad:
+        raise CorruptChunkError(f"bad element size {element_size} for codec {codec} and "
+                                f"{length} raw bytes", chunk_id=expected_id)
+    if length != raw_length:
+        raise CorruptChunkError(f"chunk header says {length} raw bytes, manifest says "
+                                f"{raw_length}", chunk_id=expected_id)
+    return codec, element_size
+
+
+def verify_raw(header: bytes | memoryview, raw: memoryview | np.ndarray, expected_id: str,
+               raw_length: int) -> bool:
+    """For a chunk object read in two parts (its header, then its payload straight into a
+    restore's destination ``raw``): True if the header is a raw chunk's (codec 0) of
+    ``raw_length`` bytes and ``raw`` hashes to ``expected_id``; False for another codec (the
+    caller reads the object whole and decodes it).
+
+    Raises:
+      CorruptChunkError, UnsupportedFormatError: as :func:`decode_chunk`, for a bad header or
+        raw bytes that do not match their chunk id.
+    """
+    if check_header(header, expected_id, raw_length)[0] != CODEC_RAW:
+        return False
+    if chunk_id(raw) != expected_id:
+        raise CorruptChunkError("chunk bytes do not match their chunk id", chunk_id=expected_id)
+    return True
+
+
 def decode_chunk(data: bytes | memoryview, expected_id: str, raw_length: int,
                  out: np.ndarray | None = None) -> memoryview:
     """Decodes and verifies a chunk object read from storage (format.md §3.2).
@@ -364,26 +409,7 @@ def decode_chunk(data: bytes | memoryview, expected_id: str, raw_length: int,
       UnsupportedFormatError: the header has the magic but a version or codec number this
         casstore does not know (a newer writer's chunk, or damage to those bytes).
     """
-    if len(data) < HEADER.size:
-        raise CorruptChunkError(f"chunk object of {len(data)} bytes is shorter than its header",
-                                chunk_id=expected_id)
-    magic, version, codec, element_size, length = HEADER.unpack_from(data)
-    if magic != MAGIC or version == 0:
-        raise CorruptChunkError("bad chunk header", chunk_id=expected_id)
-    if version != VERSION or codec not in KNOWN_CODECS:  # format.md §10: a newer writer's
-        what = f"chunk header version {version}" if version != VERSION else f"chunk codec {codec}"
-        raise UnsupportedFormatError(what + " (or a damaged chunk)", needs=None,
-                                     reader=READER_VERSION, chunk_id=expected_id)
-    if codec in (CODEC_SHUFFLE_ZSTD, *PLANE_CODECS):
-        bad = not 2 <= element_size <= MAX_ELEMENT_SIZE or length % element_size
-    else:
-        bad = element_size != 0
-    if bad:
-        raise CorruptChunkError(f"bad element size {element_size} for codec {codec} and "
-                                f"{length} raw bytes", chunk_id=expected_id)
-    if length != raw_length:
-        raise CorruptChunkError(f"chunk header says {length} raw bytes, manifest says "
-                                f"{raw_length}", chunk_id=expected_id)
+    codec, element_size = check_header(data, expected_id, raw_length)
     payload = memoryview(data)[HEADER.size:]
     if codec == CODEC_RAW:
         raw = payload

@@ -79,6 +79,15 @@ class FallbackStore(Store):
         self._count(self.primary, len(data))
         return data, buffer
 
+    def get_split(self, key: str, head: bytearray, body: memoryview | np.ndarray) -> bool:
+        try:  # the primary's copy only: a missing one is read from a fallback by get_into
+            if not self.primary.get_split(key, head, body):
+                return False
+        except FileNotFoundError:
+            return False
+        self._count(self.primary, len(head) + memoryview(body).nbytes)
+        return True
+
     def from_fallbacks(self, key: str, skip: int = 0) -> bytes:
         """``key``'s bytes from the first fallback (after the first ``skip``) that has it.
 

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from ._chunking import Index
+from ._codec import HEADER, verify_raw
 from ._delta import DeltaBases
 from ._errors import CorruptChunkError, MissingChunkError, StoreTimeoutError
 from ._fallback import reread_chunk
@@ -107,8 +108,12 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
         cid = first.id
         into = _destination(blocks, out)
         try:
-            data, buffers.read = store.get_into(key, getattr(buffers, "read", None))
-            raw = bases.decode(data, cid, first.base, first.raw_bytes, into)
+            if into is not None and first.base is None and _read_in_place(store, key, first,
+                                                                          into):
+                raw = into
+            else:
+                data, buffers.read = store.get_into(key, getattr(buffers, "read", None))
+                raw = bases.decode(data, cid, first.base, first.raw_bytes, into)
         except (FileNotFoundError, CorruptChunkError) as e:
             raw = reread_chunk(store, key, first, into)  # tiers: a good copy elsewhere
             if raw is None:
@@ -142,6 +147,15 @@ def _unusable(e: Exception, store: Store, manifest: Manifest, leaf: int,
     return error(f"{'chunk object missing' if missing else 'unusable chunk'}: {e}",
                  url=store.url, run=manifest.run, step=manifest.step,
                  key_path=manifest.leaves[leaf].path, chunk_id=cid)
+
+
+def _read_in_place(store: Store, key: str, ref: ChunkRef, into: np.ndarray) -> bool:
+    """Reads a raw chunk's payload straight into its destination ``into`` and verifies it
+    there: True if it did; False where the store cannot or the object is not a raw chunk of
+    that length (then it is read and decoded as usual). Raises as :func:`verify_raw`."""
+    head = bytearray(HEADER.size)
+    return (store.get_split(key, head, into)
+            and verify_raw(head, into, ref.id, ref.raw_bytes))
 
 
 def _destination(blocks: list[tuple[int, ChunkRef]], out: dict[int, Any]) -> np.ndarray | None:

@@ -2,6 +2,7 @@
 
 import os
 import re
+import shutil
 import time
 
 import jax
@@ -110,6 +111,59 @@ def test_corrupt_chunks_raise_naming_step_path_and_chunk(saved, damage):
         assert part in str(err)
     # Leaves in other chunks still restore.
     assert casstore.restore(store, 5, paths=["opt"])["opt"]["mu"].shape == (100, 200)
+
+
+@pytest.fixture
+def raw_chunks(tmp_path, monkeypatch):
+    """A repository of one uint8 leaf of random bytes in 4 raw chunks (codec 0: random bytes
+    do not compress), its leaf, a copy of the repository, and the count of chunks a restore
+    read straight into their destination (``LocalStore.get_split``)."""
+    store = LocalStore(tmp_path / "repo")
+    w = np.random.default_rng(0).integers(0, 256, 4 * 32_768, dtype=np.uint8)
+    casstore.save(store, 5, {"w": w}, chunk_size_bytes=32_768)
+    shutil.copytree(tmp_path / "repo", tmp_path / "copy")
+    in_place = []
+    split = LocalStore.get_split
+
+    def spy(self, key, head, body):
+        done = split(self, key, head, body)
+        in_place.append(key) if done else None
+        return done
+
+    monkeypatch.setattr(LocalStore, "get_split", spy)
+    return store, w, LocalStore(tmp_path / "copy"), in_place
+
+
+def test_raw_chunks_are_read_straight_into_the_restored_array(raw_chunks):
+    store, w, _, in_place = raw_chunks
+    refs = casstore.read_manifest(store, 5).leaves[0].chunks
+    assert all(store.get(r.key)[5] == 0 for r in refs)  # the header's codec byte: raw
+    np.testing.assert_array_equal(casstore.restore(store, 5)["w"], w)
+    assert sorted(in_place) == sorted(r.key for r in refs)
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    ("flip", "do not match their chunk id"), ("header", "bad chunk header"),
+    ("codec", "zstd frame does not decode")])
+def test_a_damaged_raw_chunk_read_in_place_raises_naming_it(raw_chunks, damage, message):
+    store, w, copy, in_place = raw_chunks
+    ref = casstore.read_manifest(store, 5).leaves[0].chunks[2]
+    data = bytearray(store.get(ref.key))
+    if damage == "flip":
+        data[-100] ^= 0x10
+    elif damage == "header":
+        data[:4] = b"XXXX"
+    else:  # a zstd chunk's header on raw bytes: read whole and decoded as zstd
+        data[5] = 1
+    store.delete(ref.key)
+    store.put(ref.key, bytes(data))
+    with pytest.raises(casstore.CorruptChunkError, match=message) as info:
+        casstore.restore(store, 5)
+    assert (info.value.step, info.value.key_path, info.value.chunk_id) == (5, "w", ref.id)
+    tiered = casstore.FallbackStore(store, [copy])
+    np.testing.assert_array_equal(casstore.restore(tiered, 5)["w"], w)
+    assert tiered.objects_recovered == 1
+    assert ref.key in in_place  # each damage found on the in-place read
 
 
 def test_zstd_bomb_is_rejected_before_decompressing():

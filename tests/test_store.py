@@ -153,3 +153,17 @@ def test_a_leading_tilde_is_the_home_directory(tmp_path, monkeypatch):
     assert not (tmp_path / "~").exists()
     assert casstore.list_steps(str(tmp_path / "home" / "ckpts")) == [0]
     np.testing.assert_array_equal(casstore.restore("~/ckpts", 0)["w"], np.arange(3.0))
+
+
+def test_local_get_split_reads_head_and_body_in_one_read_or_nothing(tmp_path):
+    store = LocalStore(tmp_path)
+    store.put("obj", b"HEAD" + bytes(range(200)))
+    head, body = bytearray(4), bytearray(200)
+    assert store.get_split("obj", head, body)
+    assert (bytes(head), bytes(body)) == (b"HEAD", bytes(range(200)))
+    other = bytearray(199)
+    assert not store.get_split("obj", bytearray(4), other)  # another size: nothing read
+    assert other == bytearray(199)
+    with pytest.raises(FileNotFoundError, match="no such object"):
+        store.get_split("missing", bytearray(4), bytearray(1))
+    assert not MemoryStore().get_split("obj", bytearray(4), bytearray(1))  # not supported

@@ -17,6 +17,8 @@ import numpy as np
 from .._errors import ObjectNotFoundError
 from ._base import ObjectInfo, Store
 
+MAX_SPLIT_READ = 1 << 30  # bytes: larger objects are read whole (one preadv reads < 2 GiB)
+
 
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -44,6 +46,9 @@ class LocalStore(Store):
     # fsync in 0.49 s on 4 threads; read back from the page cache at about 4.5 GB/s a core.
     write_bytes_per_s = 2.5e9
     read_bytes_per_s = 4e9
+    # Restores read with 4 threads a core: a cold 1.49 GB restore took 1.18 s on 4 threads
+    # and 1.05 s on 8 (medians of 4, page cache dropped, the 2-core machine).
+    read_workers_per_core = 4
 
     def __init__(self, root: str | os.PathLike, *, read_only: bool = False, fsync: bool = True):
         self.root = os.path.abspath(os.fspath(root))
@@ -74,6 +79,24 @@ class LocalStore(Store):
         if got != size:  # the object is immutable: a short read means it changed under us
             raise OSError(f"short read of {self._path(key)}: {got} of {size} bytes")
         return view, buffer
+
+    def get_split(self, key: str, head: bytearray, body: memoryview | np.ndarray) -> bool:
+        total = len(head) + memoryview(body).nbytes
+        if total > MAX_SPLIT_READ or not hasattr(os, "preadv"):
+            return False
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise ObjectNotFoundError("no such object", url=self._path(key)) from None
+        try:
+            if os.fstat(fd).st_size != total:
+                return False
+            got = os.preadv(fd, [head, body], 0)
+        finally:
+            os.close(fd)
+        if got != total:  # the object is immutable: a short read means it changed under us
+            raise OSError(f"short read of {self._path(key)}: {got} of {total} bytes")
+        return True
 
     def exists(self, key: str) -> bool:
         return os.path.isfile(self._path(key))
