@@ -18,12 +18,14 @@ A state of ``R`` raw bytes that casstore stores in ``S`` bytes cannot be saved i
     save_s = min(max(R (1/hash + 1/encode) / workers, S / write),   # encoded, as casstore does
                  max(R / hash / workers, R / write))                  # or stored raw
 
-nor restored (``S / read`` only when the page cache was dropped) in less than
+nor restored in less than
 
     restore_s = max((S / copy + R / touch + R / decode) / workers, S / read)
 
 where ``decode`` is the hash alone for a state stored raw (``S >= R``: codec 0 has nothing to
-decode, and its chunks are read straight into their destination).
+decode, and its chunks are read straight into their destination), and ``read`` counts unless
+the restore found the page cache warm and the limit's read did not (a cold read is no bound on
+a warm one; a warm read is one on a cold one).
 
 A figure's fraction of the limit is ``limit_s / figure_s``: 1.0 runs at the machine's limit.
 """
@@ -144,11 +146,12 @@ def save_s(limit: dict, raw: float, stored: float) -> float:
 
 
 def restore_s(limit: dict, raw: float, stored: float, cold: bool = False) -> float:
-    """The fastest restore of ``stored`` bytes into ``raw`` bytes (seconds; module doc); the
-    store's read counts only if ``cold`` (the page cache was dropped before the restore)."""
+    """The fastest restore of ``stored`` bytes into ``raw`` bytes (seconds; module doc);
+    ``cold``: the page cache was dropped before the restore (an object store's reads: True)."""
     decode = limit["hash_bps"] if stored >= raw else limit["decode_bps"]
     cpu = stored / limit["copy_bps"] + raw / limit["touch_bps"] + raw / decode
-    return max(cpu, stored / limit["read_bps"] if cold else 0.0)
+    counted = cold or not limit["read_cold"]
+    return max(cpu, stored / limit["read_bps"] if counted else 0.0)
 
 
 def medians(limits: Iterable[dict]) -> dict:
