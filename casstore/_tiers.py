@@ -118,7 +118,8 @@ class Persister:
         except Exception as e:  # the local tier works on; surfaces on save()
             self._remote_steps = set()
             self._error = _located(e, None, persistent.url, run)
-        self._known: dict[str, int] = {}  # objects the latest persisted step references
+        # (step, its objects): assumed on the persistent tier while that step is there
+        self._known: tuple[int | None, dict[str, int]] = (None, {})
         self._details: dict[int, tuple] = {}  # step -> (metrics, save time), for retention
         self._running: int | None = None
         self._queued: int | None = None
@@ -250,7 +251,7 @@ class Persister:
             ensure_config(self.persistent)
             self._configured = True
         with save_lock(self.persistent):
-            present = dict(self._known)
+            present = self._still_there()
             if self.rounds is None:
                 info = copy_selected(self.local, self.persistent, [(self.run, step)], present,
                                      probe=True, gate=self._yielder())
@@ -260,8 +261,17 @@ class Persister:
         self._remote_steps.add(step)
         manifest = read_manifest(self.local, step, run=self.run)
         self._details[step] = manifest_details(manifest)
-        self._known = {k: present[k] for k in needed_objects(manifest) if k in present}
-        self._retain()
+        known = {k: present[k] for k in needed_objects(manifest) if k in present}
+        self._retain()  # may drop this very step, and its objects with GC
+        self._known = (step, known) if step in self._remote_steps else (None, {})
+
+    def _still_there(self) -> dict[str, int]:
+        """The objects of the last step persisted, if its manifest is still on the persistent
+        tier: a step there keeps GC off its objects (another process may have deleted it)."""
+        step, objects = self._known
+        if step is None or not self.persistent.exists(manifest_key(self.run, step)):
+            return {}
+        return dict(objects)
 
     def _retain(self) -> None:
         policy = self.policy.preservation_policy

@@ -329,6 +329,39 @@ def test_persistent_best_n_ranks_the_metrics_saved_with_each_step(tmp_path, remo
     assert_bit_exact(casstore.restore(remote, 5), 5)
 
 
+def test_a_step_persistent_retention_drops_at_once_leaves_nothing_assumed_there(tmp_path,
+                                                                              remote):
+    # Step 1 (the worse loss) is persisted, dropped by BestN at once and its own chunks
+    # collected (grace 0); step 2 holds the same values: its chunks must be sent again, not
+    # assumed there from step 1's persist.
+    best = casstore.BestN(get_metric_fn=lambda m: m["loss"], reverse=True, n=1)
+    trees = [tree_for(0), tree_for(1), tree_for(1)]
+    with manager(tmp_path / "local", remote, persistent_preservation_policy=best,
+                 gc_after_retention=True, grace_period_s=0) as mngr:
+        for step, loss in enumerate([2.0, 3.0, 1.0]):
+            mngr.save(step, trees[step], metrics={"loss": loss})
+            assert mngr.wait_until_persisted()
+            if step == 1:
+                assert casstore.list_steps(remote) == [0]
+    assert casstore.list_steps(remote) == [2]
+    assert casstore.verify(remote).ok
+    restored = casstore.restore(remote, 2)
+    assert restored["head"].tobytes() == trees[2]["head"].tobytes()
+
+
+def test_a_step_another_process_deleted_there_leaves_nothing_assumed_there(tmp_path, remote):
+    with manager(tmp_path / "local", remote) as mngr:
+        mngr.save(0, tree_for(0))
+        assert mngr.wait_until_persisted()
+        casstore.delete(remote, 0)  # another process: step 0 and its chunks gone
+        assert casstore.gc(remote, grace_period_s=0).deleted_chunks > 0
+        mngr.save(1, tree_for(0))  # the same values: every chunk must be sent again
+        assert mngr.wait_until_persisted()
+    assert casstore.list_steps(remote) == [1]
+    assert casstore.verify(remote).ok
+    assert_bit_exact(casstore.restore(remote, 1), 0)
+
+
 def test_local_retention_never_deletes_a_step_whose_persist_is_pending(tmp_path, object_servers):
     server = object_servers["seaweedfs"]
     url = server.url_for("pending")
