@@ -58,6 +58,11 @@ class FallbackStore(Store):
         self.objects_recovered = 0
         self._lock = threading.Lock()
 
+    @property
+    def read_workers(self) -> int:
+        """The primary's: a restore through the tiers reads mostly from it."""
+        return self.primary.read_workers
+
     def _count(self, tier: Store, nbytes: int, recovered: bool = False) -> None:
         with self._lock:
             self.bytes_read[tier.url] += nbytes

@@ -167,3 +167,15 @@ def test_local_get_split_reads_head_and_body_in_one_read_or_nothing(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such object"):
         store.get_split("missing", bytearray(4), bytearray(1))
     assert not MemoryStore().get_split("obj", bytearray(4), bytearray(1))  # not supported
+
+
+def test_restores_read_from_4_threads_a_core_on_local_disk_unless_told(tmp_path):
+    from casstore import FallbackStore
+    from casstore._pool import usable_cores
+
+    store = LocalStore(tmp_path)
+    assert store.read_workers == min(store.max_workers_cap, 4 * usable_cores())
+    assert MemoryStore().read_workers == MemoryStore().max_workers  # as its other pools
+    assert FallbackStore(store, [MemoryStore()]).read_workers == store.read_workers
+    store.max_workers = 3
+    assert store.read_workers == 3
