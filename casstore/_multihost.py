@@ -169,7 +169,7 @@ class SaveAgreement:
 
 class Rounds:
     """The exchange of a shared persist between the processes of a ``jax.distributed`` job, on
-    the coordinator's key-value store (as the save agreement, :mod:`casstore._multihost`).
+    the coordinator's key-value store (as :class:`SaveAgreement`'s).
 
     Round ``k`` of a manager: process 0 sets ``round/k`` to the step (or ``stop``); every other
     process sends its share and sets ``done/k/<process>`` to the objects it sent or found there
