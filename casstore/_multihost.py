@@ -184,9 +184,11 @@ class Rounds:
         self.tag = f"casstore/persist/{next(_managers)}/{run}"
         self.k = 0
 
-    def start(self, step: int) -> None:
-        """Process 0: starts the next round, for ``step``."""
-        kv_client().key_value_set(f"{self.tag}/round/{self.k}", str(step))
+    def start(self, step: int, known: int | None) -> None:
+        """Process 0: starts the next round, for ``step``; ``known``: the persisted step whose
+        objects it takes to be there (the others need not look them up), or None."""
+        kv_client().key_value_set(f"{self.tag}/round/{self.k}",
+                                  f"{step} {-1 if known is None else known}")
 
     def stop(self) -> None:
         """Process 0: ends the rounds (the others' persist threads end)."""
@@ -220,14 +222,18 @@ class Rounds:
                                 "written: " + "; ".join(failed))
         return present, chunks, nbytes
 
-    def next_step(self, closed) -> int | None:
-        """Another process: the step of the next round, waiting for it; None once process 0
-        ends the rounds, or the timeout after ``closed()`` turned true passed."""
+    def next_step(self, closed) -> tuple[int, int | None] | None:
+        """Another process: ``(step, known)`` of the next round (:meth:`start`), waiting for
+        it; None once process 0 ends the rounds, or the timeout after ``closed()`` turned true
+        passed."""
         client, gave_up = kv_client(), None
         while True:
             try:
                 value = client.blocking_key_value_get(f"{self.tag}/round/{self.k}", 1000)
-                return None if value == "stop" else int(value)
+                if value == "stop":
+                    return None
+                step, known = map(int, value.split())
+                return step, None if known < 0 else known
             except Exception:  # no round yet (or the coordinator is gone)
                 if closed():
                     gave_up = gave_up or time.monotonic() + timeout_ms() / 1000

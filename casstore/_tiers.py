@@ -41,7 +41,7 @@ from collections.abc import Callable
 import jax
 
 from ._copy import CopyInfo, copy_selected, needed_objects
-from ._errors import CasstoreError, StoreTimeoutError
+from ._errors import CasstoreError, ManifestError, StepNotFoundError, StoreTimeoutError
 from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, gc
 from ._layout import manifest_key
 from ._locks import save_lock
@@ -256,7 +256,7 @@ class Persister:
                 info = copy_selected(self.local, self.persistent, [(self.run, step)], present,
                                      probe=True, gate=self._yielder())
             else:
-                info = self._persist_shared(step, present)
+                info = self._persist_shared(step, present, self._known[0] if present else None)
         self.persisted[step] = info
         self._remote_steps.add(step)
         manifest = read_manifest(self.local, step, run=self.run)
@@ -290,11 +290,13 @@ class Persister:
             self.last_gc_info = gc(self.persistent, grace_period_s=self.policy.grace_period_s)
 
 
-    def _persist_shared(self, step: int, present: dict[str, int]) -> CopyInfo:
+    def _persist_shared(self, step: int, present: dict[str, int], known: int | None
+                        ) -> CopyInfo:
         """Process 0's part of a shared persist: a round for ``step``, its own share, the
-        others' posts, then the manifest (every object in ``present`` by then: no transfer)."""
+        others' posts, then the manifest (every object in ``present`` by then: no transfer).
+        ``known``: the persisted step whose objects ``present`` holds, told to the others."""
         t0 = time.perf_counter()
-        self.rounds.start(step)
+        self.rounds.start(step, known)
         try:
             own = copy_selected(self.local, self.persistent, [(self.run, step)], present,
                                 probe=True, share=(0, self.rounds.count),
@@ -318,18 +320,19 @@ class Persister:
     def _follow(self) -> None:
         """A process other than 0: sends its share of each step process 0 starts a round
         for, and posts what it sent (or its error), until process 0 ends the rounds."""
-        while (step := self.rounds.next_step(lambda: self._closed)) is not None:
+        while (got := self.rounds.next_step(lambda: self._closed)) is not None:
+            step, known = got
             with self._cond:
                 self._running = step
             try:
                 with save_lock(self.persistent):
-                    # Nothing known ahead: this process cannot tell whether the last round
-                    # committed (and its objects are referenced), so it looks each one up.
-                    present: dict[str, int] = {}
+                    present = self._objects_of(known)  # what process 0 assumes there
+                    assumed = set(present)
                     info = copy_selected(self.local, self.persistent, [(self.run, step)],
                                          present, probe=True, gate=self._yielder(),
                                          share=(self.rounds.index, self.rounds.count))
-                self.rounds.post(present, info, None)
+                self.rounds.post({k: n for k, n in present.items() if k not in assumed}, info,
+                                 None)
                 self.persisted[step] = info  # this process's share
             except BaseException as e:  # process 0 names it; it also surfaces here on save()
                 self.rounds.post({}, None, f"{type(e).__name__}: {e}")
@@ -339,6 +342,18 @@ class Persister:
                 with self._cond:
                     self._running = None
                     self._cond.notify_all()
+
+    def _objects_of(self, step: int | None) -> dict[str, int]:
+        """The chunk objects of the persisted ``step`` (process 0 found its manifest there,
+        which keeps GC off them), from that manifest on the persistent tier; none if it is gone
+        or there is no such step."""
+        if step is None:
+            return {}
+        try:
+            manifest = read_manifest(self.persistent, step, run=self.run)
+        except (StepNotFoundError, ManifestError):
+            return {}
+        return {r.key: r.stored_bytes for leaf in manifest.leaves for r in leaf.chunks}
 
     def _step_details(self, step: int) -> tuple:
         """(metrics, save time) of a persisted step: remembered from its persist, or read from

@@ -22,7 +22,7 @@ import pytest
 from faultproxy import fault_proxy
 
 import casstore
-from casstore._copy import needed_objects
+from casstore._copy import needed_objects, share_of
 from casstore._layout import is_object_key
 from casstore._repository import list_chunk_objects
 from casstore.store import CountingStore, FsspecStore, LocalStore
@@ -461,12 +461,20 @@ def test_two_jax_processes_each_persist_a_share_and_process_0_commits(tmp_path,
                                                                         object_servers):
     server = object_servers["seaweedfs"]
     remote = object_store(server)
-    sent = []
+    sent, lookups = [], []
     for out in two_processes(tmp_path, server, remote, "5"):
         assert "OK" in out, out[-3000:]
         line = next(x for x in out.splitlines() if x.startswith("SENT "))
         sent.append([int(n) for n in line.rsplit(" ", 2)[1:]])  # chunks, bytes
+        lookups.append(int(next(x for x in out.splitlines() if x.startswith("LOOKUPS "))[8:]))
     persisted = casstore.list_steps(remote)
+    # Process 1 looks up each object of its share once per round, except those of the step
+    # persisted before (process 0 tells it which; the frozen leaf's chunks are there).
+    manifests = [casstore.read_manifest(remote, step) for step in persisted]
+    refs = [{r.key for leaf in m.leaves for r in leaf.chunks} for m in manifests]
+    share = [{k for k in needed_objects(m) if share_of(k, 2) == 1} for m in manifests]
+    assert lookups[1] == sum(len(mine - known) for mine, known in zip(share, [set(), *refs]))
+    assert lookups[1] < sum(map(len, share)), (lookups, [len(x) for x in share])
     # Both processes sent objects; process 0's counts are every process's (its own included).
     assert sent[1][0] > 0, sent
     assert sent[0][0] > sent[1][0], sent

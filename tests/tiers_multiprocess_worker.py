@@ -4,7 +4,8 @@ step is persisted once committed, each process sending its share of the step's o
 process 0 writing the manifest.
 
 Usage: tiers_multiprocess_worker.py PORT PROCESS_ID LOCAL PERSISTENT_URL OPTIONS_JSON STEPS [fail1]
-Prints ``SENT <steps persisted> <chunks> <bytes>`` (this process's share) and ``OK``. With
+Prints ``SENT <steps persisted> <chunks> <bytes>`` (this process's share), ``LOOKUPS <n>``
+(objects it looked up on the persistent tier) and ``OK``. With
 ``fail1`` process 1 opens the persistent tier read-only, so its share fails; each process then
 prints ``PERSIST-ERROR <message>`` for the error its manager raised.
 """
@@ -23,22 +24,26 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import casstore  # noqa: E402
+from casstore.store import CountingStore  # noqa: E402
 
 
 def expected(step: int) -> dict:
-    """The global state's values, identical on every process (test_tiers.py checks them)."""
+    """The global state's values, identical on every process (test_tiers.py checks them):
+    ``frozen`` is the same at every step."""
     return {"w": np.arange(64 * 48, dtype=np.float32).reshape(64, 48) * step,
-            "b": np.full(48, step, np.float32)}
+            "b": np.full(48, step, np.float32),
+            "frozen": np.arange(64 * 48, dtype=np.float32).reshape(64, 48) + 0.5}
 
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                            process_id=pid)
 mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
-SHARDINGS = {"w": NamedSharding(mesh, P("data", "model")), "b": NamedSharding(mesh, P())}
+SHARDINGS = {"w": NamedSharding(mesh, P("data", "model")), "b": NamedSharding(mesh, P()),
+             "frozen": NamedSharding(mesh, P("data", "model"))}
 
-persistent = casstore.open_store(url, read_only=mode == ["fail1"] and pid == 1,
-                                 **json.loads(options))
+persistent = CountingStore(casstore.open_store(url, read_only=mode == ["fail1"] and pid == 1,
+                                               **json.loads(options)))
 try:
     with casstore.CheckpointManager(local, persistent=persistent, persist_interval_steps=2,
                                     max_to_keep=1) as mngr:
@@ -53,5 +58,6 @@ except (casstore.PersistError, casstore.ReadOnlyStoreError) as e:
 infos = mngr.persister.persisted  # final once closed: process 0 ended the rounds
 print("SENT", sorted(infos), sum(i.chunks_copied for i in infos.values()),
       sum(i.bytes_copied for i in infos.values()), flush=True)
+print("LOOKUPS", persistent.counts["stat"], flush=True)  # objects probed on the tier
 jax.distributed.shutdown()
 print("OK", flush=True)
