@@ -152,7 +152,11 @@ def _unusable(e: Exception, store: Store, manifest: Manifest, leaf: int,
 def _read_in_place(store: Store, key: str, ref: ChunkRef, into: np.ndarray) -> bool:
     """Reads a raw chunk's payload straight into its destination ``into`` and verifies it
     there: True if it did; False where the store cannot or the object is not a raw chunk of
-    that length (then it is read and decoded as usual). Raises as :func:`verify_raw`."""
+    that length (then it is read and decoded as usual). A chunk the manifest says is stored
+    in another size (compressed) is not tried, so it is opened once. Raises as
+    :func:`verify_raw`."""
+    if ref.stored_bytes != HEADER.size + ref.raw_bytes:
+        return False
     head = bytearray(HEADER.size)
     return (store.get_split(key, head, into)
             and verify_raw(head, into, ref.id, ref.raw_bytes))

@@ -106,15 +106,17 @@ class Store(abc.ABC):
     @property
     def max_workers(self) -> int:
         """Threads of bulk operations, saves and restores (see the class docstring)."""
-        chosen = getattr(self, "_max_workers", None)
-        return chosen or default_workers(self.workers_per_core, self.max_workers_cap)
+        return self._workers(self.workers_per_core)
 
     @property
     def read_workers(self) -> int:
         """Threads of a restore's chunk reads (see the class docstring)."""
+        return self._workers(self.read_workers_per_core or self.workers_per_core)
+
+    def _workers(self, per_core: int) -> int:
+        """``max_workers`` as set on the instance, else ``per_core`` threads a usable core."""
         chosen = getattr(self, "_max_workers", None)
-        return chosen or default_workers(self.read_workers_per_core or self.workers_per_core,
-                                         self.max_workers_cap)
+        return chosen or default_workers(per_core, self.max_workers_cap)
 
     @max_workers.setter
     def max_workers(self, value: int) -> None:
