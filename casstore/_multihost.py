@@ -30,6 +30,7 @@ import msgpack
 
 from ._errors import CasstoreError
 from ._manifest import ChunkRef
+from .store import Store
 
 if TYPE_CHECKING:
     from ._copy import CopyInfo
@@ -128,11 +129,14 @@ class SaveAgreement:
         else:
             self.wait_outcome()
 
-    def gather_refs(self, refs: dict[int, list[ChunkRef]]) -> dict[int, list[ChunkRef]] | None:
+    def gather_refs(self, refs: dict[int, list[ChunkRef]], store: Store
+                    ) -> dict[int, list[ChunkRef]] | None:
         """Every process's chunk refs on process 0; elsewhere posts ``refs`` and returns None.
 
         Args:
           refs: this process's chunk refs, by leaf index (extended in place on process 0).
+          store: the repository saved to; on process 0's first save to it, one chunk of each
+            other process is looked up there (:func:`check_shared`).
 
         Returns:
           On process 0, ``refs`` with every other process's refs added (after waiting for all
@@ -140,13 +144,16 @@ class SaveAgreement:
 
         Raises:
           CasstoreError: on process 0, another process reported an error or did not report
-            within :func:`timeout_ms`.
+            within :func:`timeout_ms`, or process 0 does not see its chunks.
         """
         if self.is_primary:
-            for posted in self.gather([], None)[1:]:
-                for i, *ref in posted:
-                    refs.setdefault(i, []).append(
-                        ChunkRef(ref[0], tuple(ref[1]), tuple(ref[2]), *ref[3:]))
+            for p, posted in enumerate(self.gather([], None)[1:], 1):
+                theirs = [(i, ChunkRef(ref[0], tuple(ref[1]), tuple(ref[2]), *ref[3:]))
+                          for i, *ref in posted]
+                if theirs:
+                    check_shared(store, p, theirs[0][1].key)
+                for i, ref in theirs:
+                    refs.setdefault(i, []).append(ref)
             return refs
         self._posted = True
         self.gather([[i, r.id, r.start, r.stop, r.offset, r.raw_bytes, r.stored_bytes, r.base]
@@ -165,6 +172,29 @@ class SaveAgreement:
         outcome = self._client().blocking_key_value_get(f"{self.tag}/outcome", timeout_ms())
         if outcome:
             raise CasstoreError(f"process 0 did not commit the step: {outcome}")
+
+
+_seen_shared: set[str] = set()  # URLs where process 0 saw another process's chunk
+
+
+def check_shared(store: Store, process: int, key: str) -> None:
+    """Process 0, before it commits: raises unless it sees ``key``, a chunk object that
+    ``process`` stored or found in the repository, at ``store``. Every process must save to one
+    repository (a shared filesystem or an object store); with a disk of its own per host, the
+    manifest would name chunks that process 0's repository lacks. Looked up once per URL.
+
+    Raises:
+      CasstoreError: process 0 does not see the object (nothing is committed).
+    """
+    if store.url in _seen_shared:
+        return
+    if not store.exists(key):
+        raise CasstoreError(
+            f"process {process} stored chunk object {key!r} but process 0 does not see it at "
+            f"{store.url!r}: every process of a multi-process save must write to one "
+            "repository that all of them read (a shared filesystem or an object store), not "
+            "a disk of its own; no manifest written")
+    _seen_shared.add(store.url)
 
 
 class Rounds:

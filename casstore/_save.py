@@ -229,7 +229,7 @@ def write(store: Store, step: int, prepared: Prepared, inline: dict[int, bytes],
         # 4. uploads: every chunk this process stores, before any manifest
         refs = store_chunks(jobs, writer, max_workers, window, prepared.paths)
         # 5. the agreement: every process's refs on process 0, None on the others
-        every_refs = agreement.gather_refs(refs)
+        every_refs = agreement.gather_refs(refs, store)
         # 6. the commit, on process 0 (the outcome is posted as `committing` ends)
         if every_refs is not None:
             manifest_bytes = commit(store, step, run, created, prepared, inline, every_refs)

@@ -2,8 +2,9 @@
 
 Usage: multiprocess_worker.py PORT NUM_PROCESSES PROCESS_ID MODE REPO STEP
 MODE is ``save`` (save the deterministic sharded state), ``restore`` (restore it onto another
-mesh and check this process's shards bit-exact) or ``crash`` (process 1 dies after writing its
-first chunk). Prints ``OK`` on success.
+mesh and check this process's shards bit-exact), ``crash`` (process 1 dies after writing its
+first chunk) or ``own-disk`` (each process saves to ``REPO/host<PROCESS_ID>``, as to a disk of
+its own). Prints ``OK`` on success.
 """
 
 import os
@@ -55,10 +56,10 @@ def shardings(kind: str) -> dict:
 
 def main() -> None:
     values = expected(step)
-    if mode in ("save", "crash"):
+    if mode in ("save", "crash", "own-disk"):
         state = {k: jax.make_array_from_callback(v.shape, s, lambda idx, v=v: v[idx])
                  for (k, v), s in zip(values.items(), shardings("save").values())}
-        store = LocalStore(repo)
+        store = LocalStore(f"{repo}/host{pid}" if mode == "own-disk" else repo)
         if mode == "crash" and pid == 1:
             real_put = store._put
 

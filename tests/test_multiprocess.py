@@ -77,3 +77,15 @@ def test_a_process_killed_before_commit_leaves_no_step(tmp_path):
     assert "save failed" in results[0][1], results[0][1][-2000:]
     assert casstore.list_steps(repo) == [1]
     assert_ok(run_job(1, "restore", repo, 1))
+
+
+def test_processes_saving_to_disks_of_their_own_commit_nothing(tmp_path):
+    """A per-host disk is not one repository: process 0 does not see process 1's chunks, so
+    it refuses to commit a manifest naming them, and both processes say why."""
+    repo = tmp_path / "repo"
+    results = run_job(2, "own-disk", repo, 1)
+    assert [code for code, _ in results] == [3, 3], results
+    assert "process 1 stored chunk object 'chunks/" in results[0][1], results[0][1][-2000:]
+    assert "process 0 does not see it" in results[1][1], results[1][1][-2000:]
+    assert casstore.list_steps(repo / "host0") == []
+    assert casstore.list_steps(repo / "host1") == []
