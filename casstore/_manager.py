@@ -20,6 +20,7 @@ import jax
 from ._async_save import AsyncCheckpointer
 from ._chunking import DEFAULT_CHUNK_SIZE_BYTES
 from ._codec import DEFAULT_ZSTD_LEVEL
+from ._errors import StepNotFoundError
 from ._fallback import FallbackStore
 from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, gc
 from ._policies import (
@@ -422,15 +423,29 @@ class CheckpointManager:
         return metadata.get("user") if isinstance(metadata, dict) else metadata
 
     def delete(self, step: int) -> None:
-        """Deletes ``step`` (its manifest; GC frees its chunks).
+        """Deletes ``step`` (its manifest; GC frees its chunks) from every tier that has it.
+
+        With a persistent tier, a queued persist of the step is dropped and a running one is
+        waited for first, so the step does not reappear there. With several processes,
+        process 0 deletes and every process forgets the step.
 
         Raises:
-          StepNotFoundError: no such step.
+          StepNotFoundError: no tier has the step (on processes other than 0: this manager
+            does not know it).
         """
         self.wait_until_finished()
-        delete(self.store, step, run=self.run)
+        tiers = [self.store]
+        if self.persister is not None:
+            self.persister.forget(step)  # no persist of it runs or starts from here on
+            tiers.append(self.persister.persistent)
+        known = step in self.all_steps()
+        found = [store for store in tiers if jax.process_index() == 0
+                 and _deleted(store, step, self.run)]
         self._details.pop(step, None)
         self._steps = [s for s in self._steps if s != step]
+        if not (found if jax.process_index() == 0 else known):
+            raise StepNotFoundError("no such step", url=self.store.url, run=self.run,
+                                    step=step)
 
     def _reader(self) -> Store:
         """The store restores read: with the persistent tier as fallback where there is one."""
@@ -440,4 +455,13 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.store!r}, run={self.run!r})"
+
+
+def _deleted(store: Store, step: int, run: str) -> bool:
+    """Deletes ``step`` of ``run`` from ``store``; False if it was not there."""
+    try:
+        delete(store, step, run=run)
+    except StepNotFoundError:
+        return False
+    return True
 

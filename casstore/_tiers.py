@@ -194,6 +194,17 @@ class Persister:
         with self._cond:
             return {s for s in (self._running, self._queued) if s is not None}
 
+    def forget(self, step: int) -> None:
+        """Before the manager deletes ``step``: drops it from the backlog, waits while it is
+        persisting, and forgets it as persisted."""
+        with self._cond:
+            if self._queued == step:
+                self._queued = None
+                self._cond.notify_all()
+            self._cond.wait_for(lambda: self._running != step)
+            self._remote_steps.discard(step)
+            self._details.pop(step, None)
+
     def steps(self) -> set[int]:
         """The steps known to be on the persistent tier."""
         return set(self._remote_steps)

@@ -362,6 +362,45 @@ def test_a_step_another_process_deleted_there_leaves_nothing_assumed_there(tmp_p
     assert_bit_exact(casstore.restore(remote, 1), 0)
 
 
+def test_delete_removes_a_step_from_both_tiers_and_a_persisted_only_one(tmp_path, remote):
+    with manager(tmp_path / "local", remote, persist_interval_steps=2, max_to_keep=1) as mngr:
+        for step in range(4):
+            mngr.save(step, tree_for(step))
+            assert mngr.wait_until_persisted()
+        assert mngr.all_steps() == [0, 2, 3]
+        assert casstore.list_steps(remote) == [0, 2]
+        mngr.delete(0)  # on the persistent tier only
+        mngr.delete(2)  # on both: step 2 was local too until step 3's retention
+        assert mngr.all_steps() == [3]
+        assert casstore.list_steps(remote) == []
+        with pytest.raises(casstore.StepNotFoundError, match="step 2"):
+            mngr.delete(2)
+        mngr.reload()
+        assert mngr.all_steps() == [3]
+        assert mngr.latest_step() == 3
+
+
+def test_delete_waits_for_a_running_persist_so_the_step_does_not_come_back(
+        tmp_path, object_servers):
+    server = object_servers["seaweedfs"]
+    with fault_proxy(server.endpoint_url) as proxy:
+        remote = FsspecStore.from_url(server.url_for("deleting"), **{
+            **server.storage_options, "endpoint_url": proxy.endpoint_url})
+        with manager(tmp_path / "local", remote) as mngr:
+            proxy.set("trickle", rate_bytes_s=100_000)  # step 0's persist takes ~1 s
+            mngr.save(0, tree_for(0))
+            mngr.wait_until_finished()
+            deadline = time.monotonic() + 10
+            while mngr.persister._running != 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert mngr.persister._running == 0  # persisting, slowly
+            mngr.delete(0)
+            assert mngr.wait_until_persisted()
+            assert mngr.all_steps() == []
+        assert casstore.list_steps(remote) == []
+        assert casstore.list_steps(tmp_path / "local") == []
+
+
 def test_local_retention_never_deletes_a_step_whose_persist_is_pending(tmp_path, object_servers):
     server = object_servers["seaweedfs"]
     url = server.url_for("pending")
