@@ -386,9 +386,15 @@ def start_persister(local: Store, persistent, run: str, local_steps: list[int],
     a shared filesystem).
 
     Raises:
-      ValueError: a policy value is out of range.
+      ValueError: a policy value is out of range, or the two tiers are one repository, or
+        one lies inside the other (local retention would delete persisted steps).
     """
-    persister = Persister(local, open_store(persistent), run, policy)
+    persistent = open_store(persistent)
+    a, b = local.url.rstrip("/") + "/", persistent.url.rstrip("/") + "/"
+    if a.startswith(b) or b.startswith(a):
+        raise ValueError(f"the persistent tier {persistent.url!r} and the local tier "
+                         f"{local.url!r} must be two repositories, neither inside the other")
+    persister = Persister(local, persistent, run, policy)
     if jax.process_index() == 0:
         persister.resume(local_steps)
     return persister

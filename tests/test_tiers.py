@@ -362,6 +362,13 @@ def test_a_step_another_process_deleted_there_leaves_nothing_assumed_there(tmp_p
     assert_bit_exact(casstore.restore(remote, 1), 0)
 
 
+@pytest.mark.parametrize("persistent", ["local", "local/inner", "."])
+def test_a_persistent_tier_that_is_or_holds_the_local_one_is_refused(tmp_path, persistent):
+    with pytest.raises(ValueError, match="must be two repositories"):
+        casstore.CheckpointManager(tmp_path / "local", persistent=tmp_path / persistent)
+    assert not (tmp_path / "local").exists() or not any((tmp_path / "local").iterdir())
+
+
 def test_delete_removes_a_step_from_both_tiers_and_a_persisted_only_one(tmp_path, remote):
     with manager(tmp_path / "local", remote, persist_interval_steps=2, max_to_keep=1) as mngr:
         for step in range(4):
