@@ -115,8 +115,9 @@ class CheckpointManager:
       **storage_options: passed to fsspec for URLs.
 
     Raises:
-      ValueError: a retention or staging argument is out of range, or a policy is given
-        together with the keyword arguments it replaces.
+      ValueError: a retention or staging argument is out of range, a policy is given
+        together with the keyword arguments it replaces, or ``persistent`` is ``url`` or
+        lies inside it (or around it).
 
     Example:
       >>> import numpy as np, casstore
