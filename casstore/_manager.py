@@ -23,6 +23,7 @@ from ._codec import DEFAULT_ZSTD_LEVEL
 from ._errors import StepNotFoundError
 from ._fallback import FallbackStore
 from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, gc
+from ._layout import manifest_key
 from ._policies import (
     BestN,
     DecisionContext,
@@ -68,16 +69,15 @@ class CheckpointManager:
 
     Saving: ``save`` stages the arrays and returns (see :class:`casstore.AsyncCheckpointer`
     for what is copied and what it costs in host memory, and ``max_staging_bytes``); the
-    commit, retention and GC run on one background thread. Saves never overlap. The list of the
-    run's steps is read from the store on construction and on :meth:`reload` only; saves and
-    deletes through this manager keep it current, so :meth:`should_save` and
-    :meth:`latest_step` make no request. Call :meth:`reload` when another process may have
-    written or deleted steps of this run.
+    commit, retention and GC run on one background thread. Saves never overlap. The run's steps
+    are listed on construction and :meth:`reload` only, and kept current by this manager's
+    saves and deletes, so :meth:`should_save` and :meth:`latest_step` make no request; call
+    :meth:`reload` when another process may have written or deleted steps of this run.
 
-    Thread-safety: NOT thread-safe (call it from one training loop). At interpreter exit an
-    in-flight background save is finished first; a save killed with the process leaves no
-    manifest, never a partial step. Multi-process: every process of a ``jax.distributed`` job
-    calls ``save`` with the same steps in the same order; process 0 commits and deletes.
+    Thread-safety: NOT thread-safe (call it from one training loop). An in-flight save is
+    finished at interpreter exit; a killed one leaves no partial step. Multi-process: every
+    ``jax.distributed`` process calls ``save`` with the same steps in the same order, on one
+    repository all of them read; process 0 commits and deletes.
 
     Args:
       url: a path, an fsspec URL or a Store.
@@ -107,8 +107,7 @@ class CheckpointManager:
       persist_interval_steps: a step divisible by this is persisted.
       persistent_max_to_keep: persisted steps kept on the persistent tier (``LatestN``; None
         keeps all); ``gc_after_retention`` and ``grace_period_s`` apply to it too.
-      persistent_keep_period: also keep every persisted step divisible by this there
-        (``EveryNSteps``).
+      persistent_keep_period: also keep persisted steps divisible by this (``EveryNSteps``).
       persistent_preservation_policy: which persisted steps the persistent tier keeps, as
         ``preservation_policy`` (e.g. ``BestN`` on the metrics saved with each step); not with
         the two arguments above.
@@ -116,8 +115,7 @@ class CheckpointManager:
 
     Raises:
       ValueError: a retention or staging argument is out of range, a policy is given
-        together with the keyword arguments it replaces, or ``persistent`` is ``url`` or
-        lies inside it (or around it).
+        together with the keyword arguments it replaces, or the two tiers overlap.
 
     Example:
       >>> import numpy as np, casstore
@@ -332,8 +330,8 @@ class CheckpointManager:
     def _step_details(self, step: int) -> tuple[Any, datetime.datetime]:
         """(metrics, save time) of ``step``: remembered, or read from its manifest once."""
         if step not in self._details:
-            self._details[step] = manifest_details(read_manifest(self._reader(), step,
-                                                                 run=self.run))
+            manifest = read_manifest(self._reader(), step, run=self.run)
+            self._details[step] = manifest_details(manifest)
         return self._details[step]
 
     def _infos(self) -> list[PolicyCheckpointInfo]:
@@ -424,45 +422,29 @@ class CheckpointManager:
         return metadata.get("user") if isinstance(metadata, dict) else metadata
 
     def delete(self, step: int) -> None:
-        """Deletes ``step`` (its manifest; GC frees its chunks) from every tier that has it.
-
-        With a persistent tier, a queued persist of the step is dropped and a running one is
-        waited for first, so the step does not reappear there. With several processes,
-        process 0 deletes and every process forgets the step.
+        """Deletes ``step`` (its manifest; GC frees its chunks) from every tier that has it (a
+        persist of it is dropped or waited for first). With several processes, process 0
+        deletes and every process forgets the step.
 
         Raises:
-          StepNotFoundError: no tier has the step (on processes other than 0: this manager
-            does not know it).
+          StepNotFoundError: neither this manager nor a tier knows the step.
         """
         self.wait_until_finished()
-        tiers = [self.store]
-        if self.persister is not None:
-            self.persister.forget(step)  # no persist of it runs or starts from here on
-            tiers.append(self.persister.persistent)
-        known = step in self.all_steps()
-        found = [store for store in tiers if jax.process_index() == 0
-                 and _deleted(store, step, self.run)]
+        found = step in self.all_steps()
+        found = (self.persister is not None and self.persister.delete(step)) or found
+        if jax.process_index() == 0 and self.store.exists(manifest_key(self.run, step)):
+            delete(self.store, step, run=self.run)
+            found = True
         self._details.pop(step, None)
         self._steps = [s for s in self._steps if s != step]
-        if not (found if jax.process_index() == 0 else known):
-            raise StepNotFoundError("no such step", url=self.store.url, run=self.run,
-                                    step=step)
+        if not found:
+            raise StepNotFoundError("no such step", url=self.store.url, run=self.run, step=step)
 
     def _reader(self) -> Store:
         """The store restores read: with the persistent tier as fallback where there is one."""
-        if self.persister is None:
-            return self.store
-        return FallbackStore(self.store, [self.persister.persistent])
+        return self.store if self.persister is None else FallbackStore(
+            self.store, [self.persister.persistent])
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.store!r}, run={self.run!r})"
-
-
-def _deleted(store: Store, step: int, run: str) -> bool:
-    """Deletes ``step`` of ``run`` from ``store``; False if it was not there."""
-    try:
-        delete(store, step, run=run)
-    except StepNotFoundError:
-        return False
-    return True
 

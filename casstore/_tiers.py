@@ -194,9 +194,10 @@ class Persister:
         with self._cond:
             return {s for s in (self._running, self._queued) if s is not None}
 
-    def forget(self, step: int) -> None:
-        """Before the manager deletes ``step``: drops it from the backlog, waits while it is
-        persisting, and forgets it as persisted."""
+    def delete(self, step: int) -> bool:
+        """For the manager's ``delete``: drops ``step`` from the backlog, waits while it is
+        persisting, forgets it, and (process 0) deletes it from the persistent tier; returns
+        whether it was there."""
         with self._cond:
             if self._queued == step:
                 self._queued = None
@@ -204,6 +205,10 @@ class Persister:
             self._cond.wait_for(lambda: self._running != step)
             self._remote_steps.discard(step)
             self._details.pop(step, None)
+        if jax.process_index() != 0 or not self.persistent.exists(manifest_key(self.run, step)):
+            return False
+        delete(self.persistent, step, run=self.run)
+        return True
 
     def steps(self) -> set[int]:
         """The steps known to be on the persistent tier."""
