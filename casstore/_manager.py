@@ -236,7 +236,7 @@ class CheckpointManager:
             fails it within the store's deadline (StoreTimeoutError naming the step). With a
             persistent tier, a failed persist's error (PersistError or StoreTimeoutError, naming
             step and URL); this call then saves nothing, as after a failed local save.
-          StepAlreadyExistsError: ``force`` with an existing step (from the background save).
+          StepAlreadyExistsError: ``force`` with an existing step (a persisted one: raised here).
           UnsupportedLeafError: a leaf cannot be stored (raised here, before any write).
           PermissionError: the first save found the store not writable; nothing was stored.
           RuntimeError: the manager is closed.
@@ -251,7 +251,7 @@ class CheckpointManager:
         if not force and not self.should_save(step):
             return False
         self._preemption_saved |= self.reached_preemption(step)
-        done = self.persister.local_save() if self.persister is not None else None
+        done = self.persister.local_save(step) if self.persister is not None else None
         try:  # persists yield to this save until its commit (_tiers)
             self._saver.wait_until_finished()
             started, self._saving = utc_now(), step

@@ -41,7 +41,13 @@ from collections.abc import Callable
 import jax
 
 from ._copy import CopyInfo, copy_selected, needed_objects
-from ._errors import CasstoreError, ManifestError, StepNotFoundError, StoreTimeoutError
+from ._errors import (
+    CasstoreError,
+    ManifestError,
+    StepAlreadyExistsError,
+    StepNotFoundError,
+    StoreTimeoutError,
+)
 from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, gc
 from ._layout import manifest_key
 from ._locks import save_lock
@@ -154,9 +160,18 @@ class Persister:
             self._queued = step
             self._cond.notify_all()
 
-    def local_save(self) -> Callable[[cf.Future | None], None]:
-        """Counts a local save as running (persists yield to it: module docstring); returns
-        ``done(future)``: finished when ``future`` (its background write) is, or now if None."""
+    def local_save(self, step: int) -> Callable[[cf.Future | None], None]:
+        """Counts a local save of ``step`` as running (persists yield to it: module docstring);
+        returns ``done(future)``: finished when ``future`` (its background write) is, or now if
+        None.
+
+        Raises:
+          StepAlreadyExistsError: ``step`` is on the persistent tier (a second save of it
+            would leave the tiers with two different steps of one number).
+        """
+        if step in self._remote_steps:
+            raise StepAlreadyExistsError("step already exists on the persistent tier",
+                                         url=self.persistent.url, run=self.run, step=step)
         with self._cond:
             self._local_saves += 1
         return lambda future: self._local_done() if future is None else (

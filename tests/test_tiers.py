@@ -387,6 +387,19 @@ def test_delete_removes_a_step_from_both_tiers_and_a_persisted_only_one(tmp_path
         assert mngr.latest_step() == 3
 
 
+def test_a_forced_save_of_a_persisted_step_is_refused_on_a_replaced_node(tmp_path, remote):
+    with manager(tmp_path / "local", remote) as mngr:
+        mngr.save(0, tree_for(0))
+        assert mngr.wait_until_persisted()
+    shutil.rmtree(tmp_path / "local")  # the node is replaced
+    with manager(tmp_path / "local", remote) as mngr:
+        assert not mngr.save(0, tree_for(5))  # not due: step 0 is the latest
+        with pytest.raises(casstore.StepAlreadyExistsError, match=r"persistent tier.*step 0"):
+            mngr.save(0, tree_for(5), force=True)
+        assert casstore.list_steps(tmp_path / "local") == []
+        assert_bit_exact(mngr.restore(0), 0)
+
+
 def test_delete_waits_for_a_running_persist_so_the_step_does_not_come_back(
         tmp_path, object_servers):
     server = object_servers["seaweedfs"]
