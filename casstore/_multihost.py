@@ -174,6 +174,10 @@ class SaveAgreement:
             raise CasstoreError(f"process 0 did not commit the step: {outcome}")
 
 
+def _csv(steps: set[int]) -> str:
+    return ",".join(map(str, sorted(steps)))
+
+
 _seen_shared: set[str] = set()  # URLs where process 0 saw another process's chunk
 
 
@@ -201,7 +205,8 @@ class Rounds:
     """The exchange of a shared persist between the processes of a ``jax.distributed`` job, on
     the coordinator's key-value store (as :class:`SaveAgreement`'s).
 
-    Round ``k`` of a manager: process 0 sets ``round/k`` to the step (or ``stop``); every other
+    Round ``k`` of a manager: process 0 sets ``round/k`` to the step (or ``stop``) and the
+    steps it knows on the persistent tier, which the others take as theirs; every other
     process sends its share and sets ``done/k/<process>`` to the objects it sent or found there
     and its counts, or its error; process 0 waits for them all (at most the multi-process
     timeout, ``CASSTORE_MULTIHOST_TIMEOUT_S``). Managers are opened in the same order on every
@@ -214,15 +219,18 @@ class Rounds:
         self.tag = f"casstore/persist/{next(_managers)}/{run}"
         self.k = 0
 
-    def start(self, step: int, known: int | None) -> None:
+    def start(self, step: int, known: int | None, persisted: set[int]) -> None:
         """Process 0: starts the next round, for ``step``; ``known``: the persisted step whose
-        objects it takes to be there (the others need not look them up), or None."""
+        objects it takes to be there (the others need not look them up), or None;
+        ``persisted``: the steps on the persistent tier as it knows them (the others take
+        them as theirs)."""
         kv_client().key_value_set(f"{self.tag}/round/{self.k}",
-                                  f"{step} {-1 if known is None else known}")
+                                  f"{step} {-1 if known is None else known} {_csv(persisted)}")
 
-    def stop(self) -> None:
-        """Process 0: ends the rounds (the others' persist threads end)."""
-        kv_client().key_value_set(f"{self.tag}/round/{self.k}", "stop")
+    def stop(self, persisted: set[int]) -> None:
+        """Process 0: ends the rounds (the others' persist threads end), telling the others
+        the persisted steps as :meth:`start` does."""
+        kv_client().key_value_set(f"{self.tag}/round/{self.k}", f"stop -1 {_csv(persisted)}")
 
     def gather(self) -> tuple[dict[str, int], int, int]:
         """Process 0: the other processes' posts of this round: ``(objects there, chunks
@@ -252,24 +260,24 @@ class Rounds:
                                 "written: " + "; ".join(failed))
         return present, chunks, nbytes
 
-    def next_step(self, closed) -> tuple[int, int | None] | None:
-        """Another process: ``(step, known)`` of the next round (:meth:`start`), waiting for
-        it; None once process 0 ends the rounds, or the timeout after ``closed()`` turned true
-        passed."""
+    def next_step(self, closed) -> tuple[int | None, int | None, set[int]] | None:
+        """Another process: ``(step, known, persisted)`` of the next round (:meth:`start`),
+        waiting for it; ``step`` is None once process 0 ends the rounds (:meth:`stop`). None
+        if the timeout after ``closed()`` turned true passed first."""
         client, gave_up = kv_client(), None
         while True:
             try:
                 value = client.blocking_key_value_get(f"{self.tag}/round/{self.k}", 1000)
-                if value == "stop":
-                    return None
-                step, known = map(int, value.split())
-                return step, None if known < 0 else known
             except Exception:  # no round yet (or the coordinator is gone)
                 if closed():
                     gave_up = gave_up or time.monotonic() + timeout_ms() / 1000
                     if time.monotonic() > gave_up:
                         return None
                 time.sleep(0.05)
+                continue
+            step, known, persisted = value.split(" ")  # as start() or stop() set it
+            return (None if step == "stop" else int(step), int(known) if known != "-1" else None,
+                    {int(s) for s in persisted.split(",") if s})
 
     def post(self, present: dict[str, int], info: CopyInfo | None, error: str | None) -> None:
         """Another process: what it sent or found for this round, or its error."""

@@ -252,7 +252,7 @@ class Persister:
             closing, self._closed = not self._closed, True
             self._cond.notify_all()
         if closing and self.rounds is not None and self.rounds.is_leader:
-            self.rounds.stop()
+            self.rounds.stop(self.steps())
         self._thread.join(None if self.rounds is None else timeout_ms() / 1000)
 
     def _loop(self) -> None:
@@ -327,7 +327,7 @@ class Persister:
         others' posts, then the manifest (every object in ``present`` by then: no transfer).
         ``known``: the persisted step whose objects ``present`` holds, told to the others."""
         t0 = time.perf_counter()
-        self.rounds.start(step, known)
+        self.rounds.start(step, known, self.steps())
         try:
             own = copy_selected(self.local, self.persistent, [(self.run, step)], present,
                                 probe=True, share=(0, self.rounds.count),
@@ -350,9 +350,12 @@ class Persister:
 
     def _follow(self) -> None:
         """A process other than 0: sends its share of each step process 0 starts a round
-        for, and posts what it sent (or its error), until process 0 ends the rounds."""
+        for, and posts what it sent (or its error), until process 0 ends the rounds; takes
+        process 0's persisted steps as its own at each round and at the end."""
         while (got := self.rounds.next_step(lambda: self._closed)) is not None:
-            step, known = got
+            step, known, self._remote_steps = got
+            if step is None:
+                return
             with self._cond:
                 self._running = step
             try:

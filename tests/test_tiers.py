@@ -520,9 +520,10 @@ def test_two_jax_processes_each_persist_a_share_and_process_0_commits(tmp_path,
                                                                         object_servers):
     server = object_servers["seaweedfs"]
     remote = object_store(server)
-    sent, lookups = [], []
+    sent, lookups, steps = [], [], []
     for out in two_processes(tmp_path, server, remote, "5"):
         assert "OK" in out, out[-3000:]
+        steps.append(next(x for x in out.splitlines() if x.startswith("STEPS ")))
         line = next(x for x in out.splitlines() if x.startswith("SENT "))
         sent.append([int(n) for n in line.rsplit(" ", 2)[1:]])  # chunks, bytes
         lookups.append(int(next(x for x in out.splitlines() if x.startswith("LOOKUPS "))[8:]))
@@ -541,6 +542,8 @@ def test_two_jax_processes_each_persist_a_share_and_process_0_commits(tmp_path,
     assert sent[0][1] == sum(stored.values()), (sent, len(stored))  # each object sent once
     assert set(persisted) <= {0, 2, 4}
     assert persisted[-1] == 4
+    # Process 1 knows the persisted steps as process 0 does (told at each round and the end).
+    assert steps[0] == steps[1] == f"STEPS {persisted}", steps
     assert casstore.verify(remote).ok
     for step in persisted:
         restored = casstore.restore(remote, step)

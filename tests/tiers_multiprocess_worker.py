@@ -5,7 +5,7 @@ process 0 writing the manifest.
 
 Usage: tiers_multiprocess_worker.py PORT PROCESS_ID LOCAL PERSISTENT_URL OPTIONS_JSON STEPS [fail1]
 Prints ``SENT <steps persisted> <chunks> <bytes>`` (this process's share), ``LOOKUPS <n>``
-(objects it looked up on the persistent tier) and ``OK``. With
+(objects it looked up on the persistent tier), ``STEPS <all_steps()>`` and ``OK``. With
 ``fail1`` process 1 opens the persistent tier read-only, so its share fails; each process then
 prints ``PERSIST-ERROR <message>`` for the error its manager raised.
 """
@@ -59,5 +59,6 @@ infos = mngr.persister.persisted  # final once closed: process 0 ended the round
 print("SENT", sorted(infos), sum(i.chunks_copied for i in infos.values()),
       sum(i.bytes_copied for i in infos.values()), flush=True)
 print("LOOKUPS", persistent.counts["stat"], flush=True)  # objects probed on the tier
+print("STEPS", mngr.all_steps(), flush=True)  # both tiers, as this process knows them
 jax.distributed.shutdown()
 print("OK", flush=True)
