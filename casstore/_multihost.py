@@ -174,10 +174,6 @@ class SaveAgreement:
             raise CasstoreError(f"process 0 did not commit the step: {outcome}")
 
 
-def _csv(steps: set[int]) -> str:
-    return ",".join(map(str, sorted(steps)))
-
-
 _seen_shared: set[str] = set()  # URLs where process 0 saw another process's chunk
 
 
@@ -285,3 +281,8 @@ class Rounds:
             {"error": error, "present": present, "chunks": info.chunks_copied if info else 0,
              "bytes": info.bytes_copied if info else 0}))
         self.k += 1
+
+
+def _csv(steps: set[int]) -> str:
+    """Steps as Rounds' messages carry them: ``"0,2,4"``."""
+    return ",".join(map(str, sorted(steps)))
