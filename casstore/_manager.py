@@ -23,7 +23,6 @@ from ._codec import DEFAULT_ZSTD_LEVEL
 from ._errors import StepNotFoundError
 from ._fallback import FallbackStore
 from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, gc
-from ._layout import manifest_key
 from ._policies import (
     BestN,
     DecisionContext,
@@ -39,7 +38,7 @@ from ._policies import (
     utc_now,
 )
 from ._preemption import PreemptionNotice
-from ._repository import Url, delete, list_steps, read_manifest
+from ._repository import Url, delete, deleted, list_steps, read_manifest
 from ._restore import restore
 from ._save import SaveInfo
 from ._tiers import PersistPolicy, start_persister
@@ -432,9 +431,7 @@ class CheckpointManager:
         self.wait_until_finished()
         found = step in self.all_steps()
         found = (self.persister is not None and self.persister.delete(step)) or found
-        if jax.process_index() == 0 and self.store.exists(manifest_key(self.run, step)):
-            delete(self.store, step, run=self.run)
-            found = True
+        found = (jax.process_index() == 0 and deleted(self.store, step, self.run)) or found
         self._details.pop(step, None)
         self._steps = [s for s in self._steps if s != step]
         if not found:

@@ -187,3 +187,12 @@ def delete(url: Url, step: int, *, run: str = "default") -> None:
     if not store.exists(key):
         raise StepNotFoundError("no such step", url=store.url, run=run, step=step)
     store.delete(key)
+
+
+def deleted(store: Store, step: int, run: str) -> bool:
+    """:func:`delete`, returning False where the step does not exist."""
+    try:
+        delete(store, step, run=run)
+    except StepNotFoundError:
+        return False
+    return True

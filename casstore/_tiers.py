@@ -58,7 +58,7 @@ from ._policies import (
     PreservationPolicy,
     manifest_details,
 )
-from ._repository import delete, ensure_config, list_steps, read_manifest
+from ._repository import delete, deleted, ensure_config, list_steps, read_manifest
 from .store import Store, open_store
 
 log = logging.getLogger("casstore")
@@ -220,10 +220,7 @@ class Persister:
             self._cond.wait_for(lambda: self._running != step)
             self._remote_steps.discard(step)
             self._details.pop(step, None)
-        if jax.process_index() != 0 or not self.persistent.exists(manifest_key(self.run, step)):
-            return False
-        delete(self.persistent, step, run=self.run)
-        return True
+        return jax.process_index() == 0 and deleted(self.persistent, step, self.run)
 
     def steps(self) -> set[int]:
         """The steps known to be on the persistent tier."""
