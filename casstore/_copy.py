@@ -39,7 +39,12 @@ import zstandard
 
 from ._codec import HEADER, MAGIC, MAX_ELEMENT_SIZE, VERSION
 from ._delta import DeltaBases
-from ._errors import CorruptChunkError, StepNotFoundError, StoreTimeoutError
+from ._errors import (
+    CorruptChunkError,
+    StepAlreadyExistsError,
+    StepNotFoundError,
+    StoreTimeoutError,
+)
 from ._layout import chunk_key, manifest_key
 from ._locks import save_lock
 from ._manifest import Manifest, decode_manifest
@@ -58,7 +63,8 @@ class CopyInfo:
 
     Attributes:
       steps_copied: ``(run, step)`` pairs whose manifests were written at the destination.
-      steps_skipped: ``(run, step)`` pairs the destination already had.
+      steps_skipped: ``(run, step)`` pairs the destination already had (the source's
+        manifest, byte for byte).
       chunks_copied, bytes_copied: chunk and delta objects sent, and their stored bytes.
       chunks_skipped, bytes_skipped: objects the steps need that the destination already had.
       seconds: wall time.
@@ -131,6 +137,9 @@ def copy(src_url: Url, dst_url: Url, *, steps: list[int] | None = None,
       CorruptChunkError: a source object fails its checks or is missing (names run, step, key
         path and chunk id); no manifest that needs it is written.
       ManifestError: a source manifest is invalid (nothing is written).
+      StepAlreadyExistsError: the destination has a selected step whose manifest is not the
+        source's (another step of that number; nothing is written), or one was written there
+        concurrently (the steps before it are copied).
       StoreTimeoutError: either store did not answer within its deadline (names the object and,
         for a chunk, run, step, key path and chunk id); manifests that need it are not written.
     """
@@ -214,13 +223,19 @@ def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
 
 def _plan(src: Store, dst: Store, selected: list[tuple[str, int]]
           ) -> tuple[list[_Step], list[tuple[str, int]]]:
-    """Reads and validates the manifests of the selected steps the destination lacks."""
+    """Reads and validates the manifests of the selected steps the destination lacks; a
+    step it has is skipped if its manifest is the source's, byte for byte (a copy writes
+    them as is), else StepAlreadyExistsError (another step of that number is there)."""
     have = {(run, step) for run in dict.fromkeys(r for r, _ in selected)
             for step in list_steps(dst, run=run)}
-    plan, skipped = [], []
+    skipped = [pair for pair in selected if pair in have]
+    keys = [manifest_key(run, step) for run, step in skipped]
+    there, ours = dst.get_many(keys), src.get_many(keys)
+    for (run, step), key in zip(skipped, keys):
+        _same_step(dst, run, step, there[key], ours[key])
+    plan = []
     for run, step in selected:
         if (run, step) in have:
-            skipped.append((run, step))
             continue
         try:
             data = src.get(manifest_key(run, step))
@@ -230,6 +245,16 @@ def _plan(src: Store, dst: Store, selected: list[tuple[str, int]]
         manifest = decode_manifest(data, run=run, step=step, url=src.url)
         plan.append(_Step(run, step, manifest, data, set()))
     return plan, skipped
+
+
+def _same_step(dst: Store, run: str, step: int, there: bytes, ours: bytes) -> None:
+    """Raises StepAlreadyExistsError unless ``there``, the destination's manifest of the step,
+    is ``ours``, the source's."""
+    if there != ours:
+        raise StepAlreadyExistsError(
+            "the destination has another step of this number (its manifest differs from the "
+            "source's: another history of the run, or a damaged manifest); it is left as it "
+            "is", url=dst.url, run=run, step=step)
 
 
 class _Engine:
@@ -314,6 +339,8 @@ class _Engine:
                 self.dst.put_if_absent(manifest_key(s.run, s.step), s.data)
                 self.committed.append((s.run, s.step))
             except FileExistsError:  # written concurrently by someone else
+                _same_step(self.dst, s.run, s.step, self.dst.get(manifest_key(s.run, s.step)),
+                           s.data)
                 self.raced.append((s.run, s.step))
             except StoreTimeoutError as e:
                 raise e.at(run=s.run, step=s.step) from e

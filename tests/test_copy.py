@@ -10,7 +10,7 @@ import pytest
 from faultproxy import fault_proxy
 
 import casstore
-from casstore._layout import parse_manifest_key
+from casstore._layout import manifest_key, parse_manifest_key
 from casstore._repository import list_chunk_objects
 from casstore.store import CountingStore, FsspecStore, LocalStore, MemoryStore
 from casstore.store._retry import CHECKSUM_ATTEMPTS
@@ -37,6 +37,45 @@ def dst(request, tmp_path):
     if request.param == "local":
         return LocalStore(tmp_path / "dst")
     return object_store(request.getfixturevalue("object_servers")["seaweedfs"])
+
+
+def test_a_different_step_of_the_same_number_at_the_destination_is_refused(tmp_path, dst):
+    """A step the destination has is skipped only if its manifest is the source's: another
+    step of that number (another history of the run) is an error, and nothing is written."""
+    src = LocalStore(tmp_path / "src")
+    trees = shared_steps(src, n=3)
+    other = {"base": trees[0]["base"] + 1, "head": trees[0]["head"]}
+    casstore.save(dst, 1, other, chunk_size_bytes=64_000, delta=False)
+    before = {i.key for i in list_chunk_objects(dst)}
+    with pytest.raises(casstore.StepAlreadyExistsError, match=r"another step.*step 1"):
+        casstore.copy(src, dst)
+    assert {i.key for i in list_chunk_objects(dst)} == before  # no chunk sent
+    assert casstore.list_steps(dst) == [1]
+    restored = casstore.restore(dst, 1)
+    np.testing.assert_array_equal(restored["base"], other["base"])
+    casstore.copy(src, dst, steps=[0, 2])  # the other steps copy as usual
+    assert casstore.list_steps(dst) == [0, 1, 2]
+
+
+def test_a_different_step_written_there_during_the_copy_is_an_error(tmp_path):
+    src, elsewhere = LocalStore(tmp_path / "src"), LocalStore(tmp_path / "elsewhere")
+    shared_steps(src, n=3)
+    casstore.save(elsewhere, 0, {"x": np.arange(10)})
+    theirs = elsewhere.get(manifest_key("default", 0))
+
+    class Racing(LocalStore):
+        """Another writer commits its step 0 just before the copy's manifest write."""
+
+        def put_if_absent(self, key, data):
+            if key == manifest_key("default", 0) and not self.exists(key):
+                super().put_if_absent(key, theirs)
+            return super().put_if_absent(key, data)
+
+    dst = Racing(tmp_path / "dst")
+    with pytest.raises(casstore.StepAlreadyExistsError, match=r"another step.*step 0"):
+        casstore.copy(src, dst)
+    assert dst.get(manifest_key("default", 0)) == theirs
+    assert casstore.list_steps(dst) == [0]  # steps 1 and 2 wait for step 0, in step order
 
 
 def test_counts_each_needed_object_once_copied_or_already_there(tmp_path, dst):
