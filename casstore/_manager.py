@@ -9,7 +9,6 @@ steps and reads it from the store only on construction and :meth:`CheckpointMana
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import time
 from collections.abc import Callable
@@ -38,7 +37,7 @@ from ._policies import (
     utc_now,
 )
 from ._preemption import PreemptionNotice
-from ._repository import Url, delete, deleted, list_steps, read_manifest
+from ._repository import Url, deleted, list_steps, read_manifest
 from ._restore import restore
 from ._save import SaveInfo
 from ._tiers import PersistPolicy, start_persister
@@ -345,8 +344,7 @@ class CheckpointManager:
                   if not kept and info.step not in pending]
         for step in doomed:
             if jax.process_index() == 0:
-                with contextlib.suppress(FileNotFoundError):  # already gone: the same outcome
-                    delete(self.store, step, run=self.run)
+                deleted(self.store, step, self.run)  # already gone: the same outcome
             self._details.pop(step, None)
         self._steps = [s for s in self._steps if s not in doomed]
         return doomed

@@ -58,7 +58,7 @@ from ._policies import (
     PreservationPolicy,
     manifest_details,
 )
-from ._repository import delete, deleted, ensure_config, list_steps, read_manifest
+from ._repository import deleted, ensure_config, list_steps, read_manifest
 from .store import Store, open_store
 
 log = logging.getLogger("casstore")
@@ -310,8 +310,7 @@ class Persister:
         keep = policy.should_preserve(infos, context=PreservationContext())
         doomed = [step for step, kept in zip(steps, keep, strict=True) if not kept]
         for step in doomed:
-            with contextlib.suppress(FileNotFoundError):
-                delete(self.persistent, step, run=self.run)
+            deleted(self.persistent, step, self.run)  # already gone: the same outcome
             self._remote_steps.discard(step)
             self._details.pop(step, None)
         if doomed and self.policy.gc_after_retention:
