@@ -201,7 +201,7 @@ class Rounds:
     """The exchange of a shared persist between the processes of a ``jax.distributed`` job, on
     the coordinator's key-value store (as :class:`SaveAgreement`'s).
 
-    Round ``k`` of a manager: process 0 sets ``round/k`` to the step (or ``stop``) and the
+    Round ``k`` of a manager: process 0 sets ``round/k`` to the step (or None: stop) and the
     steps it knows on the persistent tier, which the others take as theirs; every other
     process sends its share and sets ``done/k/<process>`` to the objects it sent or found there
     and its counts, or its error; process 0 waits for them all (at most the multi-process
@@ -220,13 +220,16 @@ class Rounds:
         objects it takes to be there (the others need not look them up), or None;
         ``persisted``: the steps on the persistent tier as it knows them (the others take
         them as theirs)."""
-        kv_client().key_value_set(f"{self.tag}/round/{self.k}",
-                                  f"{step} {-1 if known is None else known} {_csv(persisted)}")
+        self._announce(step, known, persisted)
 
     def stop(self, persisted: set[int]) -> None:
         """Process 0: ends the rounds (the others' persist threads end), telling the others
         the persisted steps as :meth:`start` does."""
-        kv_client().key_value_set(f"{self.tag}/round/{self.k}", f"stop -1 {_csv(persisted)}")
+        self._announce(None, None, persisted)
+
+    def _announce(self, step: int | None, known: int | None, persisted: set[int]) -> None:
+        kv_client().key_value_set_bytes(f"{self.tag}/round/{self.k}", msgpack.packb(
+            {"step": step, "known": known, "persisted": sorted(persisted)}))
 
     def gather(self) -> tuple[dict[str, int], int, int]:
         """Process 0: the other processes' posts of this round: ``(objects there, chunks
@@ -263,7 +266,7 @@ class Rounds:
         client, gave_up = kv_client(), None
         while True:
             try:
-                value = client.blocking_key_value_get(f"{self.tag}/round/{self.k}", 1000)
+                value = client.blocking_key_value_get_bytes(f"{self.tag}/round/{self.k}", 1000)
             except Exception:  # no round yet (or the coordinator is gone)
                 if closed():
                     gave_up = gave_up or time.monotonic() + timeout_ms() / 1000
@@ -271,9 +274,8 @@ class Rounds:
                         return None
                 time.sleep(0.05)
                 continue
-            step, known, persisted = value.split(" ")  # as start() or stop() set it
-            return (None if step == "stop" else int(step), int(known) if known != "-1" else None,
-                    {int(s) for s in persisted.split(",") if s})
+            got = msgpack.unpackb(value)  # as start() or stop() announced it
+            return got["step"], got["known"], set(got["persisted"])
 
     def post(self, present: dict[str, int], info: CopyInfo | None, error: str | None) -> None:
         """Another process: what it sent or found for this round, or its error."""
@@ -282,7 +284,3 @@ class Rounds:
              "bytes": info.bytes_copied if info else 0}))
         self.k += 1
 
-
-def _csv(steps: set[int]) -> str:
-    """Steps as Rounds' messages carry them: ``"0,2,4"``."""
-    return ",".join(map(str, sorted(steps)))
