@@ -73,6 +73,8 @@ def main() -> None:
                                  chunk_size_bytes=2048)
         except casstore.CasstoreError as e:
             print("save failed:", e, flush=True)
+            if mode == "own-disk":  # both alive: process 0, the coordinator, waits for 1
+                jax.distributed.shutdown()
             os._exit(3)  # skip jax.distributed's shutdown barrier, which waits for the dead peer
         print("saved", info.new_chunks, info.written_bytes, flush=True)
     else:
