@@ -380,16 +380,14 @@ class CheckpointManager:
 
     def best_step(self) -> int | None:
         """The committed step whose metrics rank best by the preservation policy's ``BestN``
-        (``best_fn``); the latest step without one; None if no step has metrics."""
+        (``best_fn``; a NaN metric ranks worst, and of equal metrics the latest step is best);
+        the latest step without one; None if no step has metrics."""
         steps = self.all_steps()
         best = find(self.preservation_policy, BestN)
         if best is None:
             return steps[-1] if steps else None
-        scored = [(s, m) for s in steps if (m := self._step_details(s)[0]) is not None]
-        if not scored:
-            return None
-        pick = min if best.reverse else max
-        return pick(scored, key=lambda sm: best.get_metric_fn(sm[1]))[0]
+        ranked = best.ranked(PolicyCheckpointInfo(s, details=self._step_details) for s in steps)
+        return ranked[-1].step if ranked else None
 
     def restore(self, step: int | None = None, *, target: Any = None,
                 paths: list[str] | None = None, partial: bool = False, strict: bool = True,

@@ -261,8 +261,10 @@ class BestN(PreservationPolicy):
     """Keeps the ``n`` steps (None: all) whose metrics rank best by ``get_metric_fn``.
 
     ``get_metric_fn(metrics) -> float``; the highest values are best, the lowest with
-    ``reverse=True`` (orbax's semantics). Steps saved without metrics are kept with
-    ``keep_checkpoints_without_metrics``, dropped without.
+    ``reverse=True`` (orbax's semantics; of equal values the latest step ranks best, as in
+    orbax). A NaN value ranks below every other, so it is never kept in place of a number.
+    Steps saved without metrics are kept with ``keep_checkpoints_without_metrics``, dropped
+    without.
     """
 
     get_metric_fn: Callable[[Any], float]
@@ -270,15 +272,28 @@ class BestN(PreservationPolicy):
     n: int | None = None
     keep_checkpoints_without_metrics: bool = True
 
+    def ranked(self, checkpoints) -> list:
+        """The checkpoints that have metrics, worst first, best last."""
+        scored = [(c, self.get_metric_fn(c.metrics)) for c in checkpoints
+                  if c.metrics is not None]
+        nan = [c for c, value in scored if _is_nan(value)]
+        numbers = [(c, value) for c, value in scored if not _is_nan(value)]
+        # sorted() is stable with reverse too: of equal values the later step stays later
+        return nan + [c for c, _ in sorted(numbers, key=lambda cv: cv[1], reverse=self.reverse)]
+
     def should_preserve(self, checkpoints, *, context) -> list[bool]:
         if self.n is None:
             return [True] * len(checkpoints)
-        scored = [c for c in checkpoints if c.metrics is not None]
-        ranked = sorted(scored, key=lambda c: self.get_metric_fn(c.metrics),
-                        reverse=not self.reverse)
-        keep = {c.step for c in ranked[:self.n]}
+        keep = {c.step for c in self.ranked(checkpoints)[-self.n:]}
         return [c.step in keep or (c.metrics is None and self.keep_checkpoints_without_metrics)
                 for c in checkpoints]
+
+
+def _is_nan(value: Any) -> bool:
+    try:
+        return bool(value != value)
+    except (TypeError, ValueError):  # not a number, or an array of several
+        return False
 
 
 @dataclasses.dataclass

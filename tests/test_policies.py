@@ -70,6 +70,27 @@ def test_preservation_policies():
         EveryNSteps(0)
 
 
+def test_best_n_ranks_nan_worst_and_of_equal_metrics_keeps_the_latest_as_orbax():
+    nan = float("nan")
+    losses = [{"loss": v} for v in (0.5, nan, 0.1, 0.3, np.float32(nan))]
+    lowest = BestN(get_metric_fn=lambda m: m["loss"], reverse=True, n=2)
+    assert kept(lowest, [0, 1, 2, 3, 4], losses) == [2, 3]
+    highest = BestN(get_metric_fn=lambda m: m["loss"], n=2)
+    assert kept(highest, [0, 1, 2, 3, 4], losses) == [0, 3]
+    ties = [{"acc": 1.0}] * 4
+    for reverse in (False, True):  # orbax 0.12 keeps [2, 3] in both modes
+        best = BestN(get_metric_fn=lambda m: m["acc"], reverse=reverse, n=2)
+        assert kept(best, [0, 1, 2, 3], ties) == [2, 3]
+    with casstore.CheckpointManager(MemoryStore(), max_to_keep=2, best_fn=lambda m: m["loss"],
+                                    best_mode="min") as mngr:
+        run_loop(mngr, range(4), metrics=lambda s: losses[s])
+        assert (mngr.all_steps(), mngr.best_step()) == ([2, 3], 2)
+    with casstore.CheckpointManager(MemoryStore(), max_to_keep=2, best_fn=lambda m: m["acc"],
+                                    best_mode="max") as mngr:
+        run_loop(mngr, range(4), metrics=lambda s: ties[s])
+        assert (mngr.all_steps(), mngr.best_step()) == ([2, 3], 3)
+
+
 def decide(policy, step, previous=(), seconds=None, **context):
     current = PolicyCheckpointInfo(step, None, T0 + datetime.timedelta(seconds=seconds or 0))
     return policy.should_save(current, infos(list(previous), seconds=[0] * len(previous)),
