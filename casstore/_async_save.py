@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures as cf
 import functools
+import logging
 import threading
 import time
 import weakref
@@ -32,12 +33,18 @@ from ._save import SaveInfo, inflight_window, plan_jobs, prepare, write
 from ._staging import StagingStream
 from .store import Store, open_store
 
+log = logging.getLogger("casstore")
+
 
 def _finish_at_exit(ref: weakref.ref) -> None:
     """At interpreter exit, lets an in-flight background save finish (or fail) first."""
     saver = ref()
     if saver is not None and saver._pending is not None:
-        saver._pending.exception()  # waits; a failed save has written no manifest
+        error = saver._pending.exception()  # waits; a failed save has written no manifest
+        if error is not None:  # nobody is left to raise it to
+            log.error("casstore: the background save of step %s to %s failed at exit, nothing "
+                      "was committed: %s", saver._pending_step, saver.store.url, error,
+                      exc_info=error)
 
 
 def _register_exit_hook(saver: AsyncCheckpointer) -> None:
@@ -63,9 +70,10 @@ class AsyncCheckpointer:
     to store chunks before staging more.
 
     Thread-safety: NOT thread-safe (call it from one thread). At interpreter exit an in-flight
-    save is finished first; a save killed with the process leaves no manifest, never a partial
-    step. Multi-process: every process of a ``jax.distributed`` job calls ``save`` with the same
-    steps in the same order; process 0 commits.
+    save is finished first (an error it ends with is logged, level ERROR, logger ``casstore``:
+    nothing is left to raise it to); a save killed with the process leaves no manifest, never a
+    partial step. Multi-process: every process of a ``jax.distributed`` job calls ``save``
+    with the same steps in the same order; process 0 commits.
 
     Args:
       url: a path, an fsspec URL or a Store.
@@ -102,6 +110,7 @@ class AsyncCheckpointer:
         self.chunk_size_bytes, self.zstd_level, self.delta = chunk_size_bytes, zstd_level, delta
         self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix="casstore-save")
         self._pending: cf.Future | None = None
+        self._pending_step: int | None = None  # the step of _pending
         self._closed = False
         self._writable = False  # write access checked by the first save
         self.last_save_blocking_s: float | None = None
@@ -165,10 +174,15 @@ class AsyncCheckpointer:
         del arrays
         stored = {r.id for leaf in previous.leaves for r in leaf.chunks} if previous else ()
         stream = StagingStream(jobs, self.max_staging_bytes, self.chunk_size_bytes, stored)
+        self._pending_step = step
         self._pending = self._executor.submit(self._write, step, prepared, inline, stream,
                                               previous_step, then, previous, numpy_blocks)
         try:
             stream.fill()
+        except BaseException:  # raised here, so not again by the next call: let it fail now
+            pending, self._pending = self._pending, None
+            cf.wait([pending])
+            raise
         finally:
             self.last_staging_peak_bytes = stream.peak_bytes
             self.last_save_blocking_s = time.perf_counter() - t0

@@ -89,6 +89,19 @@ def test_errors_surface_from_wait_until_finished_and_the_next_save():
         ckptr.save(3, {"w": np.ones(3)})
 
 
+def test_a_staging_error_is_raised_once_and_the_step_can_be_saved_again():
+    store = MemoryStore()
+    deleted = jnp.ones(100_000)
+    deleted.delete()
+    with casstore.CheckpointManager(store) as mngr:
+        with pytest.raises(RuntimeError, match="deleted"):
+            mngr.save(0, {"x": deleted})
+        assert mngr.save(0, {"x": jnp.arange(3.0)})  # raised the same error again, saved nothing
+        mngr.wait_until_finished()
+    assert casstore.list_steps(store) == [0]
+    np.testing.assert_array_equal(casstore.restore(store, 0)["x"], [0.0, 1.0, 2.0])
+
+
 def test_an_existing_step_and_bad_arguments_are_refused():
     store = MemoryStore()
     casstore.save(store, 5, {"w": np.ones(3)})

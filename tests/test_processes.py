@@ -72,3 +72,25 @@ def test_interpreter_exit_waits_for_the_async_save_in_flight(tmp_path):
     restored = casstore.restore(url, 1)
     np.testing.assert_array_equal(restored["big"], np.arange(2_000_000, dtype=np.int64))
     assert_restores(url, "default", 1)
+
+
+FAILING_AT_EXIT = """
+import numpy as np, casstore
+from casstore.store import MemoryStore
+class Full(MemoryStore):
+    def _put(self, key, data, *, exclusive):
+        if key.startswith("chunks/"):
+            raise OSError(28, "injected: no space left")
+        super()._put(key, data, exclusive=exclusive)
+casstore.CheckpointManager(Full(), enable_async_checkpointing=True).save(7, {"w": np.ones(1000)})
+print("returned")
+"""
+
+
+def test_a_save_that_fails_at_interpreter_exit_is_logged_not_lost_silently():
+    proc = subprocess.run([sys.executable, "-c", FAILING_AT_EXIT], capture_output=True,
+                          text=True, timeout=300)
+    assert "returned" in proc.stdout, proc.stderr[-3000:]
+    assert "background save of step 7 to memory:" in proc.stderr, proc.stderr[-3000:]
+    assert "failed at exit, nothing was committed" in proc.stderr
+    assert "injected: no space left" in proc.stderr
