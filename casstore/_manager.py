@@ -34,6 +34,7 @@ from ._policies import (
     manager_policies,
     manifest_details,
     persistent_preservation,
+    split_metadata,
     utc_now,
 )
 from ._preemption import PreemptionNotice
@@ -407,14 +408,14 @@ class CheckpointManager:
         return restored
 
     def metadata(self, step: int | None = None) -> Any:
-        """The user metadata saved with ``step`` (None: the latest).
+        """The user metadata saved with ``step`` (None: the latest): by this manager's
+        ``save(..., metadata=)``, or by ``casstore.save(..., metadata=)`` or ``import_orbax``.
 
         Raises:
           StepNotFoundError: no such step.
         """
         self.wait_until_finished()
-        metadata = read_manifest(self._reader(), step, run=self.run).metadata
-        return metadata.get("user") if isinstance(metadata, dict) else metadata
+        return split_metadata(read_manifest(self._reader(), step, run=self.run).metadata)[1]
 
     def delete(self, step: int) -> None:
         """Deletes ``step`` (its manifest; GC frees its chunks) from every tier that has it (a

@@ -62,12 +62,24 @@ def utc_now() -> datetime.datetime:
     return datetime.datetime.now(tz=datetime.timezone.utc)
 
 
+MANAGER_METADATA = frozenset({"metrics", "user"})  # the keys of a manager's manifest metadata
+
+
+def split_metadata(metadata: Any) -> tuple[Any, Any]:
+    """(metrics, user metadata) of a manifest's metadata: a manager saves
+    ``{"metrics": ..., "user": ...}``; anything else (``casstore.save(metadata=...)``,
+    ``import_orbax``) is user metadata without metrics."""
+    if isinstance(metadata, dict) and metadata.keys() == MANAGER_METADATA:
+        return metadata["metrics"], metadata["user"]
+    return None, metadata
+
+
 def manifest_details(manifest: Any) -> tuple[Any, datetime.datetime]:
     """(metrics, save time in UTC) of a step, from its ``Manifest``: the metrics a manager
-    saved in its metadata (None without), and its ``created`` time."""
-    metadata = manifest.metadata
-    metrics = metadata.get("metrics") if isinstance(metadata, dict) else None
-    return metrics, datetime.datetime.fromtimestamp(manifest.created, datetime.timezone.utc)
+    saved in its metadata (None without, see :func:`split_metadata`), and its ``created``
+    time."""
+    return (split_metadata(manifest.metadata)[0],
+            datetime.datetime.fromtimestamp(manifest.created, datetime.timezone.utc))
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -98,8 +98,23 @@ def test_metadata_and_delete(tmp_path):
         assert mngr.metadata(0) == {"lr": 0.1}
         mngr.delete(0)
         assert mngr.all_steps() == []
-        with pytest.raises(casstore.StepNotFoundError):
+        with pytest.raises(casstore.StepNotFoundError, match="no such step"):
             mngr.delete(0)
+
+
+def test_metadata_of_steps_saved_without_the_manager_is_theirs_and_holds_no_metrics(tmp_path):
+    casstore.save(tmp_path, 0, state(0), metadata={"epoch": 3, "metrics": {"loss": -1.0}})
+    casstore.save(tmp_path, 1, state(1), metadata=[1, 2])
+    with casstore.CheckpointManager(tmp_path, max_to_keep=2, best_fn=lambda m: m["loss"],
+                                    best_mode="min", keep_checkpoints_without_metrics=False
+                                    ) as mngr:
+        assert mngr.metadata(0) == {"epoch": 3, "metrics": {"loss": -1.0}}
+        assert mngr.metadata(1) == [1, 2]
+        mngr.save(2, state(2), metrics={"loss": 0.5}, metadata={"epoch": 4})
+        mngr.wait_until_finished()
+        assert mngr.metadata(2) == {"epoch": 4}
+        assert mngr.best_step() == 2  # step 0's "metrics" key is user metadata, not a metric
+        assert mngr.all_steps() == [2]  # steps without metrics dropped, as asked
 
 
 class FailingStore(MemoryStore):
