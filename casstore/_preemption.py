@@ -42,6 +42,7 @@ class PreemptionNotice:
     def __init__(self, signals: Sequence[int] = ()):
         self.signal_received: int | None = None
         self._previous: dict[int, object] = {}
+        self._closed = False
         self._step: int | None = None  # the step the notice was first seen at
         if not signals or jax.process_count() > 1:
             return
@@ -52,8 +53,9 @@ class PreemptionNotice:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame) -> None:
-        self.signal_received = signum
-        previous = self._previous.get(signum)
+        if not self._closed:
+            self.signal_received = signum
+        previous = _live(self._previous.get(signum), signum)
         if callable(previous):
             previous(signum, frame)
 
@@ -68,8 +70,18 @@ class PreemptionNotice:
         return self._step is not None and step >= self._step
 
     def close(self) -> None:
-        """Puts back the signal handlers it replaced. Idempotent."""
-        for sig, previous in self._previous.items():
+        """Puts back the signal handlers it replaced, skipping those of notices closed since
+        (closed in another order than made, the last one still puts back the first's
+        predecessor). Idempotent."""
+        self._closed = True
+        for sig in self._previous:
             if signal.getsignal(sig) == self._handle:
-                signal.signal(sig, previous)
-        self._previous = {}
+                signal.signal(sig, _live(self._handle, sig))
+
+
+def _live(handler: object, sig: int) -> object:
+    """``handler``, or the first handler before it in a chain of closed notices' handlers."""
+    while isinstance(owner := getattr(handler, "__self__", None), PreemptionNotice) and (
+            owner._closed):
+        handler = owner._previous.get(sig, signal.SIG_DFL)
+    return handler

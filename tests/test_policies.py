@@ -217,6 +217,29 @@ def test_sigterm_saves_the_next_step_once_and_the_loop_stops():
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_managers_closed_in_any_order_put_back_the_first_handler():
+    def original(signum, frame):
+        calls.append("original")
+
+    calls = []
+    previous = signal.signal(signal.SIGTERM, original)
+    try:
+        for order in ((0, 1), (1, 0)):
+            managers = [casstore.CheckpointManager(
+                MemoryStore(), save_decision_policy=PreemptionCheckpointingPolicy())
+                for _ in range(2)]
+            managers[order[0]].close()
+            os.kill(os.getpid(), signal.SIGTERM)  # the one open: recorded, then forwarded
+            assert calls == ["original"]
+            assert managers[order[1]].reached_preemption(1)
+            assert not managers[order[0]].reached_preemption(1)  # closed: no longer listening
+            managers[order[1]].close()
+            assert signal.getsignal(signal.SIGTERM) is original, order
+            calls.clear()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_the_default_policy_saves_at_jax_preemption_sync_point(monkeypatch):
     assert not casstore._preemption.reached_sync_point(3)  # no jax.distributed here
     monkeypatch.setattr(casstore._preemption, "reached_sync_point", lambda step: step == 7)
