@@ -197,9 +197,9 @@ class CheckpointManager:
         Makes no request: the latest step is the one this manager knows (see the class
         docstring), the one in flight included.
         """
-        latest = self.latest_step()
-        if self._saving is not None and self._saver.is_saving_in_progress():
-            latest = self._saving if latest is None else max(latest, self._saving)
+        # in flight first: a save that commits in between is then among the known steps
+        in_flight = self._saving if self._saver.is_saving_in_progress() else None
+        latest = max((s for s in (self.latest_step(), in_flight) if s is not None), default=None)
         if latest is not None and step <= latest:
             return False
         context = DecisionContext(
