@@ -329,7 +329,11 @@ class CheckpointManager:
     def _step_details(self, step: int) -> tuple[Any, datetime.datetime]:
         """(metrics, save time) of ``step``: remembered, or read from its manifest once."""
         if step not in self._details:
-            manifest = read_manifest(self._reader(), step, run=self.run)
+            try:
+                manifest = read_manifest(self._reader(), step, run=self.run)
+            except StepNotFoundError:  # deleted by another process: forget it, rank it as new
+                self._steps = [s for s in self._steps if s != step]
+                return None, utc_now()
             self._details[step] = manifest_details(manifest)
         return self._details[step]
 

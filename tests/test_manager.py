@@ -185,3 +185,20 @@ def test_should_save_is_false_for_older_steps_while_a_save_commits():
                     wrong.append(step)
                     break
         assert wrong == []
+
+
+def test_a_step_deleted_by_another_process_is_forgotten_and_retention_goes_on(tmp_path):
+    def save(mngr, step):
+        mngr.save(step, {"w": np.full(3, step)}, metrics={"acc": step})
+        mngr.wait_until_finished()
+
+    best = {"max_to_keep": 2, "best_fn": lambda m: m["acc"]}
+    with casstore.CheckpointManager(tmp_path, **best) as mngr:
+        for step in range(2):
+            save(mngr, step)
+    with casstore.CheckpointManager(tmp_path, **best) as mngr:
+        casstore.delete(tmp_path, 0)  # e.g. `casstore rm` while the job trains
+        save(mngr, 2)  # raised StepNotFoundError for step 0 though step 2 committed
+        save(mngr, 3)
+        assert mngr.all_steps() == casstore.list_steps(tmp_path) == [2, 3]
+        assert mngr.best_step() == 3
