@@ -16,6 +16,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from ._errors import UnsupportedLeafError
 from ._lazy import LazyModule
 
 jax = LazyModule("jax")  # imported on first use: reading manifests needs no jax
@@ -66,14 +67,21 @@ class CastView:
     Slicing casts only the slice: on the host for a numpy source, on the device for a jax
     source (a lazily dispatched op, so :func:`start_host_copy` copies the cast block). The save
     path treats it as the array it wraps: :func:`unique_shards` gives a CastView per shard.
+    A cast that can lose more than rounding (a narrower integer, a float with a smaller range)
+    checks each slice: an integer out of range, or a finite float that overflows (to infinity
+    or NaN, or past the largest value of a float without infinity, which saturates), raises
+    :class:`~casstore.UnsupportedLeafError` naming the key path, so the save fails and commits
+    nothing. That costs one pass over the slice where it is cast (on an accelerator, one
+    reduction and a wait per block).
 
     Attributes:
       source: a numpy array, or a jax.Array (a whole leaf, or one single-device shard).
       dtype: the stored dtype.
+      path: the leaf's key path, for errors.
     """
 
-    def __init__(self, source: np.ndarray | jax.Array, dtype: np.dtype):
-        self.source, self.dtype = source, np.dtype(dtype)
+    def __init__(self, source: np.ndarray | jax.Array, dtype: np.dtype, path: str = ""):
+        self.source, self.dtype, self.path = source, np.dtype(dtype), path
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -92,13 +100,44 @@ class CastView:
         return self.source.devices()
 
     def __getitem__(self, index: Any) -> np.ndarray | jax.Array:
-        """``source[index]`` cast to ``dtype``; only that slice is copied."""
-        return self.source[index].astype(self.dtype)
+        """``source[index]`` cast to ``dtype``; only that slice is copied.
+
+        Raises:
+          UnsupportedLeafError: the slice holds a value ``dtype`` cannot hold (class doc).
+        """
+        return self._checked(self.source[index])
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         """The whole array cast (used only for small leaves, which are packed or inlined)."""
-        out = np.asarray(self.source).astype(self.dtype)
+        out = self._checked(np.asarray(self.source))
         return out if dtype is None else out.astype(dtype)
+
+    def _checked(self, block: Any) -> Any:
+        xp = np if isinstance(block, np.ndarray) else jnp
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below
+            out = block.astype(self.dtype)
+        if block.size == 0 or np.can_cast(block.dtype, self.dtype, "safe"):
+            return out
+        if xp.issubdtype(self.dtype, xp.integer):
+            if bool(xp.all(out.astype(block.dtype) == block)):
+                return out
+            why = f"values in [{block.min()}, {block.max()}], out of its range"
+        else:
+            finite = xp.isfinite(block)
+            lost = finite & ~xp.isfinite(out)
+            if not _has_inf(self.dtype):  # saturates instead of overflowing
+                lost |= finite & (xp.abs(block) > float(ml_dtypes.finfo(self.dtype).max))
+            if not bool(xp.any(lost)):
+                return out
+            why = "finite values beyond its range (they would overflow)"
+        raise UnsupportedLeafError(
+            f"cannot store this leaf as {self.dtype.name}: its {block.dtype} values hold {why}; "
+            "store it in a wider dtype; nothing was committed", key_path=self.path)
+
+
+def _has_inf(dtype: np.dtype) -> bool:
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.isinf(np.array(np.inf, np.float32).astype(dtype).astype(np.float32)))
 
 
 def is_host_data(data: Any) -> bool:
@@ -116,7 +155,8 @@ def unique_shards(leaf: np.ndarray | jax.Array | CastView) -> list[tuple[tuple[i
     other processes are not. A CastView gives a CastView of each of its source's shards.
     """
     if isinstance(leaf, CastView):
-        return [(o, CastView(data, leaf.dtype)) for o, data in unique_shards(leaf.source)]
+        return [(o, CastView(data, leaf.dtype, leaf.path))
+                for o, data in unique_shards(leaf.source)]
     if not isinstance(leaf, jax.Array):
         return [((0,) * leaf.ndim, leaf)]
     out = []

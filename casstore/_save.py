@@ -168,7 +168,9 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
         manifest write); nothing visible changes.
       UnsupportedLeafError: a leaf cannot be stored, or not in the dtype ``dtypes`` asks for (a
         cast to another kind of dtype, such as float to int; a PRNG key array; a non-key leaf
-        to a key dtype); names its key path. Raised before any write.
+        to a key dtype); names its key path. Raised before any write. Also, as the leaf is
+        written, for a value the stored dtype cannot hold (an integer out of its range, a
+        finite float beyond its range: never wrapped or overflowed); no manifest is written.
       ValueError: invalid ``step``, ``run``, ``metadata`` that msgpack cannot encode, a
         ``dtypes`` prefix that matches no array leaf, or an unknown ``compression``.
       ManifestError: the repository's config object is damaged or of an unknown version.

@@ -43,6 +43,10 @@ def stored_as(prepared: Prepared, arrays: dict[int, Any],
         format.md §4.5 does not allow; names the key path. A leaf under a prefix can keep its
         dtype through a longer prefix: ``{"params": bf16, "params/step": np.int32}``.
       ValueError: a prefix that is not a string, or that matches no array leaf.
+
+    A value the stored dtype cannot hold (an integer out of its range, a finite float beyond
+    its range) is found as the leaf is cast, block by block: :class:`~casstore._chunking.
+    CastView` raises UnsupportedLeafError naming the key path then, and nothing is committed.
     """
     if not dtypes:
         return prepared, arrays
@@ -60,7 +64,7 @@ def stored_as(prepared: Prepared, arrays: dict[int, Any],
         stored = _check_cast(path, info.dtype, info.key_impl, dtypes[prefix])
         if stored != info.dtype:
             infos[i] = dataclasses.replace(info, dtype=stored)
-            arrays[i] = CastView(arrays[i], stored)
+            arrays[i] = CastView(arrays[i], stored, path)
     if unused := [p for p in dtypes if p not in used]:
         raise ValueError(f"dtypes prefix {unused[0]!r} matches no array leaf")
     return dataclasses.replace(prepared, arrays=infos), arrays

@@ -166,6 +166,42 @@ def test_refused_casts_name_the_key_path_and_write_nothing(dtypes, path, message
     assert store.keys_written == []
 
 
+OUT_OF_RANGE = [  # (values, stored dtype, message): a cast that would lose more than rounding
+    (np.array([5, 2**20], np.int32), np.int16, r"int32 values hold values in \[5, 1048576\]"),
+    (np.array([1, -1], np.int32), np.uint16, r"values in \[-1, 1\], out of its range"),
+    (np.array([1.0, 70000.0], np.float32), np.float16, "beyond its range"),
+    (np.array([1.0, 1e30], np.float32), "float8_e4m3fn", "beyond its range"),
+    (np.array([1.0, 100.0], np.float32), "float4_e2m1fn", "beyond its range"),  # saturates
+]
+
+
+@pytest.mark.parametrize("accelerator_path", [False, True])
+@pytest.mark.parametrize("size", [2, 40_000])  # packed whole, or cut into blocks
+@pytest.mark.parametrize(("values", "dtype", "message"), OUT_OF_RANGE)
+def test_values_the_stored_dtype_cannot_hold_are_refused_not_wrapped(
+        monkeypatch, accelerator_path, size, values, dtype, message):
+    if accelerator_path:  # as on a GPU: each block cast on its device, then copied
+        for module in (casstore._chunking, casstore._save_plan):
+            monkeypatch.setattr(module, "on_host", lambda x: False)
+    leaf = np.resize(values, size)  # both values, repeated
+    store = MemoryStore()
+    with pytest.raises(casstore.UnsupportedLeafError, match=message) as e:
+        casstore.save(store, 0, {"w": jnp.asarray(leaf) if accelerator_path else leaf},
+                      dtypes={"w": dtype}, chunk_size_bytes=CHUNK)
+    assert e.value.key_path == "w"
+    assert casstore.list_steps(store) == []
+
+
+def test_values_the_stored_dtype_holds_are_rounded_as_numpy_casts_them():
+    tree = {"f": np.array([1.0, 65504.0, 1e-9, 0.1, np.nan, -np.inf], np.float32),
+            "i": np.array([-2**31, 2**31 - 1], np.int64)}
+    store = MemoryStore()
+    casstore.save(store, 0, tree, dtypes={"f": np.float16, "i": np.int32})
+    got = casstore.restore(store, 0)
+    assert got["f"].tobytes() == tree["f"].astype(np.float16).tobytes()  # 1e-9 rounds to 0
+    assert got["i"].tolist() == tree["i"].tolist()
+
+
 def test_a_prefix_matching_no_array_leaf_is_an_error():
     store = CountingStore(MemoryStore())
     with pytest.raises(ValueError, match="'parms' matches no array leaf"):
