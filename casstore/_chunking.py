@@ -122,22 +122,39 @@ class CastView:
             if bool(xp.all(out.astype(block.dtype) == block)):
                 return out
             why = f"values in [{block.min()}, {block.max()}], out of its range"
+        elif not overflowed(block, out):
+            return out
         else:
-            finite = xp.isfinite(block)
-            lost = finite & ~xp.isfinite(out)
-            if not _has_inf(self.dtype):  # saturates instead of overflowing
-                lost |= finite & (xp.abs(block) > float(ml_dtypes.finfo(self.dtype).max))
-            if not bool(xp.any(lost)):
-                return out
             why = "finite values beyond its range (they would overflow)"
         raise UnsupportedLeafError(
             f"cannot store this leaf as {self.dtype.name}: its {block.dtype} values hold {why}; "
             "store it in a wider dtype; nothing was committed", key_path=self.path)
 
 
-def _has_inf(dtype: np.dtype) -> bool:
+def overflowed(block: Any, out: Any) -> bool:
+    """True if a finite value of ``block`` (numpy or jax) became infinite or NaN in ``out``, its
+    cast to a float dtype, or saturated there (a dtype without infinity, float4_e2m1fn)."""
+    xp = np if isinstance(block, np.ndarray) else jnp
+    lost = ~xp.isfinite(out)
+    if (bound := saturation_bound(out.dtype)) is not None:
+        limit, tie_overflows = bound
+        magnitude = xp.abs(block)
+        lost |= magnitude >= limit if tie_overflows else magnitude > limit
+    return bool(xp.any(xp.isfinite(block) & lost))
+
+
+def saturation_bound(dtype: np.dtype) -> tuple[float, bool] | None:
+    """For a float dtype without infinity (float8_e4m3fn, float4_e2m1fn): half an ulp above
+    its largest value, past which a cast gives NaN or saturates instead of overflowing, and
+    whether a value equal to it does too; None for a dtype with infinity."""
     with np.errstate(over="ignore", invalid="ignore"):
-        return bool(np.isinf(np.array(np.inf, np.float32).astype(dtype).astype(np.float32)))
+        if np.isinf(np.array(np.inf, np.float32).astype(dtype).astype(np.float32)):
+            return None
+    top = np.array(ml_dtypes.finfo(dtype).max, dtype)
+    bits = top.view(f"u{top.itemsize}")
+    below = (bits - 1).view(dtype)  # the next value down
+    half_up = float(top.astype(np.float64)) * 1.5 - float(below.astype(np.float64)) * 0.5
+    return half_up, bool(bits & 1)  # a tie rounds to even: up if the largest value is odd
 
 
 def is_host_data(data: Any) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._chunking import Index, dtype_from_name
+from ._chunking import Index, dtype_from_name, overflowed
 from ._manifest import LeafEntry
 from ._target import is_numpy_class, returns_numpy, target_shape
 
@@ -112,13 +112,14 @@ def cast(host: np.ndarray, entry: LeafEntry, dtype: Any, fail: Fail) -> Any:
     if (why := _unrepresentable(host, dtype)) is not None:
         raise fail(f"the saved {host.dtype} values hold {why}, which {dtype} cannot hold; "
                    "ask for a dtype that holds them", entry.path)
-    real = _kind(host.dtype) == "c" and _kind(dtype) != "c"  # imaginary parts checked 0
+    if _kind(host.dtype) == "c" and _kind(dtype) != "c":  # imaginary parts checked 0
+        host = host.real
     with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused just below
-        out = (host.real if real else host).astype(dtype)
+        out = host.astype(dtype)
     if (_kind(dtype) in "fc" and not np.can_cast(host.dtype, dtype, "safe")
-            and np.any(np.isfinite(host) & ~np.isfinite(out))):
+            and overflowed(host, out)):
         raise fail(f"the saved {host.dtype} values overflow {dtype} (they would become inf or "
-                   "NaN); ask for a wider dtype", entry.path)
+                   "NaN, or saturate); ask for a wider dtype", entry.path)
     return out
 
 

@@ -175,6 +175,29 @@ def test_a_float_narrowing_rounds_or_raises_never_overflows(values, target):
     assert got.tobytes() == cast.tobytes()
 
 
+ROUNDED = {"float4_e2m1fn": [1.0, 6.5, 6.99, -6.99],  # all round to 6 (or 1)
+           "float8_e4m3fn": [1.0, 460.0, 464.0, -464.0]}  # 464: a tie, rounds down to 448
+
+
+@pytest.mark.parametrize(("saved", "target"), [
+    (np.array([1.0, 100.0, 1e30], np.float32), "float4_e2m1fn"),  # no inf, no NaN: saturates
+    (np.array([7.0], np.float32), "float4_e2m1fn"),  # a tie that rounds up, past 6
+    (np.array([1000], np.int32), "float4_e2m1fn"),
+    (np.array([1.0, 480.0], np.float32), "float8_e4m3fn"),  # no inf: NaN
+])
+def test_a_cast_to_a_float_without_infinity_refuses_what_would_saturate(saved, target):
+    store = MemoryStore()
+    casstore.save(store, 0, {"x": saved})
+    dt = np.dtype(getattr(ml_dtypes, target))
+    with pytest.raises(casstore.TargetMismatchError, match=rf"overflow {target}.*key path 'x'"):
+        casstore.restore(store, 0, target={"x": np.zeros(saved.shape, dt)})
+    kept = np.array(ROUNDED[target], np.float32)
+    casstore.save(store, 1, {"x": kept})
+    got = casstore.restore(store, 1, target={"x": np.zeros(kept.shape, dt)})["x"]
+    assert got.tobytes() == kept.astype(dt).tobytes()
+    assert np.all(np.abs(got.astype(np.float32)) == [1.0, *[ml_dtypes.finfo(dt).max] * 3])
+
+
 def test_other_casts_refuse_what_the_target_cannot_hold():
     store = MemoryStore()
     casstore.save(store, 0, {"nan": np.array([1.0, np.nan]), "c": np.array([1 + 2j]),
