@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._chunking import dtype_from_name
+from ._chunking import dtype_from_name, dtype_name
 from ._errors import TargetMismatchError
 from ._keypath import SCALAR_TYPES, matches, path_str
 from ._manifest import LeafEntry, Manifest
@@ -184,12 +184,21 @@ def _compatibility_problem(entry: LeafEntry, t: Any, strict: bool) -> str | None
     if is_numpy_class(t):
         return None
     shape = target_shape(t)
+    saved_text = entry.kind == "scalar" and entry.scalar_type in ("str", "bytes")
     if shape is None:
         if not isinstance(t, SCALAR_TYPES):
             return f"unsupported target leaf of type {type(t).__name__}"
         if entry.kind == "array" and entry.shape != ():
             return f"target is a Python scalar, saved an array of shape {entry.shape}"
+        text = type(t).__name__ if isinstance(t, str | bytes) else None
+        if (text or saved_text) and text != (entry.scalar_type if saved_text else None):
+            saved = entry.scalar_type if entry.kind == "scalar" else f"{entry.dtype} array"
+            return f"the target asks for {type(t).__name__}, saved {saved}"
         return None
+    if saved_text:
+        return f"the target asks for an array, saved {entry.scalar_type}"
+    if not jax.dtypes.issubdtype(t.dtype, jax.dtypes.prng_key) and dtype_name(t.dtype) is None:
+        return f"target dtype {t.dtype} is not one of the dtypes of format.md §4.5"
     saved = entry.shape[:-1] if entry.key_impl else entry.shape
     if entry.kind != "array" and shape != ():
         return f"target has shape {shape}, saved a {entry.kind}"
@@ -221,9 +230,15 @@ def _narrowed(entry: LeafEntry, wanted: Any) -> np.dtype | None:
 
 def _saved_dtype(entry: LeafEntry) -> np.dtype:
     """The saved dtype of an array leaf, or the smallest dtype that holds a scalar leaf's value
-    (a step counter of 5 fits any integer dtype; 2**40 does not fit int32)."""
+    exactly (a step counter of 5 fits any integer dtype; 2**40 does not fit int32; 0.1 needs
+    float64, 0.5 fits float32)."""
     if entry.kind == "array":
         return dtype_from_name(entry.dtype)
-    if entry.scalar_type == "complex":
-        return np.min_scalar_type(complex(*entry.value))
+    if entry.scalar_type in ("float", "complex"):  # by precision: 0.1 is not a float16
+        value = complex(*entry.value) if entry.scalar_type == "complex" else entry.value
+        narrow = np.complex64 if entry.scalar_type == "complex" else np.float32
+        with np.errstate(over="ignore"):  # compared as Python numbers, not in float32
+            exact = type(value)(narrow(value)) == value or value != value  # NaN: any
+        return np.dtype(narrow if exact else np.complex128 if narrow is np.complex64
+                        else np.float64)
     return np.min_scalar_type(entry.value)

@@ -113,6 +113,45 @@ def test_64_bit_leaves_that_fit_32_bits_need_no_x64():
         casstore.restore(store, 0, target=t)
 
 
+def test_python_floats_are_narrowed_by_precision_not_range_without_x64():
+    """0.1 needs float64 (min_scalar_type called it float16): numpy, or refused on a sharding;
+    0.5 and NaN fit float32 exactly: a jax array."""
+    store = MemoryStore()
+    casstore.save(store, 0, {"lr": 0.1, "half": 0.5, "nan": float("nan"), "z": 0.1 + 1j})
+    t = {k: jax.ShapeDtypeStruct((), np.complex128 if k == "z" else np.float64)
+         for k in ("lr", "half", "nan", "z")}
+    got = casstore.restore(store, 0, target=t)
+    assert [type(got[k]) for k in ("lr", "z")] == [np.ndarray, np.ndarray]
+    assert (got["lr"].dtype, float(got["lr"]), complex(got["z"])) == (np.float64, 0.1, 0.1 + 1j)
+    assert all(isinstance(got[k], jax.Array) for k in ("half", "nan"))
+    assert float(got["half"]) == 0.5
+    assert np.isnan(float(got["nan"]))
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with pytest.raises(casstore.TargetMismatchError, match=r"(?s)'lr'.*jax_enable_x64"):
+        casstore.restore(store, 0, target={"lr": jax.ShapeDtypeStruct(
+            (), np.float64, sharding=sharding)}, partial=True)
+
+
+@pytest.mark.parametrize(("saved", "target", "message"), [
+    (5, b"", "the target asks for bytes, saved int"),
+    (np.array(3, np.int32), b"", "the target asks for bytes, saved int32 array"),
+    (0.5, "", "the target asks for str, saved float"),
+    (b"ab", "", "the target asks for str, saved bytes"),
+    ("run-7", 0, "the target asks for int, saved str"),
+    ("run-7", jax.ShapeDtypeStruct((), np.float32), "the target asks for an array, saved str"),
+    (b"ab", np.zeros((), np.int32), "the target asks for an array, saved bytes"),
+    (np.ones(2, np.float32), np.zeros(2, "U3"), "target dtype <U3 is not one of the dtypes"),
+    (np.ones(2, np.float32), np.zeros(2, "datetime64[s]"), "target dtype datetime64.s. is not"),
+])
+def test_targets_of_another_kind_are_refused_before_reading(saved, target, message):
+    store = MemoryStore()
+    casstore.save(store, 0, {"x": saved})
+    with pytest.raises(casstore.TargetMismatchError, match=rf"(?s)'x': {message}"):
+        casstore.restore(store, 0, target={"x": target})
+    assert casstore.restore(store, 0, target={"x": type(saved)() if isinstance(
+        saved, str | bytes) else saved})["x"] is not None  # the same kind still restores
+
+
 def test_saved_sharding_of_x64_leaves_raises_without_x64():
     mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("x",))
     with jax.enable_x64(True):
