@@ -148,10 +148,11 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
     def fail(message: str, path: str) -> Exception:
         return mismatch(message, manifest, store, path)
 
-    x64 = jax.config.jax_enable_x64  # the caller's; a context's setting is thread-local
+    # the caller's settings: a context's (jax.enable_x64, jax.default_device) is thread-local
+    x64, device = jax.config.jax_enable_x64, jax.config.jax_default_device
 
     def place_leaf(i: int, regions: dict | None) -> Any:
-        with jax.enable_x64(x64):  # on a worker thread too
+        with jax.enable_x64(x64), jax.default_device(device):  # on a worker thread too
             return place(manifest.leaves[i], regions, targets[i], fail)
 
     if strict:  # each leaf placed as soon as its chunks are in

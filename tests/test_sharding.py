@@ -124,3 +124,17 @@ def test_typed_keys_and_mixed_tree_on_a_mesh():
     assert restored["keys"].sharding == keys.sharding
     np.testing.assert_array_equal(jax.random.key_data(restored["keys"]),
                                   jax.random.key_data(keys))
+
+
+def test_a_jax_default_device_context_places_every_leaf_there():
+    """jax.default_device is thread-local; the leaves are placed on worker threads."""
+    store = MemoryStore()
+    casstore.save(store, 0, {"a": np.ones((256, 256), np.float32),
+                             "b": np.zeros((300, 300), np.float32), "s": 1.0})
+    target = {"a": jax.ShapeDtypeStruct((256, 256), jnp.float32),
+              "b": jax.ShapeDtypeStruct((300, 300), jnp.float32),
+              "s": jax.ShapeDtypeStruct((), jnp.float32)}
+    device = jax.devices()[3]
+    with jax.default_device(device):
+        restored = casstore.restore(store, 0, target=target)
+    assert {k: v.devices() for k, v in restored.items()} == {k: {device} for k in target}
