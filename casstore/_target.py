@@ -48,8 +48,8 @@ def abstract_tree(tree: Any) -> Any:
     def abstract(x: Any) -> Any:
         if isinstance(x, jax.Array):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-        if isinstance(x, np.ndarray | np.generic):
-            return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+        if isinstance(x, np.ndarray | np.generic):  # in native byte order, as jax holds it
+            return jax.ShapeDtypeStruct(np.shape(x), x.dtype.newbyteorder("="))
         return x
 
     return jax.tree.map(abstract, tree)

@@ -341,3 +341,14 @@ def test_abstract_tree_keeps_shardings_and_passes_scalars_through():
     assert got["step"] == 12
     assert got["name"] == "run-a"
     assert casstore.abstract_tree(target)["w"] is target["w"]  # already abstract: unchanged
+
+
+def test_abstract_tree_of_a_big_endian_numpy_leaf_restores_it():
+    tree = {"be": np.arange(12, dtype=">i4").reshape(3, 4)}
+    store = MemoryStore()
+    casstore.save(store, 0, tree)
+    target = casstore.abstract_tree(tree)
+    assert target["be"].dtype == np.dtype("=i4")
+    restored = casstore.restore(store, 0, target=target)["be"]
+    assert isinstance(restored, jax.Array)
+    assert restored.tolist() == tree["be"].tolist()
