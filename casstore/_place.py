@@ -50,7 +50,8 @@ def place(entry: LeafEntry, regions: dict[Index, np.ndarray] | None, t: Any,
     Returns:
       numpy for numpy targets, ``np.ndarray`` and jax targets :func:`returns_numpy` picks, a
       Python scalar of ``type(t)`` for scalar targets, else a jax.Array of ``t``'s dtype (as
-      jax holds it) on ``t``'s sharding or the default device.
+      jax holds it) on ``t``'s sharding (in its memory kind, e.g. ``pinned_host``) or the
+      default device.
     """
     if entry.kind == "scalar":
         value = plain_value(entry, None)
@@ -73,13 +74,16 @@ def place(entry: LeafEntry, regions: dict[Index, np.ndarray] | None, t: Any,
         return jax.device_put(cast(host, entry, dtype, fail), sharding)
     tail = entry.shape[len(t.shape):]
     shards, used = [], set()
+    memory_kind = getattr(sharding, "memory_kind", None)  # e.g. "pinned_host" (offloaded)
     for d, index in sharding.addressable_devices_indices_map(tuple(t.shape)).items():
         region = normalize(index, t.shape, tail)
         value = cast(regions[region], entry, dtype, fail)
         shared = region in used  # a replica: its buffer may not alias another device's
         used.add(region)
+        if memory_kind is not None and memory_kind != d.default_memory().kind:
+            d = jax.sharding.SingleDeviceSharding(d, memory_kind=memory_kind)
         shards.append(jax.device_put(value, d) if shared or not isinstance(value, np.ndarray)
-                      else to_device(value, d))
+                      or not isinstance(d, jax.Device) else to_device(value, d))
     return jax.make_array_from_single_device_arrays(tuple(t.shape), sharding, shards)
 
 

@@ -138,3 +138,20 @@ def test_a_jax_default_device_context_places_every_leaf_there():
     with jax.default_device(device):
         restored = casstore.restore(store, 0, target=target)
     assert {k: v.devices() for k, v in restored.items()} == {k: {device} for k in target}
+
+
+def test_targets_in_pinned_host_memory_are_placed_there():
+    """Host-offloaded state (memory_kind="pinned_host"): abstract_tree keeps the memory kind
+    and the restore places each shard in it (it failed inside jax after reading)."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    state = {"mu": jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8),
+                                  NamedSharding(mesh, P("a", "b"), memory_kind="pinned_host")),
+             "nu": jax.device_put(np.ones(8, np.float32), SingleDeviceSharding(
+                 jax.devices()[1], memory_kind="pinned_host"))}
+    store = MemoryStore()
+    casstore.save(store, 0, state)
+    restored = casstore.restore(store, 0, target=casstore.abstract_tree(state))
+    for key, live in state.items():
+        assert restored[key].sharding == live.sharding
+        assert restored[key].sharding.memory_kind == "pinned_host"
+        np.testing.assert_array_equal(np.asarray(restored[key]), np.asarray(live))
