@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from ._chunking import DTYPE_NAMES, dtype_from_name, overflowed
+from ._errors import UnsupportedLeafError
 from ._repository import Url, read_manifest
 from .store import open_store
 
@@ -80,16 +82,19 @@ def export_tensors(url: Url, step: int | None, out: str | os.PathLike, *, run: s
       An :class:`ExportInfo`.
 
     Raises:
-      ValueError: a bad suffix, or no leaf selected. FileNotFoundError, FileExistsError: see
+      ValueError: a bad suffix, no leaf selected, or ``dtype`` not a floating-point dtype's
+        name (checked before reading). FileNotFoundError, FileExistsError: see
         :func:`check_export_path`. StepNotFoundError, ManifestError, CorruptChunkError,
         MissingChunkError: as :func:`~casstore.restore`. UnsupportedLeafError: a leaf of a
-        dtype the format cannot hold (names it and suggests ``dtype``).
+        dtype the format cannot hold (names it and suggests ``dtype``), or whose values
+        overflow ``dtype``.
     """
     from ._keypath import matches
     from ._restore import restore
     from ._tensorfile import file_array, write_tensors
 
     fmt = check_export_path(out, force=force)
+    as_dtype = _float_dtype(dtype)
     store = open_store(url)
     manifest = read_manifest(store, step, run=run)
     chosen = [leaf for leaf in manifest.leaves if matches(leaf.path, list(paths) if paths else None)
@@ -102,7 +107,7 @@ def export_tensors(url: Url, step: int | None, out: str | os.PathLike, *, run: s
                          f"{list(paths or [])}, exclude {list(exclude or [])})")
     values = _leaves(restore(store, manifest.step, run=run, paths=wanted,
                              max_workers=max_workers))
-    arrays = {p: file_array(p, _cast(values[p], dtype), fmt) for p in wanted}
+    arrays = {p: file_array(p, _cast(p, values[p], as_dtype), fmt) for p in wanted}
     write_tensors(str(out), arrays, fmt, {"run": run, "step": manifest.step,
                                           "skipped": [p for p, _ in skipped]})
     return ExportInfo(str(out), len(arrays), sum(a.nbytes for a in arrays.values()), skipped)
@@ -114,14 +119,37 @@ def _leaves(tree: Any) -> dict[str, Any]:
     return dict(flatten(tree)[1])
 
 
-def _cast(value: Any, dtype: str | None) -> Any:
-    """``value`` cast to ``dtype`` if both are floating point (bfloat16 and float8 included)."""
-    from ._chunking import dtype_from_name
+def _float_dtype(dtype: str | None) -> np.dtype | None:
+    """The floating-point dtype named ``dtype`` (format.md §4.5), None for None.
 
+    Raises:
+      ValueError: not the name of a floating-point dtype (before anything is read).
+    """
+    if dtype is None:
+        return None
+    found = dtype_from_name(dtype)
+    if found is None or "float" not in found.name:  # bfloat16 and float8 names too
+        floats = ", ".join(n for n in DTYPE_NAMES if "float" in n)
+        raise ValueError(f"dtype {dtype!r} is not a floating-point dtype; one of {floats}")
+    return found
+
+
+def _cast(path: str, value: Any, dtype: np.dtype | None) -> Any:
+    """``value`` cast to ``dtype`` if both are floating point (bfloat16 and float8 included).
+
+    Raises:
+      UnsupportedLeafError: a finite value would overflow ``dtype``; names the key path.
+    """
     name = str(getattr(value, "dtype", ""))
     if dtype is None or not name.startswith(("float", "bfloat")):
         return value
-    return np.asarray(value).astype(dtype_from_name(dtype))
+    value = np.asarray(value)
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused just below
+        out = value.astype(dtype)
+    if overflowed(value, out):
+        raise UnsupportedLeafError(f"its {value.dtype} values overflow {dtype.name}; export it "
+                                   "in a wider dtype", key_path=path)
+    return out
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -335,6 +335,22 @@ def test_export_of_a_whole_tree_skips_and_lists_what_a_file_cannot_hold(repo, tm
     assert (info.tensors, info.skipped) == (1, ())
 
 
+def test_export_refuses_an_unknown_dtype_and_values_it_would_overflow(tmp_path):
+    url = str(tmp_path / "r")
+    casstore.save(url, 0, {"w": np.array([1.0, 70000.0], np.float32), "v": np.ones(2)})
+    for name in ("bf16", "fp32", "half", "int32"):  # astype(None) wrote float64 with exit 0
+        result = run("export", url, 0, tmp_path / f"{name}.npz", "--dtype", name, code=2)
+        assert f"dtype {name!r} is not a floating-point dtype; one of float16, bfloat16" in (
+            result.stderr)
+        assert not (tmp_path / f"{name}.npz").exists()
+    result = run("export", url, 0, tmp_path / "h.npz", "--dtype", "float16", code=2)
+    assert "key path 'w'" in result.stderr
+    assert "float32 values overflow float16" in result.stderr
+    run("export", url, 0, tmp_path / "h.npz", "--dtype", "float16", "--paths", "v")
+    with np.load(tmp_path / "h.npz", allow_pickle=False) as z:
+        assert z["v"].dtype == np.float16
+
+
 def test_import_safetensors_and_npz_restore_bit_exact(repo, tmp_path):
     rng = np.random.default_rng(0)
     tensors = {"encoder.layer.0.weight": rng.standard_normal((64, 32), np.float32),
