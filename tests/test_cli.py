@@ -200,6 +200,19 @@ def test_cat_prints_the_manifest(repo):
         [c.id for c in leaf.chunks] for leaf in m.leaves]
 
 
+def test_json_output_is_strict_json_with_nan_and_infinity_as_strings(tmp_path):
+    url = str(tmp_path / "r")
+    with casstore.CheckpointManager(url) as mngr:  # a diverged run's loss
+        mngr.save(0, {"lr": float("inf"), "w": np.ones(2)}, metrics={"loss": float("nan")})
+
+    def strict(text: str):
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in JSON"))
+
+    out = strict(run("cat", url, 0).stdout)
+    assert out["metadata"]["metrics"] == {"loss": "NaN"}
+    assert [leaf.get("value") for leaf in out["leaves"] if leaf["path"] == "lr"] == ["Infinity"]
+
+
 def chunk_files(repo) -> list[pathlib.Path]:
     return sorted(p for p in (pathlib.Path(repo) / "chunks").rglob("*") if p.is_file())
 
@@ -213,6 +226,9 @@ def test_verify_exit_codes_and_json(repo):
     assert (out["chunks_checked"], out["bytes_read"]) == (report.chunks_checked,
                                                           report.bytes_read)
     assert run_json("verify", repo, 1, "--run", "default")["steps_checked"] == [["default", 1]]
+    missing = run("verify", repo, 99, code=2)  # a step that does not exist is no damage (1)
+    assert "step 99 of run 'default' does not exist" in missing.stderr
+    assert "(steps: 0, 1, 2)" in missing.stderr
     victim = chunk_files(repo)[0]
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF

@@ -57,6 +57,10 @@ def verify_command(url: str, step: int | None, run: str | None, read_data: bool,
     meter = Meter()
     report = progress("verifying", lambda: casstore.verify(
         store, step, run=run, read_data=read_data, progress=meter), meter)
+    if step is not None and any(p.kind == "not found" for p in report.problems):
+        steps = casstore.list_steps(store, run=run)  # a typo is no damage: exit 2, not 1
+        raise click.UsageError(f"step {step} of run {run!r} does not exist in {url!r} (steps: "
+                               f"{', '.join(map(str, steps[-10:])) or 'none'})")
     if as_json:
         emit_json({"ok": report.ok, **dict(rows_of([report])[0].items()),
                    "problems": [problem_json(p) for p in report.problems]})

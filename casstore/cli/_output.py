@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -39,7 +40,9 @@ def rows_of(items: Any) -> list[dict]:
 
 
 def emit_json(obj: Any, *, versioned: bool = True) -> None:
-    """Prints ``obj`` as JSON; a dict gets ``schema_version`` first (bytes as base64)."""
+    """Prints ``obj`` as JSON (RFC 8259); a dict gets ``schema_version`` first. Bytes print as
+    ``{"base64": ...}``, and a float NaN or infinity (a diverged loss) as the string ``"NaN"``,
+    ``"Infinity"`` or ``"-Infinity"``, which strict parsers accept."""
     if versioned and isinstance(obj, dict):
         obj = {"schema_version": JSON_SCHEMA_VERSION, **obj}
 
@@ -48,7 +51,18 @@ def emit_json(obj: Any, *, versioned: bool = True) -> None:
             return {"base64": base64.b64encode(x).decode()}
         raise TypeError(f"cannot print {type(x).__name__} as JSON")
 
-    click.echo(json.dumps(obj, indent=2, default=default))
+    click.echo(json.dumps(_finite(obj), indent=2, default=default, allow_nan=False))
+
+
+def _finite(obj: Any) -> Any:
+    """``obj`` with every non-finite float replaced by its JSON5 name, as a string."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "NaN" if math.isnan(obj) else "Infinity" if obj > 0 else "-Infinity"
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def error_line(message: str, code: int, kind: str, *, as_json: bool) -> None:
