@@ -14,6 +14,7 @@ within half that time, so its lock never looked stale while it swept.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import threading
@@ -31,6 +32,9 @@ STALE_LOCK_S = 6 * 3600.0
 GC_LOCK_REFRESH_S = 60.0
 GC_LOCK_STALE_S = 600.0  # seconds; leaves room for clock skew between hosts and the store
 POLL_S = 0.1
+WAIT_NOTICE_S = 5.0  # seconds gc waits for saves before it says which locks it waits for
+
+log = logging.getLogger("casstore")
 
 
 def _live(store: Store, kind: str) -> list[str]:
@@ -100,6 +104,22 @@ def check_write_access(store: Store) -> None:
     store.delete(_put_lock(store, "save"))
 
 
+def _held_by(store: Store, keys: list[str]) -> str:
+    """Who holds the save locks ``keys``: host, pid and age of each (read from the lock
+    objects), and what to do about a lock whose process is dead."""
+    now, held = time.time(), []
+    for key in keys[:5]:
+        try:
+            info = msgpack.unpackb(store.get(key))
+            held.append(f"{key} (host {info.get('host')!r}, pid {info.get('pid')}, "
+                        f"{now - float(info.get('created')):.0f} s old)")
+        except Exception:  # gone meanwhile, or not a lock this casstore wrote: its key only
+            held.append(key)
+    return (f"held by {', '.join(held)}{' and more' if len(keys) > 5 else ''}: a lock whose "
+            f"process was killed is ignored {STALE_LOCK_S / 3600:g} h after it was taken, or "
+            "delete its object once sure that process is gone (docs/reliability.md)")
+
+
 @contextlib.contextmanager
 def save_lock(store: Store) -> Iterator[None]:
     """Holds a save lock for the body, after any GC that holds its lock has finished."""
@@ -123,16 +143,23 @@ def gc_lock(store: Store, timeout_s: float) -> Iterator[GcLease]:
     Raises:
       CasstoreError: no moment without saves came within ``timeout_s`` seconds; nothing done.
     """
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    told = False
     while True:
-        if not _live(store, "save"):
+        if not (saves := _live(store, "save")):
             key = _put_lock(store, "gc")
-            if not _live(store, "save"):
+            if not (saves := _live(store, "save")):
                 break
             store.delete(key)
-        if time.monotonic() > deadline:
-            raise CasstoreError(f"saves kept running for {timeout_s:g} s; garbage collection "
-                                f"did nothing (url {store.url!r})")
+        waited = time.monotonic() - start
+        if waited > timeout_s or (not told and waited > WAIT_NOTICE_S):
+            told = True
+            held = _held_by(store, saves)
+            if waited > timeout_s:
+                raise CasstoreError(f"saves kept running for {timeout_s:g} s; garbage "
+                                    f"collection did nothing (url {store.url!r}); {held}")
+            log.warning("casstore: gc of %s waits for saves in flight (up to %g s); %s",
+                        store.url, timeout_s, held)
         time.sleep(POLL_S)
     lease = GcLease(store, key)
     try:

@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -263,6 +264,19 @@ def test_gc_and_rm(repo):
     assert "would delete 0 chunks" in run("gc", repo, "--dry-run").stdout
     result = run("gc", repo, "--grace-period", "soon", code=2)
     assert "duration" in result.stderr
+
+
+def test_gc_names_the_save_lock_it_waits_for(repo):
+    """A save or copy killed with SIGKILL leaves its save lock; gc says whose it is."""
+    from casstore._locks import _put_lock
+
+    key = _put_lock(casstore.open_store(repo), "save")  # as a killed save leaves it
+    result = run("gc", repo, "--lock-timeout", "1s", code=2)
+    assert "saves kept running for 1 s; garbage collection did nothing" in result.stderr
+    assert f"held by {key} (host {socket.gethostname()!r}, pid {os.getpid()}," in (
+        result.stderr)
+    assert "delete its object once sure that process is gone" in result.stderr
+    assert casstore.verify(repo).ok
 
 
 def test_copy_between_local_repositories(repo, tmp_path):

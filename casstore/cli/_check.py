@@ -93,10 +93,12 @@ def parse_duration(ctx: Any, param: Any, value: str) -> float:
 @click.option("--dry-run", is_flag=True, help="Report what would be deleted; delete nothing.")
 @click.option("--grace-period", default="1h", show_default=True, callback=parse_duration,
               help="Spare unreferenced chunks younger than this (s, m, h, d).")
+@click.option("--lock-timeout", default="10m", show_default=True, callback=parse_duration,
+              help="Wait this long for saves in flight (their locks) before giving up.")
 @storage_options
 @json_flag
-def gc_command(url: str, dry_run: bool, grace_period: float, options: dict,
-               as_json: bool) -> None:
+def gc_command(url: str, dry_run: bool, grace_period: float, lock_timeout: float,
+               options: dict, as_json: bool) -> None:
     """Deletes chunks no step of any run references (after the grace period).
 
     gc covers every run (it takes no --run). With a damaged manifest it refuses to delete
@@ -108,7 +110,7 @@ def gc_command(url: str, dry_run: bool, grace_period: float, options: dict,
     """
     store = open_repo(url, options)
     info = progress("collecting garbage", lambda: casstore.gc(
-        store, grace_period_s=grace_period, dry_run=dry_run))
+        store, grace_period_s=grace_period, dry_run=dry_run, lock_timeout_s=lock_timeout))
     if as_json:
         emit_json(rows_of([info])[0])
     else:
