@@ -135,7 +135,8 @@ def copy(src_url: Url, dst_url: Url, *, steps: list[int] | None = None,
       StepNotFoundError: a run named in ``runs`` has no step in the source, or a step named in
         ``steps`` is in none of the selected runs (nothing is written).
       CorruptChunkError: a source object fails its checks or is missing (names run, step, key
-        path and chunk id); no manifest that needs it is written.
+        path and chunk id of the first, and the steps not copied); no manifest that needs it
+        is written, and every other selected step is copied first.
       ManifestError: a source manifest is invalid (nothing is written).
       StepAlreadyExistsError: the destination has a selected step whose manifest is not the
         source's (another step of that number; nothing is written), or one was written there
@@ -213,6 +214,13 @@ def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
     engine.bases = DeltaBases(src, [needed[k][:2] for k in missing] if verify else [])
     bounded_map(engine.transfer, missing, max_workers or dst.max_workers)
     engine.commit_ready()
+    if engine.unusable:
+        message, where = next(iter(engine.unusable.values()))
+        names = ", ".join(f"{run}@{step}" for run, step in engine.not_copied[:10])
+        raise CorruptChunkError(
+            f"{message}; {len(engine.unusable)} source object(s) unusable: "
+            f"{len(engine.not_copied)} step(s) not copied ({names}), the other "
+            f"{len(engine.committed)} copied", **where)
     present.update(engine.sent)
     present.update(engine.found)
     skipped += list(engine.found)
@@ -272,6 +280,8 @@ class _Engine:
         self.found: dict[str, int] = {}  # probed and found at the destination
         self.committed: list[tuple[str, int]] = []
         self.raced: list[tuple[str, int]] = []
+        self.unusable: dict[str, tuple[str, dict]] = {}  # source objects: (message, where)
+        self.not_copied: list[tuple[str, int]] = []  # steps that need an unusable object
         self.next = 0  # index in plan of the next manifest to write
         self.lock = threading.Lock()  # guards sent and waiting
         self.commit_lock = threading.Lock()  # one writer of manifests (and of progress)
@@ -289,9 +299,13 @@ class _Engine:
             else:
                 check_framing(data, cid, raw_length, delta=base is not None)
             self.dst.put(obj, data)
-        except (CorruptChunkError, FileNotFoundError) as e:
-            raise CorruptChunkError(f"source chunk unusable: {e}", url=self.src.url, run=s.run,
-                                    step=s.step, key_path=path, chunk_id=cid) from e
+        except (CorruptChunkError, FileNotFoundError) as e:  # the other steps go on
+            where = {"url": self.src.url, "run": s.run, "step": s.step, "key_path": path,
+                     "chunk_id": cid}
+            with self.lock:
+                self.unusable[obj] = (f"source chunk unusable: {e}", where)
+            self.commit_ready(wait=False)
+            return
         except StoreTimeoutError as e:
             raise e.at(run=s.run, step=s.step, key_path=path, chunk_id=cid) from e
         self._done(obj, self.sent, len(data))
@@ -333,6 +347,10 @@ class _Engine:
         while self.next < len(self.plan):
             s = self.plan[self.next]
             with self.lock:
+                if s.waiting & self.unusable.keys():  # never complete: not written
+                    self.not_copied.append((s.run, s.step))
+                    self.next += 1
+                    continue
                 if s.waiting:
                     break
             try:

@@ -180,8 +180,8 @@ def test_progress_reports_objects_bytes_and_steps(tmp_path):
     assert [p.chunks_done for p in seen] == sorted(p.chunks_done for p in seen)
 
 
-def _damage(store, step, how):
-    cid = sorted(casstore.read_manifest(store, step).chunk_ids())[0]
+def _damage(store, step, how, run="default"):
+    cid = sorted(casstore.read_manifest(store, step, run=run).chunk_ids())[0]
     path = store._path(f"chunks/{cid[:2]}/{cid[2:]}")
     with open(path, "rb") as f:
         data = bytearray(f.read())
@@ -200,6 +200,27 @@ def test_the_framing_check_refuses_a_truncated_object_without_decoding(tmp_path)
     assert info.value.chunk_id == cid
     assert info.value.step == 1
     assert casstore.list_steps(tmp_path / "dst") == []
+
+
+def test_steps_that_need_an_unusable_object_are_left_out_and_the_rest_copied(tmp_path):
+    """A recovery copies the healthy rest: the steps of other runs, and later steps of the
+    same run that do not need the damaged object, commit; the error names what was not."""
+    src = LocalStore(tmp_path / "src")
+    rng = np.random.default_rng(0)
+    for run in ("a", "b"):
+        casstore.save(src, 0, {"x": rng.normal(size=50_000)}, run=run)
+    casstore.save(src, 1, {"x": rng.normal(size=50_000)}, run="a")  # needs none of step 0's
+    cid = _damage(src, 0, "truncate", run="a")
+    with pytest.raises(casstore.CorruptChunkError,
+                       match=r"1 step\(s\) not copied \(a@0\), the other 2 copied") as info:
+        casstore.copy(src, tmp_path / "dst")
+    assert (info.value.run, info.value.step, info.value.chunk_id) == ("a", 0, cid)
+    assert casstore.list_steps(tmp_path / "dst", run="a") == [1]
+    assert casstore.list_steps(tmp_path / "dst", run="b") == [0]
+    for run, step in (("a", 1), ("b", 0)):
+        assert casstore.restore(tmp_path / "dst", step, run=run)["x"].tobytes() == (
+            casstore.restore(src, step, run=run)["x"].tobytes())
+    assert casstore.verify(tmp_path / "dst").ok
 
 
 def test_verify_true_refuses_a_changed_byte_the_framing_check_lets_through(tmp_path):
