@@ -11,15 +11,17 @@ Deleting is idempotent, so an interrupted GC is safe to run again.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
-from ._locks import GcLease, gc_lock
+from ._locks import GcBusyError, GcLease, gc_lock
 from ._pool import bounded_map
 from ._repository import Url, check_config, list_chunk_objects
 from ._scan import require_intact, scan_manifests
 from .store import Store, open_store
 
 DEFAULT_GRACE_PERIOD_S = 3600.0
+log = logging.getLogger("casstore")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -115,3 +117,31 @@ def _collect(store: Store, grace_period_s: float, lease: GcLease | None,
                   len(garbage), sum(chunks[key].size for key in garbage), young,
                   len(referenced - chunks.keys()), dry_run, time.perf_counter() - t0,
                   len(scan.damaged))
+
+
+class RetentionGc:
+    """GC after retention deleted steps (a manager's ``gc_after_retention``, per tier), run on
+    a background thread: it never waits for save locks (a process killed while saving leaves
+    one for up to 6 hours), so a busy repository is left for the next retention, which tries
+    again even if it deletes nothing.
+
+    Args:
+      store: the tier.
+      grace_period_s: as :func:`gc`'s.
+    """
+
+    def __init__(self, store: Store, grace_period_s: float):
+        self.store, self.grace_period_s, self.due = store, grace_period_s, False
+
+    def __call__(self, deleted: bool) -> GcInfo | None:
+        """Collects if ``deleted`` or a collection is still due; None if none ran."""
+        self.due |= deleted
+        if not self.due:
+            return None
+        try:
+            info = gc(self.store, grace_period_s=self.grace_period_s, lock_timeout_s=0)
+        except GcBusyError as e:
+            log.info("casstore: gc after retention postponed: %s", e)
+            return None
+        self.due = False
+        return info

@@ -37,6 +37,10 @@ WAIT_NOTICE_S = 5.0  # seconds gc waits for saves before it says which locks it 
 log = logging.getLogger("casstore")
 
 
+class GcBusyError(CasstoreError):
+    """GC found saves holding their locks until its lock timeout; it did nothing."""
+
+
 def _live(store: Store, kind: str) -> list[str]:
     """Keys of the locks of ``kind`` that are not stale (see the module docstring)."""
     now, stale = time.time(), GC_LOCK_STALE_S if kind == "gc" else STALE_LOCK_S
@@ -141,7 +145,7 @@ def gc_lock(store: Store, timeout_s: float) -> Iterator[GcLease]:
     again, so saves never wait for a GC that has not started sweeping.
 
     Raises:
-      CasstoreError: no moment without saves came within ``timeout_s`` seconds; nothing done.
+      GcBusyError: no moment without saves came within ``timeout_s`` seconds; nothing done.
     """
     start = time.monotonic()
     told = False
@@ -152,12 +156,12 @@ def gc_lock(store: Store, timeout_s: float) -> Iterator[GcLease]:
                 break
             store.delete(key)
         waited = time.monotonic() - start
-        if waited > timeout_s or (not told and waited > WAIT_NOTICE_S):
+        if waited >= timeout_s or (not told and waited > WAIT_NOTICE_S):
             told = True
             held = _held_by(store, saves)
             if waited > timeout_s:
-                raise CasstoreError(f"saves kept running for {timeout_s:g} s; garbage "
-                                    f"collection did nothing (url {store.url!r}); {held}")
+                raise GcBusyError(f"saves kept running for {timeout_s:g} s; garbage "
+                                  f"collection did nothing (url {store.url!r}); {held}")
             log.warning("casstore: gc of %s waits for saves in flight (up to %g s); %s",
                         store.url, timeout_s, held)
         time.sleep(POLL_S)

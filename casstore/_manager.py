@@ -21,7 +21,7 @@ from ._chunking import DEFAULT_CHUNK_SIZE_BYTES
 from ._codec import DEFAULT_ZSTD_LEVEL
 from ._errors import StepNotFoundError
 from ._fallback import FallbackStore
-from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, gc
+from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, RetentionGc
 from ._policies import (
     BestN,
     DecisionContext,
@@ -93,7 +93,8 @@ class CheckpointManager:
       save_interval_steps: save every this many steps: ``FixedIntervalPolicy`` (default 1).
       enable_async_checkpointing: return from ``save`` once arrays are on the host; False
         makes ``save`` return once the step is committed.
-      gc_after_retention: run garbage collection after retention deleted steps.
+      gc_after_retention: run garbage collection after retention deleted steps (postponed to
+        the next retention while other saves hold locks: it never waits for them).
       grace_period_s: the GC grace period, seconds.
       max_staging_bytes, chunk_size_bytes, zstd_level, delta: as for
         :class:`casstore.AsyncCheckpointer`; deltas are taken against the latest step.
@@ -154,6 +155,7 @@ class CheckpointManager:
         self.run = run
         self.enable_async_checkpointing = enable_async_checkpointing
         self.gc_after_retention, self.grace_period_s = gc_after_retention, grace_period_s
+        self._collect = RetentionGc(self.store, grace_period_s)  # no wait on save locks
         self._preemption_saved = False
         self._details: dict[int, tuple[Any, datetime.datetime]] = {}
         self._saving: int | None = None  # the step of the save in flight
@@ -272,8 +274,8 @@ class CheckpointManager:
         if self.persister is not None and jax.process_index() == 0:
             self.persister.submit(step)
         deleted = self._apply_retention()
-        if deleted and self.gc_after_retention and jax.process_index() == 0:
-            self.last_gc_info = gc(self.store, grace_period_s=self.grace_period_s)
+        if self.gc_after_retention and jax.process_index() == 0:
+            self.last_gc_info = self._collect(bool(deleted)) or self.last_gc_info
 
     def wait_until_finished(self) -> None:
         """Blocks until the background save (and its retention) is done.

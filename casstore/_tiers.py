@@ -48,7 +48,7 @@ from ._errors import (
     StepNotFoundError,
     StoreTimeoutError,
 )
-from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, gc
+from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, RetentionGc
 from ._layout import manifest_key
 from ._locks import save_lock
 from ._multihost import Rounds, timeout_ms
@@ -113,17 +113,18 @@ class Persister:
       last_gc_info: the persistent tier's last :class:`GcInfo`, if GC ran.
     """
 
-    def __init__(self, local: Store, persistent: Store, run: str, policy: PersistPolicy):
+    def __init__(self, local: Store, persistent: Store, run: str, policy: PersistPolicy,
+                 remote_steps: set[int] | BaseException):
         self.local, self.persistent, self.run, self.policy = local, persistent, run, policy
         self.persisted: dict[int, CopyInfo] = {}
         self.dropped: list[int] = []
         self.last_gc_info: GcInfo | None = None
         self._error: BaseException | None = None
-        try:
-            self._remote_steps = set(list_steps(persistent, run=run))
-        except Exception as e:  # the local tier works on; surfaces on save()
-            self._remote_steps = set()
-            self._error = _located(e, None, persistent.url, run)
+        self._unlisted = isinstance(remote_steps, BaseException)  # listed before a persist
+        if self._unlisted:  # the local tier works on; surfaces on save()
+            self._error, remote_steps = remote_steps, set()
+        self._remote_steps: set[int] = remote_steps
+        self._collect = RetentionGc(persistent, policy.grace_period_s)  # no wait on locks
         # (step, its objects): assumed on the persistent tier while that step is there
         self._known: tuple[int | None, dict[str, int]] = (None, {})
         self._details: dict[int, tuple] = {}  # step -> (metrics, save time), for retention
@@ -273,6 +274,9 @@ class Persister:
                     self._cond.notify_all()
 
     def _persist(self, step: int) -> None:
+        if self._unlisted:  # unreachable when the manager was made: its steps first
+            self.reload()
+            self._unlisted = False
         if not self.local.exists(manifest_key(self.run, step)):
             return  # deleted locally before its turn (not by retention, which waits for it)
         if not self._configured:
@@ -313,9 +317,8 @@ class Persister:
             deleted(self.persistent, step, self.run)  # already gone: the same outcome
             self._remote_steps.discard(step)
             self._details.pop(step, None)
-        if doomed and self.policy.gc_after_retention:
-            self.last_gc_info = gc(self.persistent, grace_period_s=self.policy.grace_period_s)
-
+        if self.policy.gc_after_retention:
+            self.last_gc_info = self._collect(bool(doomed)) or self.last_gc_info
 
     def _persist_shared(self, step: int, present: dict[str, int], known: int | None
                         ) -> CopyInfo:
@@ -407,13 +410,25 @@ def start_persister(local: Store, persistent, run: str, local_steps: list[int],
     Raises:
       ValueError: a policy value is out of range, or the two tiers are one repository, or
         one lies inside the other (local retention would delete persisted steps).
+      PersistError: the persistent tier cannot be listed and ``local_steps`` is empty (else
+        that error surfaces on the next save; the tier is listed again before a persist).
     """
     persistent = open_store(persistent)
     a, b = local.url.rstrip("/") + "/", persistent.url.rstrip("/") + "/"
     if a.startswith(b) or b.startswith(a):
         raise ValueError(f"the persistent tier {persistent.url!r} and the local tier "
                          f"{local.url!r} must be two repositories, neither inside the other")
-    persister = Persister(local, persistent, run, policy)
+    try:
+        remote: set[int] | BaseException = set(list_steps(persistent, run=run))
+    except Exception as e:
+        remote = _located(e, None, persistent.url, run)
+        if not local_steps:  # a replaced node would start over and reuse persisted steps' numbers
+            raise PersistError(
+                "the persistent tier could not be listed and the local tier has no step: a "
+                "manager on an empty local tier (a replaced node) resumes from the persistent "
+                f"tier's steps, so it cannot start without them; retry once it answers ({e})",
+                step=None, url=persistent.url, run=run) from e
+    persister = Persister(local, persistent, run, policy, remote)
     if jax.process_index() == 0:
         persister.resume(local_steps)
     return persister

@@ -473,9 +473,13 @@ def test_an_unreachable_persistent_tier_leaves_the_local_tier_working(tmp_path, 
     remote = FsspecStore.from_url(server.url_for("unreachable"), **{
         **server.storage_options, "endpoint_url": f"http://127.0.0.1:{port}"}, **DEADLINES)
     remote.policy.backoff_s = 0.05
+    with pytest.raises(casstore.PersistError,
+                       match="could not be listed and the local tier has no step"):
+        manager(tmp_path / "local", remote)  # a replaced node must not start over
+    casstore.save(tmp_path / "local", 0, tree_for(0))  # with a local step it starts
     mngr = manager(tmp_path / "local", remote, persist_interval_steps=1)
     errors = []
-    for step in range(3):
+    for step in range(1, 4):
         try:
             mngr.save(step, tree_for(step), force=True)
         except (casstore.PersistError, casstore.StoreTimeoutError) as e:
@@ -488,6 +492,67 @@ def test_an_unreachable_persistent_tier_leaves_the_local_tier_working(tmp_path, 
     assert casstore.list_steps(tmp_path / "local")  # saves went on locally
     for step in casstore.list_steps(tmp_path / "local"):
         assert_bit_exact(casstore.restore(tmp_path / "local", step), step)
+
+
+def test_a_tier_unreachable_at_start_is_listed_before_the_next_persist(tmp_path,
+                                                                       object_servers):
+    """Persisted steps 0 and 5 of another node; this one starts from its local step 3 while the
+    tier stalls, then persists 5: listing the tier first, it refuses to put a second step 5
+    there (it persisted the local 5 over nothing: it knew no steps)."""
+    server = object_servers["seaweedfs"]
+    url = server.url_for("late")
+    direct = FsspecStore.from_url(url, **server.storage_options)
+    with manager(tmp_path / "a", direct, persist_interval_steps=5) as mngr:
+        for step in (0, 5):
+            mngr.save(step, tree_for(step), force=True)
+    casstore.save(tmp_path / "b", 3, tree_for(3))
+    with fault_proxy(server.endpoint_url) as proxy:
+        remote = FsspecStore.from_url(url, **{**server.storage_options,
+                                              "endpoint_url": proxy.endpoint_url}, **DEADLINES)
+        remote.policy.backoff_s = 0.05
+        proxy.set("stall")
+        mngr = manager(tmp_path / "b", remote, persist_interval_steps=5)
+        proxy.set(None)
+        assert mngr.all_steps() == [3]  # unknown yet
+        with pytest.raises((casstore.PersistError, casstore.StoreTimeoutError)):
+            mngr.save(4, tree_for(4), force=True)  # the listing's error, on the next save
+        mngr.save(5, {**tree_for(5), "head": tree_for(5)["head"] + 1}, force=True)
+        with pytest.raises(casstore.PersistError, match="another step of this number"):
+            mngr.wait_until_persisted()
+        assert mngr.all_steps() == [0, 3, 5]  # listed again
+        with contextlib.suppress(casstore.PersistError):
+            mngr.close()
+    assert_bit_exact(casstore.restore(direct, 5), 5)  # not replaced
+
+
+def test_a_killed_saves_lock_postpones_gc_after_retention_instead_of_blocking(tmp_path,
+                                                                              object_servers):
+    """A process killed mid-save leaves its save lock for hours; GC after retention (either
+    tier) must neither wait 600 s for it in the background nor hold up close()."""
+    from casstore._locks import _put_lock
+
+    remote = object_store(object_servers["seaweedfs"])
+    casstore.save(remote, 0, tree_for(0))
+    dead = [_put_lock(remote, "save"), _put_lock(casstore.open_store(tmp_path / "local"),
+                                                 "save")]
+    t0 = time.monotonic()
+    with manager(tmp_path / "local", remote, max_to_keep=1, persistent_max_to_keep=1,
+                 gc_after_retention=True, grace_period_s=0) as mngr:
+        for step in range(1, 4):
+            mngr.save(step, tree_for(step))
+            mngr.wait_until_persisted()
+        assert mngr.last_gc_info is None  # postponed on both tiers
+        assert mngr.persister.last_gc_info is None
+        remote.delete(dead[0])
+        casstore.open_store(tmp_path / "local").delete(dead[1])
+        mngr.save(4, tree_for(4))
+        mngr.wait_until_persisted()
+        assert mngr.last_gc_info.deleted_chunks > 0  # then done
+        assert mngr.persister.last_gc_info.deleted_chunks > 0
+    assert time.monotonic() - t0 < 120
+    assert casstore.list_steps(remote) == [4]
+    assert casstore.verify(remote).ok
+    assert_bit_exact(casstore.restore(remote, 4), 4)
 
 
 def two_processes(tmp_path, server, remote, *args: str) -> list[str]:
