@@ -22,14 +22,15 @@ from ._codec import DEFAULT_ZSTD_LEVEL
 from ._errors import StepNotFoundError
 from ._fallback import FallbackStore
 from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, RetentionGc
+from ._layout import check_step
 from ._policies import (
-    BestN,
     DecisionContext,
     PolicyCheckpointInfo,
     PreemptionCheckpointingPolicy,
     PreservationContext,
     PreservationPolicy,
     SaveDecisionPolicy,
+    best_of,
     find,
     manager_policies,
     manifest_details,
@@ -241,8 +242,9 @@ class CheckpointManager:
           UnsupportedLeafError: a leaf cannot be stored (raised here, before any write).
           PermissionError: the first save found the store not writable; nothing was stored.
           RuntimeError: the manager is closed.
+          ValueError: ``step`` is not an int in ``[0, 10**16)``.
         """
-        t0 = time.perf_counter()
+        t0, step = time.perf_counter(), check_step(step)
         if self._saver.closed:
             raise RuntimeError("CheckpointManager is closed")
         if not self._saver.is_saving_in_progress():
@@ -263,8 +265,8 @@ class CheckpointManager:
             self.last_save_blocking_s = time.perf_counter() - t0
             if done is not None:  # the background write's future, None if not started
                 done(self._saver._pending)
-        if not self.enable_async_checkpointing:
-            self.wait_until_finished()
+        if not self.enable_async_checkpointing:  # the save's error; a persist's comes next call
+            self._saver.wait_until_finished()
         return True
 
     def _committed(self, step: int, metrics: Any, started: datetime.datetime) -> None:
@@ -282,8 +284,7 @@ class CheckpointManager:
 
         Raises:
           The background save's error, if it failed (once; the next call succeeds); else a
-          failed persist's error (:class:`~casstore.PersistError` or StoreTimeoutError, naming
-          the step and the persistent URL), without waiting for the persistent tier.
+          failed persist's (PersistError or StoreTimeoutError, naming step and URL), at once.
         """
         self._saver.wait_until_finished()
         if self.persister is not None:
@@ -389,12 +390,8 @@ class CheckpointManager:
         """The committed step whose metrics rank best by the preservation policy's ``BestN``
         (``best_fn``; a NaN metric ranks worst, and of equal metrics the latest step is best);
         the latest step without one; None if no step has metrics."""
-        steps = self.all_steps()
-        best = find(self.preservation_policy, BestN)
-        if best is None:
-            return steps[-1] if steps else None
-        ranked = best.ranked(PolicyCheckpointInfo(s, details=self._step_details) for s in steps)
-        return ranked[-1].step if ranked else None
+        return best_of(self.preservation_policy, [PolicyCheckpointInfo(
+            s, details=self._step_details) for s in self.all_steps()])
 
     def restore(self, step: int | None = None, *, target: Any = None,
                 paths: list[str] | None = None, partial: bool = False, strict: bool = True,

@@ -301,6 +301,16 @@ class BestN(PreservationPolicy):
                 for c in checkpoints]
 
 
+def best_of(policy: PreservationPolicy, checkpoints: list) -> int | None:
+    """The step of ``checkpoints`` (ascending) that ranks best by ``policy``'s :class:`BestN`
+    (the latest without one); None if none has metrics, or none is given."""
+    best = find(policy, BestN)
+    if best is None:
+        return checkpoints[-1].step if checkpoints else None
+    ranked = best.ranked(checkpoints)
+    return ranked[-1].step if ranked else None
+
+
 def _is_nan(value: Any) -> bool:
     try:
         return bool(value != value)

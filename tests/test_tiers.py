@@ -25,7 +25,7 @@ import casstore
 from casstore._copy import needed_objects, share_of
 from casstore._layout import is_object_key
 from casstore._repository import list_chunk_objects
-from casstore.store import CountingStore, FsspecStore, LocalStore
+from casstore.store import CountingStore, FsspecStore, LocalStore, MemoryStore
 
 from conftest import object_store
 
@@ -553,6 +553,39 @@ def test_a_killed_saves_lock_postpones_gc_after_retention_instead_of_blocking(tm
     assert casstore.list_steps(remote) == [4]
     assert casstore.verify(remote).ok
     assert_bit_exact(casstore.restore(remote, 4), 4)
+
+
+class RefusingStore(MemoryStore):
+    """A persistent tier that lists but refuses every write, at once."""
+
+    def _put(self, key, data, *, exclusive):
+        raise OSError("injected: the persistent tier refuses writes")
+
+
+def test_a_synchronous_save_that_raises_a_persist_error_has_saved_nothing(tmp_path):
+    """enable_async_checkpointing=False: a persist's error surfaces at the start of the next
+    call, which then saves nothing; never after a commit (the caller would retry a saved step)."""
+    mngr = manager(tmp_path / "local", RefusingStore(), enable_async_checkpointing=False)
+    outcomes = []
+    for step in range(30):
+        try:
+            mngr.save(step, tree_for(step), force=True)
+            outcomes.append("saved")
+        except casstore.PersistError:
+            outcomes.append("refused")
+        assert (step in casstore.list_steps(tmp_path / "local")) == (outcomes[-1] == "saved")
+    assert "refused" in outcomes
+    assert "saved" in outcomes
+    with contextlib.suppress(casstore.PersistError):
+        mngr.close()
+
+
+def test_a_step_that_is_no_int_is_a_value_error_with_a_persistent_tier(tmp_path):
+    with manager(tmp_path / "local", MemoryStore()) as mngr:
+        for step in (jax.numpy.int32(6), np.int64(6), 6.0, -1):
+            with pytest.raises(ValueError, match="invalid step"):
+                mngr.save(step, tree_for(6), force=True)
+        assert mngr.all_steps() == []
 
 
 def two_processes(tmp_path, server, remote, *args: str) -> list[str]:
