@@ -43,7 +43,7 @@ from ._repository import Url, deleted, list_steps, read_manifest
 from ._restore import restore
 from ._save import SaveInfo
 from ._tiers import PersistPolicy, start_persister
-from .store import Store
+from .store import Store, open_store, split_options
 
 
 class CheckpointManager:
@@ -112,7 +112,8 @@ class CheckpointManager:
       persistent_preservation_policy: which persisted steps the persistent tier keeps, as
         ``preservation_policy`` (e.g. ``BestN`` on the metrics saved with each step); not with
         the two arguments above.
-      **storage_options: passed to fsspec for URLs.
+      **storage_options: passed to fsspec for ``url`` and ``persistent``, each where it is an
+        fsspec URL (e.g. a local path and ``s3://...``: to the persistent tier only).
 
     Raises:
       ValueError: a retention or staging argument is out of range, a policy is given
@@ -149,9 +150,10 @@ class CheckpointManager:
             save_decision_policy, preservation_policy, save_interval_steps=save_interval_steps,
             max_to_keep=max_to_keep, keep_period=keep_period, best_fn=best_fn,
             best_mode=best_mode, keep_checkpoints_without_metrics=keep_checkpoints_without_metrics)
+        local_options, remote_options = split_options(storage_options, url, persistent)
         self._saver = AsyncCheckpointer(url, run=run, max_staging_bytes=max_staging_bytes,
                                         chunk_size_bytes=chunk_size_bytes,
-                                        zstd_level=zstd_level, delta=delta, **storage_options)
+                                        zstd_level=zstd_level, delta=delta, **local_options)
         self.store: Store = self._saver.store
         self.run = run
         self.enable_async_checkpointing = enable_async_checkpointing
@@ -166,7 +168,7 @@ class CheckpointManager:
         self._steps: list[int] = list_steps(self.store, run=self.run)
         # tiers (_tiers.py): the persister, which resumes what a killed manager left
         self.persister = None if persistent is None else start_persister(
-            self.store, persistent, run, self._steps, PersistPolicy(
+            self.store, open_store(persistent, **remote_options), run, self._steps, PersistPolicy(
                 persist_interval_steps, persistent_preservation(
                     persistent_preservation_policy, persistent_max_to_keep,
                     persistent_keep_period), gc_after_retention, grace_period_s))
@@ -444,4 +446,5 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.store!r}, run={self.run!r})"
+
 

@@ -588,6 +588,21 @@ def test_a_step_that_is_no_int_is_a_value_error_with_a_persistent_tier(tmp_path)
         assert mngr.all_steps() == []
 
 
+def test_storage_options_reach_the_persistent_tier_given_as_a_url(tmp_path, object_servers):
+    """A local path and an s3:// URL: the options (endpoint, keys) are the persistent tier's;
+    they went to the local tier only, which refused them for a path."""
+    server = object_servers["seaweedfs"]
+    url = server.url_for("options")
+    with casstore.CheckpointManager(tmp_path / "local", persistent=url,
+                                    **server.storage_options) as mngr:
+        mngr.save(0, tree_for(0))
+        assert mngr.wait_until_persisted()
+    assert_bit_exact(casstore.restore(casstore.open_store(url, **server.storage_options), 0), 0)
+    with pytest.raises(ValueError, match="storage_options are for fsspec URLs, and none of"):
+        casstore.CheckpointManager(tmp_path / "local", persistent=tmp_path / "other",
+                                   **server.storage_options)
+
+
 def two_processes(tmp_path, server, remote, *args: str) -> list[str]:
     """The outputs of the two processes of tests/tiers_multiprocess_worker.py (each exited
     with 0), saving into ``tmp_path / "local"`` and persisting to ``remote``."""

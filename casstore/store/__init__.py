@@ -46,8 +46,29 @@ def open_store(url: str | os.PathLike | Store, *, read_only: bool = False,
             raise ValueError("storage_options cannot apply to an already opened Store")
         return url
     url = os.fspath(url)
-    if "://" not in url or url.startswith("file://"):
+    if not is_fsspec_url(url):
         if storage_options or timeouts:
             raise ValueError(f"storage_options are for fsspec URLs, not the local path {url!r}")
         return LocalStore(os.path.expanduser(url.removeprefix("file://")), read_only=read_only)
     return FsspecStore.from_url(url, read_only=read_only, **timeouts, **storage_options)
+
+
+def is_fsspec_url(url: object) -> bool:
+    """True for a URL fsspec opens (``s3://...``, ``gs://...``), False for a local path (``file://``
+    included), a Store or None: what ``storage_options`` apply to."""
+    if not isinstance(url, str | os.PathLike) or isinstance(url, Store):
+        return False
+    url = os.fspath(url)
+    return "://" in url and not url.startswith("file://")
+
+
+def split_options(options: dict, *urls: object) -> list[dict]:
+    """``options`` for each of ``urls`` that is an fsspec URL, ``{}`` for each other one (a
+    local path, a Store, None).
+
+    Raises:
+      ValueError: ``options`` given and none of ``urls`` is an fsspec URL.
+    """
+    if options and not any(map(is_fsspec_url, urls)):
+        raise ValueError(f"storage_options are for fsspec URLs, and none of {urls!r} is one")
+    return [options if is_fsspec_url(url) else {} for url in urls]
