@@ -14,9 +14,11 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 
+import numpy as np
+
 from ._buffers import BufferPool
-from ._codec import chunk_id, encode_chunk, raw_object
-from ._delta import RestoreBudget, base_bytes, encode_delta
+from ._codec import chunk_id, decode_chunk, encode_chunk, raw_object
+from ._delta import RestoreBudget, encode_delta
 from ._errors import CasstoreError, CorruptChunkError, ManifestError, StepNotFoundError
 from ._layout import chunk_key, delta_key
 from ._manifest import Manifest
@@ -157,13 +159,16 @@ class ChunkWriter:
             return self.unpaid
 
     def _delta(self, raw: memoryview, element_size: int, base: str) -> tuple[bytes, int] | None:
-        """:func:`encode_delta` against chunk ``base``, read from the store; None if it does
-        not pay, or if the base is missing or fails its checks (the block is then stored whole:
-        a damaged earlier step must not stop new saves; ``verify`` reports it)."""
+        """:func:`encode_delta` against chunk ``base``, read from the store and checked against
+        its id (a delta on a rotted base would be unreadable, and no copy of the repository
+        could repair it); None if it does not pay, or if the base is missing or fails its
+        checks (the block is then stored whole: a damaged earlier step must not stop new
+        saves; ``verify`` reports it)."""
         k = element_size if len(raw) % element_size == 0 else 1
         try:
             data = self.store.get(chunk_key(base))
-            return encode_delta(raw, base_bytes(data, base, len(raw), k), k, self.zstd_level,
+            checked = np.frombuffer(decode_chunk(data, base, len(raw)), np.uint8)
+            return encode_delta(raw, checked, k, self.zstd_level,
                                 self.shuffle if self.compress else None, self.budget)
         except (CorruptChunkError, FileNotFoundError):
             return None

@@ -333,23 +333,30 @@ def _run_sequence(ops: list[tuple[str, int]]) -> None:
                     assert restored[key].tobytes() == value.tobytes(), (s, key)
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "missing"])
+@pytest.mark.parametrize("damage", ["corrupt", "missing", "rotted"])
 def test_a_damaged_base_makes_the_next_save_store_the_block_whole(damage, tmp_path):
+    """Rotted: a payload byte flipped, the framing intact. A delta XORed on those bytes would
+    read back only from this rotted copy: never from a backup or a repaired repository."""
     store = LocalStore(tmp_path / "r")
     casstore.save(store, 0, {"w": trained(0)}, chunk_size_bytes=CHUNK)
     base = refs(store, 0, "w")[0].id
     path = tmp_path / "r" / chunk_key(base)
+    data = bytearray(path.read_bytes())
     if damage == "missing":
         path.unlink()
-    else:
-        data = bytearray(path.read_bytes())
+    elif damage == "corrupt":
         HEADER.pack_into(data, 0, b"XXXX", 1, 0, 0, len(data) - HEADER.size)
+        path.write_bytes(bytes(data))
+    else:
+        data[-100] ^= 1
         path.write_bytes(bytes(data))
     info = casstore.save(store, 1, {"w": trained(1)}, chunk_size_bytes=CHUNK)
     assert info.delta_chunks == 3  # the other three blocks still delta against their bases
     assert refs(store, 1, "w")[0].base is None
     assert casstore.restore(store, 1)["w"].tobytes() == trained(1).tobytes()
     assert {p.step for p in casstore.verify(store).problems} == {0}
+    casstore.copy(store, tmp_path / "backup", steps=[1])
+    assert casstore.restore(tmp_path / "backup", 1)["w"].tobytes() == trained(1).tobytes()
 
 
 def test_a_base_shared_by_deltas_is_read_once_by_restore_verify_and_copy():
