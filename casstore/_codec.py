@@ -357,9 +357,9 @@ def check_header(data: bytes | memoryview, expected_id: str, raw_length: int
     if bad:
         raise CorruptChunkError(f"bad element size {element_size} for codec {codec} and "
                                 f"{length} raw bytes", chunk_id=expected_id)
-    if length != raw_length:
+    if length != raw_length or length > MAX_RAW_LENGTH:
         raise CorruptChunkError(f"chunk header says {length} raw bytes, manifest says "
-                                f"{raw_length}", chunk_id=expected_id)
+                                f"{raw_length} (at most {MAX_RAW_LENGTH})", chunk_id=expected_id)
     return codec, element_size
 
 

@@ -16,7 +16,7 @@ import msgpack
 import numpy as np
 
 from ._chunking import INLINE_LIMIT_BYTES, dtype_from_name
-from ._codec import is_chunk_id
+from ._codec import MAX_RAW_LENGTH, is_chunk_id
 from ._errors import ManifestError
 from ._format import check_features, min_reader, unsupported_version
 from ._keypath import MAX_DEPTH, is_valid_path
@@ -285,7 +285,9 @@ def _decode_leaf(x: Any, check: _Check) -> LeafEntry:
     np_dtype = dtype_from_name(dtype) if isinstance(dtype, str) else None
     check(np_dtype is not None, f"dtype {dtype!r} is not an allowed array dtype")
     nbytes = math.prod(shape) * np_dtype.itemsize
-    check(nbytes <= MAX_ARRAY_BYTES, f"array of {nbytes} bytes exceeds the limit")
+    extent = math.prod(d for d in shape if d) * np_dtype.itemsize  # numpy refuses a zero-size
+    check(nbytes <= MAX_ARRAY_BYTES and extent <= MAX_ARRAY_BYTES,  # array of a huge extent
+          f"array of {nbytes} bytes (extent {extent}) exceeds the limit")
     key_impl = x.get("key_impl")
     check(key_impl is None or (isinstance(key_impl, str) and key_impl.isidentifier()),
           "bad key_impl")
@@ -321,8 +323,8 @@ def _decode_ref(r: Any, ndim: int, itemsize: int, check: _Check) -> ChunkRef:
     check(is_chunk_id(cid), f"bad chunk id {cid!r}")
     check(isinstance(start, list) and isinstance(stop, list) and len(start) == len(stop) == ndim
           and all(_is_int(v, 0, 2**53) for v in start + stop), f"bad chunk index of {cid}")
-    check(all(_is_int(v, 0, 2**32) for v in (offset, raw_bytes, stored)),
-          f"bad chunk sizes of {cid}")
+    check(all(_is_int(v, 0, 2**32) for v in (offset, raw_bytes, stored))
+          and raw_bytes <= MAX_RAW_LENGTH, f"bad chunk sizes of {cid}")  # bounds allocations
     base = r.get("base")
     check(base is None or (check.version == DELTA_VERSION and is_chunk_id(base) and base != cid
                            and offset == 0), f"bad delta base {base!r} of chunk {cid}")

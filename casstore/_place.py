@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from ._chunking import Index, dtype_from_name, overflowed
+from ._errors import ManifestError
 from ._manifest import LeafEntry
 from ._target import is_numpy_class, returns_numpy, target_shape
 
@@ -32,7 +33,20 @@ def plain_value(entry: LeafEntry, regions: dict[Index, np.ndarray] | None) -> An
     if entry.kind == "scalar":
         return complex(*entry.value) if entry.scalar_type == "complex" else entry.value
     host = next(iter(regions.values()))
-    return jax.random.wrap_key_data(host, impl=entry.key_impl) if entry.key_impl else host
+    return keys(host, entry) if entry.key_impl else host
+
+
+def keys(host: np.ndarray, entry: LeafEntry) -> jax.Array:
+    """Typed PRNG keys of ``entry.key_impl`` from their key data.
+
+    Raises:
+      ManifestError: jax knows no such implementation (names it and the key path).
+    """
+    try:
+        return jax.random.wrap_key_data(host, impl=entry.key_impl)
+    except (ValueError, TypeError) as e:
+        raise ManifestError(f"PRNG key implementation {entry.key_impl!r} of the saved keys: "
+                            f"{e}", key_path=entry.path) from e
 
 
 def place(entry: LeafEntry, regions: dict[Index, np.ndarray] | None, t: Any,
@@ -109,7 +123,7 @@ def cast(host: np.ndarray, entry: LeafEntry, dtype: Any, fail: Fail) -> Any:
       the error ``fail`` makes (a TargetMismatchError naming the key path and both dtypes).
     """
     if entry.key_impl:
-        return jax.random.wrap_key_data(host, impl=entry.key_impl)
+        return keys(host, entry)
     dtype = np.dtype(dtype)
     if host.dtype == dtype:
         return host

@@ -6,6 +6,7 @@ import functools
 import random
 import time
 
+import jax
 import msgpack
 import numpy as np
 import pytest
@@ -305,15 +306,19 @@ def test_fuzz_campaign_full_count(capsys):
 
 @pytest.mark.parametrize("hostile", [
     {"shape": [2**40, 2**40]},                      # huge allocation
+    {"shape": [0, 2**52, 2**52], "chunks": []},     # zero-size, but numpy refuses the extent
     {"shape": [-4]},                                # negative
     {"dtype": "object"}, {"dtype": "V16"}, {"dtype": "<U8"},  # not plain numeric
+    {"raw_bytes": 3 * 2**30},                       # a chunk past format.md 3.2's 2**31 bytes
 ])
 def test_hostile_leaf_fields_fail_before_any_allocation(hostile):
     doc = valid_manifest()
     leaf = next(x for x in doc["leaves"] if x["path"] == "a/w")
+    if "raw_bytes" in hostile:  # a small zstd frame may claim that much (a zip bomb)
+        leaf["chunks"][0]["raw_bytes"] = hostile.pop("raw_bytes")
     leaf.update(hostile)
-    with pytest.raises(casstore.ManifestError,
-                       match=r"exceeds the limit|bad shape|not an allowed array dtype") as info:
+    with pytest.raises(casstore.ManifestError, match=r"exceeds the limit|bad shape|not an "
+                       r"allowed array dtype|bad chunk sizes") as info:
         decode_manifest(msgpack.packb(doc, use_bin_type=True), run="default", step=1, url="m")
     assert info.value.key_path == "a/w"
 
@@ -384,3 +389,16 @@ def test_secrets_never_appear_in_manifests_reprs_logs_or_errors(object_servers, 
     out, err = capfd.readouterr()
     seen += [out, err, caplog.text]
     assert not [s for s in seen if secret in s]
+
+
+def test_an_unknown_prng_implementation_is_a_manifest_error_naming_the_key_path():
+    store = MemoryStore()
+    casstore.save(store, 0, {"k": jax.random.key(0)})
+    key = "runs/default/steps/0000000000000000.manifest"
+    doc = msgpack.unpackb(store.get(key))
+    doc["leaves"][0]["key_impl"] = "nonexistent"  # an identifier: the validator lets it pass
+    store.delete(key)
+    store.put(key, msgpack.packb(doc, use_bin_type=True))
+    for target in (None, {"k": jax.random.key(1)}):
+        with pytest.raises(casstore.ManifestError, match=r"'nonexistent'.*key path 'k'"):
+            casstore.restore(store, 0, target=target)

@@ -2,8 +2,10 @@
 
 import os
 
+import numpy as np
 import pytest
 
+import casstore
 from casstore import open_store
 from casstore.store import CountingStore, FsspecStore, LocalStore, MemoryStore
 from casstore.testing import StoreContract
@@ -179,3 +181,19 @@ def test_restores_read_from_4_threads_a_core_on_local_disk_unless_told(tmp_path)
     assert FallbackStore(store, [MemoryStore()]).read_workers == store.read_workers
     store.max_workers = 3
     assert store.read_workers == 3
+
+
+def test_a_directory_or_a_device_in_place_of_a_local_object_is_no_object(tmp_path):
+    """A directory leaked IsADirectoryError; a symlink to /dev/zero was read until memory ran
+    out. Both are 'no such object', for a chunk and for a manifest alike."""
+    store = LocalStore(tmp_path / "r")
+    casstore.save(store, 0, {"w": np.arange(100_000.0)})
+    manifest = tmp_path / "r" / "runs" / "default" / "steps" / "0000000000000000.manifest"
+    for replace in (lambda p: p.mkdir(), lambda p: p.symlink_to("/dev/zero")):
+        manifest.unlink() if manifest.is_file() or manifest.is_symlink() else manifest.rmdir()
+        replace(manifest)
+        for read in (store.get, lambda k: store.get_into(k, None)):
+            with pytest.raises(casstore.ObjectNotFoundError, match="no such object"):
+                read("runs/default/steps/0000000000000000.manifest")
+        with pytest.raises(casstore.CasstoreError):
+            casstore.restore(store, 0)

@@ -62,14 +62,15 @@ class LocalStore(Store):
     def get(self, key: str) -> bytes:
         try:
             with open(self._path(key), "rb") as f:
+                _regular(f, self._path(key))
                 return f.read()
-        except (FileNotFoundError, NotADirectoryError):
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise ObjectNotFoundError("no such object", url=self._path(key)) from None
 
     def get_into(self, key: str, buffer: np.ndarray | None) -> tuple[memoryview, np.ndarray]:
         try:
             with open(self._path(key), "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
+                size = _regular(f, self._path(key)).st_size
                 if buffer is None or buffer.size < size:
                     buffer = np.empty(size, np.uint8)
                 view = memoryview(buffer)[:size]
@@ -167,3 +168,16 @@ class LocalStore(Store):
             return
         if self.fsync:
             _fsync_dir(os.path.dirname(self._path(key)))
+
+
+def _regular(f, path: str) -> os.stat_result:
+    """``f``'s stat; an object is a regular file, so a device, a FIFO or a socket there (a
+    symlink to ``/dev/zero`` would be read forever) is no object.
+
+    Raises:
+      ObjectNotFoundError: ``f`` is not a regular file.
+    """
+    info = os.fstat(f.fileno())
+    if not stat.S_ISREG(info.st_mode):
+        raise ObjectNotFoundError("no such object (not a regular file)", url=path)
+    return info
