@@ -30,6 +30,7 @@ MAX_LEAVES = 1_000_000
 MAX_CHUNK_REFS = 10_000_000
 MAX_NDIM = 64
 MAX_ARRAY_BYTES = 2**48
+MAX_CREATED = 253402300800  # seconds: 10000-01-01, past what datetime can show
 MAX_SCALAR_BYTES = 2**20
 MAX_GRID_CELLS = 4_000_000
 SCALAR_TYPES = ("bool", "int", "float", "complex", "str", "bytes")
@@ -230,7 +231,9 @@ def decode_manifest(data: bytes, *, run: str, step: int, url: str) -> Manifest:
     check.version = raw["version"]
     check(raw.get("run") == run and raw.get("step") == step,
           f"names run {raw.get('run')!r} step {raw.get('step')!r}, but its key says otherwise")
-    check(isinstance(raw.get("created"), (int, float)), "created is not a number")
+    created = raw.get("created")
+    check(isinstance(created, int | float) and not isinstance(created, bool)
+          and 0 <= created < MAX_CREATED, "created is not a time since the epoch")
     leaves_raw = raw.get("leaves")
     check(isinstance(leaves_raw, list) and len(leaves_raw) <= MAX_LEAVES, "bad leaves list")
     n_refs = sum(len(x["chunks"]) for x in leaves_raw

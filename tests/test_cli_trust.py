@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import msgpack
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -87,6 +88,30 @@ def test_a_truncated_manifest_costs_its_step_only(delta_repo, tmp_path):
     shown = run("show", delta_repo, 5)  # its previous step is the damaged one
     assert "step 4" in shown.stderr
     assert "w" in shown.stdout
+
+
+def rewrite_manifest(url: str, step: int, change) -> None:
+    path = pathlib.Path(url) / "runs" / "default" / "steps" / f"{step:016d}.manifest"
+    doc = msgpack.unpackb(path.read_bytes())
+    change(doc)
+    path.write_bytes(msgpack.packb(doc, use_bin_type=True))
+
+
+@pytest.mark.parametrize("created", [float("nan"), float("inf"), 1e20, -1.0])
+def test_a_manifest_of_an_impossible_time_is_a_damaged_manifest(delta_repo, created):
+    """ls printed ValueError: Invalid value NaN (exit 2, bad input) for a NaN created."""
+    rewrite_manifest(delta_repo, 4, lambda doc: doc.update(created=created))
+    listed = run_json("ls", delta_repo, code=1)
+    assert [(p["step"], p["kind"]) for p in listed["problems"]] == [(4, "manifest")]
+    assert "created is not a time since the epoch" in listed["problems"][0]["message"]
+
+
+def test_show_prints_a_sharding_it_cannot_read_instead_of_failing(delta_repo):
+    def damage(doc):
+        next(x for x in doc["leaves"] if x["path"] == "w")["sharding"] = {"mesh": "x"}
+
+    rewrite_manifest(delta_repo, 4, damage)  # show failed: 'str' has no attribute 'items'
+    assert "(not a" in run("show", delta_repo, 4).stdout
 
 
 def test_a_deleted_base_chunk_is_one_missing_object_with_the_steps_needing_it(delta_repo):

@@ -152,8 +152,10 @@ def show_command(url: str, step: int, run: str, options: dict, as_json: bool) ->
 def _sharding_str(sharding: Any) -> str:
     if not isinstance(sharding, dict):
         return "-"
-    mesh = ",".join(f"{k}={v}" for k, v in sharding.get("mesh", {}).items())
-    return f"{mesh} {sharding.get('spec')}"
+    mesh = sharding.get("mesh", {})  # unvalidated in a manifest: restore checks it when used
+    if not isinstance(mesh, dict):
+        return f"(not a sharding: {str(sharding)[:40]})"
+    return f"{','.join(f'{k}={v}' for k, v in mesh.items())} {sharding.get('spec')}"
 
 
 @command("du")
