@@ -22,6 +22,7 @@ from ._pool import bounded_map
 from ._repository import Url, check_config, list_chunk_objects
 from ._scan import (
     CORRUPT,
+    MANIFEST,
     MISSING,
     NOT_FOUND,
     STORE_FAILURES,
@@ -129,6 +130,10 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
     users = _users(scan.manifests)
     missing = sorted(k for k in users if k not in present)
     problems += [_problem(k, users[k], "chunk missing", MISSING) for k in missing]
+    problems += [_problem(k, u, f"the manifests give it {len(u.lengths)} raw lengths "
+                          f"({', '.join(map(str, sorted(u.lengths)))} bytes): a damaged "
+                          "manifest; a restore refuses it", MANIFEST)
+                 for k, u in users.items() if len(u.lengths) > 1]
     blocked = [k for k, u in users.items() if k in present and u.ref is not None
                and u.ref.base is not None and chunk_key(u.ref.base) not in present]
     found, bytes_read, on_bad_base = [], 0, 0
@@ -158,6 +163,7 @@ class _Users:
     key_path: str
     steps: set[tuple[str, int]]
     chunk_id: str
+    lengths: set[int] = dataclasses.field(default_factory=set)  # raw lengths the refs give
 
 
 def _users(manifests: tuple[Manifest, ...]) -> dict[str, _Users]:
@@ -173,6 +179,7 @@ def _users(manifests: tuple[Manifest, ...]) -> dict[str, _Users]:
                     u = users.setdefault(key, _Users(reader, leaf.path, set(), cid))
                     u.ref = u.ref or reader
                     u.steps.add((m.run, m.step))
+                    u.lengths.add(ref.raw_bytes)  # a base has its deltas' raw length
     return users
 
 

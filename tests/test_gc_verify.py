@@ -224,3 +224,26 @@ def test_verify_reports_progress_up_to_the_bytes_it_reads(tmp_path):
     assert calls[-1] == (report.bytes_read, report.bytes_read)
     assert report.bytes_read > 0
     assert [d for d, _ in sorted(calls)] == sorted(d for d, _ in calls)
+
+
+def test_verify_reports_refs_that_disagree_on_an_objects_length():
+    """One flipped bit in a manifest (the second ref to a pack: 600 -> 604 raw bytes) still
+    validates; verify checked each object with its first ref and said ok, restore refused."""
+    import msgpack
+
+    store = MemoryStore()
+    casstore.save(store, 0, {"layer": {"b": np.ones(100, np.float32),
+                                       "s": np.arange(50, dtype=np.int32)}})
+    key = manifest_key("default", 0)
+    doc = msgpack.unpackb(store.get(key))
+    refs = [leaf["chunks"][0] for leaf in doc["leaves"]]
+    assert refs[0]["id"] == refs[1]["id"]  # one pack
+    refs[1]["raw_bytes"] += 4
+    store.delete(key)
+    store.put(key, msgpack.packb(doc, use_bin_type=True))
+    for read_data in (True, False):
+        report = casstore.verify(store, read_data=read_data)
+        assert [(p.kind, p.chunk_id) for p in report.problems] == [("manifest", refs[0]["id"])]
+        assert "2 raw lengths (600, 604 bytes)" in report.problems[0].message
+    with pytest.raises(casstore.CorruptChunkError, match="disagree on the chunk's length"):
+        casstore.restore(store, 0)
