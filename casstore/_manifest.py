@@ -19,7 +19,7 @@ from ._chunking import INLINE_LIMIT_BYTES, dtype_from_name
 from ._codec import MAX_RAW_LENGTH, is_chunk_id
 from ._errors import ManifestError
 from ._format import check_features, min_reader, unsupported_version
-from ._keypath import MAX_DEPTH, is_valid_path
+from ._keypath import MAX_DEPTH, escape_name, is_valid_path
 from ._layout import chunk_key, object_key
 
 FORMAT = "casstore.manifest"
@@ -243,21 +243,25 @@ def decode_manifest(data: bytes, *, run: str, step: int, url: str) -> Manifest:
     check.path = None
     check(len({leaf.path for leaf in leaves}) == len(leaves), "duplicate key paths")
     tree = raw.get("tree")
-    _check_tree(tree, len(leaves), check)
+    _check_tree(tree, [leaf.path for leaf in leaves], check)
     return Manifest(run, step, float(raw["created"]), raw.get("metadata"), tree, leaves)
 
 
-def _check_tree(tree: Any, n_leaves: int, check: _Check) -> None:
-    """Checks the tree nodes (format.md §4.2): kinds, keys, depth, each leaf index once."""
+def _check_tree(tree: Any, paths: list[str], check: _Check) -> None:
+    """Checks the tree nodes (format.md §4.2): kinds, keys (unique in a dict), depth, each leaf
+    index once, at the key path its leaf entry gives (``paths``, by index): a restore without
+    a target rebuilds the tree, so a tree that disagrees would put values at other paths."""
     seen: set[int] = set()
-    stack = [(tree, 0)]
+    stack: list[tuple[Any, tuple[str, ...]]] = [(tree, ())]
     while stack:
-        node, depth = stack.pop()
-        check(isinstance(node, dict) and depth <= MAX_DEPTH, "bad tree node or too deep")
+        node, path = stack.pop()
+        check(isinstance(node, dict) and len(path) <= MAX_DEPTH, "bad tree node or too deep")
         t = node.get("t")
         if t == "leaf":
             i = node.get("i")
-            check(_is_int(i, 0, n_leaves) and i not in seen, "bad leaf index in tree")
+            check(_is_int(i, 0, len(paths)) and i not in seen, "bad leaf index in tree")
+            check(paths[i] == "/".join(path), f"the tree puts leaf {paths[i]!r} at "
+                  f"{'/'.join(path)!r}")
             seen.add(i)
         elif t in ("dict", "list", "tuple"):
             children = node.get("c")
@@ -265,11 +269,23 @@ def _check_tree(tree: Any, n_leaves: int, check: _Check) -> None:
             if t == "dict":
                 keys = node.get("k")
                 check(isinstance(keys, list) and len(keys) == len(children) and all(
-                    isinstance(k, str) or _is_int(k, -2**63) for k in keys), "bad dict keys")
-            stack.extend((c, depth + 1) for c in children)
+                    isinstance(k, str) or _is_int(k, -2**63) for k in keys)
+                    and len({(type(k), k) for k in keys}) == len(keys), "bad dict keys")
+                elements = [_element(k) for k in keys]
+            else:
+                elements = [f"[{j}]" for j in range(len(children))]
+            stack.extend((c, (*path, e)) for c, e in zip(children, elements))
         else:
             check(t == "none", f"unknown tree node kind {t!r}")
-    check(len(seen) == n_leaves, "tree does not reference every leaf")
+    check(len(seen) == len(paths), "tree does not reference every leaf")
+
+
+def _element(key: str | int) -> str:
+    """A dict key's key-path element (format.md §5); ``"\0"`` (never in a path) if it has none."""
+    try:
+        return f"[={key}]" if isinstance(key, int) else escape_name(key)
+    except TypeError:  # a NUL or a lone surrogate
+        return "\0"
 
 
 def _decode_leaf(x: Any, check: _Check) -> LeafEntry:

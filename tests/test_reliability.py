@@ -402,3 +402,24 @@ def test_an_unknown_prng_implementation_is_a_manifest_error_naming_the_key_path(
     for target in (None, {"k": jax.random.key(1)}):
         with pytest.raises(casstore.ManifestError, match=r"'nonexistent'.*key path 'k'"):
             casstore.restore(store, 0, target=target)
+
+
+@pytest.mark.parametrize("tamper", ["swap_keys", "duplicate_key", "swap_leaves"])
+def test_a_tree_that_disagrees_with_the_leaf_paths_is_refused(tamper):
+    """A restore without a target rebuilds the tree: one whose keys disagree with the leaves'
+    paths put values at other key paths (count and w swapped) or dropped one, silently."""
+    store = MemoryStore()
+    casstore.save(store, 0, {"count": np.int32(7), "w": np.arange(4.0)})
+    key = "runs/default/steps/0000000000000000.manifest"
+    doc = msgpack.unpackb(store.get(key))
+    node = doc["tree"]
+    if tamper == "swap_keys":
+        node["k"] = node["k"][::-1]
+    elif tamper == "duplicate_key":
+        node["k"] = [node["k"][0]] * 2
+    else:
+        node["c"] = node["c"][::-1]
+    store.delete(key)
+    store.put(key, msgpack.packb(doc, use_bin_type=True))
+    with pytest.raises(casstore.ManifestError, match=r"the tree puts leaf|bad dict keys"):
+        casstore.restore(store, 0)
