@@ -113,6 +113,9 @@ def _scalar_entry(path: str, value: Any) -> LeafEntry:
 def _as_array(path: str, value: Any) -> tuple[Any, ArrayInfo]:
     """The array to store for a leaf (key data for typed keys) and what the manifest says."""
     key_impl = None
+    if isinstance(value, jax.Array) and value.is_deleted():
+        raise UnsupportedLeafError("this jax array was deleted (or donated to a jitted "
+                                   "function) before the save", key_path=path)
     if is_key_array(value):
         key_impl = str(jax.random.key_impl(value))
         value = jax.random.key_data(value)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import casstore
+import casstore._staging
 from casstore.store import MemoryStore
 
 from conftest import GatedStore
@@ -89,17 +90,30 @@ def test_errors_surface_from_wait_until_finished_and_the_next_save():
         ckptr.save(3, {"w": np.ones(3)})
 
 
-def test_a_staging_error_is_raised_once_and_the_step_can_be_saved_again():
+def test_a_staging_error_is_raised_once_and_the_step_can_be_saved_again(monkeypatch):
+    def failing(job, stored):  # reading the caller's numpy block fails, once
+        monkeypatch.setattr(casstore._staging, "_independent", independent)
+        raise RuntimeError("injected: reading the block failed")
+
+    independent = casstore._staging._independent
+    monkeypatch.setattr(casstore._staging, "_independent", failing)
     store = MemoryStore()
-    deleted = jnp.ones(100_000)
-    deleted.delete()
     with casstore.CheckpointManager(store) as mngr:
-        with pytest.raises(RuntimeError, match="deleted"):
-            mngr.save(0, {"x": deleted})
-        assert mngr.save(0, {"x": jnp.arange(3.0)})  # raised the same error again, saved nothing
+        with pytest.raises(RuntimeError, match="injected"):
+            mngr.save(0, {"x": np.ones(100_000)})
+        assert mngr.save(0, {"x": np.arange(3.0)})  # raised the same error again, saved nothing
         mngr.wait_until_finished()
     assert casstore.list_steps(store) == [0]
     np.testing.assert_array_equal(casstore.restore(store, 0)["x"], [0.0, 1.0, 2.0])
+
+
+def test_a_deleted_jax_array_is_refused_naming_its_key_path():
+    deleted = jnp.ones(100_000)
+    deleted.delete()
+    store = MemoryStore()
+    with pytest.raises(casstore.UnsupportedLeafError, match=r"deleted.*key path 'a/x'"):
+        casstore.save(store, 0, {"a": {"x": deleted}})
+    assert casstore.list_steps(store) == []
 
 
 def test_an_existing_step_and_bad_arguments_are_refused():
