@@ -117,3 +117,15 @@ def test_copy_verifies_chunks_in_transit(tmp_path):
     assert info.value.chunk_id == cid
     assert info.value.key_path == "x"
     assert casstore.list_steps(dst) == []
+
+
+@pytest.mark.parametrize("name", ["moto", "fake-gcs"])
+def test_a_save_into_a_bucket_that_does_not_exist_says_so(object_servers, name):
+    """SeaweedFS answers such a write with Access Denied (AccessDeniedError); these two
+    answered NoSuchBucket / 404, which leaked as a bare FileNotFoundError."""
+    server = object_servers[name]
+    store = casstore.open_store(f"{server.protocol}://no-such-bucket-{name}/repo",
+                                **server.storage_options)
+    with pytest.raises(casstore.ObjectNotFoundError,
+                       match=rf"bucket does not exist.*no-such-bucket-{name}/repo"):
+        casstore.save(store, 0, {"w": np.ones(3)})

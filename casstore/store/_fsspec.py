@@ -261,7 +261,13 @@ class FsspecStore(Store):
                 yield ObjectInfo(key, int(info.get("size") or 0), _mtime(info))
 
     def _put(self, key: str, data: bytes | memoryview, *, exclusive: bool) -> None:
-        data = bytes(data) if isinstance(data, memoryview) else data
+        try:
+            self._write(key, bytes(data) if isinstance(data, memoryview) else data, exclusive)
+        except FileNotFoundError as e:  # S3's NoSuchBucket, GCS's 404 on an upload
+            raise ObjectNotFoundError("cannot write: the bucket does not exist (create it "
+                                      f"first): {e}", url=f"{self.url}/{key}") from e
+
+    def _write(self, key: str, data: bytes, exclusive: bool) -> None:
         if not exclusive:
             path = self._path(key)
             self.policy.run(key, lambda t: self._call("pipe_file", path, data, timeout=t))
