@@ -485,3 +485,12 @@ def test_commands_on_s3(object_servers, tmp_path):
     assert result.stderr.count("\n") == 1
     assert url in result.stderr
     assert "check the credentials" in result.stderr
+
+
+def test_copy_and_repair_refuse_storage_options_no_path_takes(repo, tmp_path):
+    for command in ("copy", "repair"):
+        result = run(command, repo, tmp_path / f"{command}-dst", "-o", "anon=true", code=2)
+        assert "storage options (-o/-O) are for fsspec URLs" in result.stderr
+        result = run(command, repo, tmp_path / f"{command}-dst", "-O", "anon=true", code=2)
+        assert "take none" in result.stderr
+    assert not (tmp_path / "copy-dst").exists()

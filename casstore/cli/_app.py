@@ -179,6 +179,18 @@ def is_local(url: str) -> bool:
     return "://" not in url or url.startswith("file://")
 
 
+def pair_options(src: str, dst: str, options: dict, dst_options: dict) -> tuple[dict, dict]:
+    """The storage options of SRC (``-o``) and DST (``-O``, else ``-o``): none for a local path.
+
+    Raises:
+      click.UsageError: options that no URL of the two takes (they would be ignored).
+    """
+    if (options and is_local(src) and is_local(dst)) or (dst_options and is_local(dst)):
+        raise click.UsageError(f"storage options (-o/-O) are for fsspec URLs; {src!r} and "
+                               f"{dst!r} take none")
+    return ({} if is_local(src) else options), ({} if is_local(dst) else dst_options or options)
+
+
 def check_options(url: str, options: dict) -> None:
     """UsageError for a storage option the URL's filesystem does not take, before any request.
 

@@ -16,9 +16,9 @@ from ._app import (
     check_run,
     command,
     counted,
-    is_local,
     json_flag,
     open_repo,
+    pair_options,
     parse_options,
     run_option,
     storage_options,
@@ -178,12 +178,12 @@ def copy_command(src: str, dst: str, steps: str | None, runs: str | None, option
     Examples:
       casstore copy ./ckpt s3://bucket/ckpt --runs default --steps 100,200
     """
-    source = open_repo(src, {} if is_local(src) else options)
+    src_options, dst_options = pair_options(src, dst, options, dst_options)
+    source = open_repo(src, src_options)
     step_list = list_option(steps, int, "--steps")
     run_list = list_option(runs, str, "--runs")
     check_selection(source, src, run_list, step_list)
-    target = counted(open_repo(dst, {} if is_local(dst) else dst_options or options,
-                               create=True))
+    target = counted(open_repo(dst, dst_options, create=True))
     where(f"{src} -> {dst}", None)
     meter = StoreMeter(lambda: target.bytes_written) if hasattr(target, "bytes_written") else None
     info = progress("copying", lambda: casstore.copy(source, target, steps=step_list,
@@ -256,8 +256,9 @@ def repair_command(good: str, damaged: str, dry_run: bool, read_data: bool, opti
       casstore repair s3://backup/ckpt ./ckpt --dry-run
       casstore repair s3://backup/ckpt ./ckpt
     """
-    source = open_repo(good, {} if is_local(good) else options)
-    target = open_repo(damaged, {} if is_local(damaged) else dst_options or options)
+    good_options, damaged_options = pair_options(good, damaged, options, dst_options)
+    source = open_repo(good, good_options)
+    target = open_repo(damaged, damaged_options)
     where(f"{good} -> {damaged}", None)
     info = progress("repairing", lambda: casstore.repair(source, target, dry_run=dry_run,
                                                          read_data=read_data))
