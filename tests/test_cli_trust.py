@@ -462,3 +462,8 @@ def test_ls_with_a_persistent_tier_says_where_each_step_lives(object_servers, tm
     assert "persistent" in text
     assert "where" not in run_json("ls", local)["steps"][0]  # without --persistent: as before
     run("ls", local, "--persistent", url, code=cli.EXIT_ACCESS_DENIED)  # no -p credentials
+    replaced = str(tmp_path / "replaced")  # a new node: an empty local tier (exit 10 before)
+    listed = run_json("ls", replaced, "--persistent", url, *opts)
+    assert [(r["step"], r["where"]) for r in listed["steps"]] == [
+        (0, "persistent"), (2, "persistent"), (4, "persistent")]
+    run("ls", replaced, code=cli.EXIT_NO_REPOSITORY)  # without a persistent tier: none there

@@ -46,8 +46,9 @@ def _persistent_option(f: Any) -> Any:
 def _tiers(url: str, options: dict, persistent: str | None, persistent_options: dict
            ) -> tuple[list, list, dict]:
     """(manifests in repository order, damaged problems, (run, step) -> where) over ``url``
-    and, given, the ``persistent`` tier (which need not be a repository yet)."""
-    local = casstore.scan_manifests(open_repo(url, options))
+    and, given, the ``persistent`` tier (either but not both may be no repository yet: a
+    replaced node's empty local tier, a tier nothing was persisted to)."""
+    local = casstore.scan_manifests(open_repo(url, options, create=persistent is not None))
     if persistent is None:
         return list(local.manifests), list(local.damaged), {}
     check_options(persistent, persistent_options)
