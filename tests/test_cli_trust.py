@@ -467,3 +467,15 @@ def test_ls_with_a_persistent_tier_says_where_each_step_lives(object_servers, tm
     assert [(r["step"], r["where"]) for r in listed["steps"]] == [
         (0, "persistent"), (2, "persistent"), (4, "persistent")]
     run("ls", replaced, code=cli.EXIT_NO_REPOSITORY)  # without a persistent tier: none there
+
+
+def test_output_cut_short_by_its_reader_exits_as_sigpipe_not_as_damage(tmp_path):
+    """`casstore show URL | head -1`: rich exited 1, the code of a damaged repository."""
+    url = str(tmp_path / "many")
+    casstore.save(url, 0, {f"leaf{i}": np.ones(3) for i in range(3000)})
+    proc = subprocess.Popen([sys.executable, "-m", "casstore", "show", url, "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().startswith(url.encode())
+    proc.stdout.close()  # as head does after its line
+    assert proc.wait(timeout=120) == 141
+    assert proc.stderr.read() == b""

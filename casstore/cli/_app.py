@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -30,7 +31,8 @@ Exit codes:
   {EXIT_USAGE}   usage or input error (a bad argument, option, step or run)
   {EXIT_NO_REPOSITORY}  no casstore repository at the URL
   {EXIT_UNREACHABLE}  the store is unreachable or did not answer in time
-  {EXIT_ACCESS_DENIED}  the store refused access (credentials, read-only)"""
+  {EXIT_ACCESS_DENIED}  the store refused access (credentials, read-only)
+  130 interrupted (Ctrl-C); 141 the output's reader went away (`| head`)"""
 # -o options that casstore itself takes (open_store), beside the filesystem's own
 CASSTORE_OPTIONS = {"read_only", "request_timeout_s", "operation_timeout_s"}
 # fsspec's AbstractFileSystem options, which every filesystem takes
@@ -104,6 +106,9 @@ class _Group(click.Group):
         except click.Abort:
             click.echo("casstore: aborted", err=True)
             sys.exit(130)
+        except BrokenPipeError:  # `casstore ... --json | head`: the reader went away (SIGPIPE)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error
+            sys.exit(128 + 13)
         except Exception as e:
             if "--debug" in args:
                 raise

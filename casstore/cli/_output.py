@@ -7,6 +7,8 @@ import base64
 import dataclasses
 import json
 import math
+import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +20,16 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 JSON_SCHEMA_VERSION = 1  # of every --json output; raised when a field changes meaning
-console = Console(highlight=False, markup=False, soft_wrap=True)  # key paths hold "[0]"
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """``casstore show URL | head``: the reader went away. Exit as SIGPIPE would (141),
+        not with rich's 1, which means a damaged repository here."""
+        self.quiet = True
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(128 + 13)
+
+
+console = _Console(highlight=False, markup=False, soft_wrap=True)  # key paths hold "[0]"
 
 __all__ = [
     "JSON_SCHEMA_VERSION",
