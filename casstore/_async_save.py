@@ -22,7 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from ._chunking import DEFAULT_CHUNK_SIZE_BYTES, DEFAULT_PACK_THRESHOLD_BYTES
+from ._chunking import (
+    DEFAULT_CHUNK_SIZE_BYTES,
+    DEFAULT_PACK_THRESHOLD_BYTES,
+    check_chunk_size,
+)
 from ._codec import DEFAULT_ZSTD_LEVEL
 from ._errors import CasstoreError, StoreTimeoutError
 from ._layout import check_run, check_step
@@ -84,7 +88,8 @@ class AsyncCheckpointer:
       **storage_options: passed to fsspec for URLs.
 
     Raises:
-      ValueError: ``max_staging_bytes`` is smaller than one chunk, or ``run`` is invalid.
+      ValueError: ``max_staging_bytes`` is smaller than one chunk, ``chunk_size_bytes`` is
+        not an int in [16, 2**31], or ``run`` is invalid.
 
     Example:
       >>> import numpy as np, casstore
@@ -106,6 +111,7 @@ class AsyncCheckpointer:
                              f"(chunk_size_bytes={chunk_size_bytes})")
         self.store: Store = open_store(url, **storage_options)
         self.run = check_run(run)
+        check_chunk_size(chunk_size_bytes)
         self.max_staging_bytes = max_staging_bytes
         self.chunk_size_bytes, self.zstd_level, self.delta = chunk_size_bytes, zstd_level, delta
         self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix="casstore-save")

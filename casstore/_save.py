@@ -23,7 +23,11 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from ._chunking import DEFAULT_CHUNK_SIZE_BYTES, DEFAULT_PACK_THRESHOLD_BYTES
+from ._chunking import (
+    DEFAULT_CHUNK_SIZE_BYTES,
+    DEFAULT_PACK_THRESHOLD_BYTES,
+    check_chunk_size,
+)
 from ._codec import DEFAULT_ZSTD_LEVEL
 from ._compression import chunk_settings
 from ._layout import check_run, check_step, manifest_key
@@ -171,8 +175,9 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
         to a key dtype); names its key path. Raised before any write. Also, as the leaf is
         written, for a value the stored dtype cannot hold (an integer out of its range, a
         finite float beyond its range: never wrapped or overflowed); no manifest is written.
-      ValueError: invalid ``step``, ``run``, ``metadata`` that msgpack cannot encode, a
-        ``dtypes`` prefix that matches no array leaf, or an unknown ``compression``.
+      ValueError: invalid ``step``, ``run``, ``chunk_size_bytes`` (an int in [16, 2**31]),
+        ``metadata`` that msgpack cannot encode, a ``dtypes`` prefix that matches no array
+        leaf, or an unknown ``compression``.
       ManifestError: the repository's config object is damaged or of an unknown version.
       StoreTimeoutError: an object store did not answer within its deadline (``open_store``'s
         ``operation_timeout_s``); nothing is committed (unless the manifest write was stored
@@ -181,6 +186,7 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
     t0 = time.perf_counter()
     store = open_store(url)
     manifest_key(check_run(run), check_step(step))
+    check_chunk_size(chunk_size_bytes)
     # 1. the leaves, checked and in their stored dtypes
     prepared, arrays = stored_as(*prepare(tree, metadata), dtypes)
     # 2. the plan: inline leaves now, chunk jobs as a lazy stream

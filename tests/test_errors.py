@@ -294,6 +294,12 @@ def test_invalid_arguments(saved):
             casstore.save(store, 0, {"x": np.ones(1)}, run=run)
     with pytest.raises(ValueError, match="metadata"):
         casstore.save(store, 0, {"x": np.ones(1)}, metadata={"f": object()})
+    for size in (0, 3, -16, 2**32, 1.5):  # ZeroDivisionError, or a ManifestError at the commit
+        with pytest.raises(ValueError, match=re.escape(f"chunk_size_bytes must be an int in "
+                                                       f"[16, 2**31], not {size!r}")):
+            casstore.save(store, 0, {"x": np.ones(100, np.float32)}, chunk_size_bytes=size)
+        with pytest.raises(ValueError, match="chunk_size_bytes must be"):
+            casstore.CheckpointManager(store, chunk_size_bytes=size)
     assert casstore.list_steps(store) == [5]
 
 
