@@ -89,7 +89,7 @@ class AsyncCheckpointer:
 
     Raises:
       ValueError: ``max_staging_bytes`` is smaller than one chunk, ``chunk_size_bytes`` is
-        not an int in [16, 2**31], or ``run`` is invalid.
+        not an int in [1, 2**31], or ``run`` is invalid.
 
     Example:
       >>> import numpy as np, casstore

@@ -207,11 +207,12 @@ def start_host_copy(x: jax.Array, start: tuple[int, ...], stop: tuple[int, ...])
 
 
 def check_chunk_size(chunk_size_bytes: object) -> int:
-    """``chunk_size_bytes`` if it is an int in [16, 2**31] (16: the widest element, complex128;
-    2**31: format.md §3.2's largest chunk), else ValueError naming it."""
+    """``chunk_size_bytes`` if it is an int in [1, 2**31] (format.md §3.2's largest chunk),
+    else ValueError naming it (a save also needs it to hold one element of every array leaf:
+    ``_save_plan.plan_jobs``)."""
     if (isinstance(chunk_size_bytes, bool) or not isinstance(chunk_size_bytes, int)
-            or not 16 <= chunk_size_bytes <= 2**31):
-        raise ValueError(f"chunk_size_bytes must be an int in [16, 2**31], not "
+            or not 1 <= chunk_size_bytes <= 2**31):
+        raise ValueError(f"chunk_size_bytes must be an int in [1, 2**31], not "
                          f"{chunk_size_bytes!r}")
     return chunk_size_bytes
 

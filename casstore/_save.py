@@ -175,9 +175,9 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
         to a key dtype); names its key path. Raised before any write. Also, as the leaf is
         written, for a value the stored dtype cannot hold (an integer out of its range, a
         finite float beyond its range: never wrapped or overflowed); no manifest is written.
-      ValueError: invalid ``step``, ``run``, ``chunk_size_bytes`` (an int in [16, 2**31]),
-        ``metadata`` that msgpack cannot encode, a ``dtypes`` prefix that matches no array
-        leaf, or an unknown ``compression``.
+      ValueError: invalid ``step``, ``run``, ``chunk_size_bytes`` (an int in [1, 2**31],
+        at least one element of every array leaf), ``metadata`` that msgpack cannot encode,
+        a ``dtypes`` prefix that matches no array leaf, or an unknown ``compression``.
       ManifestError: the repository's config object is damaged or of an unknown version.
       StoreTimeoutError: an object store did not answer within its deadline (``open_store``'s
         ``operation_timeout_s``); nothing is committed (unless the manifest write was stored

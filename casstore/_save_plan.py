@@ -71,6 +71,11 @@ def plan_jobs(prepared: Prepared, arrays: dict[int, Any], chunk_size_bytes: int,
     """
     primary = jax.process_index() == 0
     infos = prepared.arrays
+    for i, info in infos.items():  # grid() cuts on whole elements
+        if info.dtype.itemsize > chunk_size_bytes:
+            raise ValueError(f"chunk_size_bytes={chunk_size_bytes} is smaller than one element "
+                             f"of key path {prepared.paths[i]!r} ({info.dtype}, "
+                             f"{info.dtype.itemsize} bytes)")
     mine = {i: a for i, a in arrays.items() if infos[i].spread or primary}
     small = {i: a for i, a in mine.items() if not infos[i].spread
              and infos[i].nbytes <= min(pack_threshold_bytes, chunk_size_bytes)}

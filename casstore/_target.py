@@ -98,6 +98,10 @@ def match_target(manifest: Manifest, flat: list, store: Store, *, paths, partial
       TargetMismatchError: every missing, extra and mismatched key path in one error; no chunk
         is read before the whole target matches.
     """
+    for p in paths or ():  # a typo would return the target as it is, abstract leaves and all
+        if not any(matches(path_str(keys), [p]) for keys, _ in flat):
+            raise mismatch("no leaf of the target matches the requested path", manifest, store,
+                           p)
     by_path = _saved_by_target_path(manifest, transforms, store)
     plan: list[tuple[Any, int | None]] = []
     missing: list[tuple[str, str]] = []

@@ -284,6 +284,18 @@ def test_partial_restore_params_without_optimizer_state(saved):
     np.testing.assert_array_equal(params["params"]["b"], tree["params"]["b"])
 
 
+def test_a_path_no_target_leaf_matches_is_an_error_as_without_a_target(saved):
+    """With a target, a typo in paths returned the target as it was: abstract leaves where
+    the weights should be, and no error."""
+    store, tree = saved
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), tree)
+    for wrong in ("parms", "params/w/x"):
+        for kwargs in ({}, {"target": target}):
+            with pytest.raises(casstore.TargetMismatchError,
+                               match=rf"no leaf .*matches the requested path.*'{wrong}'"):
+                casstore.restore(store, 5, paths=[wrong], **kwargs)
+
+
 def test_invalid_arguments(saved):
     store, _ = saved
     for step in (-1, 1.5, True, 10**16):
@@ -294,12 +306,15 @@ def test_invalid_arguments(saved):
             casstore.save(store, 0, {"x": np.ones(1)}, run=run)
     with pytest.raises(ValueError, match="metadata"):
         casstore.save(store, 0, {"x": np.ones(1)}, metadata={"f": object()})
-    for size in (0, 3, -16, 2**32, 1.5):  # ZeroDivisionError, or a ManifestError at the commit
+    for size in (0, -16, 2**32, 1.5):  # ZeroDivisionError, or a ManifestError at the commit
         with pytest.raises(ValueError, match=re.escape(f"chunk_size_bytes must be an int in "
-                                                       f"[16, 2**31], not {size!r}")):
+                                                       f"[1, 2**31], not {size!r}")):
             casstore.save(store, 0, {"x": np.ones(100, np.float32)}, chunk_size_bytes=size)
         with pytest.raises(ValueError, match="chunk_size_bytes must be"):
             casstore.CheckpointManager(store, chunk_size_bytes=size)
+    with pytest.raises(ValueError, match=re.escape(
+            "chunk_size_bytes=3 is smaller than one element of key path 'x' (float32, 4 bytes)")):
+        casstore.save(store, 0, {"x": np.ones(100, np.float32)}, chunk_size_bytes=3)
     assert casstore.list_steps(store) == [5]
 
 
