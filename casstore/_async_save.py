@@ -32,6 +32,7 @@ from ._errors import CasstoreError, StoreTimeoutError
 from ._layout import check_run, check_step
 from ._locks import check_write_access
 from ._manifest import Manifest
+from ._multihost import SaveAgreement
 from ._repository import Url, read_manifest
 from ._save import SaveInfo, inflight_window, plan_jobs, prepare, write
 from ._staging import StagingStream
@@ -147,7 +148,8 @@ class AsyncCheckpointer:
         self._start(step, tree, metadata)
 
     def _start(self, step: int, tree: Any, metadata: Any, *, previous_step: int | None = None,
-              then: Callable[[SaveInfo], None] | None = None) -> None:
+              then: Callable[[SaveInfo], None] | None = None,
+              agreement: SaveAgreement | None = None) -> None:
         """:meth:`save` for :class:`CheckpointManager`: ``metadata`` is the manifest's as is.
 
         Args:
@@ -155,8 +157,17 @@ class AsyncCheckpointer:
             deltas); None reads it from the store.
           then: called on the background thread with the save's info after the commit (the
             manager's retention); its error is the save's.
+          agreement: the save's agreement between processes, made when the caller's save was
+            called (None: made here, first).
         """
-        t0 = time.perf_counter()
+        t0, agreement = time.perf_counter(), agreement or SaveAgreement()
+        with agreement.early():  # an error here fails this save on every process
+            self._prepare_start(step, tree, metadata, previous_step, then, agreement, t0)
+
+    def _prepare_start(self, step: int, tree: Any, metadata: Any, previous_step: int | None,
+                       then: Callable[[SaveInfo], None] | None, agreement: SaveAgreement,
+                       t0: float) -> None:
+        """:meth:`_start`'s checks, staging and the background write."""
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} is closed")
         check_step(step)
@@ -182,7 +193,8 @@ class AsyncCheckpointer:
         stream = StagingStream(jobs, self.max_staging_bytes, self.chunk_size_bytes, stored)
         self._pending_step = step
         self._pending = self._executor.submit(self._write, step, prepared, inline, stream,
-                                              previous_step, then, previous, numpy_blocks)
+                                              previous_step, then, previous, numpy_blocks,
+                                              agreement)
         try:
             stream.fill()
         except BaseException:  # raised here, so not again by the next call: let it fail now
@@ -203,7 +215,8 @@ class AsyncCheckpointer:
 
     def _write(self, step: int, prepared: Any, inline: dict, stream: StagingStream,
                previous_step: int | None, then: Callable[[SaveInfo], None] | None,
-               previous: Manifest | None = None, keep_manifest: bool = False) -> None:
+               previous: Manifest | None = None, keep_manifest: bool = False,
+               agreement: SaveAgreement | None = None) -> None:
         """The background half of a save: stores and commits ``stream``; with
         ``keep_manifest``, reads the committed manifest back for the next save's staging."""
         workers = self.store.max_workers
@@ -212,7 +225,7 @@ class AsyncCheckpointer:
                 self.store, step, prepared, inline, stream, run=self.run,
                 zstd_level=self.zstd_level, shuffle=None, max_workers=workers,
                 window=inflight_window(workers, self.chunk_size_bytes), delta=self.delta,
-                previous_step=previous_step, previous=previous)
+                previous_step=previous_step, previous=previous, agreement=agreement)
         except StoreTimeoutError as e:  # surfaces from wait_until_finished: name the step
             stream.abandon()
             raise e.at(run=self.run, step=step) from e

@@ -23,6 +23,7 @@ from ._errors import StepNotFoundError
 from ._fallback import FallbackStore
 from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, RetentionGc
 from ._layout import check_step
+from ._multihost import SaveAgreement
 from ._policies import (
     DecisionContext,
     PolicyCheckpointInfo,
@@ -189,19 +190,15 @@ class CheckpointManager:
     # -- deciding ----------------------------------------------------------------------------
 
     def reached_preemption(self, step: int) -> bool:
-        """True once the job was told it will be stopped (see the class docstring).
-
-        The loop asks it at every step (every process, with several) and, when true, waits
-        for the save (:meth:`wait_until_finished`) and stops. Makes no request.
-        """
+        """True once the job was told it will be stopped (see the class docstring). The loop
+        asks it at every step (every process, with several) and, when true, waits for the
+        save (:meth:`wait_until_finished`) and stops. Makes no request."""
         return self._notice.reached(step)
 
     def should_save(self, step: int) -> bool:
         """True if ``step`` is newer than the latest step and the save decision policy says so.
-
         Makes no request: the latest step is the one this manager knows (see the class
-        docstring), the one in flight included.
-        """
+        docstring), the one in flight included."""
         # in flight first: a save that commits in between is then among the known steps
         in_flight = self._saving if self._saver.is_saving_in_progress() else None
         latest = max((s for s in (self.latest_step(), in_flight) if s is not None), default=None)
@@ -239,30 +236,32 @@ class CheckpointManager:
           Any error of the previous background save (never only logged); a store that stalls
             fails it within the store's deadline (StoreTimeoutError naming the step). With a
             persistent tier, a failed persist's error (PersistError or StoreTimeoutError, naming
-            step and URL); this call then saves nothing, as after a failed local save.
+            step and URL), from the next save that is due; it then saves nothing.
           StepAlreadyExistsError: ``force`` with an existing step (a persisted one: raised here).
           UnsupportedLeafError: a leaf cannot be stored (raised here, before any write).
           PermissionError: the first save found the store not writable; nothing was stored.
-          RuntimeError: the manager is closed.
-          ValueError: ``step`` is not an int in ``[0, 10**16)``.
+          RuntimeError: the manager is closed. ValueError: ``step`` is not an int in [0, 10**16).
         """
         t0, step = time.perf_counter(), check_step(step)
         if self._saver.closed:
             raise RuntimeError("CheckpointManager is closed")
         if not self._saver.is_saving_in_progress():
-            self.wait_until_finished()  # a failed save's or persist's error, without waiting
-        elif self.persister is not None:
-            self.persister.raise_error()  # a failed persist's, never waiting for the tier
+            self._saver.wait_until_finished()  # a failed save's error (on every process)
         if not force and not self.should_save(step):
             return False
-        self._preemption_saved |= self.reached_preemption(step)
-        done = self.persister.local_save(step) if self.persister is not None else None
+        agreement = SaveAgreement()  # from here an error fails this save on every process
+        with agreement.early():
+            if self.persister is not None:  # a failed persist's error (maybe process 0 only)
+                self.persister.raise_error()
+            self._preemption_saved |= self.reached_preemption(step)
+            done = self.persister.local_save(step) if self.persister is not None else None
         try:  # persists yield to this save until its commit (_tiers)
             self._saver.wait_until_finished()
             started, self._saving = utc_now(), step
             self._saver._start(step, tree, {"metrics": metrics, "user": metadata},
                               previous_step=self._steps[-1] if self._steps else None,
-                              then=lambda _: self._committed(step, metrics, started))
+                              then=lambda _: self._committed(step, metrics, started),
+                              agreement=agreement)
         finally:
             self.last_save_blocking_s = time.perf_counter() - t0
             if done is not None:  # the background write's future, None if not started

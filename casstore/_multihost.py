@@ -23,10 +23,11 @@ import itertools
 import os
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import msgpack
+import xxhash
 
 from ._errors import CasstoreError
 from ._manifest import ChunkRef
@@ -57,18 +58,33 @@ def kv_client():
 
 
 class SaveAgreement:
-    """One save's exchange between processes; a no-op in a single-process job."""
+    """One save's exchange between processes; a no-op in a single-process job.
+
+    Made first thing in every save call, so that every process numbers its saves alike even
+    when one fails before the exchange (:meth:`early`). Each post names the save (run, step
+    and a digest of the tree's key paths, shapes and dtypes: :meth:`describe`), and process 0
+    refuses a save that the processes do not all describe alike, as when they are out of step.
+    """
 
     def __init__(self):
         self.count = jax.process_count()
         self.index = jax.process_index()
         self.tag = f"casstore/save/{next(_save_counter)}" if self.count > 1 else ""
         self._posted = False  # this process posted its refs (or its error)
+        self._published = False  # process 0 posted the outcome
+        self.save: list = []  # [run, step, tree digest], as describe() gives it
 
     @property
     def is_primary(self) -> bool:
         """True on the process that writes the manifest (process 0)."""
         return self.index == 0
+
+    def describe(self, run: str, step: int, node: dict, paths: list[str],
+                 arrays: dict[int, Any]) -> None:
+        """Names this save in every post: ``run``, ``step`` and a digest of the tree (``node``,
+        ``paths``, and each array leaf's shape, dtype and key implementation)."""
+        shapes = [[i, list(a.shape), a.dtype.name, a.key_impl] for i, a in sorted(arrays.items())]
+        self.save = [run, step, xxhash.xxh3_64_hexdigest(msgpack.packb([node, paths, shapes]))]
 
     def _client(self):
         return kv_client()
@@ -77,23 +93,37 @@ class SaveAgreement:
         """Posts this process's refs (or error); on process 0 returns every process's refs.
 
         Raises:
-          CasstoreError: on process 0, another process reported an error.
+          CasstoreError: on process 0, another process reported an error, or describes
+            another save (another run, step or tree: the processes are not saving alike).
         """
         if self.count == 1:
             return [refs]
         client = self._client()
+        self._posted = True
         client.key_value_set_bytes(f"{self.tag}/refs/{self.index}",
-                                   msgpack.packb({"error": error, "refs": refs}))
+                                   msgpack.packb({"error": error, "refs": refs,
+                                                  "save": self.save}))
         if not self.is_primary:
             return []
         posts = [msgpack.unpackb(self._wait(client, f"{self.tag}/refs/{p}", p),
                                  strict_map_key=False) for p in range(self.count)]
         failed = [f"process {p}: {post['error']}" for p, post in enumerate(posts)
                   if post["error"]]
+        failed += [f"process {p} {self._other(post['save'])}" for p, post in enumerate(posts)
+                   if not post["error"] and post["save"] != self.save]
         if failed:
             raise CasstoreError("save failed on other processes; no manifest written: "
                                 + "; ".join(failed))
         return [post["refs"] for post in posts]
+
+    def _other(self, save: list) -> str:
+        """How another process's save differs from this one's (for an error)."""
+        (run, step, _), (my_run, my_step, _) = save, self.save
+        if [run, step] != [my_run, my_step]:
+            return (f"saves run {run!r} step {step} where process {self.index} saves run "
+                    f"{my_run!r} step {my_step}: every process must call save alike")
+        return ("saves another tree (key paths, shapes or dtypes differ): every process must "
+                "save the same tree")
 
     @staticmethod
     def _wait(client, key: str, process: int) -> bytes:
@@ -104,6 +134,26 @@ class SaveAgreement:
                                 f"{timeout_ms() / 1000:g} s; no manifest written") from e
 
     @contextlib.contextmanager
+    def early(self) -> Iterator[None]:
+        """Around what a save checks before its chunks: an error there is posted (as
+        :meth:`committing` posts one), so the other processes fail this save too instead of
+        pairing their next save with this process's next one."""
+        try:
+            yield
+        except BaseException as e:
+            self.abandon(f"{type(e).__name__}: {e}")
+            raise
+
+    def abandon(self, error: str) -> None:
+        """Posts ``error`` as this process's part of the save, unless it posted already."""
+        if self.count == 1:
+            return
+        if self.is_primary:
+            self.publish_outcome(error)
+        elif not self._posted:
+            self.gather([], error)
+
+    @contextlib.contextmanager
     def committing(self) -> Iterator[SaveAgreement]:
         """The agreement around a save's chunk and commit stages.
 
@@ -112,17 +162,13 @@ class SaveAgreement:
         that the step is committed and the others wait for that.
 
         Raises:
-          CasstoreError: on a process other than 0, process 0 did not commit the step, or
-            did not say so within :func:`timeout_ms`.
+          CasstoreError: on a process other than 0, process 0 did not commit the step (or
+            committed another save), or did not say so within :func:`timeout_ms`.
         """
         try:
             yield self
         except BaseException as e:
-            error = f"{type(e).__name__}: {e}"
-            if self.is_primary:
-                self.publish_outcome(error)
-            elif not self._posted:
-                self.gather([], error)
+            self.abandon(f"{type(e).__name__}: {e}")
             raise
         if self.is_primary:
             self.publish_outcome(None)
@@ -155,23 +201,36 @@ class SaveAgreement:
                 for i, ref in theirs:
                     refs.setdefault(i, []).append(ref)
             return refs
-        self._posted = True
         self.gather([[i, r.id, r.start, r.stop, r.offset, r.raw_bytes, r.stored_bytes, r.base]
                      for i, rs in refs.items() for r in rs], None)
         return None
 
     def publish_outcome(self, error: str | None) -> None:
-        """Process 0 tells the others whether the manifest was committed."""
-        if self.count > 1 and self.is_primary:
-            self._client().key_value_set(f"{self.tag}/outcome", error or "")
+        """Process 0 tells the others whether the manifest was committed, naming the save."""
+        if self.count > 1 and self.is_primary and not self._published:
+            self._published = True
+            self._client().key_value_set_bytes(f"{self.tag}/outcome", msgpack.packb(
+                {"error": error, "save": self.save}))
 
     def wait_outcome(self) -> None:
-        """Other processes wait for process 0's commit; raises if it failed."""
+        """Other processes wait for process 0's commit.
+
+        Raises:
+          CasstoreError: it failed, it was of another save, or no outcome came in time.
+        """
         if self.count == 1 or self.is_primary:
             return
-        outcome = self._client().blocking_key_value_get(f"{self.tag}/outcome", timeout_ms())
-        if outcome:
-            raise CasstoreError(f"process 0 did not commit the step: {outcome}")
+        try:
+            outcome = msgpack.unpackb(self._client().blocking_key_value_get_bytes(
+                f"{self.tag}/outcome", timeout_ms()))
+        except Exception as e:  # jax's runtime error for a timeout or a dead process 0
+            raise CasstoreError(f"process 0 did not say within {timeout_ms() / 1000:g} s "
+                                "whether it committed the step") from e
+        if outcome["error"]:
+            raise CasstoreError(f"process 0 did not commit the step: {outcome['error']}")
+        if outcome["save"] != self.save:
+            raise CasstoreError(f"process 0 committed another save: process 0 "
+                                f"{self._other(outcome['save'])}")
 
 
 _seen_shared: set[str] = set()  # URLs where process 0 saw another process's chunk

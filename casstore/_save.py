@@ -183,28 +183,30 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
         ``operation_timeout_s``); nothing is committed (unless the manifest write was stored
         and only its answer was lost: then the step is complete).
     """
-    t0 = time.perf_counter()
-    store = open_store(url)
-    manifest_key(check_run(run), check_step(step))
-    check_chunk_size(chunk_size_bytes)
-    # 1. the leaves, checked and in their stored dtypes
-    prepared, arrays = stored_as(*prepare(tree, metadata), dtypes)
-    # 2. the plan: inline leaves now, chunk jobs as a lazy stream
-    inline, jobs = plan_jobs(prepared, arrays, chunk_size_bytes, pack_threshold_bytes)
+    t0, agreement = time.perf_counter(), SaveAgreement()  # first, on every process (stage 5)
+    with agreement.early():
+        store = open_store(url)
+        manifest_key(check_run(run), check_step(step))
+        check_chunk_size(chunk_size_bytes)
+        # 1. the leaves, checked and in their stored dtypes
+        prepared, arrays = stored_as(*prepare(tree, metadata), dtypes)
+        # 2. the plan: inline leaves now, chunk jobs as a lazy stream
+        inline, jobs = plan_jobs(prepared, arrays, chunk_size_bytes, pack_threshold_bytes)
     del arrays  # the jobs hold what they still need
     workers = max_workers or store.max_workers
     window = inflight_window(workers, chunk_size_bytes, max_inflight_bytes)
     # 3 to 6: encode, upload, agree, commit
     return write(store, step, prepared, inline, jobs, run=run, zstd_level=zstd_level,
                  shuffle=shuffle, compression=compression, max_workers=workers,
-                 window=window, delta=delta, t0=t0)
+                 window=window, delta=delta, t0=t0, agreement=agreement)
 
 
 def write(store: Store, step: int, prepared: Prepared, inline: dict[int, bytes],
           jobs: Iterable[Job], *, run: str, zstd_level: int, shuffle: bool | None,
           max_workers: int, window: int, delta: bool = True, previous_step: int | None = None,
           t0: float | None = None, compression: str | None = None,
-          previous: Manifest | None = None) -> SaveInfo:
+          previous: Manifest | None = None, agreement: SaveAgreement | None = None
+          ) -> SaveInfo:
     """Stores the chunks of ``jobs`` and commits the step (stages 3 to 6 of :func:`save`).
 
     Args:
@@ -215,17 +217,21 @@ def write(store: Store, step: int, prepared: Prepared, inline: dict[int, bytes],
         latest.
       previous: that manifest, read already (the one ``jobs`` were staged against: jobs
         without bytes name chunks it references); None reads it here.
+      agreement: the save's agreement between processes, made when the save was called
+        (None: made here).
 
     Raises:
       As :func:`save`.
     """
     t0 = time.perf_counter() if t0 is None else t0
-    shuffle, compress = chunk_settings(store, shuffle, compression, max_workers)
-    created = time.time()
-    check_absent(store, run, step)
-    agreement = SaveAgreement()
+    agreement = agreement or SaveAgreement()
+    agreement.describe(run, step, prepared.node, prepared.paths, prepared.arrays)
+    with agreement.early():
+        shuffle, compress = chunk_settings(store, shuffle, compression, max_workers)
+        created = time.time()
+        check_absent(store, run, step)
     manifest_bytes = 0
-    with save_lock(store), agreement.committing():
+    with agreement.early(), save_lock(store), agreement.committing():
         if agreement.is_primary:
             ensure_config(store)
         previous = previous or previous_manifest(store, run, previous_step)

@@ -4,7 +4,10 @@ Usage: multiprocess_worker.py PORT NUM_PROCESSES PROCESS_ID MODE REPO STEP
 MODE is ``save`` (save the deterministic sharded state), ``restore`` (restore it onto another
 mesh and check this process's shards bit-exact), ``crash`` (process 1 dies after writing its
 first chunk) or ``own-disk`` (each process saves to ``REPO/host<PROCESS_ID>``, as to a disk of
-its own). Prints ``OK`` on success.
+its own). Modes ``early-fail``, ``other-step`` and ``other-tree`` (with ``manager-`` in front:
+through an async CheckpointManager) save STEP with process 1 failing before the exchange (an
+object leaf), saving STEP + 1, or saving ``w`` as int32, print each process's error, then save
+STEP + 2 alike on every process. Prints ``OK`` on success.
 """
 
 import os
@@ -54,7 +57,44 @@ def shardings(kind: str) -> dict:
             "b": NamedSharding(mesh, P("b")), "trained": NamedSharding(mesh, P("a"))}
 
 
+def global_state(step: int) -> dict:
+    return {k: jax.make_array_from_callback(v.shape, s, lambda idx, v=v: v[idx])
+            for (k, v), s in zip(expected(step).items(), shardings("save").values())}
+
+
+def out_of_step() -> None:
+    """The modes where the processes do not save alike, then do."""
+    kind = mode.removeprefix("manager-")
+    state = global_state(step)
+    mine = step + 1 if kind == "other-step" and pid == 1 else step
+    if pid == 1 and kind != "other-step":
+        state = dict(state, w=state["w"].astype(np.int32)) if kind == "other-tree" else dict(
+            state, bad=object())
+    mngr = casstore.CheckpointManager(repo, chunk_size_bytes=2048) if mode != kind else None
+    try:
+        if mngr is None:
+            casstore.save(repo, mine, {"state": state, "step": mine}, chunk_size_bytes=2048)
+        else:
+            mngr.save(mine, {"state": state, "step": mine}, force=True)
+            mngr.wait_until_finished()
+        print("first save returned", flush=True)
+    except (casstore.CasstoreError, TypeError) as e:
+        print("first save failed:", type(e).__name__, e, flush=True)
+    good = {"state": global_state(step + 2), "step": step + 2}
+    if mngr is None:
+        casstore.save(repo, step + 2, good, chunk_size_bytes=2048)
+    else:
+        mngr.save(step + 2, good, force=True)
+        mngr.close()
+    print("second save returned", flush=True)
+
+
 def main() -> None:
+    if mode.removeprefix("manager-") in ("early-fail", "other-step", "other-tree"):
+        out_of_step()
+        jax.distributed.shutdown()
+        print("OK", flush=True)
+        return
     values = expected(step)
     if mode in ("save", "crash", "own-disk"):
         state = {k: jax.make_array_from_callback(v.shape, s, lambda idx, v=v: v[idx])

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import casstore
 
@@ -89,3 +90,27 @@ def test_processes_saving_to_disks_of_their_own_commit_nothing(tmp_path):
     assert "process 0 does not see it" in results[1][1], results[1][1][-2000:]
     assert casstore.list_steps(repo / "host0") == []
     assert casstore.list_steps(repo / "host1") == []
+
+
+@pytest.mark.parametrize("mode", ["early-fail", "other-step", "other-tree",
+                                  "manager-early-fail", "manager-other-step"])
+def test_processes_that_do_not_save_alike_commit_nothing_and_stay_in_step(tmp_path, mode):
+    """Process 1 fails before the exchange (an object leaf), saves another step, or another
+    tree. Before: its later saves paired with process 0's previous one, committing steps of
+    wrong values silently, or the mismatch committed. Now that save fails on both processes,
+    nothing is committed, and the next save, alike on both, commits the right values."""
+    repo = tmp_path / "repo"
+    results = run_job(2, mode, repo, 1)
+    assert_ok(results)
+    outputs = [out for _, out in results]
+    assert all("first save failed" in out for out in outputs), outputs
+    if "other-step" in mode:
+        expected = "process 1 saves run 'default' step 2 where process 0 saves run 'default' step 1"
+        assert expected in outputs[0], outputs[0][-2000:]
+    if "other-tree" in mode:
+        assert "process 1 saves another tree" in outputs[0], outputs[0][-2000:]
+    if "early-fail" in mode:
+        assert "UnsupportedLeafError" in outputs[1], outputs[1][-2000:]
+        assert "process 1: UnsupportedLeafError" in outputs[0], outputs[0][-2000:]
+    assert casstore.list_steps(repo) == [3]
+    assert_ok(run_job(2, "restore", repo, 3))
