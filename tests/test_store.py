@@ -197,3 +197,14 @@ def test_a_directory_or_a_device_in_place_of_a_local_object_is_no_object(tmp_pat
                 read("runs/default/steps/0000000000000000.manifest")
         with pytest.raises(casstore.CasstoreError):
             casstore.restore(store, 0)
+
+
+def test_a_url_with_an_empty_path_segment_is_refused():
+    """SeaweedFS and GCS store s3://b/a//b's keys under a/b, so its listings never matched
+    the keys written: saves returned, and no step was ever listed."""
+    for url in ("s3://bucket/a//b", "gs://bucket//a", "s3://bucket/a//"):
+        if url.endswith("//"):
+            assert open_store(url, anon=True) is not None  # only trailing: the same URL
+            continue
+        with pytest.raises(ValueError, match="empty path segment"):
+            open_store(url, anon=True) if url.startswith("s3") else open_store(url)

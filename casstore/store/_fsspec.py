@@ -155,8 +155,16 @@ class FsspecStore(Store):
         ``request_timeout_s`` and turns its own retries off (casstore retries, see the class
         docstring); ``config_kwargs`` (s3fs) or ``requests_timeout`` (gcsfs) given in
         ``storage_options`` take precedence.
+
+        Raises:
+          ValueError: the path holds an empty segment (``a//b``): servers differ on it
+            (SeaweedFS and GCS store ``a/b``, moto ``a//b``), and a listing of one would not
+            find the steps saved there.
         """
-        protocol = url.split("://")[0]
+        protocol, _, path = url.partition("://")
+        if "//" in path.rstrip("/"):
+            raise ValueError(f"{url!r} has an empty path segment ('//'); object stores differ "
+                             "on such keys, so casstore refuses them: use one '/'")
         if protocol in ("s3", "s3a", "gs", "gcs"):
             # Listings must be fresh: another process may have just committed a step.
             storage_options.setdefault("use_listings_cache", False)
