@@ -127,13 +127,25 @@ def _held_by(store: Store, keys: list[str]) -> str:
 @contextlib.contextmanager
 def save_lock(store: Store) -> Iterator[None]:
     """Holds a save lock for the body, after any GC that holds its lock has finished."""
-    key = _put_lock(store, "save")
+    key = lock_key("save", uuid.uuid4().hex)
     try:
+        _put_lock(store, "save", key)  # its answer lost, the lock may be stored all the same
         while _live(store, "gc"):
             time.sleep(POLL_S)
         yield
     finally:
+        _release(store, key)
+
+
+def _release(store: Store, key: str) -> None:
+    """Deletes lock ``key`` (or the lock a put may have stored though it raised). A failure is
+    logged, naming the lock left behind, never raised: it would hide the body's own outcome
+    (a committed step, or the error that matters)."""
+    try:
         store.delete(key)
+    except Exception as e:
+        log.warning("casstore: could not delete lock %s/%s (%s): it stays until it turns "
+                    "stale; delete it by hand once no process holds it", store.url, key, e)
 
 
 @contextlib.contextmanager
@@ -151,10 +163,15 @@ def gc_lock(store: Store, timeout_s: float) -> Iterator[GcLease]:
     told = False
     while True:
         if not (saves := _live(store, "save")):
-            key = _put_lock(store, "gc")
+            key = lock_key("gc", uuid.uuid4().hex)
+            try:
+                _put_lock(store, "gc", key)
+            except BaseException:
+                _release(store, key)  # an answer lost: the lock may be stored
+                raise
             if not (saves := _live(store, "save")):
                 break
-            store.delete(key)
+            _release(store, key)
         waited = time.monotonic() - start
         if waited >= timeout_s or (not told and waited > WAIT_NOTICE_S):
             told = True
@@ -170,4 +187,4 @@ def gc_lock(store: Store, timeout_s: float) -> Iterator[GcLease]:
         yield lease
     finally:
         lease.stop()
-        store.delete(key)
+        _release(store, key)

@@ -11,7 +11,7 @@ import pytest
 import casstore
 from casstore import _locks
 from casstore._layout import CHUNKS_PREFIX, chunk_id_of_key
-from casstore.store import LocalStore
+from casstore.store import LocalStore, MemoryStore
 
 
 def test_a_live_gc_lock_holds_a_save_and_a_stale_one_does_not(tmp_path):
@@ -72,3 +72,53 @@ def test_gc_that_cannot_refresh_its_lock_stops_deleting(tmp_path, monkeypatch):
         casstore.gc(store, grace_period_s=0, max_workers=1)
     left = [i for i in store.list(CHUNKS_PREFIX) if chunk_id_of_key(i.key)]
     assert 0 < len(left) < len(garbage)  # it stopped midway, not before and not after
+
+
+class LockFaults(MemoryStore):
+    """Lock writes are stored, then answer with an error (a lost answer); or lock deletes
+    fail. ``faults`` counts down the failures to inject."""
+
+    def __init__(self, fail: str, faults: int = 1):
+        super().__init__()
+        self.fail, self.faults = fail, faults
+
+    def _put(self, key, data, *, exclusive):
+        super()._put(key, data, exclusive=exclusive)
+        if self.fail == "put" and key.startswith("locks/") and self.faults > 0:
+            self.faults -= 1
+            raise TimeoutError("injected: the answer to the lock's write was lost")
+
+    def _delete(self, key):
+        if self.fail == "delete" and key.startswith("locks/") and self.faults > 0:
+            self.faults -= 1
+            raise TimeoutError("injected: deleting the lock failed")
+        super()._delete(key)
+
+
+def locks(store) -> list[str]:
+    return [info.key for info in store.list("locks/")]
+
+
+def test_a_lock_whose_write_answer_was_lost_is_not_left_behind():
+    store = LockFaults("put", faults=0)
+    casstore.save(store, 0, {"w": np.ones(3)})
+    store.faults = 1
+    with pytest.raises(TimeoutError, match="injected"):
+        casstore.save(store, 1, {"w": np.ones(3)})
+    assert locks(store) == []
+    store.faults = 1
+    with pytest.raises(TimeoutError, match="injected"):
+        casstore.gc(store, grace_period_s=0)
+    assert locks(store) == []
+
+
+def test_a_lock_that_cannot_be_deleted_is_logged_not_raised_over_a_committed_save(caplog):
+    store = LockFaults("delete", faults=0)
+    casstore.save(store, 0, {"w": np.ones(3)})
+    store.faults = 1
+    info = casstore.save(store, 1, {"w": np.ones(3) * 2})  # raised TimeoutError, though saved
+    assert info.step == 1
+    assert casstore.list_steps(store) == [0, 1]
+    (left,) = locks(store)
+    assert "could not delete lock memory:" in caplog.text
+    assert left in caplog.text
