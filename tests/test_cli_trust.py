@@ -479,3 +479,19 @@ def test_output_cut_short_by_its_reader_exits_as_sigpipe_not_as_damage(tmp_path)
     proc.stdout.close()  # as head does after its line
     assert proc.wait(timeout=120) == 141
     assert proc.stderr.read() == b""
+
+
+def test_casstores_own_storage_options_are_typed(repo):
+    """-o read_only=False parsed as the string 'False', which is true: rm refused as
+    read-only; a timeout of '60s' or 'inf' ended in a TypeError naming no option."""
+    for bad, message in (("read_only=maybe", "read_only='maybe': true or false"),
+                         ("operation_timeout_s=60s", "operation_timeout_s='60s': a number"),
+                         ("request_timeout_s=inf", "request_timeout_s='inf': a number"),
+                         ("request_timeout_s=0", "request_timeout_s='0': a number")):
+        result = run("ls", "s3://bucket/x", "-o", bad, code=2)
+        assert message in result.stderr, result.stderr
+    run("rm", repo, 2, "-o", "read_only=False")  # refused as read-only before
+    assert casstore.list_steps(repo) == [0, 1]
+    run("rm", repo, 1, "-o", "read_only=yes", code=12)
+    with pytest.raises(ValueError, match="positive and finite"):
+        casstore.open_store("s3://bucket/x", anon=True, request_timeout_s=float("inf"))

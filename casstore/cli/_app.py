@@ -161,7 +161,25 @@ def parse_options(ctx: Any, param: Any, values: tuple[str, ...]) -> dict:
             options[key] = json.loads(value)
         except ValueError:
             options[key] = value
+        if key in CASSTORE_OPTIONS:  # casstore's own: typed here, as the API takes them
+            options[key] = _typed(key, value, ctx, param)
     return options
+
+
+def _typed(key: str, value: str, ctx: Any, param: Any) -> bool | float:
+    """``read_only`` as a bool (true/false, yes/no, 1/0), a timeout as positive seconds."""
+    text = value.strip().lower()
+    if key == "read_only":
+        if text in ("true", "yes", "1", "false", "no", "0"):
+            return text in ("true", "yes", "1")
+        raise click.BadParameter(f"read_only={value!r}: true or false", ctx, param)
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise click.BadParameter(f"{key}={value!r}: a number of seconds, above 0", ctx, param)
+    return seconds
 
 
 def storage_options(f: Any) -> Any:

@@ -16,6 +16,7 @@ import asyncio
 import errno
 import inspect
 import itertools
+import math
 import random
 import time
 import types
@@ -173,8 +174,9 @@ class RetryPolicy:
                  backoff_s: float = 0.2, max_backoff_s: float = 10.0,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
                  operation_timeout_s: float = DEFAULT_OPERATION_TIMEOUT_S):
-        if not (request_timeout_s > 0 and operation_timeout_s > 0):
-            raise ValueError("request_timeout_s and operation_timeout_s must be positive")
+        if not (0 < request_timeout_s < math.inf and 0 < operation_timeout_s < math.inf):
+            raise ValueError("request_timeout_s and operation_timeout_s must be positive and "
+                             f"finite, not {request_timeout_s!r} and {operation_timeout_s!r}")
         self.url = url
         self.retries, self.backoff_s, self.max_backoff_s = retries, backoff_s, max_backoff_s
         self.request_timeout_s, self.operation_timeout_s = request_timeout_s, operation_timeout_s
