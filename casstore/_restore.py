@@ -82,7 +82,8 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
         gives the target key path ``match.expand(template)`` (``\\1``, ``\\g<name>``), and
         a template of None drops the saved leaf. Saved paths no regex matches keep their path.
         Like orbax's ``transforms`` (``Transform(original_key=...)``), written from the saved
-        side: ``{r"layers/(\\d+)/w": r"blocks/\\1/kernel"}``.
+        side: ``{r"layers/\\[(\\d+)\\]/w": r"blocks/[\\1]/kernel"}`` (a list index is
+        ``[0]`` in a key path, format.md §5).
       fill_missing: with a target, return target leaves that the checkpoint lacks (after
         ``transforms``) unchanged instead of failing: orbax's ``use_fallback``. Only concrete
         target leaves (jax or numpy arrays, Python scalars) can be filled.
