@@ -70,9 +70,11 @@ def file_array(path: str, value: Any, fmt: str) -> np.ndarray:
     array = array if array.flags.c_contiguous else array.copy(order="C")
     allowed = SAFETENSORS_DTYPES if fmt == "safetensors" else NPZ_DTYPES
     if array.dtype.name not in allowed:
-        raise UnsupportedLeafError(f"{fmt} files cannot hold dtype {array.dtype.name}: cast it "
-                                   "(--dtype float32), leave it out (--exclude) or use "
-                                   f"{'.safetensors' if fmt == 'npz' else '.npz'}",
+        other = ".safetensors" if fmt == "npz" else ".npz"
+        fixes = (f"cast it (--dtype float32), leave it out (--exclude) or use {other}"
+                 if "float" in array.dtype.name  # --dtype casts floating-point leaves only
+                 else f"leave it out (--exclude) or use {other}")
+        raise UnsupportedLeafError(f"{fmt} files cannot hold dtype {array.dtype.name}: {fixes}",
                                    key_path=path)
     return array
 

@@ -379,6 +379,9 @@ def test_export_refuses_an_unknown_dtype_and_values_it_would_overflow(tmp_path):
     run("export", url, 0, tmp_path / "h.npz", "--dtype", "float16", "--paths", "v")
     with np.load(tmp_path / "h.npz", allow_pickle=False) as z:
         assert z["v"].dtype == np.float16
+    casstore.save(url, 1, {"c": np.ones(2, np.complex128)})  # --dtype would not cast it
+    result = run("export", url, 1, tmp_path / "c.safetensors", code=2)
+    assert "cannot hold dtype complex128: leave it out (--exclude) or use .npz" in result.stderr
 
 
 def test_import_safetensors_and_npz_restore_bit_exact(repo, tmp_path):
