@@ -125,9 +125,12 @@ def _as_array(path: str, value: Any) -> tuple[Any, ArrayInfo]:
         raise UnsupportedLeafError(f"arrays of dtype {value.dtype} cannot be stored",
                                    key_path=path)
     is_jax = isinstance(value, jax.Array)
+    # decided alike on every process, from the devices: one held by process 0 alone is
+    # written by it; any other by each process for its shards (one on process 1's devices
+    # alone is fully addressable there, not on process 0, which holds none of it)
+    spread = is_jax and any(d.process_index != 0 for d in value.sharding.device_set)
     return value, ArrayInfo(tuple(value.shape), np.dtype(value.dtype), key_impl,
-                            _sharding_info(value), is_jax,
-                            is_jax and not value.is_fully_addressable)
+                            _sharding_info(value), is_jax, spread)
 
 
 

@@ -89,7 +89,23 @@ def out_of_step() -> None:
     print("second save returned", flush=True)
 
 
+def subset_mesh() -> None:
+    """``sub`` lives on process 1's devices only (a pipeline stage on another host)."""
+    ones = [d for d in jax.devices() if d.process_index == 1]
+    sharding = NamedSharding(Mesh(np.array(ones), ("x",)), P("x"))
+    sub = np.arange(len(ones) * 6, dtype=np.float32).reshape(len(ones), 6) + step
+    tree = {"sub": jax.make_array_from_callback(sub.shape, sharding, lambda idx: sub[idx],
+                                               dtype=np.float32),
+            "state": global_state(step)}
+    casstore.save(repo, step, tree, chunk_size_bytes=2048)
+
+
 def main() -> None:
+    if mode == "subset-mesh":
+        subset_mesh()
+        jax.distributed.shutdown()
+        print("OK", flush=True)
+        return
     if mode.removeprefix("manager-") in ("early-fail", "other-step", "other-tree"):
         out_of_step()
         jax.distributed.shutdown()

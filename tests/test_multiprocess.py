@@ -114,3 +114,15 @@ def test_processes_that_do_not_save_alike_commit_nothing_and_stay_in_step(tmp_pa
         assert "process 1: UnsupportedLeafError" in outputs[0], outputs[0][-2000:]
     assert casstore.list_steps(repo) == [3]
     assert_ok(run_job(2, "restore", repo, 3))
+
+
+def test_an_array_on_another_processs_devices_only_is_saved(tmp_path):
+    """A leaf on process 1's devices alone: process 1 took it as not spread (fully addressable
+    there) and left it to process 0, which holds none of it: 'array without chunks'."""
+    repo = tmp_path / "repo"
+    assert_ok(run_job(2, "subset-mesh", repo, 4))
+    restored = casstore.restore(repo, 4)
+    np.testing.assert_array_equal(restored["sub"],
+                                  np.arange(4 * 6, dtype=np.float32).reshape(4, 6) + 4)
+    np.testing.assert_array_equal(restored["state"]["w"], np.arange(
+        64 * 48, dtype=np.float32).reshape(64, 48) * 4)
