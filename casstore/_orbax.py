@@ -102,7 +102,7 @@ def import_orbax(orbax_dir: str | os.PathLike, url: Url, step: int, *, run: str 
 def _read(ocp, kind: str, path) -> Any:
     """One item's tree: a pytree item through orbax, a JSON item as Python values."""
     if kind == "json":
-        return json.loads((path / _JSON_FILE).read_text())
+        return json.loads(_json_file(path).read_text())
     checkpointer = ocp.PyTreeCheckpointer()
     tree_metadata = checkpointer.metadata(path).item_metadata.tree
     restore_args = jax.tree.map(
@@ -152,6 +152,22 @@ def _handlers(root) -> dict[str, str]:
     if not isinstance(handlers, dict):
         return {}
     return {name: str(h).rsplit(".", 1)[-1] for name, h in handlers.items()}
+
+
+def _json_file(path):
+    """A JSON item's file: ``metadata``, or the one file there (a handler's ``filename=``).
+
+    Raises:
+      UnsupportedItemError: neither (names the files there).
+    """
+    if (path / _JSON_FILE).is_file():
+        return path / _JSON_FILE
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.name != "commit_success.txt")
+    if len(files) != 1:
+        raise UnsupportedItemError(f"{str(path)!r}: a JSON item holds one file, found "
+                                   f"{[p.name for p in files]}",
+                                   {path.name: "JsonCheckpointHandler"})
+    return files[0]
 
 
 def _kind(path, handler: str | None) -> str | None:

@@ -126,3 +126,14 @@ def test_single_item_is_found_and_missing_checkpoints_are_named(tmp_path):
         casstore.import_orbax(tmp_path, url, 8)
     with pytest.raises(casstore.StepAlreadyExistsError):
         casstore.import_orbax(tmp_path / "orbax" / "7", url, 7)
+
+
+def test_a_json_item_with_its_own_file_name_is_imported(tmp_path):
+    """JsonCheckpointHandler(filename="extra.json"): its file is not 'metadata'."""
+    with ocp.CheckpointManager(tmp_path / "orbax", item_names=("extra",), item_handlers={
+            "extra": ocp.JsonCheckpointHandler(filename="extra.json")}) as mngr:
+        mngr.save(1, args=ocp.args.Composite(extra=ocp.args.JsonSave({"epoch": 3})))
+        mngr.wait_until_finished()
+    url = str(tmp_path / "cas")
+    casstore.import_orbax(tmp_path / "orbax" / "1", url, 1)
+    assert casstore.restore(url, 1) == {"epoch": 3}  # one item: its tree
