@@ -9,6 +9,7 @@ little-endian bytes, copying only when the input is not C-contiguous little-endi
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from typing import Any
@@ -143,6 +144,7 @@ def overflowed(block: Any, out: Any) -> bool:
     return bool(xp.any(xp.isfinite(block) & lost))
 
 
+@functools.cache  # per dtype: asked for each block cast
 def saturation_bound(dtype: np.dtype) -> tuple[float, bool] | None:
     """For a float dtype without infinity (float8_e4m3fn, float4_e2m1fn): half an ulp above
     its largest value, past which a cast gives NaN or saturates instead of overflowing, and
