@@ -143,10 +143,12 @@ def _independent(job: Job, stored: Collection[str]) -> Job:
     is among ``stored``, else a copy of its bytes (with the id, where it was hashed)."""
     if not job.caller_memory:
         return job
-    raw, cid = job.read(), None
-    if stored:
-        cid = chunk_id(raw)
-        if cid in stored:
-            return Job(None, job.blocks, job.element_size, job.nbytes, chunk_id=cid)
-    return Job(functools.partial(memoryview, bytes(raw)), job.blocks, job.element_size,
+    # Copied first, then hashed: a caller (another thread) that writes its array meanwhile
+    # must not get an id that does not name the bytes stored (a corrupt chunk that later
+    # steps would dedup onto); the copy of a block that is stored already is dropped at once.
+    copy = bytes(job.read())
+    cid = chunk_id(copy) if stored else None
+    if cid is not None and cid in stored:
+        return Job(None, job.blocks, job.element_size, job.nbytes, chunk_id=cid)
+    return Job(functools.partial(memoryview, copy), job.blocks, job.element_size,
                job.nbytes, holds_copy=True, chunk_id=cid)

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import casstore
-from casstore import _chunking
+from casstore import _chunking, _staging
 from casstore.store import CountingStore, MemoryStore, Store
 
 from conftest import object_store
@@ -413,3 +413,37 @@ def test_a_chunk_staged_as_stored_but_gone_fails_the_save_by_name():
     writer = ChunkWriter(MemoryStore(), None, 1, False, delta=False)
     with pytest.raises(casstore.CasstoreError, match=r"no longer there.*save again"):
         writer.write(None, 4, None, "0" * 32)
+
+
+def test_a_block_written_by_another_thread_during_staging_is_never_stored_corrupt(monkeypatch):
+    """Staging hashed the caller's live block, then copied it: a write between the two
+    stored bytes under another block's id (verify: corrupt; later steps deduped onto it)."""
+    chunk = 256 * 1024
+    x = np.zeros(16 * chunk // 4, np.float32)
+    hashed = _staging.chunk_id
+    armed = []
+
+    def hash_then_write(raw):  # "another thread" writes just after staging hashes the block
+        cid = hashed(raw)
+        if armed:
+            armed.clear()
+            x[:10] = 99.0
+        return cid
+
+    monkeypatch.setattr(_staging, "chunk_id", hash_then_write)
+    store = MemoryStore()
+    with casstore.CheckpointManager(store, chunk_size_bytes=chunk) as mngr:
+        for step in (0, 1):  # the second reuses every chunk: staging now hashes numpy blocks
+            mngr.save(step, {"x": x})
+            mngr.wait_until_finished()
+        x[:] = 1.0
+        armed.append(True)
+        mngr.save(2, {"x": x})
+        mngr.wait_until_finished()
+        assert not armed  # the write happened during staging
+        x[:] = 1.0
+        mngr.save(3, {"x": x})
+    assert casstore.verify(store).ok
+    for step in (2, 3):
+        assert set(np.unique(casstore.restore(store, step)["x"])) <= {1.0, 99.0}
+    np.testing.assert_array_equal(casstore.restore(store, 3)["x"], np.ones_like(x))
