@@ -226,11 +226,11 @@ class AsyncCheckpointer:
                 zstd_level=self.zstd_level, shuffle=None, max_workers=workers,
                 window=inflight_window(workers, self.chunk_size_bytes), delta=self.delta,
                 previous_step=previous_step, previous=previous, agreement=agreement)
-        except StoreTimeoutError as e:  # surfaces from wait_until_finished: name the step
+        except BaseException as e:  # the next save copies its blocks (its previous may be gone)
             stream.abandon()
-            raise e.at(run=self.run, step=step) from e
-        except BaseException:
-            stream.abandon()
+            self._committed = None
+            if isinstance(e, StoreTimeoutError):  # surfaces from wait_until_finished: the step
+                raise e.at(run=self.run, step=step) from e
             raise
         self._committed = self._read_committed(step) if keep_manifest else None
         if then is not None:

@@ -234,6 +234,8 @@ def write(store: Store, step: int, prepared: Prepared, inline: dict[int, bytes],
     with agreement.early(), save_lock(store), agreement.committing():
         if agreement.is_primary:
             ensure_config(store)
+        if previous is not None and not store.exists(manifest_key(run, previous.step)):
+            previous = None  # deleted since it was read: its chunks are no longer known stored
         previous = previous or previous_manifest(store, run, previous_step)
         # No committed step anywhere: no chunk to reuse, so none is looked up (one HEAD per
         # chunk saved on an object store).

@@ -12,6 +12,7 @@ stage (:mod:`casstore._save_upload`) calls it from every worker.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import threading
 
 import numpy as np
@@ -83,15 +84,17 @@ class ChunkWriter:
             process deleted the step the save was staged against).
         """
         cid = cid or chunk_id(raw)
+        if raw is None:
+            self._still_stored(cid)
         with self.lock:
             stored = self.known.get(cid)
             future = self.inflight.get(cid) if stored is None else None
             owner = stored is None and future is None
             if owner and raw is None:
                 raise CasstoreError(
-                    f"chunk {cid} was staged as stored by step "
-                    f"{getattr(self.previous, 'step', None)}, which is no longer there (deleted "
-                    "by another process); nothing was committed: save again")
+                    f"chunk {cid} was staged as stored by the run's previous step, which another "
+                    "process deleted since (and collected the chunk); nothing was committed: "
+                    "save again")
             if owner:
                 future = self.inflight[cid] = cf.Future()
             else:
@@ -144,6 +147,18 @@ class ChunkWriter:
                 else raw_object(raw, self.buffers))
         self.budget.add_whole(len(data))
         return len(data), None, (key, data)
+
+    def _still_stored(self, cid: str) -> None:
+        """For a block staged as stored (no bytes kept) whose chunk ``previous`` no longer
+        names (that step was deleted since it was read): looks the object up, and knows it
+        stored if it is there. The caller's save lock keeps GC from deleting it after."""
+        with self.lock:
+            if cid in self.known or cid in self.inflight:
+                return
+        with contextlib.suppress(FileNotFoundError):
+            size = self.store.stat(chunk_key(cid)).size
+            with self.lock:
+                self.known.setdefault(cid, (size, None))
 
     def stored(self, data: bytes | memoryview) -> None:
         """Called once an object :meth:`write` returned is stored: its buffer serves a later

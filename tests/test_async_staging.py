@@ -411,8 +411,46 @@ def test_a_chunk_staged_as_stored_but_gone_fails_the_save_by_name():
     from casstore._save_encode import ChunkWriter
 
     writer = ChunkWriter(MemoryStore(), None, 1, False, delta=False)
-    with pytest.raises(casstore.CasstoreError, match=r"no longer there.*save again"):
+    with pytest.raises(casstore.CasstoreError, match=r"another process deleted.*save again"):
         writer.write(None, 4, None, "0" * 32)
+
+
+def test_a_previous_step_deleted_and_collected_meanwhile_never_commits_a_broken_step(tmp_path):
+    """The manager stages a frozen base by chunk id against the manifest it read after its
+    last commit. Another process deleting that step and collecting its chunks made the next
+    save commit a step naming missing chunks; now that save fails, and the next one works."""
+    url = str(tmp_path / "r")
+    rng = np.random.default_rng(0)
+    base = rng.normal(size=8 * 2**14).astype(np.float32)  # 8 chunks of 64 KiB, frozen
+    head = rng.normal(size=2**14).astype(np.float32)
+    with casstore.CheckpointManager(url, max_to_keep=1, chunk_size_bytes=2**16) as mngr:
+        for step in (0, 1):  # the second reuses the base: the third stages it by id
+            mngr.save(step, {"base": base, "head": head + step})
+            mngr.wait_until_finished()
+        casstore.delete(url, 1)  # another process, e.g. `casstore rm` then `casstore gc`
+        assert casstore.gc(url, grace_period_s=0).deleted_chunks == 10  # the base, 2 heads
+        mngr.save(2, {"base": base, "head": head + 2})
+        with pytest.raises(casstore.CasstoreError, match="another process deleted"):
+            mngr.wait_until_finished()
+        assert casstore.list_steps(url) == []
+        mngr.save(2, {"base": base, "head": head + 2}, force=True)
+    assert casstore.verify(url).ok
+    got = casstore.restore(url, 2)
+    assert got["base"].tobytes() == base.tobytes()
+    assert got["head"].tobytes() == (head + 2).tobytes()
+
+
+def test_a_previous_step_deleted_but_not_collected_is_reused_by_lookup(tmp_path):
+    url = str(tmp_path / "r")
+    base = np.random.default_rng(0).normal(size=8 * 2**14).astype(np.float32)
+    with casstore.CheckpointManager(url, max_to_keep=1, chunk_size_bytes=2**16) as mngr:
+        for step in (0, 1):
+            mngr.save(step, {"base": base, "head": np.full(10, step)})
+            mngr.wait_until_finished()
+        casstore.delete(url, 1)  # its chunks stay (no gc): the staged ids are still stored
+        mngr.save(2, {"base": base, "head": np.full(10, 2)})
+    assert casstore.verify(url).ok
+    assert casstore.restore(url, 2)["base"].tobytes() == base.tobytes()
 
 
 def test_a_block_written_by_another_thread_during_staging_is_never_stored_corrupt(monkeypatch):
