@@ -52,8 +52,8 @@ class CheckpointManager:
 
     Save decisions (:meth:`should_save`, and :meth:`save` without ``force``): a step newer than
     the latest (committed or in flight) is saved when ``save_decision_policy`` says so; by
-    default every ``save_interval_steps`` steps and at jax's preemption sync point
-    (orbax's defaults). Retention, after each successful save: the steps
+    default every ``save_interval_steps`` steps, a run's first step and at jax's preemption
+    sync point (orbax's defaults). Retention, after each successful save: the steps
     ``preservation_policy`` does not keep are deleted (their manifests; with
     ``gc_after_retention`` garbage collection then frees the chunks no step references). The
     default policy follows orbax's keyword arguments: with ``best_fn``, the ``max_to_keep``
@@ -207,8 +207,10 @@ class CheckpointManager:
         context = DecisionContext(
             is_saving_in_progress=self._saver.is_saving_in_progress(),
             reached_preemption=self.reached_preemption(step) and not self._preemption_saved)
-        return bool(self.save_decision_policy.should_save(
-            PolicyCheckpointInfo(step), self._infos(), context=context))
+        saved = self._infos() + [PolicyCheckpointInfo(in_flight)] * (  # orbax counts it
+            in_flight is not None and in_flight not in self._steps)
+        return bool(self.save_decision_policy.should_save(PolicyCheckpointInfo(step), saved,
+                                                          context=context))
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -220,7 +222,7 @@ class CheckpointManager:
         then waits for the previous save, stages the arrays and saves in the background (or
         right away without async checkpointing). Once this returns the caller may overwrite its
         numpy arrays and donate or delete its jax arrays: the step holds the values at this
-        call. ``last_save_blocking_s`` records how long this call blocked, in seconds.
+        call. ``last_save_blocking_s``: how long the last call that saved blocked, seconds.
 
         Args:
           step: the step number.
@@ -263,11 +265,11 @@ class CheckpointManager:
                               then=lambda _: self._committed(step, metrics, started),
                               agreement=agreement)
         finally:
-            self.last_save_blocking_s = time.perf_counter() - t0
             if done is not None:  # the background write's future, None if not started
                 done(self._saver._pending)
         if not self.enable_async_checkpointing:  # the save's error; a persist's comes next call
             self._saver.wait_until_finished()
+        self.last_save_blocking_s = time.perf_counter() - t0  # a synchronous save's included
         return True
 
     def _committed(self, step: int, metrics: Any, started: datetime.datetime) -> None:
@@ -298,8 +300,7 @@ class CheckpointManager:
           False if ``timeout_s`` seconds passed with a persist still running, else True.
 
         Raises:
-          The background save's error; a persist's error (:class:`~casstore.PersistError` or
-          :class:`~casstore.StoreTimeoutError`, naming the step and the persistent URL).
+          The background save's error; a persist's (PersistError or StoreTimeoutError).
         """
         self.wait_until_finished()
         done = self.persister is None or self.persister.wait(timeout_s)
@@ -307,11 +308,11 @@ class CheckpointManager:
         return done
 
     def close(self) -> None:
-        """Waits for the background save, then stops its thread and puts back any signal
-        handler it installed. Idempotent.
+        """Waits for the background save and the persist backlog, then stops the threads and
+        puts back any signal handler it installed. Idempotent.
 
         Raises:
-          The background save's error, if it failed; the thread is stopped either way.
+          The background save's error, else a persist's; the threads stop either way.
         """
         try:
             self._saver.close()

@@ -276,7 +276,8 @@ class BestN(PreservationPolicy):
     ``reverse=True`` (orbax's semantics; of equal values the latest step ranks best, as in
     orbax). A NaN value ranks below every other, so it is never kept in place of a number.
     Steps saved without metrics are kept with ``keep_checkpoints_without_metrics``, dropped
-    without.
+    without once there are more than ``n`` steps (with ``n`` or fewer every step is kept, and
+    with ``n=0`` none, as in orbax).
     """
 
     get_metric_fn: Callable[[Any], float]
@@ -294,9 +295,9 @@ class BestN(PreservationPolicy):
         return nan + [c for c, _ in sorted(numbers, key=lambda cv: cv[1], reverse=self.reverse)]
 
     def should_preserve(self, checkpoints, *, context) -> list[bool]:
-        if self.n is None:
+        if self.n is None or len(checkpoints) <= self.n:  # orbax: room for all, metrics or not
             return [True] * len(checkpoints)
-        keep = {c.step for c in self.ranked(checkpoints)[-self.n:]}
+        keep = {c.step for c in self.ranked(checkpoints)[-self.n:]} if self.n else set()
         return [c.step in keep or (c.metrics is None and self.keep_checkpoints_without_metrics)
                 for c in checkpoints]
 
@@ -357,7 +358,8 @@ def manager_policies(save_decision_policy: SaveDecisionPolicy | None,
     """CheckpointManager's two policies: those given, or those of orbax's keyword arguments.
 
     ``save_interval_steps=s`` is ``FixedIntervalPolicy(s)`` (1 if None) with jax's preemption
-    sync point (orbax's default; no signal handler). ``max_to_keep=n`` is ``LatestN(n)``, or
+    sync point (no signal handler) and ``InitialSavePolicy()``: orbax 0.12's default, which
+    saves a run's first step whatever its number. ``max_to_keep=n`` is ``LatestN(n)``, or
     with ``best_fn`` ``BestN(get_metric_fn=best_fn, reverse=best_mode == "min", n=n,
     keep_checkpoints_without_metrics=...)``; ``keep_period=k`` adds ``EveryNSteps(k)``.
 
@@ -381,8 +383,8 @@ def manager_policies(save_decision_policy: SaveDecisionPolicy | None,
                              "or the other (as orbax's CheckpointManagerOptions)")
     if save_decision_policy is None:
         interval = FixedIntervalPolicy(1 if save_interval_steps is None else save_interval_steps)
-        save_decision_policy = AnySavePolicy([interval,
-                                              PreemptionCheckpointingPolicy(signals=())])
+        save_decision_policy = AnySavePolicy([interval, PreemptionCheckpointingPolicy(
+            signals=()), InitialSavePolicy()])
     if preservation_policy is None:
         preservation_policy = _preservation_of(max_to_keep, keep_period, best_fn, best_mode,
                                                keep_checkpoints_without_metrics)

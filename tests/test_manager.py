@@ -1,6 +1,7 @@
 """CheckpointManager: async save, retention policies, errors from the background."""
 
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -202,3 +203,21 @@ def test_a_step_deleted_by_another_process_is_forgotten_and_retention_goes_on(tm
         save(mngr, 3)
         assert mngr.all_steps() == casstore.list_steps(tmp_path) == [2, 3]
         assert mngr.best_step() == 3
+
+
+class SlowStore(MemoryStore):
+    def _put(self, key, data, *, exclusive):
+        if key.startswith("chunks/"):
+            time.sleep(0.3)
+        super()._put(key, data, exclusive=exclusive)
+
+
+def test_a_synchronous_saves_blocking_time_counts_the_whole_save():
+    """It was taken before the synchronous wait: 0.056 s for a save that took 1 s."""
+    with casstore.CheckpointManager(SlowStore(), enable_async_checkpointing=False,
+                                    chunk_size_bytes=64 * 1024) as mngr:
+        t0 = time.perf_counter()
+        mngr.save(0, {"w": np.arange(3 * 16 * 1024, dtype=np.float32)})  # 3 chunks
+        took = time.perf_counter() - t0
+        assert took >= 0.3  # a chunk write at least
+        assert 0.9 * took <= mngr.last_save_blocking_s <= took

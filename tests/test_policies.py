@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import casstore
+import casstore._preemption
 from casstore import (
     AnyPreservationPolicy,
     AnySavePolicy,
@@ -89,6 +90,33 @@ def test_best_n_ranks_nan_worst_and_of_equal_metrics_keeps_the_latest_as_orbax()
                                     best_mode="max") as mngr:
         run_loop(mngr, range(4), metrics=lambda s: ties[s])
         assert (mngr.all_steps(), mngr.best_step()) == ([2, 3], 3)
+
+
+def test_best_n_with_room_for_all_keeps_all_and_with_n_0_none_as_orbax():
+    losses = [{"loss": 1.0}, None, {"loss": 2.0}]
+    dropping = BestN(get_metric_fn=lambda m: m["loss"], n=3,
+                     keep_checkpoints_without_metrics=False)
+    assert kept(dropping, [0, 1, 2], losses) == [0, 1, 2]  # orbax: [True, True, True]
+    assert kept(dropping, [0, 1, 2, 3], [*losses, {"loss": 0.5}]) == [0, 2, 3]
+    assert kept(BestN(get_metric_fn=lambda m: m["loss"], n=0), [0, 1, 2], losses) == [1]
+    assert kept(BestN(get_metric_fn=lambda m: m["loss"], n=0,
+                      keep_checkpoints_without_metrics=False), [0, 1, 2], losses) == []
+
+
+def test_the_default_policy_saves_the_first_step_and_counts_one_in_flight_as_orbax(
+        tmp_path):
+    """orbax 0.12's default adds InitialSavePolicy: with save_interval_steps=10 it saves steps
+    1, 10, 20; and a step in flight counts as saved (no second 'initial' save)."""
+    with casstore.CheckpointManager(MemoryStore(), save_interval_steps=10) as mngr:
+        assert run_loop(mngr, range(1, 25)) == [1, 10, 20]
+    gated = GatedStore()
+    policy = InitialSavePolicy() | FixedIntervalPolicy(100)
+    with casstore.CheckpointManager(gated, save_decision_policy=policy) as mngr:
+        assert mngr.save(1, state(1))  # held at its chunk writes: in flight
+        assert not mngr.should_save(2)  # was True: only committed steps were counted
+        gated.gate.set()
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [1]
 
 
 def decide(policy, step, previous=(), seconds=None, **context):

@@ -46,8 +46,8 @@ def test_sigterm_to_one_process_saves_every_process_at_jax_sync_point(tmp_path):
     (saved0, stop0), (saved1, stop1) = run_job("preemption", tmp_path / "repo")
     assert stop0 == stop1
     assert stop0 > 5
-    assert saved0 == saved1 == [stop0]  # interval 1000: the preemption save only
-    assert casstore.list_steps(tmp_path / "repo") == [stop0]
+    assert saved0 == saved1 == [1, stop0]  # interval 1000: the first step (orbax's initial
+    assert casstore.list_steps(tmp_path / "repo") == [1, stop0]  # save), then preemption's
     assert casstore.restore(tmp_path / "repo", stop0)["w"].tolist() == [stop0] * 4
 
 
