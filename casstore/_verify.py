@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from ._delta import DeltaBases
 from ._errors import CasstoreError, UnsupportedFormatError
-from ._layout import chunk_key
+from ._layout import chunk_key, manifest_key
 from ._manifest import ChunkRef, Manifest
 from ._pool import bounded_map
 from ._repository import Url, check_config, list_chunk_objects
@@ -128,7 +128,9 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
     if step is not None and not scan.listed:
         problems.append(Problem(run, step, None, None, "no such step", NOT_FOUND))
     users = _users(scan.manifests)
-    missing = sorted(k for k in users if k not in present)
+    # a live repository: a step committed after the listing, or deleted (and collected)
+    # after its manifest was read, is no damage: both are looked up again before reporting
+    missing = sorted(k for k in users if k not in present and _still_missing(store, k, users[k]))
     problems += [_problem(k, users[k], "chunk missing", MISSING) for k in missing]
     problems += [_problem(k, u, f"the manifests give it {len(u.lengths)} raw lengths "
                           f"({', '.join(map(str, sorted(u.lengths)))} bytes): a damaged "
@@ -181,6 +183,12 @@ def _users(manifests: tuple[Manifest, ...]) -> dict[str, _Users]:
                     u.steps.add((m.run, m.step))
                     u.lengths.add(ref.raw_bytes)  # a base has its deltas' raw length
     return users
+
+
+def _still_missing(store: Store, key: str, u: _Users) -> bool:
+    """True if object ``key`` is still absent and a step that needs it is still there."""
+    return not store.exists(key) and any(
+        store.exists(manifest_key(run, step)) for run, step in sorted(u.steps))
 
 
 def _problem(key: str, u: _Users, message: str, kind: str) -> Problem:

@@ -247,3 +247,22 @@ def test_verify_reports_refs_that_disagree_on_an_objects_length():
         assert "2 raw lengths (600, 604 bytes)" in report.problems[0].message
     with pytest.raises(casstore.CorruptChunkError, match="disagree on the chunk's length"):
         casstore.restore(store, 0)
+
+
+def test_verify_of_a_live_repository_reports_no_step_committed_during_it(monkeypatch):
+    """verify lists the chunks, then reads the manifests: a step committed in between named
+    chunks the listing lacked, and was reported missing (exit 1) though whole."""
+    from casstore import _verify
+
+    store = MemoryStore()
+    casstore.save(store, 0, {"w": np.zeros(4096, np.float32)})
+    scan = _verify.scan_manifests
+
+    def commit_then_scan(*args, **kwargs):
+        casstore.save(store, 1, {"w": np.ones(4096, np.float32)})  # another process, now
+        return scan(*args, **kwargs)
+
+    monkeypatch.setattr(_verify, "scan_manifests", commit_then_scan)
+    report = casstore.verify(store, read_data=False)
+    assert report.ok, report.problems
+    assert sorted(report.steps_checked) == [("default", 0), ("default", 1)]
