@@ -27,8 +27,8 @@ _WHERE = {
                      "import_tensors"], "_export"),
     **dict.fromkeys(["LeafDiff", "LeafInfo", "StepInfo", "diff_manifests", "diff_steps",
                      "inspect_step", "manifest_as_dict"], "_inspect"),
-    **dict.fromkeys(["RepositoryUsage", "RunUsage", "StepUsage", "run_usage", "step_usage",
-                     "usage"], "_usage"),
+    **dict.fromkeys(["RepositoryUsage", "RunUsage", "StepUsage", "object_sizes", "run_usage",
+                     "step_usage", "usage"], "_usage"),
     "GcInfo": "_gc", "gc": "_gc",
     "CheckpointManager": "_manager",
     "ChunkRef": "_manifest", "LeafEntry": "_manifest", "Manifest": "_manifest",
@@ -147,6 +147,7 @@ if TYPE_CHECKING:  # the names as static tools see them
     from ._usage import RepositoryUsage as RepositoryUsage
     from ._usage import RunUsage as RunUsage
     from ._usage import StepUsage as StepUsage
+    from ._usage import object_sizes as object_sizes
     from ._usage import run_usage as run_usage
     from ._usage import step_usage as step_usage
     from ._usage import usage as usage

@@ -37,16 +37,21 @@ def load_manifests(url: Url, *, runs: list[str] | None = None,
     return list(scan.manifests)
 
 
-def object_sizes(manifests: list[Manifest]) -> dict[str, int]:
+def object_sizes(manifests: list[Manifest], store: Url | None = None) -> dict[str, int]:
     """Stored bytes of every chunk object the manifests reference, by key (format.md §2).
 
     A delta chunk references its delta object and its base's chunk object (format.md §3.5).
-    A base's size is known from a manifest that references that chunk whole; a base that no
-    given manifest references whole (its step was deleted) counts 0 bytes.
+    With ``store``, the sizes it lists (one listing): the bytes really stored, also of a base
+    no given manifest references whole (its step was deleted) and of a chunk stored in
+    another encoding than a copied manifest says. Without, the sizes the manifests give, and
+    such a base counts 0 bytes.
     """
     refs = [r for m in manifests for leaf in m.leaves for r in leaf.chunks]
     sizes = {chunk_key(r.base): 0 for r in refs if r.base is not None}
     sizes.update({r.key: r.stored_bytes for r in refs})
+    if store is not None:
+        listed = {info.key: info.size for info in list_chunk_objects(open_store(store))}
+        sizes.update({key: listed[key] for key in sizes if key in listed})
     return sizes
 
 
@@ -74,9 +79,11 @@ class StepUsage:
     unique_bytes: int
 
 
-def step_usage(manifests: list[Manifest]) -> list[StepUsage]:
-    """One :class:`StepUsage` per manifest, in the given (repository) order."""
-    size = object_sizes(manifests)
+def step_usage(manifests: list[Manifest], sizes: dict[str, int] | None = None
+               ) -> list[StepUsage]:
+    """One :class:`StepUsage` per manifest, in the given (repository) order; ``sizes`` as
+    :func:`object_sizes` gives them (None: from the manifests alone)."""
+    size = sizes if sizes is not None else object_sizes(manifests)
     users = collections.Counter(key for m in manifests for key in m.object_keys())
     seen: set[str] = set()
     out = []
@@ -102,9 +109,11 @@ class RunUsage:
     unique_bytes: int
 
 
-def run_usage(manifests: list[Manifest]) -> list[RunUsage]:
-    """One :class:`RunUsage` per run, sorted by run name."""
-    size = object_sizes(manifests)
+def run_usage(manifests: list[Manifest], sizes: dict[str, int] | None = None
+              ) -> list[RunUsage]:
+    """One :class:`RunUsage` per run, sorted by run name; ``sizes`` as :func:`object_sizes`
+    gives them (None: from the manifests alone)."""
+    size = sizes if sizes is not None else object_sizes(manifests)
     ids: dict[str, set[str]] = collections.defaultdict(set)
     for m in manifests:
         ids[m.run] |= m.object_keys()
@@ -168,13 +177,13 @@ def usage(url: Url, *, max_workers: int | None = None) -> RepositoryUsage:
     store = open_store(url)
     scan = scan_manifests(store, max_workers=max_workers)
     manifests = list(scan.manifests)
+    listed = {info.key: info.size for info in list_chunk_objects(store)}
     referenced = object_sizes(manifests)
-    chunk_bytes = unreferenced = 0
-    for info in list_chunk_objects(store):
-        chunk_bytes += info.size
-        unreferenced += info.size if info.key not in referenced else 0
+    referenced.update({key: listed[key] for key in referenced if key in listed})
+    chunk_bytes = sum(listed.values())
+    unreferenced = sum(size for key, size in listed.items() if key not in referenced)
     manifest_bytes = sum(info.size for info in store.list(RUNS_PREFIX))
     return RepositoryUsage(store.url, sum(m.logical_bytes for m in manifests),
                            chunk_bytes + manifest_bytes, chunk_bytes, manifest_bytes,
-                           unreferenced, tuple(run_usage(manifests)),
-                           tuple(step_usage(manifests)), scan.damaged)
+                           unreferenced, tuple(run_usage(manifests, referenced)),
+                           tuple(step_usage(manifests, referenced)), scan.damaged)

@@ -497,3 +497,24 @@ def test_copy_and_repair_refuse_storage_options_no_path_takes(repo, tmp_path):
         result = run(command, repo, tmp_path / f"{command}-dst", "-O", "anon=true", code=2)
         assert "take none" in result.stderr
     assert not (tmp_path / "copy-dst").exists()
+
+
+def test_usage_counts_a_delta_base_no_kept_step_stores_whole(tmp_path):
+    """Retention deleted the step that wrote the base; the kept steps' deltas still need it
+    and gc keeps it, but du and ls counted it 0 bytes (13% short here)."""
+    url = str(tmp_path / "r")
+    rng = np.random.default_rng(0)
+    frozen = rng.standard_normal(600_000).astype(np.float32)
+    w = rng.standard_normal(100_000).astype(np.float32)
+    with casstore.CheckpointManager(url, max_to_keep=2, gc_after_retention=True,
+                                    grace_period_s=0) as mngr:
+        for step in range(5):
+            w = w + np.float32(1e-5) * rng.standard_normal(w.shape).astype(np.float32)
+            mngr.save(step, {"frozen": frozen, "w": w})
+    assert any(r.base for leaf in casstore.read_manifest(url, 4).leaves for r in leaf.chunks)
+    u = casstore.usage(url)
+    assert u.unreferenced_bytes == 0
+    assert u.runs[0].stored_bytes == u.chunk_bytes  # every stored object, the base included
+    listed = run_json("ls", url)["steps"]
+    assert sum(s["added_bytes"] for s in listed) == u.chunk_bytes
+    assert sum(s["added_bytes"] for s in run_json("du", url)["steps"]) == u.chunk_bytes

@@ -90,7 +90,8 @@ def ls_command(url: str, run: str | None, persistent: str | None, persistent_opt
     manifests, damaged, tier = _tiers(url, options, persistent, persistent_options)
     if run is not None and run not in {m.run for m in manifests}:
         check_run(open_repo(url, options), url, run)
-    rows = [u for u in casstore.step_usage(manifests) if run in (None, u.run)]
+    sizes = casstore.object_sizes(manifests, open_repo(url, options, create=True))  # as listed
+    rows = [u for u in casstore.step_usage(manifests, sizes) if run in (None, u.run)]
     damaged = [p for p in damaged if run in (None, p.run)]
     if as_json:
         steps = rows_of(rows)
