@@ -9,6 +9,7 @@ them as shared, as they are on storage.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 
@@ -27,8 +28,15 @@ def _block_bytes(leaf: LeafEntry, ref: ChunkRef) -> int:
 
 
 def leaf_stored_bytes(leaf: LeafEntry) -> int:
-    """Stored bytes of a leaf: its chunks' stored sizes, a pack's split by raw-byte share."""
-    return sum(round(r.stored_bytes * _block_bytes(leaf, r) / r.raw_bytes) for r in leaf.chunks)
+    """Stored bytes of a leaf: each distinct chunk once (blocks of equal bytes, such as the
+    shards of a zero-initialised array, are one chunk), a pack's split by raw-byte share."""
+    covered: dict[str, int] = collections.defaultdict(int)
+    sizes = {}
+    for r in leaf.chunks:
+        covered[r.key] += _block_bytes(leaf, r)
+        sizes[r.key] = r.stored_bytes, r.raw_bytes
+    return sum(round(stored * min(1.0, covered[key] / raw))
+               for key, (stored, raw) in sizes.items())
 
 
 def is_packed(leaf: LeafEntry) -> bool:

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -102,7 +103,7 @@ def test_show_lists_leaves_with_chunks_bytes_and_sharing(repo):
         assert x["shape"] == list(leaf.shape)
         assert x["logical_bytes"] == leaf.nbytes
         assert x["chunks"] == len({c.id for c in leaf.chunks})
-        assert x["stored_bytes"] == sum(c.stored_bytes for c in leaf.chunks)
+        assert x["stored_bytes"] == sum({c.id: c.stored_bytes for c in leaf.chunks}.values())
     by_path = {x["path"]: x for x in out["leaves"]}
     assert by_path["frozen"]["chunks"] == 4
     assert by_path["frozen"]["dtype"] == "float32"
@@ -114,6 +115,19 @@ def test_show_lists_leaves_with_chunks_bytes_and_sharing(repo):
     assert first["previous_step"] is None
     assert {x["shared_with_previous"] for x in first["leaves"]} == {None}
     assert "frozen" in run("show", repo, 2).stdout
+
+
+def test_show_counts_a_chunk_several_blocks_of_a_leaf_share_once(tmp_path):
+    """Eight equal shards of a zero-initialised moment are one chunk: show said 8 x its size."""
+    url = str(tmp_path / "r")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+    zeros = jax.device_put(np.zeros((8, 4096), np.float32), jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec("x")))
+    casstore.save(url, 0, {"mu": zeros})
+    (ref_ids,) = [{r.id for r in leaf.chunks} for leaf in casstore.read_manifest(url, 0).leaves]
+    assert len(ref_ids) == 1
+    (leaf,) = run_json("show", url, 0)["leaves"]
+    assert leaf["stored_bytes"] == casstore.usage(url).chunk_bytes
 
 
 def test_du_reports_logical_versus_stored_for_repository_runs_and_steps(repo):
