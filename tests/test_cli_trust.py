@@ -495,3 +495,15 @@ def test_casstores_own_storage_options_are_typed(repo):
     run("rm", repo, 1, "-o", "read_only=yes", code=12)
     with pytest.raises(ValueError, match="positive and finite"):
         casstore.open_store("s3://bucket/x", anon=True, request_timeout_s=float("inf"))
+
+
+def test_ls_persistent_names_a_step_damaged_on_both_tiers_once(tmp_path):
+    local, persist = str(tmp_path / "local"), str(tmp_path / "persist")
+    for step in range(3):
+        casstore.save(local, step, {"w": np.arange(20000, dtype=np.float32) + step})
+    casstore.copy(local, persist)
+    truncate_manifest(local, 2)
+    truncate_manifest(persist, 2)
+    listed = run_json("ls", local, "--persistent", persist, code=1)
+    assert [(p["run"], p["step"]) for p in listed["problems"]] == [("default", 2)]
+    assert [r["step"] for r in listed["steps"]] == [0, 1]

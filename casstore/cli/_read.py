@@ -62,7 +62,8 @@ def _tiers(url: str, options: dict, persistent: str | None, persistent_options: 
     manifests = sorted([*local.manifests, *(m for m in remote.manifests
                                             if (m.run, m.step) not in mine)],
                        key=lambda m: (m.created, m.run, m.step))
-    return manifests, [*local.damaged, *remote.damaged], where_
+    damaged = {(p.run, p.step): p for p in [*remote.damaged, *local.damaged]}  # once a step
+    return manifests, list(damaged.values()), where_
 
 
 @command("ls")
