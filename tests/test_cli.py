@@ -532,3 +532,15 @@ def test_usage_counts_a_delta_base_no_kept_step_stores_whole(tmp_path):
     listed = run_json("ls", url)["steps"]
     assert sum(s["added_bytes"] for s in listed) == u.chunk_bytes
     assert sum(s["added_bytes"] for s in run_json("du", url)["steps"]) == u.chunk_bytes
+
+
+def test_text_tables_escape_control_characters_of_key_paths(tmp_path):
+    """A key path may hold any character but NUL: a newline split a row over two lines, and
+    an ESC reached the terminal."""
+    url = str(tmp_path / "r")
+    casstore.save(url, 0, {"new\nline": np.ones(3), "osc\x1b]0;title\x07": np.ones(4)})
+    out = run("show", url, 0).stdout
+    assert "new\\nline" in out
+    assert "osc\\x1b]0;title\\x07" in out
+    assert "\x1b" not in out
+    assert "\x07" not in out

@@ -97,11 +97,19 @@ def table(title: str | None, columns: list[str], rows: list[list[Any]]) -> None:
                      overflow="fold", no_wrap=name == "time",
                      min_width=24 if name == "key path" else None)
     for row in rows:
-        t.add_row(*(str(v) for v in row))
+        t.add_row(*(_printable(str(v)) for v in row))
     if not console.is_terminal:
         console.width = max(80, console.measure(
             t, options=console.options.update_width(100_000)).maximum)
     console.print(t)
+
+
+def _printable(text: str) -> str:
+    """``text`` with control characters (a key path may hold any but NUL) escaped as Python
+    does (``\n``, ``\x1b``): one row a line, and nothing the terminal would act on."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
 
 
 def ratio(logical: int, stored: int) -> str:
