@@ -121,14 +121,17 @@ def _collect(store: Store, grace_period_s: float, lease: GcLease | None,
 
 class RetentionGc:
     """GC after retention deleted steps (a manager's ``gc_after_retention``, per tier), run on
-    a background thread: it never waits for save locks (a process killed while saving leaves
-    one for up to 6 hours), so a busy repository is left for the next retention, which tries
-    again even if it deletes nothing.
+    a background thread: it waits at most ``LOCK_WAIT_S`` for save locks (the other processes
+    of a multi-process save release theirs just after the commit; a process killed while
+    saving leaves one for up to 6 hours), so a busy repository is left for the next
+    retention, which tries again even if it deletes nothing.
 
     Args:
       store: the tier.
       grace_period_s: as :func:`gc`'s.
     """
+
+    LOCK_WAIT_S = 2.0
 
     def __init__(self, store: Store, grace_period_s: float):
         self.store, self.grace_period_s, self.due = store, grace_period_s, False
@@ -139,7 +142,8 @@ class RetentionGc:
         if not self.due:
             return None
         try:
-            info = gc(self.store, grace_period_s=self.grace_period_s, lock_timeout_s=0)
+            info = gc(self.store, grace_period_s=self.grace_period_s,
+                      lock_timeout_s=self.LOCK_WAIT_S)
         except GcBusyError as e:
             log.info("casstore: gc after retention postponed: %s", e)
             return None
