@@ -63,9 +63,11 @@ def plan_jobs(prepared: Prepared, arrays: dict[int, Any], chunk_size_bytes: int,
               pack_threshold_bytes: int) -> tuple[dict[int, bytes], Iterator[Job]]:
     """This process's chunk jobs; returns ``(inline bytes by leaf index, jobs)``.
 
-    Small leaves are read now: inline bytes and packs are copies. Larger leaves become a lazy
-    stream of one job per block of every unique shard; an accelerator block's host copy is
-    started when the stream yields its job. Arrays that span several processes are written by
+    Inline leaves are read now. Packs and larger leaves become a lazy stream of jobs: a pack
+    is read (a copy) when the stream yields it, so the copies held at once stay within what
+    the consumer takes (``max_staging_bytes``); a block of every unique shard of a larger
+    leaf is a job of its own, and an accelerator block's host copy is started when the stream
+    yields its job. Arrays that span several processes are written by
     every process for its own ``replica_id == 0`` shards; everything else (numpy, fully
     addressable jax arrays) only by process 0.
     """
@@ -79,16 +81,16 @@ def plan_jobs(prepared: Prepared, arrays: dict[int, Any], chunk_size_bytes: int,
     mine = {i: a for i, a in arrays.items() if infos[i].spread or primary}
     small = {i: a for i, a in mine.items() if not infos[i].spread
              and infos[i].nbytes <= min(pack_threshold_bytes, chunk_size_bytes)}
-    small_raw = _small_bytes(small)
-    inline = {i: raw for i, raw in small_raw.items() if len(raw) <= INLINE_LIMIT_BYTES}
-    packs = _pack_jobs({i: raw for i, raw in small_raw.items() if i not in inline},
-                       prepared.paths, infos, chunk_size_bytes)
+    inline = _small_bytes({i: a for i, a in small.items()
+                           if infos[i].nbytes <= INLINE_LIMIT_BYTES})
+    packs = _pack_jobs({i: a for i, a in small.items() if i not in inline}, prepared.paths,
+                       infos, chunk_size_bytes)
     large = [(i, a) for i, a in mine.items() if i not in small]
     blocks = (job for i, a in large for job in _block_jobs(i, a, chunk_size_bytes))
     return inline, _chain(packs, blocks)
 
 
-def _chain(first: list[Job], rest: Iterator[Job]) -> Iterator[Job]:
+def _chain(first: Iterator[Job], rest: Iterator[Job]) -> Iterator[Job]:
     """The jobs of ``first``, then those of ``rest`` as it yields them."""
     yield from first
     yield from rest
@@ -128,34 +130,37 @@ def _read_copy(copy: jax.Array) -> memoryview:
     return block_bytes(host, (0,) * host.ndim, host.shape)
 
 
-def _pack_jobs(raws: dict[int, bytes], paths: list[str], infos: dict[int, ArrayInfo],
-               chunk_size_bytes: int) -> list[Job]:
-    """Packs the small leaves of each parent node, in leaf order, into chunks (format.md §3.4).
+def _pack_jobs(small: dict[int, Any], paths: list[str], infos: dict[int, ArrayInfo],
+               chunk_size_bytes: int) -> Iterator[Job]:
+    """Packs the small leaves of each parent node, in leaf order, into chunks (format.md §3.4),
+    lazily: a pack's leaves are read when it is yielded.
 
     Grouping by parent keeps a changed small leaf from rewriting unrelated frozen ones.
     """
     groups: dict[str, list[int]] = collections.defaultdict(list)
-    for i in raws:
+    for i in small:
         groups[paths[i].rpartition("/")[0]].append(i)
-    jobs: list[Job] = []
     for members in groups.values():
-        parts: list[bytes] = []
-        blocks: list = []
+        batch: list[int] = []
         size = 0
         for i in members:
-            if parts and size + len(raws[i]) > chunk_size_bytes:
-                jobs.append(_pack_job(parts, blocks, infos))
-                parts, blocks, size = [], [], 0
-            blocks.append((i, (0,) * len(infos[i].shape), infos[i].shape, size))
-            parts.append(raws[i])
-            size += len(raws[i])
-        jobs.append(_pack_job(parts, blocks, infos))
-    return jobs
+            if batch and size + infos[i].nbytes > chunk_size_bytes:
+                yield _pack_job(batch, small, infos)
+                batch, size = [], 0
+            batch.append(i)
+            size += infos[i].nbytes
+        yield _pack_job(batch, small, infos)
 
 
-def _pack_job(parts: list[bytes], blocks: list, infos: dict[int, ArrayInfo]) -> Job:
-    """A pack's job; its element size is the leaves' itemsize if they all share one, else 1."""
-    sizes = {infos[i].dtype.itemsize for i, *_ in blocks}
-    data = b"".join(parts)
+def _pack_job(members: list[int], small: dict[int, Any], infos: dict[int, ArrayInfo]) -> Job:
+    """A pack of the leaves ``members``, read now; its element size is the leaves' itemsize if
+    they all share one, else 1."""
+    raws = _small_bytes({i: small[i] for i in members})
+    blocks, offset = [], 0
+    for i in members:
+        blocks.append((i, (0,) * len(infos[i].shape), infos[i].shape, offset))
+        offset += len(raws[i])
+    sizes = {infos[i].dtype.itemsize for i in members}
+    data = b"".join(raws[i] for i in members)
     return Job(functools.partial(memoryview, data), blocks,
                sizes.pop() if len(sizes) == 1 else 1, len(data), holds_copy=True)

@@ -485,3 +485,32 @@ def test_a_block_written_by_another_thread_during_staging_is_never_stored_corrup
     for step in (2, 3):
         assert set(np.unique(casstore.restore(store, step)["x"])) <= {1.0, 99.0}
     np.testing.assert_array_equal(casstore.restore(store, 3)["x"], np.ones_like(x))
+
+
+def test_packs_are_read_as_the_staging_budget_allows_not_all_at_once(monkeypatch):
+    """Small leaves (packed) were all copied, twice, before staging began: 256 MiB of 60 kB
+    leaves took 531 MiB of extra memory with max_staging_bytes of 4 MiB (now 23 MiB)."""
+    from casstore import _save_plan
+
+    events = []
+    pack_job = _save_plan._pack_job
+    monkeypatch.setattr(_save_plan, "_pack_job",
+                        lambda *a: events.append("read") or pack_job(*a))
+
+    class Recording(MemoryStore):
+        def _put(self, key, data, *, exclusive):
+            if key.startswith("chunks/"):
+                events.append("put")
+            super()._put(key, data, exclusive=exclusive)
+
+    rng = np.random.default_rng(0)
+    tree = {f"b{i:02d}": rng.standard_normal(15_000).astype(np.float32) for i in range(64)}
+    store = Recording()
+    with casstore.CheckpointManager(store, chunk_size_bytes=2**20,
+                                    max_staging_bytes=2**20) as mngr:
+        mngr.save(0, tree)
+    reads = [i for i, e in enumerate(events) if e == "read"]
+    assert len(reads) == 4  # 16 leaves of 60 kB a pack
+    assert events.index("put") < reads[-1]  # a pack was stored before the last was read
+    restored = casstore.restore(store, 0)
+    assert all(restored[k].tobytes() == v.tobytes() for k, v in tree.items())
