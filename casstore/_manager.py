@@ -96,7 +96,7 @@ class CheckpointManager:
       enable_async_checkpointing: return from ``save`` once arrays are on the host; False
         makes ``save`` return once the step is committed.
       gc_after_retention: run garbage collection after retention deleted steps (postponed to
-        the next retention while other saves hold locks: it never waits for them).
+        the next retention when other saves still hold locks after 2 s).
       grace_period_s: the GC grace period, seconds.
       max_staging_bytes, chunk_size_bytes, zstd_level, delta: as for
         :class:`casstore.AsyncCheckpointer`; deltas are taken against the latest step.
@@ -159,7 +159,7 @@ class CheckpointManager:
         self.run = run
         self.enable_async_checkpointing = enable_async_checkpointing
         self.gc_after_retention, self.grace_period_s = gc_after_retention, grace_period_s
-        self._collect = RetentionGc(self.store, grace_period_s)  # no wait on save locks
+        self._collect = RetentionGc(self.store, grace_period_s)  # short waits on save locks
         self._preemption_saved = False
         self._details: dict[int, tuple[Any, datetime.datetime]] = {}
         self._saving: int | None = None  # the step of the save in flight

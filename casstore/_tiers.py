@@ -124,7 +124,7 @@ class Persister:
         if self._unlisted:  # the local tier works on; surfaces on save()
             self._error, remote_steps = remote_steps, set()
         self._remote_steps: set[int] = remote_steps
-        self._collect = RetentionGc(persistent, policy.grace_period_s)  # no wait on locks
+        self._collect = RetentionGc(persistent, policy.grace_period_s)  # short lock waits
         # (step, its objects): assumed on the persistent tier while that step is there
         self._known: tuple[int | None, dict[str, int]] = (None, {})
         self._details: dict[int, tuple] = {}  # step -> (metrics, save time), for retention
