@@ -240,9 +240,9 @@ def _saved_dtype(entry: LeafEntry) -> np.dtype:
         return dtype_from_name(entry.dtype)
     if entry.scalar_type in ("float", "complex"):  # by precision: 0.1 is not a float16
         value = complex(*entry.value) if entry.scalar_type == "complex" else entry.value
-        narrow = np.complex64 if entry.scalar_type == "complex" else np.float32
+        narrow, wide = ((np.complex64, np.complex128) if entry.scalar_type == "complex"
+                        else (np.float32, np.float64))
         with np.errstate(over="ignore"):  # compared as Python numbers, not in float32
             exact = type(value)(narrow(value)) == value or value != value  # NaN: any
-        return np.dtype(narrow if exact else np.complex128 if narrow is np.complex64
-                        else np.float64)
+        return np.dtype(narrow if exact else wide)
     return np.min_scalar_type(entry.value)
