@@ -1,5 +1,7 @@
 """Sharded arrays on 8 CPU devices: save along shard boundaries, restore onto any sharding."""
 
+import mmap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import casstore
 from casstore._layout import CHUNKS_PREFIX
+from casstore._place import off_host
 from casstore._restore import read_regions
 from casstore.store import CountingStore, MemoryStore
 
@@ -109,6 +112,40 @@ def test_restoring_one_device_shard_reads_only_its_chunks():
     got = read_regions(store, manifest, {0: [((6, 5), (9, 7))]}, max_workers=4)[0]
     np.testing.assert_array_equal(got[((6, 5), (9, 7))], value[6:9, 5:7])
     assert len(store.keys_read) == 2
+
+
+def _bottom(array: np.ndarray):
+    while isinstance(array, np.ndarray):
+        array = array.base
+    return array.obj if isinstance(array, memoryview) else array
+
+
+def test_host_regions_dropped_once_placed_are_mapped_on_their_own():
+    # A leaf restored onto a GPU drops its host regions once placed: they are mapped on their
+    # own, so each goes back to the OS then; regions a restore keeps come from malloc.
+    value = np.arange(3 * 2**18, dtype=np.float32).reshape(3, 2**18)  # 3 MiB
+    store = MemoryStore()
+    casstore.save(store, 0, {"w": value, "b": np.ones(4, np.float32)}, chunk_size_bytes=2**20)
+    manifest = casstore.read_manifest(store, 0)
+    requests = {0: [((0,), (4,))], 1: [((0, 0), value.shape)]}
+    bottoms = {}
+
+    def place(i, regions):
+        bottoms[i] = {r: type(_bottom(buf)) for r, buf in regions.items()}
+        return {r: buf.copy() for r, buf in regions.items()}
+
+    for temporary, kind in (({0, 1}, mmap.mmap), (set(), type(None))):
+        got = read_regions(store, manifest, requests, 2, place=place, temporary=temporary)
+        np.testing.assert_array_equal(got[1][((0, 0), value.shape)], value)
+        np.testing.assert_array_equal(got[0][((0,), (4,))], np.ones(4, np.float32))
+        assert bottoms[1] == {((0, 0), value.shape): kind}
+        assert bottoms[0] == {((0,), (4,)): type(None)}  # under MMAP_BYTES: malloc
+    target = {"w": jax.ShapeDtypeStruct(value.shape, value.dtype,
+                                        sharding=SingleDeviceSharding(DEVICES[0])),
+              "b": np.zeros(4, np.float32)}
+    entries = {leaf.path: leaf for leaf in manifest.leaves}
+    assert not off_host(entries["w"], target["w"])  # a CPU device keeps the buffer (zero-copy)
+    assert not off_host(entries["b"], target["b"])
 
 
 def test_typed_keys_and_mixed_tree_on_a_mesh():
