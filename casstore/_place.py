@@ -101,6 +101,19 @@ def place(entry: LeafEntry, regions: dict[Index, np.ndarray] | None, t: Any,
     return jax.make_array_from_single_device_arrays(tuple(t.shape), sharding, shards)
 
 
+def off_host(entry: LeafEntry, t: Any) -> bool:
+    """True if :func:`place` puts array leaf ``entry`` on devices other than the CPU (GPUs,
+    TPUs) for target leaf ``t``, so its host regions are dropped once it is placed. Call it in
+    the caller's thread (``jax.default_device`` and ``jax.enable_x64`` are thread-local)."""
+    if (entry.kind != "array" or target_shape(t) is None or isinstance(t, np.ndarray | np.generic)
+            or returns_numpy(entry, t)):
+        return False
+    sharding = getattr(t, "sharding", None)
+    devices = (sharding.device_set if isinstance(sharding, jax.sharding.Sharding)
+               else {_default_device()})
+    return any(d.platform != "cpu" for d in devices)
+
+
 def normalize(index: tuple, shape: tuple[int, ...], tail: tuple[int, ...]) -> Index:
     """A device's index (slices into ``shape``) as ``(start, stop)``, with ``tail`` (the key
     data axes of a PRNG key leaf) taken whole."""

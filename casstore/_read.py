@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import collections
 import math
+import mmap
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import jax
@@ -27,6 +28,8 @@ from ._place import ALIGN, normalize, saved_dtype
 from ._pool import bounded_map
 from ._target import is_numpy_class, target_shape
 from .store import Store
+
+MMAP_BYTES = 1 << 20  # region buffers from this size on are mapped on their own
 
 
 def regions_for(entry: LeafEntry, t: Any) -> list[Index]:
@@ -49,8 +52,8 @@ def regions_for(entry: LeafEntry, t: Any) -> list[Index]:
 
 
 def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Index]],
-                 max_workers: int, place: Callable[[int, dict], Any] | None = None
-                 ) -> dict[int, Any]:
+                 max_workers: int, place: Callable[[int, dict], Any] | None = None,
+                 temporary: Collection[int] = ()) -> dict[int, Any]:
     """Reads index regions of array leaves into host arrays (format.md §6), leaf by leaf.
 
     Only the chunks whose blocks overlap a requested region are fetched, each once (a delta
@@ -67,6 +70,9 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
       requests: leaf index -> ``(start, stop)`` regions wanted (array leaves only).
       place: ``(leaf index, {region: host array}) -> value``, called once per leaf from a
         worker thread; None keeps the host arrays.
+      temporary: leaves whose host arrays ``place`` does not keep (it puts them on a GPU):
+        their large buffers are mapped on their own, so memory goes back to the OS as each
+        leaf is placed.
 
     Returns:
       leaf index -> ``place``'s value, or {region: host array of the region's shape,
@@ -82,8 +88,8 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
     lock = threading.Lock()
     for i, regions in requests.items():
         entry = manifest.leaves[i]
-        out[i] = {r: _empty_aligned([b - a for a, b in zip(*r)], saved_dtype(entry))
-                  for r in regions}
+        out[i] = {r: _empty_aligned([b - a for a, b in zip(*r)], saved_dtype(entry),
+                                    i in temporary) for r in regions}
         if entry.inline is not None:
             whole = np.frombuffer(entry.inline, saved_dtype(entry)).reshape(entry.shape)
             for (start, stop), buf in out[i].items():
@@ -196,9 +202,23 @@ def _copy_block(raw: memoryview, ref: ChunkRef, entry: LeafEntry, regions: dict,
             buf[_slices(lo, hi, region[0])] = block[_slices(lo, hi, ref.start)]
 
 
-def _empty_aligned(shape: list[int], dtype: np.dtype) -> np.ndarray:
-    """An uninitialised C-contiguous array whose data starts on a 64-byte boundary."""
+def _empty_aligned(shape: list[int], dtype: np.dtype, own_mapping: bool = False) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on a 64-byte boundary.
+
+    With ``own_mapping``, from :data:`MMAP_BYTES` on, the array has an anonymous memory mapping
+    of its own (page-aligned, huge pages advised), which goes back to the OS as soon as the
+    array is freed: for buffers dropped once their leaf is on its devices. From malloc, a freed
+    buffer of up to 32 MiB stays in the arena of the thread that freed it (glibc's dynamic mmap
+    threshold), and a restore placing leaves on a GPU from 33 threads kept about that much per
+    thread: restoring GPT-2-XL's state onto an H100 took 2.97 GB of extra RSS, 1.85 GB with
+    buffers returned at once (and 6% longer: each buffer's pages are faulted in anew).
+    """
     n = math.prod(shape) * dtype.itemsize
+    if own_mapping and n >= MMAP_BYTES:
+        mapping = mmap.mmap(-1, n)
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux: fewer page faults on first touch
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        return np.frombuffer(mapping, np.uint8).view(dtype).reshape(shape)
     raw = np.empty(n + ALIGN, np.uint8)
     offset = -raw.ctypes.data % ALIGN
     return raw[offset:offset + n].view(dtype).reshape(shape)

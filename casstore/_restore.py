@@ -17,7 +17,7 @@ import jax
 from ._fallback import log_tiers, with_fallback
 from ._keypath import matches, unflatten_plain
 from ._manifest import Manifest
-from ._place import place, plain_value
+from ._place import off_host, place, plain_value
 from ._read import read_fitted, read_regions, regions_for
 from ._repository import Url, read_manifest
 from ._saved_sharding import saved_target
@@ -157,7 +157,9 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
             return place(manifest.leaves[i], regions, targets[i], fail)
 
     if strict:  # each leaf placed as soon as its chunks are in
-        placed = read_regions(store, manifest, requests, workers, place=place_leaf)
+        temporary = {i for i in requests if off_host(manifest.leaves[i], targets[i])}
+        placed = read_regions(store, manifest, requests, workers, place=place_leaf,
+                              temporary=temporary)
     else:
         fitted = read_fitted(store, manifest, requests, workers)
         placed = {i: place_leaf(i, regions) for i, regions in fitted.items()}

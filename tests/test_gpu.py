@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import casstore
-from casstore import _chunking
+from casstore import _chunking, _place
 
 pytestmark = pytest.mark.gpu
 
@@ -26,6 +26,10 @@ def test_gpu_shards_are_copied_block_by_block_and_leave_no_host_copy(tmp_path, g
     assert getattr(x, "_npy_value", None) is None
     target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype,
                                         sharding=jax.sharding.SingleDeviceSharding(gpu))}
+    entry = casstore.read_manifest(tmp_path, 0).leaves[0]
+    assert _place.off_host(entry, target["x"])  # its host buffers are dropped once placed
+    with jax.default_device(gpu):
+        assert _place.off_host(entry, jax.ShapeDtypeStruct(x.shape, x.dtype))
     restored = casstore.restore(tmp_path, 0, target=target)["x"]
     assert restored.devices() == {gpu}
     assert bool(jnp.all(restored == x))
