@@ -14,7 +14,7 @@ import casstore._save_plan
 from casstore._chunking import CastView
 from casstore.store import CountingStore, MemoryStore
 
-MESH = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+MESH = Mesh(np.array(jax.devices("cpu")).reshape(4, 2), ("data", "model"))
 SHARDED = NamedSharding(MESH, P("data", "model"))
 CHUNK = 1 << 14  # 16 KiB: the large leaves span several chunks
 
