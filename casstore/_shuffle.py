@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 
 # Elements per block of the plane scatter: a 16 MiB chunk of float32 is one block. Each numpy
-# call releases and retakes the GIL, and with many decoding threads (16 cores) retaking it is
-# what a restore waited on: 64 Ki-element blocks made ~1300 calls per chunk, and a 16-core
-# restore used 3 of its cores. One thread decodes as fast with whole planes (9.0 ms per chunk,
-# 9.7 with 64 Ki blocks).
+# call releases and retakes the GIL, and with many decoding threads retaking it is what a
+# restore waited on: with 64 Ki-element blocks (~1300 calls per chunk) a warm restore of
+# GPT-2-XL on 16 cores took 15.9 s for 53 s of CPU time, with whole planes 4.8 s. One thread
+# decodes as fast either way (8.9 ms per chunk, 9.7 with 64 Ki blocks).
 _UNPLANE_BLOCK = 4 * 1024 * 1024
 # Bytes per block of codec 5's sign move: a 16 MiB float32 chunk's plane is one block, for the
 # same reason (an encode takes 14.1 ms per chunk with 256 KiB blocks or whole planes alike);
