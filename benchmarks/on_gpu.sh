@@ -20,7 +20,8 @@ phase() {  # phase NAME SECONDS COMMAND...: runs COMMAND with a limit, logs to $
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 phase gpu_tests 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
-phase dtype_tests 60 python3 -m pytest -q -p no:cacheprovider --tb=line tests/test_restore_dtypes.py
+phase dtype_tests 60 python3 -m pytest -q -p no:cacheprovider --tb=line tests/test_restore_dtypes.py \
+    tests/test_stored_dtype.py
 phase save_restore "${1:-280}" python3 benchmarks/save_restore.py --size gpt2-xl --drop-caches \
     --systems casstore,orbax --json "$OUT/save_restore.json"
 phase async_gc $(( ${2:-570} - (SECONDS - start) )) python3 benchmarks/async_gc.py --size gpt2-xl --drop-caches \
