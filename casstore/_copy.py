@@ -186,7 +186,7 @@ def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
     runs before each object's transfer (a persist waiting for local saves). The caller holds
     the destination's save lock."""
     t0 = time.perf_counter()
-    plan, skipped_steps = _plan(src, dst, selected)
+    plan, skipped_steps, kept = _plan(src, dst, selected)
     needed: dict[str, tuple[str, str | None, int, str, _Step]] = {}
     for s in plan:
         for obj, (cid, base, raw, path) in needed_objects(s.manifest).items():
@@ -197,7 +197,9 @@ def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
     missing = sorted((k for k in needed if k not in present
                       and (share is None or share_of(k, share[1]) == share[0])),
                      key=lambda k: (order[id(needed[k][4])], needed[k][1] or needed[k][0]))
-    skipped = [k for k in needed if k in present]
+    skipped = [k for k in needed if k in present]  # and those of the steps already there:
+    skipped += [k for k in dict.fromkeys(k for m in kept for k in needed_objects(m))
+                if k not in needed and k in present]
     for s in plan:
         s.waiting = {k for k in needed_objects(s.manifest) if k not in present}
     engine = _Engine(src, dst, plan if share is None else [], needed, len(missing), verify,
@@ -224,17 +226,20 @@ def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
 
 
 def _plan(src: Store, dst: Store, selected: list[tuple[str, int]]
-          ) -> tuple[list[_Step], list[tuple[str, int]]]:
+          ) -> tuple[list[_Step], list[tuple[str, int]], list[Manifest]]:
     """Reads and validates the manifests of the selected steps the destination lacks; a
     step it has is skipped if its manifest is the source's, byte for byte (a copy writes
-    them as is), else StepAlreadyExistsError (another step of that number is there)."""
+    them as is), else StepAlreadyExistsError (another step of that number is there).
+    Returns ``(steps to copy, steps skipped, the skipped steps' manifests)``."""
     have = {(run, step) for run in dict.fromkeys(r for r, _ in selected)
             for step in list_steps(dst, run=run)}
     skipped = [pair for pair in selected if pair in have]
     keys = [manifest_key(run, step) for run, step in skipped]
     there, ours = dst.get_many(keys), src.get_many(keys)
+    kept = []
     for (run, step), key in zip(skipped, keys):
         _same_step(dst, run, step, there[key], ours[key])
+        kept.append(decode_manifest(ours[key], run=run, step=step, url=src.url))
     plan = []
     for run, step in selected:
         if (run, step) in have:
@@ -246,7 +251,7 @@ def _plan(src: Store, dst: Store, selected: list[tuple[str, int]]
                                     url=src.url, run=run, step=step) from None
         manifest = decode_manifest(data, run=run, step=step, url=src.url)
         plan.append(_Step(run, step, manifest, data, set()))
-    return plan, skipped
+    return plan, skipped, kept
 
 
 def _same_step(dst: Store, run: str, step: int, there: bytes, ours: bytes) -> None:

@@ -92,6 +92,16 @@ def test_counts_each_needed_object_once_copied_or_already_there(tmp_path, dst):
     assert again.chunks_copied == 0
     assert again.steps_copied == ()
     assert len(again.steps_skipped) == len(trees)
+    # the skipped steps' objects count as skipped, each once
+    assert again.chunks_skipped == len(objects)
+    assert again.bytes_skipped == sum(objects.values())
+    partly = casstore.copy(src, LocalStore(tmp_path / "partly"), steps=[0])
+    both = casstore.copy(src, tmp_path / "partly", steps=[0, 1])
+    step0 = casstore.read_manifest(src, 0).chunk_ids()
+    step1 = casstore.read_manifest(src, 1).chunk_ids()
+    assert both.steps_skipped == (("default", 0),)
+    assert both.chunks_skipped == len(step0) == partly.chunks_copied
+    assert both.chunks_copied == len(step1 - step0)
     for step, tree in enumerate(trees):
         restored = casstore.restore(dst, step)
         for key, value in tree.items():
