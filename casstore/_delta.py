@@ -314,11 +314,16 @@ class DeltaBases:
       store: where the objects are.
       objects: ``(chunk id, base chunk id or None)`` of every object the pass will read
         through :meth:`read` or decode through :meth:`decode`; a base used n times, n times.
+
+    Attributes:
+      bytes_read: stored bytes of the objects read from ``store`` here (:meth:`read`, and
+        the bases :meth:`decode` read), each base once.
     """
 
     def __init__(self, store: Store, objects: Iterable[tuple[str, str | None]]):
         objects = list(objects)
         self.store = store
+        self.bytes_read = 0
         self.bases = {base for _, base in objects if base is not None}
         self.left = collections.Counter(
             base or cid for cid, base in objects if (base or cid) in self.bases)
@@ -331,7 +336,14 @@ class DeltaBases:
         Raises:
           ObjectNotFoundError: the object is missing.
         """
-        return self._base(cid) if base is None and cid in self.bases else self.store.get(key)
+        if base is None and cid in self.bases:
+            return self._base(cid)
+        return self._counted(self.store.get(key))
+
+    def _counted(self, data: bytes) -> bytes:
+        with self.lock:
+            self.bytes_read += len(data)
+        return data
 
     def decode(self, data: bytes | memoryview, cid: str, base: str | None,
                raw_length: int, out: np.ndarray | None = None) -> memoryview:
@@ -355,7 +367,7 @@ class DeltaBases:
                 future = self.held[base] = cf.Future()
         if owner:
             try:
-                future.set_result(self.store.get(chunk_key(base)))
+                future.set_result(self._counted(self.store.get(chunk_key(base))))
             except BaseException as e:
                 future.set_exception(e)
         try:

@@ -47,7 +47,8 @@ class VerifyReport:
       steps_checked: ``(run, step)`` pairs whose manifests were read.
       chunks_checked: distinct chunk objects (chunks, delta objects and the bases of delta
         chunks) the checked steps need.
-      bytes_read: chunk bytes read and decoded (0 without ``read_data``).
+      bytes_read: stored bytes of the chunk and delta objects read, bases of deltas included,
+        each object once (0 without ``read_data``).
       seconds: wall time.
       chunks_ok: objects found intact (without ``read_data``: found at all; a base that no
         step references whole is checked through the deltas on it).
@@ -208,7 +209,8 @@ def _read_all(store: Store, users: dict[str, _Users], keys: list[str], max_worke
     delta counts as unchecked.
 
     Returns:
-      Bytes read, one problem per bad object, and the number of deltas left unchecked.
+      The stored bytes read (each object once, bases too), one problem per bad object, and
+      the number of deltas left unchecked.
     """
     keys = [k for k in keys if users[k].ref is not None]
     # deltas on one base side by side, so each base is held only while they are checked
@@ -217,8 +219,8 @@ def _read_all(store: Store, users: dict[str, _Users], keys: list[str], max_worke
     total = sum(users[k].ref.stored_bytes for k in keys)
     done, lock = [0], threading.Lock()
 
-    def check(key: str) -> tuple[str, int, Problem | None]:
-        """(the key at fault, bytes read, its problem or None)."""
+    def check(key: str) -> tuple[str, Problem | None]:
+        """(the key at fault, its problem or None)."""
         ref = users[key].ref
         try:
             data = bases.read(key, ref.id, ref.base)
@@ -227,27 +229,26 @@ def _read_all(store: Store, users: dict[str, _Users], keys: list[str], max_worke
         except STORE_FAILURES:
             raise  # the store failed; the object may be fine
         except FileNotFoundError as e:  # deleted since the listing
-            data, found = b"", _problem(key, users[key], f"chunk missing: {e}", MISSING)
+            found = _problem(key, users[key], f"chunk missing: {e}", MISSING)
         except UnsupportedFormatError as e:  # a newer writer's codec: not damage
-            data, found = b"", _problem(key, users[key], f"needs a newer casstore: {e}",
-                                        UNSUPPORTED)
+            found = _problem(key, users[key], f"needs a newer casstore: {e}", UNSUPPORTED)
         except CasstoreError as e:
             if ref.base is not None and f"base chunk {ref.base} is corrupt" in str(e):
                 key = chunk_key(ref.base)  # the base is at fault, not this delta
-            data, found = b"", _problem(key, users[key], f"chunk corrupt: {e}", CORRUPT)
+            found = _problem(key, users[key], f"chunk corrupt: {e}", CORRUPT)
         if progress is not None:
             with lock:
                 done[0] += ref.stored_bytes
                 progress(done[0], total)
-        return key, len(data), found
+        return key, found
 
     results = bounded_map(check, keys, max_workers or store.max_workers)
     problems: dict[str, Problem] = {}
     unchecked = 0
-    for key, (fault, _, found) in zip(keys, results):
+    for key, (fault, found) in zip(keys, results):
         if found is None:
             continue
         unchecked += fault != key
         if fault not in problems or fault == key:  # a base's own read names it best
             problems[fault] = found
-    return sum(n for _, n, _ in results), list(problems.values()), unchecked
+    return bases.bytes_read, list(problems.values()), unchecked

@@ -182,6 +182,23 @@ def test_gc_keeps_the_bases_of_live_deltas_after_their_step_is_deleted(tmp_path)
     assert_bit_exact(casstore.restore(store, 3), state(3))
 
 
+def test_verify_counts_the_bases_it_reads_for_deltas_in_bytes_read():
+    # Once step 0 is deleted its chunks are read only as bases of step 1's deltas; verify's
+    # bytes_read counts them too: every chunk and delta object byte it read, each object once.
+    store = CountingStore(MemoryStore())
+    for s in range(2):
+        casstore.save(store, s, state(s), chunk_size_bytes=CHUNK)
+    casstore.delete(store, 0)
+    assert any(r.base for r in refs(store, 1, "w"))
+    store.reset()
+    report = casstore.verify(store)
+    assert report.ok
+    read = [k for k in store.keys_read if k.startswith(("chunks/", DELTAS_PREFIX))]
+    assert len(read) == len(set(read))  # each object once
+    assert any(k.startswith(DELTAS_PREFIX) for k in read)
+    assert report.bytes_read == sum(len(store.inner.get(k)) for k in read)
+
+
 def test_a_delta_object_of_another_run_is_never_reused_without_its_base(tmp_path):
     store = MemoryStore()
     for s in range(2):
