@@ -155,8 +155,7 @@ class CheckpointManager:
         self._saver = AsyncCheckpointer(url, run=run, max_staging_bytes=max_staging_bytes,
                                         chunk_size_bytes=chunk_size_bytes,
                                         zstd_level=zstd_level, delta=delta, **local_options)
-        self.store: Store = self._saver.store
-        self.run = run
+        self.store, self.run = self._saver.store, run  # the Store of ``url``
         self.enable_async_checkpointing = enable_async_checkpointing
         self.gc_after_retention, self.grace_period_s = gc_after_retention, grace_period_s
         self._collect = RetentionGc(self.store, grace_period_s)  # short waits on save locks
@@ -276,7 +275,7 @@ class CheckpointManager:
         """After the commit, on the background thread: the step list, retention and GC."""
         self._steps = sorted({*self._steps, step})
         self._details[step] = (metrics, started)
-        if self.persister is not None and jax.process_index() == 0:
+        if self.persister is not None:  # queued on process 0, noted on the others
             self.persister.submit(step)
         deleted = self._apply_retention()
         if self.gc_after_retention and jax.process_index() == 0:
@@ -294,7 +293,8 @@ class CheckpointManager:
             self.persister.raise_error()
 
     def wait_until_persisted(self, timeout_s: float | None = None) -> bool:
-        """Waits for the background save, then for the persists it queued (tiers).
+        """Waits for the background save, then for the persists it queued (tiers; on a process
+        other than 0, until process 0 has committed or failed the newest eligible step).
 
         Returns:
           False if ``timeout_s`` seconds passed with a persist still running, else True.

@@ -264,8 +264,9 @@ class Rounds:
     steps it knows on the persistent tier, which the others take as theirs; every other
     process sends its share and sets ``done/k/<process>`` to the objects it sent or found there
     and its counts, or its error; process 0 waits for them all (at most the multi-process
-    timeout, ``CASSTORE_MULTIHOST_TIMEOUT_S``). Managers are opened in the same order on every
-    process (SPMD), so their counter names the same rounds everywhere.
+    timeout, ``CASSTORE_MULTIHOST_TIMEOUT_S``), writes the manifest or not, and sets
+    ``outcome/k`` to None or its error, which the others wait for. Managers are opened in the
+    same order on every process (SPMD), so their counter names the same rounds everywhere.
     """
 
     def __init__(self, run: str):
@@ -335,6 +336,27 @@ class Rounds:
                 continue
             got = msgpack.unpackb(value)  # as start() or stop() announced it
             return got["step"], got["known"], set(got["persisted"])
+
+    def outcome(self, error: str | None) -> None:
+        """Process 0, after :meth:`gather`: the round's outcome, its manifest written (None) or
+        why not."""
+        kv_client().key_value_set_bytes(f"{self.tag}/outcome/{self.k - 1}",
+                                        msgpack.packb({"error": error}))
+
+    def wait_outcome(self) -> str | None:
+        """Another process, after :meth:`post`: process 0's outcome of that round (None: the
+        step is committed), waiting at most the multi-process timeout.
+
+        Raises:
+          CasstoreError: process 0 posted none within the timeout.
+        """
+        try:
+            value = kv_client().blocking_key_value_get_bytes(f"{self.tag}/outcome/{self.k - 1}",
+                                                             timeout_ms())
+        except Exception as e:  # jax's runtime error for a timeout or a dead coordinator
+            raise CasstoreError(f"process 0 posted no outcome of the persist within "
+                                f"{timeout_ms() / 1000:g} s ({e})") from e
+        return msgpack.unpackb(value)["error"]
 
     def post(self, present: dict[str, int], info: CopyInfo | None, error: str | None) -> None:
         """Another process: what it sent or found for this round, or its error."""

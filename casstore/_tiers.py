@@ -29,10 +29,10 @@ machine or a shared filesystem), as it must for a multi-process restore.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import threading
 import time
 import weakref
@@ -43,15 +43,14 @@ import jax
 from ._copy import CopyInfo, copy_selected, needed_objects
 from ._errors import (
     CasstoreError,
-    ManifestError,
     StepAlreadyExistsError,
-    StepNotFoundError,
     StoreTimeoutError,
 )
 from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, RetentionGc
 from ._layout import manifest_key
 from ._locks import save_lock
 from ._multihost import Rounds, timeout_ms
+from ._persist_rounds import persist_shared, send_share
 from ._policies import (
     PolicyCheckpointInfo,
     PreservationContext,
@@ -131,6 +130,10 @@ class Persister:
         self._running: int | None = None
         self._queued: int | None = None
         self._local_saves = 0  # running on the local tier: persists yield to them
+        # another process: the newest step it expects process 0 to persist, and the newest
+        # round process 0 has ended (committed or failed)
+        self._expected: int | None = None
+        self._through: float = -1
         self._closed = False
         self._configured = False
         self._cond = threading.Condition()
@@ -149,8 +152,14 @@ class Persister:
 
     def submit(self, step: int) -> None:
         """Queues a committed local step for persisting if the policy says so (see the module
-        docstring for the backlog rule). Never waits on the persistent tier."""
+        docstring for the backlog rule). Never waits on the persistent tier. On a process other
+        than 0 (which runs the backlog), notes the step: :meth:`wait` waits until process 0 has
+        ended its round or a later one."""
         if not self.eligible(step) or step in self._remote_steps:
+            return
+        if self.rounds is not None and not self.rounds.is_leader:
+            with self._cond:
+                self._expected = max(step, self._expected or step)
             return
         with self._cond:
             if self._queued is not None and self._queued != step:
@@ -218,6 +227,9 @@ class Persister:
             if self._queued == step:
                 self._queued = None
                 self._cond.notify_all()
+            if self._expected == step:  # process 0 drops it too: no round to wait for
+                self._expected = None
+                self._cond.notify_all()
             self._cond.wait_for(lambda: self._running != step)
             self._remote_steps.discard(step)
             self._details.pop(step, None)
@@ -236,16 +248,21 @@ class Persister:
             raise error
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        """Waits until nothing is persisting or queued; False if ``timeout_s`` passed first."""
+        """Waits until nothing is persisting or queued (on a process other than 0: until
+        process 0 has ended the round of the newest step :meth:`submit` noted, or a later one,
+        or the rounds); False if ``timeout_s`` passed first."""
+        def idle() -> bool:
+            return (self._running is None and self._queued is None
+                    and (self._expected is None or self._through >= self._expected))
+
         with self._cond:
-            return self._cond.wait_for(lambda: self._running is None and self._queued is None,
-                                       timeout_s)
+            return self._cond.wait_for(idle, timeout_s)
 
     def close(self) -> None:
         """Waits for the backlog, then stops the thread (with several processes: process 0
         ends the rounds, and the others wait for that, at most the multi-process timeout).
         Idempotent."""
-        self.wait()
+        self.wait(self._bound())
         with self._cond:
             closing, self._closed = not self._closed, True
             self._cond.notify_all()
@@ -264,14 +281,24 @@ class Persister:
             try:
                 self._persist(step)
             except BaseException as e:  # surfaces on the next save()
-                error = _located(e, step, self.persistent.url, self.run)
-                log.warning("casstore: %s", error)
-                with self._cond:
-                    self._error = error
+                self._fail(e, step)
             finally:
                 with self._cond:
                     self._running = None
                     self._cond.notify_all()
+
+    def _bound(self) -> float | None:
+        """How long closing waits for the backlog: for ever on process 0, the multi-process
+        timeout on the others (process 0 may be gone)."""
+        follower = self.rounds is not None and not self.rounds.is_leader
+        return timeout_ms() / 1000 if follower else None
+
+    def _fail(self, e: BaseException, step: int) -> None:
+        """Records a failed persist of ``step``: it surfaces on the next save()."""
+        error = _located(e, step, self.persistent.url, self.run)
+        log.warning("casstore: %s", error)
+        with self._cond:
+            self._error = error
 
     def _persist(self, step: int) -> None:
         if self._unlisted:  # unreachable when the manager was made: its steps first
@@ -288,7 +315,9 @@ class Persister:
                 info = copy_selected(self.local, self.persistent, [(self.run, step)], present,
                                      probe=True, gate=self._yielder())
             else:
-                info = self._persist_shared(step, present, self._known[0] if present else None)
+                info = persist_shared(self.rounds, self.local, self.persistent, self.run,
+                                      step, present, self._known[0] if present else None,
+                                      self.steps(), self._yielder())
         self.persisted[step] = info
         self._remote_steps.add(step)
         manifest = read_manifest(self.local, step, run=self.run)
@@ -320,73 +349,30 @@ class Persister:
         if self.policy.gc_after_retention:
             self.last_gc_info = self._collect(bool(doomed)) or self.last_gc_info
 
-    def _persist_shared(self, step: int, present: dict[str, int], known: int | None
-                        ) -> CopyInfo:
-        """Process 0's part of a shared persist: a round for ``step``, its own share, the
-        others' posts, then the manifest (every object in ``present`` by then: no transfer).
-        ``known``: the persisted step whose objects ``present`` holds, told to the others."""
-        t0 = time.perf_counter()
-        self.rounds.start(step, known, self.steps())
-        try:
-            own = copy_selected(self.local, self.persistent, [(self.run, step)], present,
-                                probe=True, share=(0, self.rounds.count),
-                                gate=self._yielder())
-        except BaseException:
-            with contextlib.suppress(Exception):  # the round ends either way: no manifest
-                self.rounds.gather()
-            raise
-        theirs, chunks, nbytes = self.rounds.gather()  # raises if one failed: no manifest
-        present.update(theirs)
-        last = copy_selected(self.local, self.persistent, [(self.run, step)], present,
-                             probe=True)
-        chunks += own.chunks_copied + last.chunks_copied
-        nbytes += own.bytes_copied + last.bytes_copied
-        return dataclasses.replace(
-            last, chunks_copied=chunks, bytes_copied=nbytes,
-            chunks_skipped=last.chunks_skipped - chunks + last.chunks_copied,
-            bytes_skipped=last.bytes_skipped - nbytes + last.bytes_copied,
-            seconds=time.perf_counter() - t0)
-
     def _follow(self) -> None:
-        """A process other than 0: sends its share of each step process 0 starts a round
-        for, and posts what it sent (or its error), until process 0 ends the rounds; takes
-        process 0's persisted steps as its own at each round and at the end."""
+        """A process other than 0: sends its share of each step process 0 starts a round for
+        and waits for process 0's outcome (:func:`send_share`), until process 0 ends the rounds
+        (or, after the manager closed, stops answering); takes process 0's persisted steps as
+        its own at each round and at the end."""
         while (got := self.rounds.next_step(lambda: self._closed)) is not None:
             step, known, self._remote_steps = got
             if step is None:
-                return
+                break
             with self._cond:
                 self._running = step
             try:
-                with save_lock(self.persistent):
-                    present = self._objects_of(known)  # what process 0 assumes there
-                    assumed = set(present)
-                    info = copy_selected(self.local, self.persistent, [(self.run, step)],
-                                         present, probe=True, gate=self._yielder(),
-                                         share=(self.rounds.index, self.rounds.count))
-                self.rounds.post({k: n for k, n in present.items() if k not in assumed}, info,
-                                 None)
-                self.persisted[step] = info  # this process's share
-            except BaseException as e:  # process 0 names it; it also surfaces here on save()
-                self.rounds.post({}, None, f"{type(e).__name__}: {e}")
-                with self._cond:
-                    self._error = _located(e, step, self.persistent.url, self.run)
+                self.persisted[step] = send_share(self.rounds, self.local, self.persistent,
+                                                  self.run, step, known, self._yielder())
+                self._remote_steps.add(step)
+            except BaseException as e:  # it also surfaces here on save()
+                self._fail(e, step)
             finally:
                 with self._cond:
-                    self._running = None
+                    self._running, self._through = None, step
                     self._cond.notify_all()
-
-    def _objects_of(self, step: int | None) -> dict[str, int]:
-        """The chunk objects of the persisted ``step`` (process 0 found its manifest there,
-        which keeps GC off them), from that manifest on the persistent tier; none if it is gone
-        or there is no such step."""
-        if step is None:
-            return {}
-        try:
-            manifest = read_manifest(self.persistent, step, run=self.run)
-        except (StepNotFoundError, ManifestError):
-            return {}
-        return {r.key: r.stored_bytes for leaf in manifest.leaves for r in leaf.chunks}
+        with self._cond:
+            self._through = math.inf  # no round left to wait for
+            self._cond.notify_all()
 
     def _step_details(self, step: int) -> tuple:
         """(metrics, save time) of a persisted step: remembered from its persist, or read from
@@ -429,8 +415,7 @@ def start_persister(local: Store, persistent, run: str, local_steps: list[int],
                 f"tier's steps, so it cannot start without them; retry once it answers ({e})",
                 step=None, url=persistent.url, run=run) from e
     persister = Persister(local, persistent, run, policy, remote)
-    if jax.process_index() == 0:
-        persister.resume(local_steps)
+    persister.resume(local_steps)  # process 0 queues them, the others note them
     return persister
 
 
@@ -447,4 +432,4 @@ def _located(e: BaseException, step: int | None, url: str, run: str) -> BaseExce
 def _drain_at_exit(ref: weakref.ref) -> None:
     persister = ref()
     if persister is not None and not persister._closed:
-        persister.wait()
+        persister.wait(persister._bound())

@@ -665,6 +665,18 @@ def test_two_jax_processes_each_persist_a_share_and_process_0_commits(tmp_path,
         assert restored["state"]["b"].tobytes() == np.full(48, step, np.float32).tobytes()
 
 
+def test_wait_until_persisted_returns_on_every_process_once_process_0_committed(
+        tmp_path, object_servers):
+    # Process 0 writes each manifest 2 s after the shares are in: process 1's
+    # wait_until_persisted() must still return only once the newest eligible step is there.
+    server = object_servers["seaweedfs"]
+    remote = object_store(server)
+    seen = [next(x for x in out.splitlines() if x.startswith("SEEN "))
+            for out in two_processes(tmp_path, server, remote, "5", "slow0")]
+    assert seen[0] == seen[1], seen
+    assert seen[1].endswith("4]"), seen  # steps 0, 2 and 4 are eligible; the newest wins
+
+
 def test_when_one_process_cannot_send_its_share_no_step_appears_and_both_say_so(
         tmp_path, object_servers):
     server = object_servers["seaweedfs"]

@@ -3,11 +3,14 @@ test_tiers.py. Both processes write to one local tier (a directory both see); ev
 step is persisted once committed, each process sending its share of the step's objects and
 process 0 writing the manifest.
 
-Usage: tiers_multiprocess_worker.py PORT PROCESS_ID LOCAL PERSISTENT_URL OPTIONS_JSON STEPS [fail1]
+Usage: tiers_multiprocess_worker.py PORT PROCESS_ID LOCAL PERSISTENT_URL OPTIONS_JSON STEPS
+       [fail1 | slow0]
 Prints ``SENT <steps persisted> <chunks> <bytes>`` (this process's share), ``LOOKUPS <n>``
 (objects it looked up on the persistent tier), ``STEPS <all_steps()>`` and ``OK``. With
 ``fail1`` process 1 opens the persistent tier read-only, so its share fails; each process then
-prints ``PERSIST-ERROR <message>`` for the error its manager raised.
+prints ``PERSIST-ERROR <message>`` for the error its manager raised. With ``slow0`` process 0
+writes each manifest on the persistent tier 2 s late, and each process prints ``SEEN <steps
+there>`` as soon as its ``wait_until_persisted()`` returns.
 """
 
 import json
@@ -23,8 +26,19 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+import time  # noqa: E402
+
 import casstore  # noqa: E402
 from casstore.store import CountingStore  # noqa: E402
+
+
+class SlowManifests(CountingStore):
+    """Writes each manifest 2 s late (``slow0``: process 0 commits long after the shares)."""
+
+    def put_if_absent(self, key, data):
+        if key.endswith(".manifest"):
+            time.sleep(2)
+        return super().put_if_absent(key, data)
 
 
 def expected(step: int) -> dict:
@@ -42,8 +56,9 @@ mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
 SHARDINGS = {"w": NamedSharding(mesh, P("data", "model")), "b": NamedSharding(mesh, P()),
              "frozen": NamedSharding(mesh, P("data", "model"))}
 
-persistent = CountingStore(casstore.open_store(url, read_only=mode == ["fail1"] and pid == 1,
-                                               **json.loads(options)))
+counting = SlowManifests if mode == ["slow0"] and pid == 0 else CountingStore
+persistent = counting(casstore.open_store(url, read_only=mode == ["fail1"] and pid == 1,
+                                          **json.loads(options)))
 try:
     with casstore.CheckpointManager(local, persistent=persistent, persist_interval_steps=2,
                                     max_to_keep=1) as mngr:
@@ -53,6 +68,8 @@ try:
                      for (k, v), s in zip(values.items(), SHARDINGS.values())}
             assert mngr.save(step, {"state": state, "step": step}, force=True)
         mngr.wait_until_persisted()
+        if mode == ["slow0"]:
+            print("SEEN", casstore.list_steps(persistent.inner), flush=True)
 except (casstore.PersistError, casstore.ReadOnlyStoreError) as e:
     print("PERSIST-ERROR", str(e).replace("\n", " "), flush=True)
 infos = mngr.persister.persisted  # final once closed: process 0 ended the rounds
