@@ -16,6 +16,7 @@ there>`` as soon as its ``wait_until_persisted()`` returns.
 import json
 import os
 import sys
+import time
 
 port, pid, local, url, options, steps, *mode = sys.argv[1:]
 pid, steps = int(pid), int(steps)
@@ -25,8 +26,6 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import time  # noqa: E402
 
 import casstore  # noqa: E402
 from casstore.store import CountingStore  # noqa: E402
