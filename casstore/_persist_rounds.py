@@ -5,7 +5,8 @@ it starts a round (:class:`~casstore._multihost.Rounds`), sends its share of the
 objects, gathers the others' posts, writes the manifest, and posts the round's outcome (the step
 committed, or why not). Every other process sends its share of each round, posts what it sent,
 then waits for that outcome: so its ``wait_until_persisted`` returns once process 0 has
-committed the step (or failed it), and a failed persist surfaces on every process.
+committed the step (or failed it). Process 0 raises a failed persist (naming the process at
+fault), and the save agreement fails that save on every process.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from ._copy import CopyInfo, copy_selected
-from ._errors import CasstoreError, ManifestError, StepNotFoundError
+from ._errors import ManifestError, StepNotFoundError
 from ._locks import save_lock
 from ._multihost import Rounds
 from ._repository import read_manifest
@@ -70,11 +71,10 @@ def persist_shared(rounds: Rounds, local: Store, persistent: Store, run: str, st
 def send_share(rounds: Rounds, local: Store, persistent: Store, run: str, step: int,
                known: int | None, gate: Callable[[], None]) -> CopyInfo:
     """A process other than 0: sends its share of the round for ``step`` and posts what it
-    sent, then waits for process 0's outcome; returns its share's counts.
+    sent; returns its share's counts.
 
     Raises:
-      its share's error (posted first: process 0 names it), or CasstoreError: process 0 did
-      not commit the step (naming why), or posted no outcome within the multi-process timeout.
+      its share's error (posted first: process 0 names it).
     """
     try:
         with save_lock(persistent):
@@ -86,8 +86,6 @@ def send_share(rounds: Rounds, local: Store, persistent: Store, run: str, step: 
         rounds.post({}, None, f"{type(e).__name__}: {e}")
         raise
     rounds.post({k: n for k, n in present.items() if k not in assumed}, info, None)
-    if (error := rounds.wait_outcome()) is not None:
-        raise CasstoreError(f"process 0 did not commit the step: {error}")
     return info
 
 

@@ -351,9 +351,11 @@ class Persister:
 
     def _follow(self) -> None:
         """A process other than 0: sends its share of each step process 0 starts a round for
-        and waits for process 0's outcome (:func:`send_share`), until process 0 ends the rounds
+        (:func:`send_share`) and waits for process 0's outcome, until process 0 ends the rounds
         (or, after the manager closed, stops answering); takes process 0's persisted steps as
-        its own at each round and at the end."""
+        its own at each round and at the end. Process 0 raises a failed persist (the save
+        agreement fails that save everywhere); this process raises its own share's error, or
+        the lack of an outcome."""
         while (got := self.rounds.next_step(lambda: self._closed)) is not None:
             step, known, self._remote_steps = got
             if step is None:
@@ -363,7 +365,8 @@ class Persister:
             try:
                 self.persisted[step] = send_share(self.rounds, self.local, self.persistent,
                                                   self.run, step, known, self._yielder())
-                self._remote_steps.add(step)
+                if self.rounds.wait_outcome() is None:  # else process 0 raises it
+                    self._remote_steps.add(step)
             except BaseException as e:  # it also surfaces here on save()
                 self._fail(e, step)
             finally:
