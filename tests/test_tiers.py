@@ -629,6 +629,11 @@ def two_processes(tmp_path, server, remote, *args: str) -> list[str]:
     return outs
 
 
+def line_of(out: str, prefix: str) -> str:
+    """The first line of a worker's output that starts with ``prefix``."""
+    return next(x for x in out.splitlines() if x.startswith(prefix))
+
+
 def test_two_jax_processes_each_persist_a_share_and_process_0_commits(tmp_path,
                                                                         object_servers):
     server = object_servers["seaweedfs"]
@@ -636,10 +641,10 @@ def test_two_jax_processes_each_persist_a_share_and_process_0_commits(tmp_path,
     sent, lookups, steps = [], [], []
     for out in two_processes(tmp_path, server, remote, "5"):
         assert "OK" in out, out[-3000:]
-        steps.append(next(x for x in out.splitlines() if x.startswith("STEPS ")))
-        line = next(x for x in out.splitlines() if x.startswith("SENT "))
+        steps.append(line_of(out, "STEPS "))
+        line = line_of(out, "SENT ")
         sent.append([int(n) for n in line.rsplit(" ", 2)[1:]])  # chunks, bytes
-        lookups.append(int(next(x for x in out.splitlines() if x.startswith("LOOKUPS "))[8:]))
+        lookups.append(int(line_of(out, "LOOKUPS ")[8:]))
     persisted = casstore.list_steps(remote)
     # Process 1 looks up each object of its share once per round, except those of the step
     # persisted before (process 0 tells it which; the frozen leaf's chunks are there).
@@ -671,8 +676,8 @@ def test_wait_until_persisted_returns_on_every_process_once_process_0_committed(
     # wait_until_persisted() must still return only once the newest eligible step is there.
     server = object_servers["seaweedfs"]
     remote = object_store(server)
-    seen = [next(x for x in out.splitlines() if x.startswith("SEEN "))
-            for out in two_processes(tmp_path, server, remote, "5", "slow0")]
+    seen = [line_of(out, "SEEN ") for out in two_processes(tmp_path, server, remote, "5",
+                                                            "slow0")]
     assert seen[0] == seen[1], seen
     assert seen[1].endswith("4]"), seen  # steps 0, 2 and 4 are eligible; the newest wins
 
@@ -681,7 +686,7 @@ def test_when_one_process_cannot_send_its_share_no_step_appears_and_both_say_so(
         tmp_path, object_servers):
     server = object_servers["seaweedfs"]
     remote = object_store(server)
-    errors = [next(x for x in out.splitlines() if x.startswith("PERSIST-ERROR"))
+    errors = [line_of(out, "PERSIST-ERROR")
               for out in two_processes(tmp_path, server, remote, "1", "fail1")]
     assert "process 1" in errors[0], errors  # process 0 names who failed, step and URL
     assert "step 0" in errors[0], errors
