@@ -258,10 +258,11 @@ class CheckpointManager:
             done = self.persister.local_save(step) if self.persister is not None else None
         try:  # persists yield to this save until its commit (_tiers)
             self._saver.wait_until_finished()
-            started, self._saving = utc_now(), step
+            self._saving = step
+            agreement.propose(metrics, utc_now())  # every process ranks by process 0's
             self._saver._start(step, tree, {"metrics": metrics, "user": metadata},
                               previous_step=self._steps[-1] if self._steps else None,
-                              then=lambda _: self._committed(step, metrics, started),
+                              then=lambda _: self._committed(step, *agreement.agreed()),
                               agreement=agreement)
         finally:
             if done is not None:  # the background write's future, None if not started
@@ -293,8 +294,7 @@ class CheckpointManager:
             self.persister.raise_error()
 
     def wait_until_persisted(self, timeout_s: float | None = None) -> bool:
-        """Waits for the background save, then for the persists it queued (tiers; on a process
-        other than 0, until process 0 has committed or failed the newest eligible step).
+        """Waits for the background save, then for its persists (tiers; process 0 runs them).
 
         Returns:
           False if ``timeout_s`` seconds passed with a persist still running, else True.

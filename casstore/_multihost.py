@@ -19,6 +19,7 @@ persist to its persistent tier (``_tiers``).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import itertools
 import os
 import time
@@ -73,6 +74,7 @@ class SaveAgreement:
         self._posted = False  # this process posted its refs (or its error)
         self._published = False  # process 0 posted the outcome
         self.save: list = []  # [run, step, tree digest], as describe() gives it
+        self.details: list | None = None  # a manager's [metrics, save time]: propose()
 
     @property
     def is_primary(self) -> bool:
@@ -85,6 +87,17 @@ class SaveAgreement:
         ``paths``, and each array leaf's shape, dtype and key implementation)."""
         shapes = [[i, list(a.shape), a.dtype.name, a.key_impl] for i, a in sorted(arrays.items())]
         self.save = [run, step, xxhash.xxh3_64_hexdigest(msgpack.packb([node, paths, shapes]))]
+
+    def propose(self, metrics: Any, started: datetime.datetime) -> None:
+        """A manager's save: its ``metrics`` and save time. Process 0 posts its own with the
+        outcome and the others take them (:meth:`agreed`), so every process ranks and ages
+        the step alike even where the metrics each process computed differ."""
+        self.details = [metrics, started.timestamp()]
+
+    def agreed(self) -> tuple[Any, datetime.datetime]:
+        """The committed save's metrics and save time (UTC): process 0's, after the commit."""
+        metrics, timestamp = self.details
+        return metrics, datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc)
 
     def _client(self):
         return kv_client()
@@ -210,10 +223,10 @@ class SaveAgreement:
         if self.count > 1 and self.is_primary and not self._published:
             self._published = True
             self._client().key_value_set_bytes(f"{self.tag}/outcome", msgpack.packb(
-                {"error": error, "save": self.save}))
+                {"error": error, "save": self.save, "details": self.details}))
 
     def wait_outcome(self) -> None:
-        """Other processes wait for process 0's commit.
+        """Other processes wait for process 0's commit, and take its :meth:`propose` d details.
 
         Raises:
           CasstoreError: it failed, it was of another save, or no outcome came in time.
@@ -231,6 +244,8 @@ class SaveAgreement:
         if outcome["save"] != self.save:
             raise CasstoreError(f"process 0 committed another save: process 0 "
                                 f"{self._other(outcome['save'])}")
+        if outcome["details"] is not None:
+            self.details = outcome["details"]
 
 
 _seen_shared: set[str] = set()  # URLs where process 0 saw another process's chunk

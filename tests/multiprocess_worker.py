@@ -7,7 +7,9 @@ first chunk) or ``own-disk`` (each process saves to ``REPO/host<PROCESS_ID>``, a
 its own). Modes ``early-fail``, ``other-step`` and ``other-tree`` (with ``manager-`` in front:
 through an async CheckpointManager) save STEP with process 1 failing before the exchange (an
 object leaf), saving STEP + 1, or saving ``w`` as int32, print each process's error, then save
-STEP + 2 alike on every process. Prints ``OK`` on success.
+STEP + 2 alike on every process. ``manager-metrics`` saves STEP to STEP + 3 through a manager
+keeping the 2 best by a loss each process computes differently, and prints ``STEPS <all_steps()>
+<best_step()>``. Prints ``OK`` on success.
 """
 
 import os
@@ -100,7 +102,24 @@ def subset_mesh() -> None:
     casstore.save(repo, step, tree, chunk_size_bytes=2048)
 
 
+def ranked_by_metrics() -> None:
+    """``manager-metrics``: each process passes its own metrics (opposite rankings); every
+    process must keep the steps process 0's metrics keep, which are the ones on disk."""
+    with casstore.CheckpointManager(repo, chunk_size_bytes=2048, max_to_keep=2,
+                                    best_fn=lambda m: m["loss"], best_mode="min") as mngr:
+        for s in range(step, step + 4):
+            loss = float(s if pid == 0 else -s)
+            mngr.save(s, {"state": global_state(s), "step": s}, metrics={"loss": loss})
+            mngr.wait_until_finished()
+        print("STEPS", mngr.all_steps(), mngr.best_step(), flush=True)
+
+
 def main() -> None:
+    if mode == "manager-metrics":
+        ranked_by_metrics()
+        jax.distributed.shutdown()
+        print("OK", flush=True)
+        return
     if mode == "subset-mesh":
         subset_mesh()
         jax.distributed.shutdown()

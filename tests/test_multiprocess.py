@@ -116,6 +116,18 @@ def test_processes_that_do_not_save_alike_commit_nothing_and_stay_in_step(tmp_pa
     assert_ok(run_job(2, "restore", repo, 3))
 
 
+def test_processes_with_different_metrics_keep_the_steps_process_0_keeps(tmp_path):
+    """Process 0 alone deletes the steps retention drops; each process dropped from its own
+    step list the steps its own metrics ranked out, so with other metrics process 1 listed
+    deleted steps as its latest and best. Every process now ranks by process 0's metrics."""
+    repo = tmp_path / "repo"
+    results = run_job(2, "manager-metrics", repo, 1)
+    assert_ok(results)
+    lines = [next(x for x in out.splitlines() if x.startswith("STEPS ")) for _, out in results]
+    assert lines[0] == lines[1] == "STEPS [1, 2] 1", lines  # process 0's loss: the step
+    assert casstore.list_steps(repo) == [1, 2]
+
+
 def test_an_array_on_another_processs_devices_only_is_saved(tmp_path):
     """A leaf on process 1's devices alone: process 1 took it as not spread (fully addressable
     there) and left it to process 0, which holds none of it: 'array without chunks'."""
