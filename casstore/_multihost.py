@@ -74,7 +74,7 @@ class SaveAgreement:
         self._posted = False  # this process posted its refs (or its error)
         self._published = False  # process 0 posted the outcome
         self.save: list = []  # [run, step, tree digest], as describe() gives it
-        self.details: list | None = None  # a manager's [metrics, save time]: propose()
+        self.details: tuple | None = None  # a manager's (metrics, save time): propose()
 
     @property
     def is_primary(self) -> bool:
@@ -92,12 +92,11 @@ class SaveAgreement:
         """A manager's save: its ``metrics`` and save time. Process 0 posts its own with the
         outcome and the others take them (:meth:`agreed`), so every process ranks and ages
         the step alike even where the metrics each process computed differ."""
-        self.details = [metrics, started.timestamp()]
+        self.details = (metrics, started)
 
     def agreed(self) -> tuple[Any, datetime.datetime]:
         """The committed save's metrics and save time (UTC): process 0's, after the commit."""
-        metrics, timestamp = self.details
-        return metrics, datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc)
+        return self.details
 
     def _client(self):
         return kv_client()
@@ -223,7 +222,8 @@ class SaveAgreement:
         if self.count > 1 and self.is_primary and not self._published:
             self._published = True
             self._client().key_value_set_bytes(f"{self.tag}/outcome", msgpack.packb(
-                {"error": error, "save": self.save, "details": self.details}))
+                {"error": error, "save": self.save, "details": self.details and [
+                    self.details[0], self.details[1].timestamp()]}))
 
     def wait_outcome(self) -> None:
         """Other processes wait for process 0's commit, and take its :meth:`propose` d details.
@@ -245,7 +245,9 @@ class SaveAgreement:
             raise CasstoreError(f"process 0 committed another save: process 0 "
                                 f"{self._other(outcome['save'])}")
         if outcome["details"] is not None:
-            self.details = outcome["details"]
+            metrics, timestamp = outcome["details"]
+            self.details = (metrics, datetime.datetime.fromtimestamp(timestamp,
+                                                                     datetime.timezone.utc))
 
 
 _seen_shared: set[str] = set()  # URLs where process 0 saw another process's chunk
