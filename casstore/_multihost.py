@@ -226,7 +226,8 @@ class SaveAgreement:
                     self.details[0], self.details[1].timestamp()]}))
 
     def wait_outcome(self) -> None:
-        """Other processes wait for process 0's commit, and take its :meth:`propose` d details.
+        """Other processes wait for process 0's commit, and take the details it proposed
+        (:meth:`propose`).
 
         Raises:
           CasstoreError: it failed, it was of another save, or no outcome came in time.
