@@ -68,9 +68,11 @@ class AsyncCheckpointer:
     the values at the call. Host memory: numpy leaves are copied (their bytes once more),
     except, after a save that reused more chunks than it wrote, for blocks that hash to a
     chunk of the previous step (the manager's saves: a frozen base is hashed, not copied);
-    accelerator arrays are copied block by block to pinned host memory; CPU-device jax arrays
-    are zero-copy views (jax copies a buffer donated while the save runs); Python scalars, str
-    and bytes are read at ``save``. With ``max_staging_bytes`` the copies held at once never
+    accelerator arrays are copied block by block to pinned host memory, except blocks saved
+    before from the same array objects whose chunks the previous step stores (their ids are
+    remembered: :func:`casstore.save`); CPU-device jax arrays are zero-copy views (jax copies
+    a buffer donated while the save runs); Python scalars, str and bytes are read at
+    ``save``. With ``max_staging_bytes`` the copies held at once never
     exceed that many bytes: ``save`` then stages what fits and waits for the background save
     to store chunks before staging more.
 
@@ -176,25 +178,29 @@ class AsyncCheckpointer:
             check_write_access(self.store)
             self._writable = True
         prepared, arrays = prepare(tree, metadata)
-        # numpy blocks over the pack threshold are copied at staging unless the previous step
-        # stores their chunk (smaller numpy leaves are packed: copied anyway). Hashing them here
-        # pays where blocks repeat, so only after a save that reused more chunks than it wrote
-        # (a frozen base); after one that did not (every leaf trained) they are copied unhashed.
-        numpy_blocks = any(isinstance(a, np.ndarray) and a.nbytes > DEFAULT_PACK_THRESHOLD_BYTES
-                           for a in arrays.values())
+        # Blocks whose chunk the previous step stores are handed over as ids: blocks of jax
+        # arrays whose id is remembered (_known_chunks) and, hashed here, numpy blocks over the
+        # pack threshold (smaller numpy leaves are packed: copied anyway). Hashing numpy blocks
+        # here pays where blocks repeat, so only after a save that reused more chunks than it
+        # wrote (a frozen base); after one that did not (every leaf trained) they are copied
+        # unhashed.
         previous, info = self._committed, self.last_save_info  # no request on this path
-        if (not numpy_blocks or previous is None or previous.step != previous_step
-                or info is None or info.reused_chunks <= info.new_chunks):
+        if previous is not None and previous.step != previous_step:
             previous = None
+        hash_numpy = (previous is not None and info is not None
+                      and info.reused_chunks > info.new_chunks
+                      and any(isinstance(a, np.ndarray)
+                              and a.nbytes > DEFAULT_PACK_THRESHOLD_BYTES
+                              for a in arrays.values()))
         inline, jobs = plan_jobs(prepared, arrays, self.chunk_size_bytes,
                                  DEFAULT_PACK_THRESHOLD_BYTES)
         del arrays
         stored = {r.id for leaf in previous.leaves for r in leaf.chunks} if previous else ()
-        stream = StagingStream(jobs, self.max_staging_bytes, self.chunk_size_bytes, stored)
+        stream = StagingStream(jobs, self.max_staging_bytes, self.chunk_size_bytes, stored,
+                               hash_numpy)
         self._pending_step = step
         self._pending = self._executor.submit(self._write, step, prepared, inline, stream,
-                                              previous_step, then, previous, numpy_blocks,
-                                              agreement)
+                                              previous_step, then, previous, agreement)
         try:
             stream.fill()
         except BaseException:  # raised here, so not again by the next call: let it fail now
@@ -215,10 +221,10 @@ class AsyncCheckpointer:
 
     def _write(self, step: int, prepared: Any, inline: dict, stream: StagingStream,
                previous_step: int | None, then: Callable[[SaveInfo], None] | None,
-               previous: Manifest | None = None, keep_manifest: bool = False,
-               agreement: SaveAgreement | None = None) -> None:
-        """The background half of a save: stores and commits ``stream``; with
-        ``keep_manifest``, reads the committed manifest back for the next save's staging."""
+               previous: Manifest | None = None, agreement: SaveAgreement | None = None
+               ) -> None:
+        """The background half of a save: stores and commits ``stream``, then reads the
+        committed manifest back for the next save's staging."""
         workers = self.store.max_workers
         try:
             self.last_save_info = write(
@@ -232,7 +238,7 @@ class AsyncCheckpointer:
             if isinstance(e, StoreTimeoutError):  # surfaces from wait_until_finished: the step
                 raise e.at(run=self.run, step=step) from e
             raise
-        self._committed = self._read_committed(step) if keep_manifest else None
+        self._committed = self._read_committed(step)
         if then is not None:
             then(self.last_save_info)
 

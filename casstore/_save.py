@@ -105,7 +105,13 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
     numpy and CPU-device arrays are read in place (no copy), and an accelerator's shards are
     copied to host memory one block at a time, each copy started as its block enters the
     window, so device-to-host copies of later blocks overlap hashing and writing of earlier
-    ones. The caller's arrays must not change until this returns.
+    ones. The caller's arrays must not change until this returns. A jax array saved again as
+    the same object (a frozen base, an unchanged state) is neither copied nor hashed again
+    where the run's latest step stores its chunks: the ids hashed from it at an earlier save
+    in this process are remembered while it lives (``casstore._known_chunks``). This takes jax
+    arrays as immutable, as jax does; an array whose buffer is written behind jax's back (a
+    DLPack view of a tensor another library then writes in place) must be saved as a new
+    array.
 
     Args:
       url: a path, an fsspec URL or a Store.

@@ -120,6 +120,12 @@ class ChunkWriter:
         future.set_result((size, base))
         return cid, size, base, upload
 
+    def is_stored(self, cid: str) -> bool:
+        """True if the repository is known to store chunk ``cid`` (``previous`` names it, or
+        this save stored or found it)."""
+        with self.lock:
+            return cid in self.known
+
     def _encode_if_absent(self, cid: str, raw: memoryview, element_size: int,
                           block: tuple | None) -> tuple[int, str | None, tuple[str, bytes] | None]:
         """``(stored bytes, base, (key, object) to upload or None)``; a stored chunk is not

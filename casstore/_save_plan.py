@@ -6,6 +6,8 @@ manifest and an iterator of :class:`Job`, one per chunk this process stores: a p
 leaves, or one block of one shard of a large leaf. A job reads its bytes only when the
 pipeline runs it (a view of a numpy or CPU-device array, or the host copy of an accelerator
 block, started as the stream yields the job), so host memory does not grow with the state.
+A chunk of jax arrays whose id :mod:`casstore._known_chunks` remembers is planned with that
+id and no bytes; the encoding stage reads it only if the repository lacks the chunk.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ._chunking import (
     start_host_copy,
     unique_shards,
 )
+from ._known_chunks import Members, known, members
 from ._save_leaves import ArrayInfo, Prepared
 
 
@@ -45,7 +48,12 @@ class Job:
       caller_memory: ``read`` views memory the caller may overwrite (a numpy leaf's buffer).
       holds_copy: ``read`` reads a copy made for this job (a pack, a device-to-host copy).
       release: called once the chunk is stored or has failed (frees a staging budget).
-      chunk_id: the chunk's id where staging hashed the bytes already, else None.
+      chunk_id: the chunk's id where staging hashed the bytes already, or where
+        :mod:`casstore._known_chunks` remembers it, else None.
+      members: the chunk's blocks as :mod:`casstore._known_chunks` names them (jax arrays
+        only), so the id hashed from its bytes is remembered there; else None.
+      copy: for a job planned without bytes from a remembered id: gives the job with its bytes
+        (an accelerator's host copy started), for when the repository lacks the chunk.
     """
 
     read: Callable[[], memoryview] | None
@@ -56,6 +64,8 @@ class Job:
     holds_copy: bool = False
     release: Callable[[], None] | None = None
     chunk_id: str | None = None
+    members: Members | None = None
+    copy: Callable[[], Job] | None = None
 
 
 
@@ -106,8 +116,9 @@ def _small_bytes(small: dict[int, Any]) -> dict[int, bytes]:
 
 
 def _block_jobs(i: int, array: Any, chunk_size_bytes: int) -> Iterator[Job]:
-    """One job per block of every unique shard of a large array (format.md §3.3), lazily."""
-    caller_memory = not isinstance(array, jax.Array)
+    """One job per block of every unique shard of a large array (format.md §3.3), lazily; a
+    block of a jax array whose id :mod:`casstore._known_chunks` remembers comes without bytes
+    (its ``copy`` reads them)."""
     for origin, shard in unique_shards(array):
         itemsize = shard.dtype.itemsize
         for start, stop in grid(tuple(shard.shape), itemsize, chunk_size_bytes):
@@ -115,13 +126,25 @@ def _block_jobs(i: int, array: Any, chunk_size_bytes: int) -> Iterator[Job]:
             g_stop = tuple(o + b for o, b in zip(origin, stop))
             nbytes = math.prod(b - a for a, b in zip(start, stop)) * itemsize
             blocks = [(i, g_start, g_stop, 0)]
-            if is_host_data(shard):
-                read = functools.partial(block_bytes, shard, start, stop)
-                yield Job(read, blocks, itemsize, nbytes, caller_memory)
-            else:
-                copy = start_host_copy(shard, start, stop)
-                yield Job(functools.partial(_read_copy, copy), blocks, itemsize, nbytes,
-                          holds_copy=True)
+            chunk = members([(array, g_start, g_stop, 0)])
+            job = functools.partial(_block_job, array, shard, start, stop, blocks, itemsize,
+                                    nbytes, chunk)
+            cid = known(chunk)
+            yield job() if cid is None else Job(None, blocks, itemsize, nbytes, chunk_id=cid,
+                                                members=chunk, copy=job)
+
+
+def _block_job(array: Any, shard: Any, start: tuple, stop: tuple, blocks: list, itemsize: int,
+               nbytes: int, chunk: Members | None) -> Job:
+    """The job of one block with its bytes: a view of host data, or an accelerator block's host
+    copy, started now."""
+    if is_host_data(shard):
+        read = functools.partial(block_bytes, shard, start, stop)
+        return Job(read, blocks, itemsize, nbytes, not isinstance(array, jax.Array),
+                   members=chunk)
+    copy = start_host_copy(shard, start, stop)
+    return Job(functools.partial(_read_copy, copy), blocks, itemsize, nbytes, holds_copy=True,
+               members=chunk)
 
 
 def _read_copy(copy: jax.Array) -> memoryview:
@@ -140,10 +163,10 @@ def _pack_jobs(small: dict[int, Any], paths: list[str], infos: dict[int, ArrayIn
     groups: dict[str, list[int]] = collections.defaultdict(list)
     for i in small:
         groups[paths[i].rpartition("/")[0]].append(i)
-    for members in groups.values():
+    for group in groups.values():
         batch: list[int] = []
         size = 0
-        for i in members:
+        for i in group:
             if batch and size + infos[i].nbytes > chunk_size_bytes:
                 yield _pack_job(batch, small, infos)
                 batch, size = [], 0
@@ -152,15 +175,27 @@ def _pack_jobs(small: dict[int, Any], paths: list[str], infos: dict[int, ArrayIn
         yield _pack_job(batch, small, infos)
 
 
-def _pack_job(members: list[int], small: dict[int, Any], infos: dict[int, ArrayInfo]) -> Job:
-    """A pack of the leaves ``members``, read now; its element size is the leaves' itemsize if
-    they all share one, else 1."""
-    raws = _small_bytes({i: small[i] for i in members})
+def _pack_job(members_: list[int], small: dict[int, Any], infos: dict[int, ArrayInfo]) -> Job:
+    """A pack of the leaves ``members_``; its element size is the leaves' itemsize if they all
+    share one, else 1. Read now, unless :mod:`casstore._known_chunks` remembers its id (then
+    its ``copy`` reads it)."""
     blocks, offset = [], 0
-    for i in members:
+    for i in members_:
         blocks.append((i, (0,) * len(infos[i].shape), infos[i].shape, offset))
-        offset += len(raws[i])
-    sizes = {infos[i].dtype.itemsize for i in members}
-    data = b"".join(raws[i] for i in members)
-    return Job(functools.partial(memoryview, data), blocks,
-               sizes.pop() if len(sizes) == 1 else 1, len(data), holds_copy=True)
+        offset += infos[i].nbytes
+    sizes = {infos[i].dtype.itemsize for i in members_}
+    itemsize = sizes.pop() if len(sizes) == 1 else 1
+    chunk = members([(small[i], start, stop, off) for i, start, stop, off in blocks])
+    cid = known(chunk)
+    if cid is not None:
+        return Job(None, blocks, itemsize, offset, chunk_id=cid, members=chunk,
+                   copy=functools.partial(_read_pack, blocks, small, itemsize, chunk))
+    return _read_pack(blocks, small, itemsize, chunk)
+
+
+def _read_pack(blocks: list, small: dict[int, Any], itemsize: int, chunk: Members | None) -> Job:
+    """The job of a pack of ``blocks``, its leaves read (copied) now."""
+    raws = _small_bytes({i: small[i] for i, *_ in blocks})
+    data = b"".join(raws[i] for i, *_ in blocks)
+    return Job(functools.partial(memoryview, data), blocks, itemsize, len(data),
+               holds_copy=True, members=chunk)

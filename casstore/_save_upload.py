@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import Iterable, Iterator
 
 from ._errors import StoreTimeoutError
+from ._known_chunks import remember
 from ._manifest import ChunkRef
 from ._pool import bounded_map
 from ._save_encode import ChunkWriter
@@ -48,14 +49,18 @@ def store_chunks(jobs: Iterable[Job], writer: ChunkWriter, max_workers: int, win
     def encode(job: Job) -> list[tuple[int, ChunkRef]] | cf.Future:
         i, start, stop, offset = job.blocks[0]
         block = (paths[i], start, stop) if len(job.blocks) == 1 and offset == 0 else None
+        release = job.release
         try:
             with _naming(paths[i]):
+                if job.copy is not None and not writer.is_stored(job.chunk_id):
+                    job = job.copy()  # a remembered id the repository lacks: read and hash
                 raw = job.read() if job.read is not None else None
                 cid, stored, base, upload = writer.write(raw, job.element_size, block,
                                                          job.chunk_id)
+                remember(job.members, cid)
         finally:
-            if job.release is not None:
-                job.release()
+            if release is not None:
+                release()
         refs = [(i, ChunkRef(cid, a, b, off, job.nbytes, stored, base))
                 for i, a, b, off in job.blocks]
         return refs if upload is None else uploads.submit(put, paths[i], upload, refs)

@@ -14,7 +14,10 @@ its bytes live:
   ``async_with_pinned_mem`` staging does); a later donation of the array does not change it;
 - a CPU device's block is a zero-copy view: jax arrays are immutable, and jax copies a donated
   buffer while a view of it is alive, so nothing is copied;
-- small leaves (packs, inline) were copied when the stream was planned.
+- small leaves (packs, inline) were copied when the stream was planned;
+- a block or pack of jax arrays whose chunk id is remembered from an earlier save of the same
+  array objects (:mod:`casstore._known_chunks`) is handed over as its id where ``stored``
+  names it, and copied as above where it does not (while the caller's arrays are alive).
 
 The copies held at once are bounded by ``max_bytes``: when the budget is spent, ``fill`` waits
 for the background save to store chunks and release theirs, so a state larger than the budget
@@ -24,6 +27,7 @@ streams through it (``save`` blocks longer, host memory never exceeds the budget
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import threading
 from collections.abc import Collection, Iterable, Iterator
@@ -43,19 +47,21 @@ class StagingStream:
         ``chunk_size_bytes``, the largest job.
       chunk_size_bytes: the largest raw size of one job, bytes.
       stored: chunk ids the background save will reuse without reading them (the previous
-        manifest's); empty: numpy blocks are copied without hashing.
+        manifest's).
+      hash_numpy: hash numpy blocks at staging, so those among ``stored`` are not copied
+        (False: they are copied unhashed).
 
     Raises:
       ValueError: ``max_bytes`` is smaller than one chunk.
     """
 
     def __init__(self, jobs: Iterable[Job], max_bytes: int | None, chunk_size_bytes: int,
-                 stored: Collection[str] = frozenset()):
+                 stored: Collection[str] = frozenset(), hash_numpy: bool = False):
         if max_bytes is not None and max_bytes < chunk_size_bytes:
             raise ValueError(f"max_staging_bytes={max_bytes} is smaller than one chunk "
                              f"({chunk_size_bytes} bytes)")
         self._jobs, self._max, self._chunk = jobs, max_bytes, chunk_size_bytes
-        self._stored = stored
+        self._stored, self._hash_numpy = stored, hash_numpy
         self._queue: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._used = self.peak_bytes = 0
@@ -78,7 +84,7 @@ class StagingStream:
                 job = next(jobs, None)
                 if job is None:
                     break
-                self._put(_independent(job, self._stored))
+                self._put(_independent(job, self._stored, self._hash_numpy))
         except BaseException as e:
             with self._cond:
                 self._error = e
@@ -138,16 +144,19 @@ class StagingStream:
             self._cond.notify_all()
 
 
-def _independent(job: Job, stored: Collection[str]) -> Job:
-    """``job``, independent of memory the caller may change: its chunk id alone if that chunk
-    is among ``stored``, else a copy of its bytes (with the id, where it was hashed)."""
+def _independent(job: Job, stored: Collection[str], hash_numpy: bool) -> Job:
+    """``job``, independent of memory the caller may change or donate: its chunk id alone if
+    that chunk is among ``stored``, else a copy of its bytes (with the id, where it was hashed
+    or remembered)."""
+    if job.copy is not None:  # a remembered id: the copy, if at all, is made while x is alive
+        return dataclasses.replace(job, copy=None) if job.chunk_id in stored else job.copy()
     if not job.caller_memory:
         return job
     # Copied first, then hashed: a caller (another thread) that writes its array meanwhile
     # must not get an id that does not name the bytes stored (a corrupt chunk that later
     # steps would dedup onto); the copy of a block that is stored already is dropped at once.
     copy = bytes(job.read())
-    cid = chunk_id(copy) if stored else None
+    cid = chunk_id(copy) if hash_numpy else None
     if cid is not None and cid in stored:
         return Job(None, job.blocks, job.element_size, job.nbytes, chunk_id=cid)
     return Job(functools.partial(memoryview, copy), job.blocks, job.element_size,

@@ -91,7 +91,7 @@ def test_errors_surface_from_wait_until_finished_and_the_next_save():
 
 
 def test_a_staging_error_is_raised_once_and_the_step_can_be_saved_again(monkeypatch):
-    def failing(job, stored):  # reading the caller's numpy block fails, once
+    def failing(job, stored, hash_numpy):  # reading the caller's numpy block fails, once
         monkeypatch.setattr(casstore._staging, "_independent", independent)
         raise RuntimeError("injected: reading the block failed")
 

@@ -370,8 +370,8 @@ def test_unchanged_numpy_blocks_are_handed_over_by_chunk_id_not_copied(gated, mo
     staged = []  # (handed over by id, raw bytes) of every numpy block staging saw
     independent = _staging._independent
 
-    def spy(job, stored):
-        out = independent(job, stored)
+    def spy(job, stored, hash_numpy):
+        out = independent(job, stored, hash_numpy)
         if job.caller_memory:
             staged.append((out.read is None, job.nbytes))
         return out
