@@ -3,9 +3,10 @@
 Every system (``harness.peers``: casstore, casstore-bytes with ``compression="bytes"``,
 casstore-raw with ``shuffle=False``, orbax,
 safetensors) saves ``harness.train_state`` (1.49 GB; ``--size gpt2-xl``: 18.7 GB made on the
-device) to local disk, then a state with the last 2 blocks new, then the unchanged state, and
-restores it, checked bit-exact (AssertionError otherwise); each figure beside its ratio to
-orbax's and, for saves and the restore, its fraction of the machine's limit measured in the same
+device) to local disk, then a state with the last 2 blocks new, then the unchanged state (the
+same array objects, then copies of them), and restores it, checked bit-exact (AssertionError
+otherwise); each figure beside its ratio to orbax's and, for saves and the restore, its
+fraction of the machine's limit measured in the same
 run (``harness.limit``). README.md's ``save_restore.py`` section describes every figure.
 
 Usage::
@@ -42,9 +43,10 @@ FIGURES = [  # (key, label, unit): seconds "s", bytes "B", multiples "x"
     ("changed_save_vs_changed_zstd", "2. ... written / changed leaves' zstd-1 bytes", "x"),
     ("unchanged_save_s", "3. save of the unchanged state", "s"),
     ("unchanged_save_written_bytes", "3. ... bytes written", "B"),
+    ("same_values_save_s", "3b. save of the same values in new arrays", "s"),
     ("restore_s", "4. restore", "s"),
     ("restore_cpu_s", "4. ... CPU time, user + system", "s"),
-    ("repo_bytes", "bytes on disk after the 3 saves", "B"),
+    ("repo_bytes", "bytes on disk after the 4 saves", "B"),
     ("save_rss_extra_bytes", "5. peak extra RSS, first save", "B"),
     ("restore_rss_extra_bytes", "5. peak extra RSS, restore", "B"),
 ]
@@ -64,6 +66,9 @@ def bench(system: str, root: pathlib.Path, source: list, dev: jax.Device, abstra
         for name, step in (("changed_save", 2), ("unchanged_save", 3)):
             phase(f"{name}_s", lambda s=step: peer.save(s, states[1]))
             out.update({f"{name}_{k}": v for k, v in peer.saved(step).items()})
+        fresh = jax.tree.map(lambda x: x.copy(), states[1])  # no array object saved before
+        phase("same_values_save_s", lambda: peer.save(4, fresh))
+        del fresh
         out["repo_bytes"] = peer.stored_bytes()
         restored = phase("restore_s", lambda: peer.restore(3, abstract),
                          rss="restore_rss_extra_bytes")

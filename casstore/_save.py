@@ -153,9 +153,9 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
       max_workers: threads for hashing and compression, and as many for uploads (default the
         store's, which follows the number of cores).
       max_inflight_bytes: raw bytes of blocks read but not yet uploaded, at most (default two
-        chunks per worker: 512 MiB with 16 workers and 16 MiB chunks); the encoded copies
-        add at most as much again, and each worker holds up to half a chunk more while it
-        compresses (a zstd frame and its verification).
+        chunks per worker, at most 768 MiB: 512 MiB with 16 workers and 16 MiB chunks); the
+        encoded copies add at most as much again, and each worker holds up to half a chunk
+        more while it compresses (a zstd frame and its verification).
       delta: store a changed block as the XOR with the same block (same key path and bounds)
         of the run's latest step when that saves 1/8 of the block stored whole, 1/4 of a block
         that would be stored raw (format.md §3.5): about 0.3 of the raw size on fine-tuned

@@ -61,3 +61,28 @@ def test_gpu_saved_state_restores_onto_the_cpu_and_back(tmp_path, gpu):
                                        sharding=jax.sharding.SingleDeviceSharding(gpu)), tree))
     assert on_gpu["a"].devices() == {gpu}
     assert bool(jnp.all(jax.random.key_data(on_gpu["k"]) == jax.random.key_data(tree["k"])))
+
+
+def test_a_second_save_of_the_same_gpu_arrays_copies_nothing_to_the_host(tmp_path, gpu,
+                                                                         monkeypatch):
+    from casstore import _save_plan
+
+    copies = []
+    real = _save_plan.start_host_copy
+    monkeypatch.setattr(_save_plan, "start_host_copy",
+                        lambda *a: copies.append(a[1:]) or real(*a))
+    tree = {"w": jax.device_put(jnp.arange(3_000_000, dtype=jnp.float32), gpu),
+            "b": jax.device_put(jnp.ones(1000, jnp.float32), gpu)}
+    casstore.save(tmp_path, 0, tree, chunk_size_bytes=2**20)
+    assert len(copies) == 12  # w's blocks; b is packed (its copy is _small_bytes')
+    copies.clear()
+    with casstore.CheckpointManager(tmp_path) as mngr:
+        mngr.save(1, tree)
+        mngr.wait_until_finished()
+        assert copies == []
+        assert mngr.last_save_info.new_chunks == 0
+    copy = jax.tree.map(jnp.copy, tree)
+    assert casstore.save(tmp_path, 2, copy, chunk_size_bytes=2**20).new_chunks == 0
+    assert len(copies) == 12  # new arrays: copied and hashed
+    restored = casstore.restore(tmp_path, 1)
+    np.testing.assert_array_equal(restored["w"], np.asarray(tree["w"]))

@@ -47,7 +47,7 @@ def state(seed=0):
             for i in range(4)}
     tree["sharded"] = jax.device_put(jnp.asarray(rng.standard_normal((64, 512), np.float32)),
                                      NamedSharding(jax.make_mesh((4, 2), ("a", "b"),
-                                                                 devices=jax.devices()[:8]),
+                                                                 devices=jax.devices("cpu")[:8]),
                                                    P("a", "b")))
     tree["np"] = rng.standard_normal(30_000).astype(np.float32)  # numpy: hashed every time
     return tree
