@@ -21,7 +21,6 @@ from ._pool import bounded_map
 from ._save_encode import ChunkWriter
 from ._save_plan import Job
 
-
 # The most raw bytes a save keeps in flight by default, however many workers: with the encoded
 # copies and the workers' zstd frames, a save's extra host memory stays under 2 GB (issue 12;
 # 32 workers on the H100 machine's 16 cores held 1 GiB and peaked at 2.16 GB).
