@@ -67,7 +67,7 @@ def bench(system: str, root: pathlib.Path, source: list, dev: jax.Device, abstra
             phase(f"{name}_s", lambda s=step: peer.save(s, states[1]))
             out.update({f"{name}_{k}": v for k, v in peer.saved(step).items()})
         fresh = jax.tree.map(lambda x: x.copy(), states[1])  # no array object saved before
-        phase("same_values_save_s", lambda: peer.save(4, fresh))
+        phase("same_values_save_s", lambda f=fresh: peer.save(4, f))
         del fresh
         out["repo_bytes"] = peer.stored_bytes()
         restored = phase("restore_s", lambda: peer.restore(3, abstract),
