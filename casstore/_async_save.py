@@ -20,6 +20,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 
 from ._chunking import (
@@ -187,6 +188,9 @@ class AsyncCheckpointer:
         previous, info = self._committed, self.last_save_info  # no request on this path
         if previous is not None and previous.step != previous_step:
             previous = None
+        if (previous is None and previous_step is not None  # a reopened manager: read once
+                and any(isinstance(getattr(a, "source", a), jax.Array) for a in arrays.values())):
+            previous = self._committed = self._read_committed(previous_step)
         hash_numpy = (previous is not None and info is not None
                       and info.reused_chunks > info.new_chunks
                       and any(isinstance(a, np.ndarray)

@@ -182,3 +182,16 @@ def test_threads_saving_the_same_arrays_agree(tmp_path):
     assert not errors
     for step in range(4):
         assert_restores(tmp_path, step, tree)
+
+
+def test_a_reopened_manager_hands_remembered_chunks_over_by_id(tmp_path, counts):
+    tree = {k: v for k, v in state().items() if k != "np"}
+    with casstore.CheckpointManager(tmp_path, chunk_size_bytes=CHUNK) as mngr:
+        mngr.save(1, tree)
+    counts.update(copies=0, hashes=0)
+    with casstore.CheckpointManager(tmp_path, chunk_size_bytes=CHUNK) as mngr:
+        mngr.save(2, tree)  # its first save: the latest manifest is read once, at staging
+        mngr.wait_until_finished()
+        assert counts == {"copies": 0, "hashes": 0}
+        assert mngr.last_save_info.new_chunks == 0
+    assert_restores(tmp_path, 2, tree)
