@@ -196,8 +196,10 @@ class AsyncCheckpointer:
                       and any(isinstance(a, np.ndarray)
                               and a.nbytes > DEFAULT_PACK_THRESHOLD_BYTES
                               for a in arrays.values()))
+        # without a cap, a shard of a few chunks is copied whole: one dispatch, no slices
+        whole = 0 if self.max_staging_bytes is not None else 4 * self.chunk_size_bytes
         inline, jobs = plan_jobs(prepared, arrays, self.chunk_size_bytes,
-                                 DEFAULT_PACK_THRESHOLD_BYTES)
+                                 DEFAULT_PACK_THRESHOLD_BYTES, whole)
         del arrays
         stored = {r.id for leaf in previous.leaves for r in leaf.chunks} if previous else ()
         stream = StagingStream(jobs, self.max_staging_bytes, self.chunk_size_bytes, stored,

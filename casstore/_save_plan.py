@@ -28,6 +28,7 @@ from ._chunking import (
     grid,
     is_host_data,
     on_host,
+    start_host_copies,
     start_host_copy,
     unique_shards,
 )
@@ -70,16 +71,20 @@ class Job:
 
 
 def plan_jobs(prepared: Prepared, arrays: dict[int, Any], chunk_size_bytes: int,
-              pack_threshold_bytes: int) -> tuple[dict[int, bytes], Iterator[Job]]:
+              pack_threshold_bytes: int, whole_shard_bytes: int = 0
+              ) -> tuple[dict[int, bytes], Iterator[Job]]:
     """This process's chunk jobs; returns ``(inline bytes by leaf index, jobs)``.
 
     Inline leaves are read now. Packs and larger leaves become a lazy stream of jobs: a pack
-    is read (a copy) when the stream yields it, so the copies held at once stay within what
-    the consumer takes (``max_staging_bytes``); a block of every unique shard of a larger
-    leaf is a job of its own, and an accelerator block's host copy is started when the stream
-    yields its job. Arrays that span several processes are written by
-    every process for its own ``replica_id == 0`` shards; everything else (numpy, fully
-    addressable jax arrays) only by process 0.
+    is read (a copy) when the stream yields it, its accelerator leaves' host copies started
+    in one call with those of the packs after it, up to ``chunk_size_bytes`` of them, so the
+    copies held at once stay within what the consumer takes (``max_staging_bytes``) plus one
+    chunk; a block of every unique shard of a larger leaf is a job of its own, and an
+    accelerator block's host copy is started when the stream yields its job, or its shard's
+    whole copy (once) where the shard has several blocks and at most ``whole_shard_bytes``
+    (no slice per block: each costs a dispatch). Arrays that span several processes are
+    written by every process for its own ``replica_id == 0`` shards; everything else (numpy,
+    fully addressable jax arrays) only by process 0.
     """
     primary = jax.process_index() == 0
     infos = prepared.arrays
@@ -96,7 +101,8 @@ def plan_jobs(prepared: Prepared, arrays: dict[int, Any], chunk_size_bytes: int,
     packs = _pack_jobs({i: a for i, a in small.items() if i not in inline}, prepared.paths,
                        infos, chunk_size_bytes)
     large = [(i, a) for i, a in mine.items() if i not in small]
-    blocks = (job for i, a in large for job in _block_jobs(i, a, chunk_size_bytes))
+    blocks = (job for i, a in large
+              for job in _block_jobs(i, a, chunk_size_bytes, whole_shard_bytes))
     return inline, _chain(packs, blocks)
 
 
@@ -106,22 +112,40 @@ def _chain(first: Iterator[Job], rest: Iterator[Job]) -> Iterator[Job]:
     yield from rest
 
 
-def _small_bytes(small: dict[int, Any]) -> dict[int, bytes]:
-    """The raw bytes of small leaves, copied; accelerator copies all start before any waits."""
-    host = {i: a if not isinstance(a, jax.Array) else np.asarray(a) if on_host(a)
-            else start_host_copy(a, (0,) * a.ndim, a.shape) for i, a in small.items()}
-    return {i: bytes(block_bytes(np.asarray(h), (0,) * h.ndim, h.shape))
-            for i, h in host.items()}
+def _on_device(a: Any) -> bool:
+    """True for a jax array whose bytes need a host copy."""
+    return isinstance(a, jax.Array) and not on_host(a)
 
 
+def _small_bytes(small: dict[int, Any], started: dict[int, jax.Array] | None = None
+                 ) -> dict[int, bytes]:
+    """The raw bytes of small leaves, copied; ``started`` holds host copies started already
+    (taken from it), the other accelerator copies all start in one call before any waits."""
+    started = started if started is not None else {}
+    host = {i: started.pop(i) for i in list(small) if i in started}
+    rest = [i for i in small if i not in host and _on_device(small[i])]
+    if rest:
+        host.update(zip(rest, start_host_copies([small[i] for i in rest])))
+    host.update({i: np.asarray(a) if isinstance(a, jax.Array) else a
+                 for i, a in small.items() if i not in host})
+    return {i: bytes(block_bytes(np.asarray(host[i]), (0,) * host[i].ndim, host[i].shape))
+            for i in small}
 
-def _block_jobs(i: int, array: Any, chunk_size_bytes: int) -> Iterator[Job]:
+
+def _block_jobs(i: int, array: Any, chunk_size_bytes: int, whole_shard_bytes: int
+                ) -> Iterator[Job]:
     """One job per block of every unique shard of a large array (format.md §3.3), lazily; a
     block of a jax array whose id :mod:`casstore._known_chunks` remembers comes without bytes
     (its ``copy`` reads them)."""
     for origin, shard in unique_shards(array):
         itemsize = shard.dtype.itemsize
-        for start, stop in grid(tuple(shard.shape), itemsize, chunk_size_bytes):
+        cuts = grid(tuple(shard.shape), itemsize, chunk_size_bytes)
+        whole = None
+        if (len(cuts) > 1 and not is_host_data(shard)
+                and math.prod(shard.shape) * itemsize <= whole_shard_bytes):
+            whole = functools.cache(functools.partial(
+                start_host_copy, shard, (0,) * len(shard.shape), tuple(shard.shape)))
+        for start, stop in cuts:
             g_start = tuple(o + a for o, a in zip(origin, start))
             g_stop = tuple(o + b for o, b in zip(origin, stop))
             nbytes = math.prod(b - a for a, b in zip(start, stop)) * itemsize
@@ -130,8 +154,13 @@ def _block_jobs(i: int, array: Any, chunk_size_bytes: int) -> Iterator[Job]:
             job = functools.partial(_block_job, array, shard, start, stop, blocks, itemsize,
                                     nbytes, chunk)
             cid = known(chunk)
-            yield job() if cid is None else Job(None, blocks, itemsize, nbytes, chunk_id=cid,
-                                                members=chunk, copy=job)
+            if cid is not None:
+                yield Job(None, blocks, itemsize, nbytes, chunk_id=cid, members=chunk, copy=job)
+            elif whole is not None:  # a view of the shard's copy, started at its first block
+                yield Job(functools.partial(_read_copy, whole(), start, stop), blocks, itemsize,
+                          nbytes, holds_copy=True, members=chunk)
+            else:
+                yield job()
 
 
 def _block_job(array: Any, shard: Any, start: tuple, stop: tuple, blocks: list, itemsize: int,
@@ -143,23 +172,51 @@ def _block_job(array: Any, shard: Any, start: tuple, stop: tuple, blocks: list, 
         return Job(read, blocks, itemsize, nbytes, not isinstance(array, jax.Array),
                    members=chunk)
     copy = start_host_copy(shard, start, stop)
-    return Job(functools.partial(_read_copy, copy), blocks, itemsize, nbytes, holds_copy=True,
-               members=chunk)
+    return Job(functools.partial(_read_copy, copy, (0,) * len(start),
+                                 tuple(b - a for a, b in zip(start, stop))),
+               blocks, itemsize, nbytes, holds_copy=True, members=chunk)
 
 
-def _read_copy(copy: jax.Array) -> memoryview:
-    """The raw bytes of a block whose host copy :func:`start_host_copy` started."""
-    host = np.asarray(copy)
-    return block_bytes(host, (0,) * host.ndim, host.shape)
+def _read_copy(copy: jax.Array, start: tuple, stop: tuple) -> memoryview:
+    """The raw bytes of ``copy[start:stop]``, a host copy :func:`start_host_copy` started."""
+    return block_bytes(np.asarray(copy), start, stop)
 
 
 def _pack_jobs(small: dict[int, Any], paths: list[str], infos: dict[int, ArrayInfo],
                chunk_size_bytes: int) -> Iterator[Job]:
     """Packs the small leaves of each parent node, in leaf order, into chunks (format.md §3.4),
-    lazily: a pack's leaves are read when it is yielded.
+    lazily: a pack's leaves are read when it is yielded, the host copies of its accelerator
+    leaves and of the next packs' (up to ``chunk_size_bytes``) started in one call.
 
     Grouping by parent keeps a changed small leaf from rewriting unrelated frozen ones.
     """
+    packs = list(_packs(small, paths, infos, chunk_size_bytes))
+    started: dict[int, jax.Array] = {}
+    for k, group in enumerate(packs):
+        blocks, offset = [], 0
+        for i in group:
+            blocks.append((i, (0,) * len(infos[i].shape), infos[i].shape, offset))
+            offset += infos[i].nbytes
+        sizes = {infos[i].dtype.itemsize for i in group}
+        itemsize = sizes.pop() if len(sizes) == 1 else 1
+        chunk = members([(small[i], start, stop, off) for i, start, stop, off in blocks])
+        cid = known(chunk)
+        if cid is not None:  # the pack's copy reads it, if the repository lacks the chunk
+            yield Job(None, blocks, itemsize, offset, chunk_id=cid, members=chunk,
+                      copy=functools.partial(_read_pack, blocks, small, itemsize, chunk))
+            continue
+        if any(i not in started and _on_device(small[i]) for i in group):
+            ahead = [i for i in _ahead(packs[k:], infos, chunk_size_bytes)
+                     if _on_device(small[i]) and i not in started]
+            if ahead:
+                started.update(zip(ahead, start_host_copies([small[i] for i in ahead])))
+        yield _read_pack(blocks, small, itemsize, chunk, started)
+
+
+def _packs(small: dict[int, Any], paths: list[str], infos: dict[int, ArrayInfo],
+           chunk_size_bytes: int) -> Iterator[list[int]]:
+    """The leaf indices of each pack: small leaves grouped by parent node, in leaf order, at
+    most ``chunk_size_bytes`` a pack."""
     groups: dict[str, list[int]] = collections.defaultdict(list)
     for i in small:
         groups[paths[i].rpartition("/")[0]].append(i)
@@ -168,34 +225,28 @@ def _pack_jobs(small: dict[int, Any], paths: list[str], infos: dict[int, ArrayIn
         size = 0
         for i in group:
             if batch and size + infos[i].nbytes > chunk_size_bytes:
-                yield _pack_job(batch, small, infos)
+                yield batch
                 batch, size = [], 0
             batch.append(i)
             size += infos[i].nbytes
-        yield _pack_job(batch, small, infos)
+        yield batch
 
 
-def _pack_job(members_: list[int], small: dict[int, Any], infos: dict[int, ArrayInfo]) -> Job:
-    """A pack of the leaves ``members_``; its element size is the leaves' itemsize if they all
-    share one, else 1. Read now, unless :mod:`casstore._known_chunks` remembers its id (then
-    its ``copy`` reads it)."""
-    blocks, offset = [], 0
-    for i in members_:
-        blocks.append((i, (0,) * len(infos[i].shape), infos[i].shape, offset))
-        offset += infos[i].nbytes
-    sizes = {infos[i].dtype.itemsize for i in members_}
-    itemsize = sizes.pop() if len(sizes) == 1 else 1
-    chunk = members([(small[i], start, stop, off) for i, start, stop, off in blocks])
-    cid = known(chunk)
-    if cid is not None:
-        return Job(None, blocks, itemsize, offset, chunk_id=cid, members=chunk,
-                   copy=functools.partial(_read_pack, blocks, small, itemsize, chunk))
-    return _read_pack(blocks, small, itemsize, chunk)
+def _ahead(packs: list[list[int]], infos: dict[int, ArrayInfo], limit: int) -> list[int]:
+    """The leaves of the first pack and of the packs after it, up to ``limit`` bytes."""
+    out, size = list(packs[0]), sum(infos[i].nbytes for i in packs[0])
+    for group in packs[1:]:
+        size += sum(infos[i].nbytes for i in group)
+        if size > limit:
+            break
+        out += group
+    return out
 
 
-def _read_pack(blocks: list, small: dict[int, Any], itemsize: int, chunk: Members | None) -> Job:
+def _read_pack(blocks: list, small: dict[int, Any], itemsize: int, chunk: Members | None,
+               started: dict[int, jax.Array] | None = None) -> Job:
     """The job of a pack of ``blocks``, its leaves read (copied) now."""
-    raws = _small_bytes({i: small[i] for i, *_ in blocks})
+    raws = _small_bytes({i: small[i] for i, *_ in blocks}, started)
     data = b"".join(raws[i] for i, *_ in blocks)
     return Job(functools.partial(memoryview, data), blocks, itemsize, len(data),
                holds_copy=True, members=chunk)

@@ -14,7 +14,7 @@ import casstore
 from casstore import _chunking, _staging
 from casstore.store import CountingStore, MemoryStore, Store
 
-from conftest import object_store
+from conftest import GatedStore, object_store
 
 
 class Gated(Store):
@@ -493,9 +493,9 @@ def test_packs_are_read_as_the_staging_budget_allows_not_all_at_once(monkeypatch
     from casstore import _save_plan
 
     events = []
-    pack_job = _save_plan._pack_job
-    monkeypatch.setattr(_save_plan, "_pack_job",
-                        lambda *a: events.append("read") or pack_job(*a))
+    read_pack = _save_plan._read_pack
+    monkeypatch.setattr(_save_plan, "_read_pack",
+                        lambda *a: events.append("read") or read_pack(*a))
 
     class Recording(MemoryStore):
         def _put(self, key, data, *, exclusive):
@@ -514,3 +514,53 @@ def test_packs_are_read_as_the_staging_budget_allows_not_all_at_once(monkeypatch
     assert events.index("put") < reads[-1]  # a pack was stored before the last was read
     restored = casstore.restore(store, 0)
     assert all(restored[k].tobytes() == v.tobytes() for k, v in tree.items())
+
+
+def test_a_shard_of_a_few_chunks_is_copied_whole_once_and_survives_donation(accelerator_path,
+                                                                            monkeypatch):
+    from casstore import _save_plan
+
+    copies = []
+    real = _save_plan.start_host_copy
+    monkeypatch.setattr(_save_plan, "start_host_copy",
+                        lambda x, a, b: copies.append((tuple(a), tuple(b))) or real(x, a, b))
+    chunk = 2**16
+    rng = np.random.default_rng(0)
+    tree = {"few": jnp.asarray(rng.standard_normal(3 * 2**14 + 5).astype(np.float32)),
+            "many": jnp.asarray(rng.standard_normal(5 * 2**14).astype(np.float32))}
+    expected = {k: np.array(v) for k, v in tree.items()}
+    store = GatedStore()
+    with casstore.CheckpointManager(store, chunk_size_bytes=chunk) as mngr:
+        mngr.save(1, tree)  # the chunk writes are held: the save is in flight
+        few = ((0,), (3 * 2**14 + 5,))  # 4 blocks, 4 chunks at most: one whole copy
+        many = [((a,), (a + 2**14,)) for a in range(0, 5 * 2**14, 2**14)]  # 5: one per block
+        assert sorted(copies) == sorted([few, *many])
+        tree = jax.jit(lambda t: jax.tree.map(lambda x: x * 0 - 7, t), donate_argnums=0)(tree)
+        jax.block_until_ready(tree)
+        store.gate.set()
+        mngr.wait_until_finished()
+        assert mngr.last_save_info.new_chunks == 4 + 5
+        restored = mngr.restore(1)
+    for k, v in expected.items():
+        assert restored[k].tobytes() == v.tobytes(), k
+
+
+def test_small_accelerator_leaves_are_copied_a_chunk_of_packs_per_call(accelerator_path,
+                                                                       monkeypatch):
+    from casstore import _save_plan
+
+    monkeypatch.setattr(_save_plan, "on_host", lambda x: False)
+    calls = []
+    real = _save_plan.start_host_copies
+    monkeypatch.setattr(_save_plan, "start_host_copies",
+                        lambda xs: calls.append(len(xs)) or real(xs))
+    tree = {f"layer{p}": {f"b{k}": jnp.full(1000, p * 10 + k, jnp.float32) for k in range(4)}
+            for p in range(10)}  # 10 packs of 4 leaves, 16 kB a pack
+    store = MemoryStore()
+    with casstore.CheckpointManager(store, chunk_size_bytes=2**16) as mngr:
+        mngr.save(1, tree)
+    assert calls == [16, 16, 8]  # 4 packs (64 kB) a call, then the 2 left
+    restored = casstore.restore(store, 1)
+    for p in range(10):
+        for k in range(4):
+            np.testing.assert_array_equal(restored[f"layer{p}"][f"b{k}"], p * 10 + k)
