@@ -171,12 +171,15 @@ def test_local_get_split_reads_head_and_body_in_one_read_or_nothing(tmp_path):
     assert not MemoryStore().get_split("obj", bytearray(4), bytearray(1))  # not supported
 
 
-def test_restores_read_from_4_threads_a_core_on_local_disk_unless_told(tmp_path):
+def test_restores_read_from_4_threads_a_core_on_local_disk_unless_told(tmp_path, monkeypatch):
     from casstore import FallbackStore
     from casstore._pool import usable_cores
 
     store = LocalStore(tmp_path)
-    assert store.read_workers == min(store.max_workers_cap, 4 * usable_cores())
+    assert store.read_workers == min(16, 4 * usable_cores())
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert (store.read_workers, store.max_workers) == (16, 32)  # reads: at most 16 threads
+    monkeypatch.undo()
     assert MemoryStore().read_workers == MemoryStore().max_workers  # as its other pools
     assert FallbackStore(store, [MemoryStore()]).read_workers == store.read_workers
     store.max_workers = 3

@@ -72,9 +72,10 @@ class Store(abc.ABC):
         worker and each thread of a restore holds one chunk's read buffer.
       read_workers: the threads of a restore's chunk reads: ``max_workers`` if set on the
         instance, else ``read_workers_per_core`` (a class attribute; None: as
-        ``workers_per_core``) per usable core, at most ``max_workers_cap``. 4 for local disk:
-        a raw chunk is read straight into its destination (no buffer, no copy), so its
-        threads mostly wait on the disk, which reads faster with more requests in flight.
+        ``workers_per_core``) per usable core, at most ``max_read_workers_cap`` (a class
+        attribute; None: ``max_workers_cap``). 4 a core, at most 16, for local disk: a raw
+        chunk is read straight into its destination (no buffer, no copy), so its threads
+        mostly wait on the disk, which reads faster with more requests in flight.
       shuffle: whether saves may use the byte-plane codec (codec 5, format.md §3.2) for
         barely compressible floats: trained float32 chunks are stored about 18% smaller
         (0.82 of raw, where plain zstd keeps 0.92) where ``compression`` picks byte planes.
@@ -102,6 +103,7 @@ class Store(abc.ABC):
     workers_per_core: int = 2
     read_workers_per_core: int | None = None
     max_workers_cap: int = 32
+    max_read_workers_cap: int | None = None
 
     @property
     def max_workers(self) -> int:
@@ -111,12 +113,14 @@ class Store(abc.ABC):
     @property
     def read_workers(self) -> int:
         """Threads of a restore's chunk reads (see the class docstring)."""
-        return self._workers(self.read_workers_per_core or self.workers_per_core)
+        return self._workers(self.read_workers_per_core or self.workers_per_core,
+                             self.max_read_workers_cap)
 
-    def _workers(self, per_core: int) -> int:
-        """``max_workers`` as set on the instance, else ``per_core`` threads a usable core."""
+    def _workers(self, per_core: int, cap: int | None = None) -> int:
+        """``max_workers`` as set on the instance, else ``per_core`` threads a usable core, at
+        most ``cap`` (None: ``max_workers_cap``)."""
         chosen = getattr(self, "_max_workers", None)
-        return chosen or default_workers(per_core, self.max_workers_cap)
+        return chosen or default_workers(per_core, cap or self.max_workers_cap)
 
     @max_workers.setter
     def max_workers(self, value: int) -> None:
