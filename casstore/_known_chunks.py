@@ -1,4 +1,5 @@
-"""Chunk ids of the blocks of live jax arrays, remembered from the save that hashed them.
+"""Chunk ids of the blocks of live jax arrays, remembered from the save that hashed them or
+the restore that checked them.
 
 A ``jax.Array`` never changes its value while the object lives: jax itself caches the host
 copy that ``np.asarray`` makes on the array (``_npy_value``) on that promise, and a donated
@@ -9,7 +10,9 @@ chunk with its remembered id and no bytes: where the repository stores it (the r
 manifest names it) nothing is copied from the device or hashed again, which is what a save of
 a frozen base or an unchanged state costs on an accelerator (a device-to-host copy of every
 block, then a hash of it); where it does not, the save copies and hashes the block as any
-other. numpy arrays are mutable and are never remembered.
+other. A restore that placed a chunk's bytes unchanged into a jax array (no cast, the saved
+shape) remembers its id too, so the first save after resuming from a checkpoint does not read
+a frozen base back from the device either. numpy arrays are mutable and are never remembered.
 
 Entries hold weak references only, so a remembered array is freed as soon as the caller drops
 it; entries of freed arrays are swept as the table grows.
@@ -17,6 +20,7 @@ it; entries of freed arrays are swept as the table grows.
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections.abc import Sequence
@@ -25,6 +29,7 @@ from typing import Any
 import jax
 
 from ._chunking import CastView
+from ._manifest import LeafEntry
 
 # (id(array), stored dtype, start, stop, byte offset) of every block of a chunk
 Key = tuple[tuple[int, str, tuple, tuple, int], ...]
@@ -98,3 +103,17 @@ def size() -> int:
     """Entries in the table (those of freed arrays included until the next sweep)."""
     with _lock:
         return len(_ids)
+
+
+def remember_restored(value: Any, entry: LeafEntry, saved_dtype: Any) -> None:
+    """Remembers the ids of the chunks a restore placed into ``value``: each chunk that holds
+    one whole block of the array leaf ``entry`` (not a pack of several leaves), where
+    ``value`` is a jax.Array of the saved shape and dtype ``saved_dtype`` (no cast, no pad or
+    truncation: its bytes are the chunks' bytes, whose ids the restore checked)."""
+    if (entry.kind != "array" or not isinstance(value, jax.Array)
+            or tuple(value.shape) != tuple(entry.shape) or value.dtype != saved_dtype):
+        return
+    for ref in entry.chunks:
+        if ref.offset == 0 and ref.raw_bytes == value.dtype.itemsize * math.prod(
+                b - a for a, b in zip(ref.start, ref.stop)):
+            remember(members([(value, ref.start, ref.stop, 0)]), ref.id)

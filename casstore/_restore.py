@@ -16,8 +16,9 @@ import jax
 
 from ._fallback import log_tiers, with_fallback
 from ._keypath import matches, unflatten_plain
+from ._known_chunks import remember_restored
 from ._manifest import Manifest
-from ._place import off_host, place, plain_value
+from ._place import off_host, place, plain_value, saved_dtype
 from ._read import read_fitted, read_regions, regions_for
 from ._repository import Url, read_manifest
 from ._saved_sharding import saved_target
@@ -153,8 +154,12 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
     x64, device = jax.config.jax_enable_x64, jax.config.jax_default_device
 
     def place_leaf(i: int, regions: dict | None) -> Any:
+        entry = manifest.leaves[i]
         with jax.enable_x64(x64), jax.default_device(device):  # on a worker thread too
-            return place(manifest.leaves[i], regions, targets[i], fail)
+            value = place(entry, regions, targets[i], fail)
+        if entry.kind == "array":  # a later save of value need not read it back
+            remember_restored(value, entry, saved_dtype(entry))
+        return value
 
     if strict:  # each leaf placed as soon as its chunks are in
         temporary = {i for i in requests if off_host(manifest.leaves[i], targets[i])}

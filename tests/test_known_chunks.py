@@ -195,3 +195,34 @@ def test_a_reopened_manager_hands_remembered_chunks_over_by_id(tmp_path, counts)
         assert counts == {"copies": 0, "hashes": 0}
         assert mngr.last_save_info.new_chunks == 0
     assert_restores(tmp_path, 2, tree)
+
+
+def test_a_save_after_a_restore_reads_no_unchanged_restored_array_back(tmp_path, counts):
+    """Resuming from a checkpoint: the restored arrays hold the chunks' checked bytes, so the
+    next save of a frozen one copies and hashes nothing of it."""
+    tree = {k: v for k, v in state().items() if k not in ("np", "sharded")}
+    casstore.save(tmp_path, 1, tree, chunk_size_bytes=CHUNK)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+    restored = casstore.restore(tmp_path, 1, target=target)
+    restored["layer0"]["w"] = restored["layer0"]["w"] + 1  # trained: a new array
+    counts.update(copies=0, hashes=0)
+    info = casstore.save(tmp_path, 2, restored, chunk_size_bytes=CHUNK)
+    assert counts == {"copies": 4, "hashes": 4}  # layer0's w; each b is a pack of one leaf,
+    assert info.new_chunks == 4  # whose chunk holds its bytes alone: remembered too
+    assert_restores(tmp_path, 2, restored)
+
+
+def test_a_restore_that_casts_or_pads_remembers_nothing(tmp_path, counts):
+    w = jnp.arange(60_000, dtype=jnp.float32)
+    casstore.save(tmp_path, 1, {"w": w}, chunk_size_bytes=CHUNK)
+    # int32: the same itemsize, so the same block bounds as the saved float32 chunks
+    casts = casstore.restore(tmp_path, 1, target={"w": jax.ShapeDtypeStruct(w.shape,
+                                                                            jnp.int32)})
+    pads = casstore.restore(tmp_path, 1, target={"w": jax.ShapeDtypeStruct((70_000,),
+                                                                           jnp.float32)},
+                            strict=False)
+    for step, tree in ((2, casts), (3, pads)):
+        counts.update(copies=0, hashes=0)
+        info = casstore.save(tmp_path, step, tree, chunk_size_bytes=CHUNK)
+        assert counts["hashes"] == info.new_chunks + info.reused_chunks, step
+        assert_restores(tmp_path, step, tree)
