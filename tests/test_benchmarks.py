@@ -18,6 +18,9 @@ def test_save_restore_benchmark_reports_every_figure_for_every_system(tmp_path, 
     for system in bench.SYSTEMS:
         figures = result["results"][system]
         for key in bench.FIGURE_KEYS:
+            if key == "same_values_save_s" and not system.startswith("casstore"):
+                assert key not in figures, system  # systems without dedup skip phase 3b
+                continue
             assert math.isfinite(figures[key]), (system, key)
             assert figures[key] >= 0, (system, key)
         # The bit-exact restore checks ran (they raise inside the benchmark on a mismatch).

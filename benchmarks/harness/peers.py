@@ -31,10 +31,11 @@ class Peer:
     the step is durable; ``saved(step)`` (untimed) gives its figures, at least
     ``written_bytes``; ``restore(step, target)`` gives the state, ready (a pytree, or a flat
     ``{name: array}`` where ``flat``), jax arrays where ``gives_jax``. ``save_async`` and
-    ``wait`` split ``save`` in two for systems that save in the background.
+    ``wait`` split ``save`` in two for systems that save in the background. ``dedups``: a
+    save stores only what the steps before it lack.
     """
 
-    gives_jax, flat = True, False
+    gives_jax, flat, dedups = True, False, False
 
     def __init__(self, root: Any):
         self.root = root
@@ -69,6 +70,8 @@ class Peer:
 class Casstore(Peer):
     """``casstore.save(url, step, state, **save_options)`` and ``casstore.restore(url, step,
     target=target)``; ``url`` is a path or a Store (then ``stored_bytes`` lists it)."""
+
+    dedups = True
 
     def __init__(self, url: Any, **save_options: Any):
         super().__init__(url)

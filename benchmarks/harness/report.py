@@ -88,7 +88,8 @@ def figure_table(res: dict[str, dict], figures: list[tuple[str, str, str]], cols
         vals = [res[s].get(key, math.nan) for s in cols]
         rows.append([f"{label}{f' ({unit})' if unit not in ('B', 'MB') else ''}",
                      *(fmt(v, unit) for v in vals),
-                     *(fmt(ratio(res[s].get(key, math.nan), res[ref][key]), "x") for s in ours)])
+                     *(fmt(ratio(res[s].get(key, math.nan), res[ref].get(key, math.nan)), "x")
+                       for s in ours)])
         if limits:
             lim = limits.get(key)
             rows[-1] += ([fmt(lim, "s"), *(fmt(ratio(lim, v), "x") for v in vals)]
