@@ -73,9 +73,9 @@ class AsyncCheckpointer:
     before from the same array objects whose chunks the previous step stores (their ids are
     remembered: :func:`casstore.save`); CPU-device jax arrays are zero-copy views (jax copies
     a buffer donated while the save runs); Python scalars, str and bytes are read at
-    ``save``. With ``max_staging_bytes`` the copies held at once never
-    exceed that many bytes: ``save`` then stages what fits and waits for the background save
-    to store chunks before staging more.
+    ``save``. With ``max_staging_bytes`` the copies held at once never exceed that many bytes:
+    ``save`` then stages what fits and waits for the background save to store chunks before
+    staging more.
 
     Thread-safety: NOT thread-safe (call it from one thread). At interpreter exit an in-flight
     save is finished first (an error it ends with is logged, level ERROR, logger ``casstore``:

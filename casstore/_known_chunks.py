@@ -78,9 +78,9 @@ def known(chunk: Members | None) -> str | None:
         return None
     with _lock:
         entry = _ids.get(chunk.key)
-    if entry is None or any(r() is None or r() is not a()
-                            for r, a in zip(entry[0], chunk.refs)) or not chunk.alive():
-        return None
+    if entry is None or not chunk.alive() or any(r() is not a()
+                                                 for r, a in zip(entry[0], chunk.refs)):
+        return None  # alive: a() is an array, so a dead r() (None) is not it
     return entry[1]
 
 
