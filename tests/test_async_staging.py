@@ -516,30 +516,37 @@ def test_packs_are_read_as_the_staging_budget_allows_not_all_at_once(monkeypatch
     assert all(restored[k].tobytes() == v.tobytes() for k, v in tree.items())
 
 
-def test_a_shard_of_a_few_chunks_is_copied_whole_once_and_survives_donation(accelerator_path,
-                                                                            monkeypatch):
+def test_shards_of_a_few_chunks_are_copied_whole_many_per_call_and_survive_donation(
+        accelerator_path, monkeypatch):
     from casstore import _save_plan
 
-    copies = []
-    real = _save_plan.start_host_copy
-    monkeypatch.setattr(_save_plan, "start_host_copy",
-                        lambda x, a, b: copies.append((tuple(a), tuple(b))) or real(x, a, b))
-    chunk = 2**16
+    monkeypatch.setattr(_save_plan, "on_host", lambda x: False)
+    blocks, wholes = [], []
+    block_copy, whole_copies = _save_plan.start_host_copy, _save_plan.start_host_copies
+    monkeypatch.setattr(_save_plan, "start_host_copy", lambda x, a, b: blocks.append(
+        (tuple(a), tuple(b))) or block_copy(x, a, b))
+    monkeypatch.setattr(_save_plan, "start_host_copies", lambda xs: wholes.append(
+        sorted(x.size for x in xs)) or whole_copies(xs))
+    chunk = 2**17  # float32 blocks of 2**15 elements; leaves up to 64 KiB are packed
     rng = np.random.default_rng(0)
     tree = {"few": jnp.asarray(rng.standard_normal(3 * 2**14 + 5).astype(np.float32)),
-            "many": jnp.asarray(rng.standard_normal(5 * 2**14).astype(np.float32))}
+            "many": jnp.asarray(rng.standard_normal(5 * 2**15).astype(np.float32)),
+            "one": jnp.asarray(rng.standard_normal(25_600).astype(np.float32)),
+            "sharded": jax.device_put(jnp.asarray(rng.standard_normal((256, 256), np.float32)),
+                                      NamedSharding(mesh(), P("data", "model")))}
     expected = {k: np.array(v) for k, v in tree.items()}
     store = GatedStore()
     with casstore.CheckpointManager(store, chunk_size_bytes=chunk) as mngr:
         mngr.save(1, tree)  # the chunk writes are held: the save is in flight
-        few = ((0,), (3 * 2**14 + 5,))  # 4 blocks, 4 chunks at most: one whole copy
-        many = [((a,), (a + 2**14,)) for a in range(0, 5 * 2**14, 2**14)]  # 5: one per block
-        assert sorted(copies) == sorted([few, *many])
+        # few (2 blocks, at most 4 chunks), one (1 block) and sharded's 8 shards (on 8
+        # devices): copied whole, in one call; many (5 blocks, over 4 chunks): a copy a block
+        assert wholes == [[64 * 128] * 8 + [25_600, 3 * 2**14 + 5]]
+        assert sorted(blocks) == [((a,), (a + 2**15,)) for a in range(0, 5 * 2**15, 2**15)]
         tree = jax.jit(lambda t: jax.tree.map(lambda x: x * 0 - 7, t), donate_argnums=0)(tree)
         jax.block_until_ready(tree)
         store.gate.set()
         mngr.wait_until_finished()
-        assert mngr.last_save_info.new_chunks == 4 + 5
+        assert mngr.last_save_info.new_chunks == 2 + 5 + 1 + 8
         restored = mngr.restore(1)
     for k, v in expected.items():
         assert restored[k].tobytes() == v.tobytes(), k
