@@ -86,3 +86,23 @@ def test_a_second_save_of_the_same_gpu_arrays_copies_nothing_to_the_host(tmp_pat
     assert len(copies) == 12  # new arrays: copied and hashed
     restored = casstore.restore(tmp_path, 1)
     np.testing.assert_array_equal(restored["w"], np.asarray(tree["w"]))
+
+
+def test_a_save_after_restoring_onto_the_gpu_copies_no_unchanged_block(tmp_path, gpu,
+                                                                       monkeypatch):
+    from casstore import _save_plan
+
+    w = jax.device_put(jnp.arange(3_000_000, dtype=jnp.float32), gpu)
+    casstore.save(tmp_path, 0, {"w": w, "v": w + 1}, chunk_size_bytes=2**20)
+    sharding = jax.sharding.SingleDeviceSharding(gpu)
+    target = {k: jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=sharding) for k in ("w", "v")}
+    restored = casstore.restore(tmp_path, 0, target=target)
+    restored["v"] = restored["v"] * 2  # trained: a new array
+    copies = []
+    real = _save_plan.start_host_copy
+    monkeypatch.setattr(_save_plan, "start_host_copy",
+                        lambda *a: copies.append(a[1:]) or real(*a))
+    info = casstore.save(tmp_path, 1, restored, chunk_size_bytes=2**20)
+    assert len(copies) == 12  # v's blocks only: w's ids were checked by the restore
+    assert info.new_chunks == 12
+    np.testing.assert_array_equal(casstore.restore(tmp_path, 1)["w"], np.asarray(w))
