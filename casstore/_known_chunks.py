@@ -32,7 +32,7 @@ from ._chunking import CastView
 from ._manifest import LeafEntry
 
 # (id(array), stored dtype, start, stop, byte offset) of every block of a chunk
-Key = tuple[tuple[int, str, tuple, tuple, int], ...]
+Key = tuple[tuple[int, Any, tuple, tuple, int], ...]
 
 _lock = threading.Lock()
 _ids: dict[Key, tuple[tuple[weakref.ref, ...], str]] = {}
@@ -66,7 +66,7 @@ def members(blocks: Sequence[tuple[Any, tuple, tuple, int]]) -> Members | None:
             leaf, getattr(leaf, "dtype", None))
         if not isinstance(array, jax.Array):
             return None
-        key.append((id(array), str(dtype), tuple(start), tuple(stop), offset))
+        key.append((id(array), dtype, tuple(start), tuple(stop), offset))
         refs.append(weakref.ref(array))
     return Members(tuple(key), tuple(refs))
 

@@ -227,6 +227,7 @@ def _pack_jobs(small: dict[int, Any], paths: list[str], infos: dict[int, ArrayIn
     Grouping by parent keeps a changed small leaf from rewriting unrelated frozen ones.
     """
     packs = list(_packs(small, paths, infos, chunk_size_bytes))
+    on_device = {i for i, a in small.items() if _on_device(a)}
     started: dict[int, jax.Array] = {}
     for k, group in enumerate(packs):
         blocks, offset = [], 0
@@ -241,9 +242,9 @@ def _pack_jobs(small: dict[int, Any], paths: list[str], infos: dict[int, ArrayIn
             yield Job(None, blocks, itemsize, offset, chunk_id=cid, members=chunk,
                       copy=functools.partial(_read_pack, blocks, small, itemsize, chunk))
             continue
-        if any(i not in started and _on_device(small[i]) for i in group):
+        if any(i in on_device and i not in started for i in group):
             ahead = [i for i in _ahead(packs[k:], infos, chunk_size_bytes)
-                     if _on_device(small[i]) and i not in started]
+                     if i in on_device and i not in started]
             if ahead:
                 started.update(zip(ahead, start_host_copies([small[i] for i in ahead])))
         yield _read_pack(blocks, small, itemsize, chunk, started)
