@@ -16,7 +16,7 @@ import collections
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -139,7 +139,7 @@ def _small_bytes(small: dict[int, Any], started: dict[int, jax.Array] | None = N
 def _block_jobs(i: int, array: Any, chunk_size_bytes: int) -> Iterator[Job]:
     """One job per block of every unique shard of a large array (format.md §3.3), lazily."""
     for origin, shard in unique_shards(array):
-        yield from _shard_jobs(i, array, origin, shard, chunk_size_bytes)
+        yield from _shard_jobs(i, array, shard, _blocks(array, origin, shard, chunk_size_bytes))
 
 
 def _whole_shard_jobs(large: list[tuple[int, Any]], chunk_size_bytes: int,
@@ -150,43 +150,50 @@ def _whole_shard_jobs(large: list[tuple[int, Any]], chunk_size_bytes: int,
     shards of new arrays blocked ``save()`` 0.85 s on an H100 machine. For a staging without a
     cap, which holds every copy until it is stored."""
     shards = [(i, a, origin, shard) for i, a in large for origin, shard in unique_shards(a)]
+    cuts: dict[int, list] = {}  # each shard's _blocks, worked out once
+
+    def cuts_of(k: int) -> list:
+        if k not in cuts:
+            _, a, origin, shard = shards[k]
+            cuts[k] = list(_blocks(a, origin, shard, chunk_size_bytes))
+        return cuts[k]
 
     @functools.cache
     def copied(k: int) -> bool:  # copied whole: a block's id is not remembered
-        _, a, origin, shard = shards[k]
-        return (isinstance(shard, jax.Array) and not on_host(shard)
-                and shard.nbytes <= whole_shard_bytes
-                and any(cid is None for *_, cid in _blocks(a, origin, shard, chunk_size_bytes)))
+        shard = shards[k][3]
+        return (_on_device(shard) and shard.nbytes <= whole_shard_bytes
+                and any(cid is None for *_, cid in cuts_of(k)))
 
     started: dict[int, jax.Array] = {}
-    for k, (i, a, origin, shard) in enumerate(shards):
+    for k, (i, a, _, shard) in enumerate(shards):
         if k not in started and copied(k):
             ahead = [j for j in range(k, min(k + WHOLE_SHARDS_PER_CALL, len(shards)))
                      if copied(j)]
             started.update(zip(ahead, start_host_copies([shards[j][3] for j in ahead])))
-        yield from _shard_jobs(i, a, origin, shard, chunk_size_bytes, started.pop(k, None))
+        yield from _shard_jobs(i, a, shard, cuts_of(k), started.pop(k, None))
+        del cuts[k]
 
 
 def _blocks(array: Any, origin: tuple, shard: Any, chunk_size_bytes: int
-            ) -> Iterator[tuple[tuple, tuple, Members | None, str | None]]:
-    """``(start, stop, chunk, remembered id)`` of each block of one shard: bounds within the
-    shard, the chunk as :mod:`casstore._known_chunks` names it, its id there or None."""
+            ) -> Iterator[tuple[tuple, tuple, tuple, tuple, Members | None, str | None]]:
+    """``(start, stop, global start, global stop, chunk, remembered id)`` of each block of one
+    shard: its bounds within the shard and within the array, the chunk as
+    :mod:`casstore._known_chunks` names it, and its id there or None."""
     for start, stop in grid(tuple(shard.shape), shard.dtype.itemsize, chunk_size_bytes):
         g_start = tuple(o + a for o, a in zip(origin, start))
         g_stop = tuple(o + b for o, b in zip(origin, stop))
         chunk = members([(array, g_start, g_stop, 0)])
-        yield start, stop, chunk, known(chunk)
+        yield start, stop, g_start, g_stop, chunk, known(chunk)
 
 
-def _shard_jobs(i: int, array: Any, origin: tuple, shard: Any, chunk_size_bytes: int,
+def _shard_jobs(i: int, array: Any, shard: Any, cuts: Iterable[tuple],
                 whole: jax.Array | None = None) -> Iterator[Job]:
-    """One job per block of one shard, lazily: a block whose id :mod:`casstore._known_chunks`
-    remembers comes without bytes (its ``copy`` reads them); with ``whole``, the shard's host
-    copy (started), the others read views of it."""
+    """One job per block of one shard (``cuts``: its :func:`_blocks`), lazily: a block whose
+    id :mod:`casstore._known_chunks` remembers comes without bytes (its ``copy`` reads them);
+    with ``whole``, the shard's host copy (started), the others read views of it."""
     itemsize = shard.dtype.itemsize
-    for start, stop, chunk, cid in _blocks(array, origin, shard, chunk_size_bytes):
-        blocks = [(i, tuple(o + a for o, a in zip(origin, start)),
-                   tuple(o + b for o, b in zip(origin, stop)), 0)]
+    for start, stop, g_start, g_stop, chunk, cid in cuts:
+        blocks = [(i, g_start, g_stop, 0)]
         nbytes = math.prod(b - a for a, b in zip(start, stop)) * itemsize
         job = functools.partial(_block_job, array, shard, start, stop, blocks, itemsize,
                                 nbytes, chunk)
