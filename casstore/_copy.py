@@ -14,9 +14,10 @@ Integrity of each object as it passes (``verify``):
   payload's length for a raw chunk, the plane table of codecs 3, 4 and 5 (lengths that add up to
   the payload), and the content size each zstd frame declares. A truncated, mis-sized or
   foreign object is refused; a changed byte inside a payload is not seen here. On S3 a byte
-  changed in transit is seen without decoding: botocore sends a CRC32 with every upload, which
-  the store checks (it refuses the body), and checks every download against the CRC32 the
-  store keeps; the object is sent or fetched again, then the copy fails
+  changed in transit is seen without decoding: botocore sends a CRC32C (a CRC32 without
+  awscrt) with every upload, which the store checks (it refuses the body), and checks every
+  download against the checksum the store keeps; the object is sent or fetched again, then
+  the copy fails
   (:mod:`casstore.store._retry`). gcsfs checks neither way (GCS itself is reached over
   HTTPS, whose TLS refuses a changed byte). Damage at the source is seen by
   every restore and ``verify`` of the destination (the chunk id is checked on every read, so

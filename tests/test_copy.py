@@ -260,9 +260,31 @@ def flipping_s3(object_servers):
         yield proxy, through, FsspecStore.from_url(url, **server.storage_options)
 
 
+def test_s3_uploads_carry_a_crc32c_that_the_store_keeps(tmp_path, flipping_s3):
+    """With awscrt installed (the s3 extra), every upload of a save, a copy and a single put
+    carries a CRC32C (not botocore's default CRC32), and the store keeps it for downloads."""
+    import base64
+
+    from awscrt.checksums import crc32c
+
+    _, _, direct = flipping_s3
+    x = np.random.default_rng(0).normal(size=50_000).astype(np.float32)
+    casstore.save(tmp_path / "src", 0, {"x": x})
+    casstore.copy(tmp_path / "src", direct)
+    casstore.save(direct, 1, {"x": x + 1})
+    keys = [info.key for info in direct.list("")]
+    assert len(keys) >= 5  # config, 2 manifests, 2 chunks
+    bucket, prefix, _ = direct.fs.split_path(direct.root)
+    for key in keys:
+        head = direct.fs.call_s3("head_object", Bucket=bucket, Key=f"{prefix}/{key}",
+                                 ChecksumMode="ENABLED")
+        want = base64.b64encode(crc32c(direct.get(key)).to_bytes(4, "big")).decode()
+        assert (head.get("ChecksumCRC32C"), head.get("ChecksumCRC32")) == (want, None), key
+
+
 def test_a_byte_flipped_in_transit_to_s3_is_refused_by_the_store(tmp_path, flipping_s3):
-    """The framing-only copy sends each object with a CRC32 the store checks (botocore's
-    default): a changed byte is refused, retried, and never stored."""
+    """The framing-only copy sends each object with a CRC32C the store checks: a changed byte
+    is refused, retried, and never stored."""
     proxy, through, direct = flipping_s3
     x = np.random.default_rng(0).normal(size=50_000).astype(np.float32)  # one chunk object
     casstore.save(tmp_path / "src", 0, {"x": x})
@@ -279,7 +301,7 @@ def test_a_byte_flipped_in_transit_to_s3_is_refused_by_the_store(tmp_path, flipp
 
 def test_a_byte_flipped_in_transit_from_s3_fails_the_copy_and_a_tier_has_the_chunk(
         tmp_path, flipping_s3):
-    """A download is checked against the CRC32 the store keeps, without decoding: the copy
+    """A download is checked against the CRC32C the store keeps, without decoding: the copy
     names the chunk and writes no step; a tiered restore takes the chunk from the other tier."""
     proxy, through, direct = flipping_s3
     trees = shared_steps(LocalStore(tmp_path / "local"), n=1)

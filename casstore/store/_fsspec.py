@@ -38,6 +38,27 @@ from ._retry import (
     one_attempt_options,
 )
 
+_S3FS_SINGLE_PUT_BYTES = 100 << 20  # s3fs sends smaller objects in one PutObject
+
+
+def _put_options(fs: fsspec.AbstractFileSystem) -> dict:
+    """Keyword arguments of every upload: on s3fs, with awscrt installed, the CRC32C checksum
+    (``ChecksumAlgorithm="CRC32C"``) instead of botocore's default CRC32.
+
+    The store checks either against the body and refuses a changed byte (``BadDigest``), and
+    botocore checks every download against the checksum the store keeps. awscrt computes
+    CRC32C at about 27 GiB/s on one core of the 2-core machine, where zlib's CRC32 runs at
+    3.9 GiB/s (and awscrt's at 2.8): both checks run on fsspec's one event-loop thread.
+    Without awscrt botocore cannot compute CRC32C, so uploads keep its CRC32.
+    """
+    if not hasattr(fs, "call_s3"):
+        return {}
+    try:
+        import awscrt.checksums  # noqa: F401
+    except ImportError:
+        return {}
+    return {"ChecksumAlgorithm": "CRC32C"}
+
 
 def _is_exists_error(exc: BaseException) -> bool:
     """True if ``exc`` says a create-only write found the object present.
@@ -132,6 +153,7 @@ class FsspecStore(Store):
         self.url = url or f"{protocol}://{self.root}"
         self.read_only = read_only
         self.batch_size = batch_size
+        self.put_options = _put_options(fs)
         self.policy = RetryPolicy(
             self.url, self.max_workers, retries=retries, backoff_s=backoff_s,
             max_backoff_s=max_backoff_s, request_timeout_s=request_timeout_s,
@@ -278,7 +300,8 @@ class FsspecStore(Store):
     def _write(self, key: str, data: bytes, exclusive: bool) -> None:
         if not exclusive:
             path = self._path(key)
-            self.policy.run(key, lambda t: self._call("pipe_file", path, data, timeout=t))
+            self.policy.run(key, lambda t: self._call("pipe_file", path, data, timeout=t,
+                                                      **self._options_for(len(data))))
             return
         attempts = []
 
@@ -286,7 +309,8 @@ class FsspecStore(Store):
             attempts.append(1)
             t0 = time.monotonic()
             try:
-                self._call("pipe_file", self._path(key), data, mode="create", timeout=timeout)
+                self._call("pipe_file", self._path(key), data, mode="create", timeout=timeout,
+                           **self._options_for(len(data)))
             except Exception as e:  # narrowed by _is_exists_error; everything else re-raises
                 if not _is_exists_error(e):
                     raise
@@ -330,5 +354,12 @@ class FsspecStore(Store):
         keys = list(items)
         for i in range(0, len(keys), self.batch_size):
             batch = keys[i:i + self.batch_size]
-            self.policy.run(batch[0], lambda t, b=batch: self._call(
-                "pipe", {self._path(k): bytes(items[k]) for k in b}, timeout=t))
+            options = self._options_for(max(len(items[k]) for k in batch))
+            self.policy.run(batch[0], lambda t, b=batch, o=options: self._call(
+                "pipe", {self._path(k): bytes(items[k]) for k in b}, timeout=t, **o))
+
+    def _options_for(self, nbytes: int) -> dict:
+        """:attr:`put_options` for an upload of ``nbytes`` sent in one request: s3fs uploads
+        an object of 100 MiB or more in parts, which would get botocore's default checksum and
+        not match the upload's."""
+        return self.put_options if nbytes < _S3FS_SINGLE_PUT_BYTES else {}

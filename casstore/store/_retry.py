@@ -84,8 +84,8 @@ CHECKSUM_ATTEMPTS = 3  # transfers of one object whose bytes fail their checksum
 
 def is_checksum_mismatch(exc: BaseException) -> str | None:
     """``"upload"`` if the store refused an upload whose body does not match the checksum sent
-    with it (S3 ``BadDigest``: botocore sends a CRC32 with every ``PutObject``), ``"download"``
-    if a download's body does not match the checksum the store keeps (botocore's
+    with it (S3 ``BadDigest``: botocore sends a CRC32C or CRC32 with every ``PutObject``),
+    ``"download"`` if a download's body does not match the checksum the store keeps (botocore's
     ``FlexibleChecksumError``, gcsfs's ``ChecksumError``), else None. The exception and its
     causes are inspected."""
     for e in (exc, exc.__cause__, exc.__context__):
