@@ -111,6 +111,8 @@ def copies(local: pathlib.Path, a: tuple, b: tuple, cfg, out: dict) -> None:
     s3 = lambda url, o: casstore.open_store(url, skip_instance_cache=True, **o)  # noqa: E731
     phase = functools.partial(h.phase, out, warm=cfg.warm, probes=[h.peers.ServerCpu()])
     phase("copy_local_s3_s", lambda: casstore.copy(str(local), s3(src, a_opts)))
+    # untimed: server B grows its volumes for this much data here, not in the first timed copy
+    casstore.copy(s3(src, a_opts), s3(f"s3://{b_bucket}/warm-up", b_opts))
     out["rclone"] = shutil.which(RCLONE)
     if out["rclone"] is None:
         phase("copy_s3_s3_s", lambda: casstore.copy(s3(src, a_opts), s3(dst, b_opts)))
@@ -119,7 +121,7 @@ def copies(local: pathlib.Path, a: tuple, b: tuple, cfg, out: dict) -> None:
     env = {**h.rclone_env("a", a_opts), **h.rclone_env("b", b_opts)}
     rclone = functools.partial(h.rclone_copy, env=env, program=out["rclone"])
     phase("rclone_local_s3_s", lambda: rclone(str(local), f"a:{a_bucket}/rc"))
-    # the first copy into server b grows its volumes: who goes first alternates with the repeat
+    # who goes first alternates with the repeat all the same
     for key in h.rotated(("copy_s3_s3_s", "rclone_s3_s3_s"), cfg.r):
         phase(key, (lambda: casstore.copy(s3(src, a_opts), s3(dst, b_opts))) if "copy" in key
               else (lambda: rclone(f"a:{src[5:]}", f"b:{b_bucket}/rc")))
