@@ -260,26 +260,37 @@ def flipping_s3(object_servers):
         yield proxy, through, FsspecStore.from_url(url, **server.storage_options)
 
 
-def test_s3_uploads_carry_a_crc32c_that_the_store_keeps(tmp_path, flipping_s3):
+def _stored_checksums(store: FsspecStore, key: str) -> tuple:
+    """(CRC32C, CRC32) the S3 store keeps for ``key`` (base64; None where it keeps none)."""
+    bucket, prefix, _ = store.fs.split_path(store.root)
+    head = store.fs.call_s3("head_object", Bucket=bucket, Key=f"{prefix}/{key}",
+                            ChecksumMode="ENABLED")
+    return head.get("ChecksumCRC32C"), head.get("ChecksumCRC32")
+
+
+def test_s3_uploads_carry_a_crc32c_that_the_store_keeps(tmp_path, object_servers):
     """With awscrt installed (the s3 extra), every upload of a save, a copy and a single put
-    carries a CRC32C (not botocore's default CRC32), and the store keeps it for downloads."""
+    carries a CRC32C (not botocore's default CRC32), and the store keeps it for downloads; a
+    client told to send checksums only where required gets none forced on it."""
     import base64
 
     from awscrt.checksums import crc32c
 
-    _, _, direct = flipping_s3
+    server = object_servers["seaweedfs"]
+    store = FsspecStore.from_url(server.url(), **server.storage_options)
     x = np.random.default_rng(0).normal(size=50_000).astype(np.float32)
     casstore.save(tmp_path / "src", 0, {"x": x})
-    casstore.copy(tmp_path / "src", direct)
-    casstore.save(direct, 1, {"x": x + 1})
-    keys = [info.key for info in direct.list("")]
+    casstore.copy(tmp_path / "src", store)
+    casstore.save(store, 1, {"x": x + 1})
+    keys = [info.key for info in store.list("")]
     assert len(keys) >= 5  # config, 2 manifests, 2 chunks
-    bucket, prefix, _ = direct.fs.split_path(direct.root)
     for key in keys:
-        head = direct.fs.call_s3("head_object", Bucket=bucket, Key=f"{prefix}/{key}",
-                                 ChecksumMode="ENABLED")
-        want = base64.b64encode(crc32c(direct.get(key)).to_bytes(4, "big")).decode()
-        assert (head.get("ChecksumCRC32C"), head.get("ChecksumCRC32")) == (want, None), key
+        want = base64.b64encode(crc32c(store.get(key)).to_bytes(4, "big")).decode()
+        assert _stored_checksums(store, key) == (want, None), key
+    plain = FsspecStore.from_url(server.url(), **server.storage_options, config_kwargs={
+        "request_checksum_calculation": "when_required"})
+    plain.put("k", b"data")
+    assert _stored_checksums(plain, "k") == (None, None)
 
 
 def test_a_byte_flipped_in_transit_to_s3_is_refused_by_the_store(tmp_path, flipping_s3):

@@ -49,15 +49,19 @@ def _put_options(fs: fsspec.AbstractFileSystem) -> dict:
     botocore checks every download against the checksum the store keeps. awscrt computes
     CRC32C at about 27 GiB/s on one core of the 2-core machine, where zlib's CRC32 runs at
     3.9 GiB/s (and awscrt's at 2.8): both checks run on fsspec's one event-loop thread.
-    Without awscrt botocore cannot compute CRC32C, so uploads keep its CRC32.
+    Without awscrt botocore cannot compute CRC32C, so uploads keep its CRC32; and a client
+    whose ``request_checksum_calculation`` is not botocore's default ``"when_supported"``
+    (set for a store that refuses checksums it does not know) gets no checksum forced on it.
     """
     if not hasattr(fs, "call_s3"):
         return {}
     try:
         import awscrt.checksums  # noqa: F401
-    except ImportError:
+
+        calculation = fs.s3.meta.config.request_checksum_calculation
+    except (ImportError, RuntimeError, AttributeError):  # no awscrt; an asynchronous fs
         return {}
-    return {"ChecksumAlgorithm": "CRC32C"}
+    return {"ChecksumAlgorithm": "CRC32C"} if calculation == "when_supported" else {}
 
 
 def _is_exists_error(exc: BaseException) -> bool:
@@ -153,7 +157,7 @@ class FsspecStore(Store):
         self.url = url or f"{protocol}://{self.root}"
         self.read_only = read_only
         self.batch_size = batch_size
-        self.put_options = _put_options(fs)
+        self.put_options: dict | None = None  # _put_options(fs), at the first upload
         self.policy = RetryPolicy(
             self.url, self.max_workers, retries=retries, backoff_s=backoff_s,
             max_backoff_s=max_backoff_s, request_timeout_s=request_timeout_s,
@@ -362,4 +366,6 @@ class FsspecStore(Store):
         """:attr:`put_options` for an upload of ``nbytes`` sent in one request: s3fs uploads
         an object of 100 MiB or more in parts, which would get botocore's default checksum and
         not match the upload's."""
+        if self.put_options is None:
+            self.put_options = _put_options(self.fs)
         return self.put_options if nbytes < _S3FS_SINGLE_PUT_BYTES else {}
