@@ -2,9 +2,10 @@
 
 Chunks are named by the hash of their bytes, so any copy of a repository that holds a step
 holds exactly the same objects for it. :func:`repair` runs :func:`~casstore.verify` on the
-damaged copy, deletes its corrupt objects and the steps that need a damaged object, and copies
-those steps back from the good copy with :func:`~casstore.copy` (which sends only the objects
-the destination lacks, each checked against its chunk id on the way).
+damaged copy, puts the good copy's config object in place of a damaged or missing one,
+deletes its corrupt objects and the steps that need a damaged object, and copies those steps
+back from the good copy with :func:`~casstore.copy` (which sends only the objects the
+destination lacks, each checked against its chunk id on the way).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import dataclasses
 import time
 
 from ._copy import copy
+from ._errors import CasstoreError
+from ._layout import CONFIG_KEY
 from ._repository import Url, delete, list_steps
-from ._scan import CORRUPT, MANIFEST, MISSING, Problem
-from ._verify import verify
-from .store import open_store
+from ._scan import CONFIG, CORRUPT, MANIFEST, MISSING, Problem
+from ._verify import config_problem, verify
+from .store import Store, open_store
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -34,6 +37,8 @@ class RepairInfo:
         problems).
       dry_run: nothing was changed.
       seconds: wall time.
+      config_restored: the damaged copy's config object (damaged, or missing where steps
+        exist) was replaced by the good copy's (or, for a dry run, would be).
     """
 
     problems: tuple[Problem, ...]
@@ -43,17 +48,20 @@ class RepairInfo:
     ok: bool
     dry_run: bool
     seconds: float
+    config_restored: bool = False
 
 
 def repair(good_url: Url, damaged_url: Url, *, dry_run: bool = False,
            read_data: bool = True) -> RepairInfo:
     """Repairs ``damaged_url`` from ``good_url``, another copy of the same repository.
 
-    Verifies the damaged copy; a step that needs a missing or corrupt object, or whose
-    manifest is damaged, is deleted there and copied again from the good copy, after its
-    corrupt objects are deleted (``copy`` skips objects and steps that exist). Steps the good
-    copy does not hold are left alone and reported in ``unrepairable``; nothing of them is
-    deleted.
+    Verifies the damaged copy. A damaged config object, or a missing one where steps exist,
+    is replaced by the good copy's (format.md §2.1: it holds no per-step data). A step that
+    needs a missing or corrupt object, or whose manifest is damaged, is deleted there and
+    copied again from the good copy, after its corrupt objects are deleted (``copy`` skips
+    objects and steps that exist). Steps the good copy does not hold, and a config object
+    that is damaged in the good copy too, are left alone and reported in ``unrepairable``;
+    nothing of them is deleted.
 
     Args:
       good_url, damaged_url: paths, fsspec URLs or Stores.
@@ -72,16 +80,20 @@ def repair(good_url: Url, damaged_url: Url, *, dry_run: bool = False,
     t0 = time.perf_counter()
     good, damaged = open_store(good_url), open_store(damaged_url)
     report = verify(damaged, read_data=read_data)
+    config = _good_config(good) if any(p.kind == CONFIG for p in report.problems) else None
     runs = {run for p in report.problems for run, _ in p.needed_by}
     held = {run: set(list_steps(good, run=run)) for run in runs}
-    fixable = [p for p in report.problems if p.kind in (MISSING, CORRUPT, MANIFEST)
-               and p.needed_by and all(s in held[r] for r, s in p.needed_by)]
+    fixable = [p for p in report.problems if (p.kind == CONFIG and config is not None) or (
+        p.kind in (MISSING, CORRUPT, MANIFEST) and p.needed_by
+        and all(s in held[r] for r, s in p.needed_by))]
     unrepairable = tuple(p for p in report.problems if p not in fixable)
     objects = tuple(sorted({p.key for p in fixable if p.kind == CORRUPT and p.key}))
     steps = tuple(sorted({rs for p in fixable for rs in p.needed_by}))
     if dry_run or not fixable:
         return RepairInfo(report.problems, objects, steps, unrepairable,
-                          report.ok, dry_run, time.perf_counter() - t0)
+                          report.ok, dry_run, time.perf_counter() - t0, config is not None)
+    if config is not None:  # first: a copy into the damaged copy validates its config
+        damaged.put(CONFIG_KEY, config)
     for key in objects:
         damaged.delete(key)
     by_run = collections.defaultdict(list)
@@ -92,4 +104,14 @@ def repair(good_url: Url, damaged_url: Url, *, dry_run: bool = False,
         copy(good, damaged, runs=[run], steps=run_steps)
     after = verify(damaged, read_data=read_data)
     return RepairInfo(report.problems, objects, steps, unrepairable, after.ok, False,
-                      time.perf_counter() - t0)
+                      time.perf_counter() - t0, config is not None)
+
+
+def _good_config(good: Store) -> bytes | None:
+    """The good copy's config object, or None if it is damaged, missing or unsupported."""
+    if config_problem(good) is not None:
+        return None
+    try:
+        return good.get(CONFIG_KEY)
+    except (FileNotFoundError, CasstoreError):  # deleted since it was validated
+        return None

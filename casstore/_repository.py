@@ -33,6 +33,8 @@ CONFIG_VERSION = 1
 HASH = "xxh3-128"
 
 Url = str | os.PathLike | Store
+_REPAIR_HINT = ("; `casstore verify` reports it and `casstore repair GOOD_COPY URL` puts another "
+                "copy's config object in its place (docs/recovery.md)")
 
 
 def _parse_config(data: bytes, url: str) -> dict:
@@ -45,13 +47,15 @@ def _parse_config(data: bytes, url: str) -> dict:
     try:
         config = msgpack.unpackb(data, raw=False, max_str_len=4096, max_bin_len=0)
     except Exception as e:  # any msgpack failure means a damaged config
-        raise ManifestError(f"config object is not msgpack: {e}", url=url) from e
+        raise ManifestError(f"config object is not msgpack: {e}{_REPAIR_HINT}", url=url) from e
     if not isinstance(config, dict) or config.get("format") != CONFIG_FORMAT:
-        raise ManifestError("not a casstore repository (bad config object)", url=url)
+        raise ManifestError(f"not a casstore repository (bad config object){_REPAIR_HINT}",
+                            url=url)
     unsupported_version("repository version", config.get("version"), CONFIG_VERSION, url=url)
     if config.get("hash") != HASH:
         if not isinstance(config.get("hash"), str):
-            raise ManifestError(f"invalid config: bad hash {config.get('hash')!r}", url=url)
+            raise ManifestError(f"invalid config: bad hash {config.get('hash')!r}{_REPAIR_HINT}",
+                                url=url)
         raise UnsupportedFormatError(f"hash {config['hash']!r}", needs=config.get("min_reader"),
                                      reader=READER_VERSION, url=url)
     check_features(config, url=url)

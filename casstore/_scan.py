@@ -29,6 +29,7 @@ CORRUPT = "corrupt"  # an object's bytes fail their checks
 MANIFEST = "manifest"  # a manifest does not read or validate
 UNSUPPORTED = "unsupported"  # a newer format than this casstore reads: upgrade, not damage
 NOT_FOUND = "not found"  # the step or repository asked for does not exist
+CONFIG = "config"  # the config object is damaged, or missing where steps exist
 # the store failed, the repository is not damaged: these propagate
 STORE_FAILURES = (StoreTimeoutError, StoreUnreachableError, AccessDeniedError)
 
@@ -43,9 +44,10 @@ class Problem:
       key_path: a key path that needs the object, or None.
       chunk_id: the chunk at fault, or None for a manifest.
       message: what is wrong, one line.
-      kind: ``"missing"``, ``"corrupt"``, ``"manifest"``, ``"unsupported"`` (a format
-        feature newer than this casstore: upgrade, the data is not damaged) or
-        ``"not found"``.
+      kind: ``"missing"``, ``"corrupt"``, ``"manifest"``, ``"config"`` (the repository's
+        config object is damaged, or missing where steps exist: every reader refuses the
+        repository until it is restored), ``"unsupported"`` (a format feature newer than
+        this casstore: upgrade, the data is not damaged) or ``"not found"``.
       needed_by: ``(run, step)`` of every checked step that needs the object, sorted.
       key: the damaged object's store key (format.md §2), or None for a manifest.
     """
@@ -99,7 +101,8 @@ def manifest_problem(run: str, step: int, error: Exception) -> Problem:
 
 
 def scan_manifests(url: Url, *, runs: list[str] | None = None, step: int | None = None,
-                   max_workers: int | None = None) -> ManifestScan:
+                   max_workers: int | None = None, require_config: bool = True
+                   ) -> ManifestScan:
     """Reads every manifest of ``runs`` (None: all) that can be read; reports the rest.
 
     Args:
@@ -107,16 +110,20 @@ def scan_manifests(url: Url, *, runs: list[str] | None = None, step: int | None 
       runs: the runs to read; None reads every run.
       step: only this step of each run; None reads every step.
       max_workers: concurrent manifest reads (default the store's).
+      require_config: read nothing unless the config object exists and validates; False
+        reads the manifests whatever it holds (:func:`~casstore.verify`, which reports a
+        damaged or missing config object itself).
 
     Returns:
       A :class:`ManifestScan`; empty where there is no repository.
 
     Raises:
-      ManifestError: the repository's config object is damaged or of an unknown version.
+      ManifestError: the repository's config object is damaged or of an unknown version
+        (``require_config`` only).
       StoreTimeoutError, StoreUnreachableError, AccessDeniedError: the store failed.
     """
     store = open_store(url)
-    if not check_config(store):
+    if require_config and not check_config(store):
         return ManifestScan((), (), 0)
     keys = [(info.key, parsed) for info in store.list(RUNS_PREFIX)
             if (parsed := parse_manifest_key(info.key)) is not None

@@ -15,12 +15,13 @@ import time
 from collections.abc import Callable
 
 from ._delta import DeltaBases
-from ._errors import CasstoreError, UnsupportedFormatError
-from ._layout import chunk_key, manifest_key
+from ._errors import CasstoreError, ManifestError, UnsupportedFormatError
+from ._layout import CONFIG_KEY, RUNS_PREFIX, chunk_key, manifest_key, parse_manifest_key
 from ._manifest import ChunkRef, Manifest
 from ._pool import bounded_map
 from ._repository import Url, check_config, list_chunk_objects
 from ._scan import (
+    CONFIG,
     CORRUPT,
     MANIFEST,
     MISSING,
@@ -39,8 +40,9 @@ class VerifyReport:
     ``chunks_checked == chunks_ok + chunks_missing + chunks_corrupt + chunks_unsupported +
     chunks_unchecked`` and ``len(problems) == manifests_damaged + chunks_missing +
     chunks_corrupt + chunks_unsupported`` (plus one ``"not found"`` problem when the step or
-    repository asked for does not exist, or one ``"unsupported"`` problem for a repository
-    whose config object is of a newer format).
+    repository asked for does not exist, one ``"unsupported"`` problem for a repository
+    whose config object is of a newer format, or one ``"config"`` problem for a config
+    object that is damaged, or missing where steps exist).
 
     Attributes:
       problems: every problem found, one per damaged manifest or object.
@@ -105,27 +107,24 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
 
     Returns:
       A :class:`VerifyReport` naming each damaged manifest and object, and the steps that
-      need it.
+      need it. A damaged config object (format.md §2.1), or a missing one where steps exist,
+      is a problem of kind ``"config"`` (every reader refuses such a repository; its steps
+      are checked all the same, and :func:`~casstore.repair` restores the config object from
+      another copy); one of a newer format is the one problem, of kind ``"unsupported"``.
 
     Raises:
-      ManifestError: the repository's config object is damaged or of an unknown version.
       StoreTimeoutError, StoreUnreachableError, AccessDeniedError: the store did not
         answer or refused (not reported as damage).
     """
     t0 = time.perf_counter()
     store = open_store(url)
-    try:
-        exists = check_config(store)
-    except UnsupportedFormatError as e:  # a newer repository: upgrade, nothing is damaged
-        return VerifyReport((Problem(run, step, None, None, f"needs a newer casstore: {e}",
-                                     UNSUPPORTED),), (), 0, 0, time.perf_counter() - t0)
-    if not exists:
-        return VerifyReport((Problem(run, step, None, None, "no casstore repository here",
-                                     NOT_FOUND),), (), 0, 0, time.perf_counter() - t0)
+    config = config_problem(store, run, step)
+    if config is not None and config.kind != CONFIG:  # a newer format, or no repository
+        return VerifyReport((config,), (), 0, 0, time.perf_counter() - t0)
     present = {info.key for info in list_chunk_objects(store)}
     scan = scan_manifests(store, runs=None if run is None else [run], step=step,
-                          max_workers=max_workers)
-    problems = list(scan.damaged)
+                          max_workers=max_workers, require_config=False)
+    problems = [*([config] if config else []), *scan.damaged]
     if step is not None and not scan.listed:
         problems.append(Problem(run, step, None, None, "no such step", NOT_FOUND))
     users = _users(scan.manifests)
@@ -155,6 +154,26 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
                         - n_unchecked, chunks_missing=n_missing, chunks_corrupt=n_corrupt,
                         chunks_unchecked=n_unchecked, manifests_damaged=len(scan.damaged),
                         chunks_unsupported=n_unsupported)
+
+
+def config_problem(store: Store, run: str | None = None, step: int | None = None
+                   ) -> Problem | None:
+    """What is wrong with the repository's config object (format.md §2.1), or None if it
+    validates: ``"unsupported"`` (a newer format), ``"config"`` (damaged, or missing while a
+    manifest exists: every reader refuses the repository) or ``"not found"`` (missing, and
+    no manifest either: no repository). ``run`` and ``step`` are what was asked for."""
+    try:
+        if check_config(store):
+            return None
+    except UnsupportedFormatError as e:  # a newer repository: upgrade, nothing is damaged
+        return Problem(run, step, None, None, f"needs a newer casstore: {e}", UNSUPPORTED)
+    except ManifestError as e:
+        return Problem(None, None, None, None, f"config object damaged: {e}", CONFIG,
+                       key=CONFIG_KEY)
+    if not any(parse_manifest_key(info.key) for info in store.list(RUNS_PREFIX)):
+        return Problem(run, step, None, None, "no casstore repository here", NOT_FOUND)
+    return Problem(None, None, None, None, "config object missing, but steps exist (every "
+                   "reader refuses the repository)", CONFIG, key=CONFIG_KEY)
 
 
 @dataclasses.dataclass(slots=True)

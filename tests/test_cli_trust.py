@@ -507,3 +507,38 @@ def test_ls_persistent_names_a_step_damaged_on_both_tiers_once(tmp_path):
     listed = run_json("ls", local, "--persistent", persist, code=1)
     assert [(p["run"], p["step"]) for p in listed["problems"]] == [("default", 2)]
     assert [r["step"] for r in listed["steps"]] == [0, 1]
+
+
+def test_a_damaged_or_missing_config_object_is_reported_and_repaired(delta_repo, tmp_path):
+    """The config object holds no per-step data, but every reader refuses a repository whose
+    config is damaged: verify reports it (and still checks every step), repair puts the good
+    copy's in its place, and a restore names the way out."""
+    good = tmp_path / "good"
+    run("copy", delta_repo, good)
+    config = pathlib.Path(delta_repo) / "config"
+    config.write_bytes(b"\x00junk")
+    with pytest.raises(casstore.ManifestError, match="casstore repair GOOD_COPY URL"):
+        casstore.restore(delta_repo, 2)
+    report = run_json("verify", delta_repo, code=1)
+    assert [p["kind"] for p in report["problems"]] == ["config"]
+    assert len(report["steps_checked"]) == 6
+    assert report["chunks_ok"] == report["chunks_checked"] > 0
+    plan = run_json("repair", good, delta_repo, "--dry-run", code=1)
+    assert (plan["config_restored"], plan["steps"], plan["unrepairable"]) == (True, [], [])
+    assert config.read_bytes() == b"\x00junk"  # a dry run changes nothing
+    done = run("repair", good, delta_repo)
+    assert "config object from GOOD" in done.stdout
+    assert done.stdout.strip().endswith("ok")
+    assert config.read_bytes() == (good / "config").read_bytes()
+    assert casstore.restore(delta_repo, 2)["w"].tobytes() == trained(2).tobytes()
+    config.unlink()  # missing where steps exist: the same problem
+    missing = casstore.verify(delta_repo)
+    assert [(p.kind, "missing" in p.message) for p in missing.problems] == [("config", True)]
+    assert casstore.repair(str(good), delta_repo).ok
+    (good / "config").write_bytes(b"junk too")  # no good config to take: unrepairable
+    config.write_bytes(b"\x00junk")
+    info = casstore.repair(str(good), delta_repo)
+    assert ([p.kind for p in info.unrepairable], info.config_restored, info.ok) == (
+        ["config"], False, False)
+    assert config.read_bytes() == b"\x00junk"
+    run("verify", tmp_path / "nowhere", code=cli.EXIT_NO_REPOSITORY)  # still no repository

@@ -244,20 +244,39 @@ def check_options(url: str, options: dict) -> None:
                                f"{', '.join(sorted(known))}")
 
 
-def open_repo(url: str, options: dict, *, create: bool = False) -> Any:
+def open_repo(url: str, options: dict, *, create: bool = False, damaged: bool = False) -> Any:
     """Opens ``url`` with storage ``options`` (checked first) and records it for error lines.
 
+    With ``damaged`` (verify, and repair's damaged copy), a damaged or missing config object
+    is left for the command to report.
+
     Raises:
-      NoRepository: not a repository (unless ``create``).
+      NoRepository: not a repository (unless ``create`` or ``damaged``).
+      ManifestError: a damaged config object (unless ``create`` or ``damaged``).
       click.UsageError: an unknown storage option.
     """
     _where["at"] = _where["at"] or f"url {url!r}"
     check_options(url, options)
     store = casstore.open_store(url, **options)
-    if not create and not casstore.is_repository(store):
-        raise NoRepository(f"no casstore repository at {url!r}; check the path (for S3-"
-                           "compatible servers, -o endpoint_url=...)")
+    if create:
+        return store
+    try:
+        found = casstore.is_repository(store)
+    except casstore.UnsupportedFormatError:
+        raise
+    except casstore.ManifestError:
+        if not damaged:
+            raise
+        found = True
+    if not found and not damaged:
+        raise no_repository(url)
     return store
+
+
+def no_repository(url: str) -> NoRepository:
+    """The error for a URL that holds no casstore repository (exit 10)."""
+    return NoRepository(f"no casstore repository at {url!r}; check the path (for S3-"
+                        "compatible servers, -o endpoint_url=...)")
 
 
 def where(url: str, run: str | None, step: int | None = None) -> None:

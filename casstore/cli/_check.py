@@ -17,6 +17,7 @@ from ._app import (
     command,
     counted,
     json_flag,
+    no_repository,
     open_repo,
     pair_options,
     parse_options,
@@ -43,20 +44,25 @@ def verify_command(url: str, step: int | None, run: str | None, read_data: bool,
 
     Each damaged manifest or object is one problem, with the steps that need it: "missing"
     (the object is gone), "corrupt" (its bytes fail their checks), "manifest" (it does not
-    read). Exits 1 if a problem is found; docs/recovery.md says what to do.
+    read); "config" if the repository's config object is damaged, or missing where steps
+    exist (every reader refuses the repository; its steps are checked all the same). Exits 1
+    if a problem is found; docs/recovery.md says what to do.
 
     \b
     Examples:
       casstore verify ./ckpt
       casstore verify ./ckpt 100 --no-read-data
     """
-    store = open_repo(url, options)
+    store = open_repo(url, options, damaged=True)
     run = "default" if step is not None and run is None else run
     check_run(store, url, run)
     where(url, run, step)
     meter = Meter()
     report = progress("verifying", lambda: casstore.verify(
         store, step, run=run, read_data=read_data, progress=meter), meter)
+    kinds = {p.kind for p in report.problems}
+    if "not found" in kinds and "config" not in kinds and not casstore.is_repository(store):
+        raise no_repository(url)  # no config object and no step: no repository (exit 10)
     if step is not None and any(p.kind == "not found" for p in report.problems):
         steps = casstore.list_steps(store, run=run)  # a typo is no damage: exit 2, not 1
         raise click.UsageError(f"step {step} of run {run!r} does not exist in {url!r} (steps: "
@@ -246,9 +252,10 @@ def repair_command(good: str, damaged: str, dry_run: bool, read_data: bool, opti
                    dst_options: dict, as_json: bool) -> None:
     """Repairs DAMAGED from GOOD, another copy of the same repository.
 
-    Runs verify on DAMAGED; each step that needs a missing or corrupt object, or whose
-    manifest is damaged, is deleted there (its corrupt objects first) and copied back from
-    GOOD. Steps GOOD lacks are left alone and reported. Exits 1 unless DAMAGED verifies clean
+    Runs verify on DAMAGED; a damaged or missing config object is replaced by GOOD's; each
+    step that needs a missing or corrupt object, or whose manifest is damaged, is deleted
+    there (its corrupt objects first) and copied back from GOOD. Steps GOOD lacks are left
+    alone and reported. Exits 1 unless DAMAGED verifies clean
     afterwards (docs/recovery.md).
 
     \b
@@ -258,7 +265,7 @@ def repair_command(good: str, damaged: str, dry_run: bool, read_data: bool, opti
     """
     good_options, damaged_options = pair_options(good, damaged, options, dst_options)
     source = open_repo(good, good_options)
-    target = open_repo(damaged, damaged_options)
+    target = open_repo(damaged, damaged_options, damaged=True)
     where(f"{good} -> {damaged}", None)
     info = progress("repairing", lambda: casstore.repair(source, target, dry_run=dry_run,
                                                          read_data=read_data))
@@ -269,8 +276,9 @@ def repair_command(good: str, damaged: str, dry_run: bool, read_data: bool, opti
         verb = "would copy back" if dry_run else "copied back"
         say(f"{len(info.problems)} problem(s); {verb} {len(info.steps)} step(s) ("
             + ", ".join(f"{r}@{s}" for r, s in info.steps) + f"), deleting "
-            f"{len(info.deleted_objects)} corrupt object(s); {len(info.unrepairable)} "
-            f"unrepairable; {'ok' if info.ok else 'not ok'}")
+            f"{len(info.deleted_objects)} corrupt object(s); "
+            + ("config object from GOOD; " if info.config_restored else "")
+            + f"{len(info.unrepairable)} unrepairable; {'ok' if info.ok else 'not ok'}")
         for p in info.unrepairable:
             click.echo(f"casstore: unrepairable: {p.kind}: {p}", err=True)
     if not info.ok:
