@@ -2,7 +2,8 @@
 
 A tiered restore (``docs/tiers.md``) reads every object from the primary store (the fast local
 tier) and takes an object that is missing there, or whose chunk fails its checks there, from
-the first fallback (the persistent tier) that has it intact. Chunk ids name raw bytes, so any
+the first fallback (the persistent tier) that has it intact; so too the repository's config
+object (format.md §2.1) where the primary's is damaged. Chunk ids name raw bytes, so any
 tier's copy of a chunk is as good as another's: the id check decides, not the tier.
 """
 
@@ -17,22 +18,35 @@ import numpy as np
 
 from ._codec import decode_chunk
 from ._delta import decode_delta
-from ._errors import CorruptChunkError, ObjectNotFoundError
-from ._layout import chunk_key
+from ._errors import CorruptChunkError, ManifestError, ObjectNotFoundError, UnsupportedFormatError
+from ._layout import CONFIG_KEY, chunk_key
 from ._manifest import ChunkRef
+from ._repository import parse_config
 from .store import ObjectInfo, Store, open_store
 
 log = logging.getLogger("casstore")
+
+
+def _damaged_config(data: bytes, url: str) -> bool:
+    """True if ``data`` is no valid config object (one of a newer format is not damaged)."""
+    try:
+        parse_config(data, url)
+    except UnsupportedFormatError:
+        return False
+    except ManifestError:
+        return True
+    return False
 
 
 class FallbackStore(Store):
     """A read view of ``primary`` that reads what ``primary`` lacks from ``fallbacks``.
 
     ``get`` and ``get_into`` try the primary, then each fallback in order, for a missing
-    object; :func:`reread_chunk` (which a restore calls for a chunk that fails its checks)
-    reads the chunk from the fallbacks only. ``list`` yields the union of every tier's keys
-    (the primary's entry where several have one), so the latest step is the latest of all
-    tiers. Writes and deletes go to the primary.
+    object, and ``get`` for a config object that is damaged in the primary (one that fails
+    validation: not one of a newer format); :func:`reread_chunk` (which a restore calls for a
+    chunk that fails its checks) reads the chunk from the fallbacks only. ``list`` yields the
+    union of every tier's keys (the primary's entry where several have one), so the latest
+    step is the latest of all tiers. Writes and deletes go to the primary.
 
     Args:
       primary: a path, URL or Store: read first, and written to.
@@ -74,6 +88,12 @@ class FallbackStore(Store):
         except FileNotFoundError:
             return self.from_fallbacks(key)
         self._count(self.primary, len(data))
+        if key == CONFIG_KEY and _damaged_config(data, self.primary.url):
+            with contextlib.suppress(FileNotFoundError):
+                good = self.from_fallbacks(key)
+                log.warning("casstore: the config object of %s is damaged; read another tier's",
+                            self.primary.url)
+                return good
         return data
 
     def get_into(self, key: str, buffer: np.ndarray | None) -> tuple[memoryview, np.ndarray]:

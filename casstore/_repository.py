@@ -37,7 +37,7 @@ _REPAIR_HINT = ("; `casstore verify` reports it and `casstore repair GOOD_COPY U
                 "copy's config object in its place (docs/recovery.md)")
 
 
-def _parse_config(data: bytes, url: str) -> dict:
+def parse_config(data: bytes, url: str) -> dict:
     """Validates the config object (format.md §2.1).
 
     Raises:
@@ -66,7 +66,7 @@ def ensure_config(store: Store) -> None:
     """Validates the config object, creating it (create-only) if the repository is new; a new
     one lists the features this writer may use and the oldest casstore that reads them."""
     try:
-        _parse_config(store.get(CONFIG_KEY), store.url)
+        parse_config(store.get(CONFIG_KEY), store.url)
         return
     except FileNotFoundError:
         pass
@@ -77,13 +77,13 @@ def ensure_config(store: Store) -> None:
     try:
         store.put_if_absent(CONFIG_KEY, data)
     except FileExistsError:  # a concurrent first save won; validate what it wrote
-        _parse_config(store.get(CONFIG_KEY), store.url)
+        parse_config(store.get(CONFIG_KEY), store.url)
 
 
 def check_config(store: Store) -> bool:
     """Validates the config object if present; returns whether the repository exists."""
     try:
-        _parse_config(store.get(CONFIG_KEY), store.url)
+        parse_config(store.get(CONFIG_KEY), store.url)
     except FileNotFoundError:
         return False
     return True

@@ -171,6 +171,25 @@ def test_write_back_repairs_the_local_tier(tmp_path, remote):
     assert_bit_exact(casstore.restore(local, 1), 1)
 
 
+def test_a_damaged_local_config_object_is_read_from_the_persistent_tier(tmp_path, remote,
+                                                                       caplog):
+    """Every reader refuses a repository whose config object is damaged; through the tiers
+    the persistent tier's is read instead (and written back with ``write_back``)."""
+    local = LocalStore(tmp_path / "local")
+    casstore.save(local, 0, tree_for(0), chunk_size_bytes=CHUNK)
+    casstore.copy(local, remote)
+    (tmp_path / "local" / "config").write_bytes(b"\x00junk")
+    with pytest.raises(casstore.ManifestError, match="config object"):
+        casstore.restore(local, 0)
+    with caplog.at_level(logging.WARNING, logger="casstore"):
+        assert_bit_exact(casstore.restore(local, 0, fallback=remote), 0)
+    assert "config object" in caplog.text
+    assert_bit_exact(casstore.restore(casstore.FallbackStore(local, [remote], write_back=True),
+                                      0), 0)
+    assert casstore.verify(local).ok
+    assert_bit_exact(casstore.restore(local, 0), 0)
+
+
 def test_a_chunk_no_tier_has_intact_fails_naming_it(tmp_path, remote):
     local = LocalStore(tmp_path / "local")
     casstore.save(local, 1, tree_for(1), chunk_size_bytes=CHUNK)
