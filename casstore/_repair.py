@@ -15,7 +15,6 @@ import dataclasses
 import time
 
 from ._copy import copy
-from ._errors import CasstoreError
 from ._layout import CONFIG_KEY
 from ._repository import Url, delete, list_steps
 from ._scan import CONFIG, CORRUPT, MANIFEST, MISSING, Problem
@@ -113,5 +112,5 @@ def _good_config(good: Store) -> bytes | None:
         return None
     try:
         return good.get(CONFIG_KEY)
-    except (FileNotFoundError, CasstoreError):  # deleted since it was validated
+    except FileNotFoundError:  # deleted since it was validated
         return None
