@@ -15,10 +15,11 @@ import dataclasses
 import time
 
 from ._copy import copy
+from ._errors import ManifestError
 from ._layout import CONFIG_KEY
-from ._repository import Url, delete, list_steps
+from ._repository import Url, delete, list_steps, parse_config
 from ._scan import CONFIG, CORRUPT, MANIFEST, MISSING, Problem
-from ._verify import config_problem, verify
+from ._verify import verify
 from .store import Store, open_store
 
 
@@ -107,10 +108,11 @@ def repair(good_url: Url, damaged_url: Url, *, dry_run: bool = False,
 
 
 def _good_config(good: Store) -> bytes | None:
-    """The good copy's config object, or None if it is damaged, missing or unsupported."""
-    if config_problem(good) is not None:
-        return None
+    """The good copy's config object, or None if it is missing, damaged or of a newer
+    format."""
     try:
-        return good.get(CONFIG_KEY)
-    except FileNotFoundError:  # deleted since it was validated
+        data = good.get(CONFIG_KEY)
+        parse_config(data, good.url)
+    except (FileNotFoundError, ManifestError):  # UnsupportedFormatError is a ManifestError
         return None
+    return data

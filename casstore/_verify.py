@@ -118,7 +118,7 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
     """
     t0 = time.perf_counter()
     store = open_store(url)
-    config = config_problem(store, run, step)
+    config = _config_problem(store, run, step)
     if config is not None and config.kind != CONFIG:  # a newer format, or no repository
         return VerifyReport((config,), (), 0, 0, time.perf_counter() - t0)
     present = {info.key for info in list_chunk_objects(store)}
@@ -156,7 +156,7 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
                         chunks_unsupported=n_unsupported)
 
 
-def config_problem(store: Store, run: str | None = None, step: int | None = None
+def _config_problem(store: Store, run: str | None = None, step: int | None = None
                    ) -> Problem | None:
     """What is wrong with the repository's config object (format.md §2.1), or None if it
     validates: ``"unsupported"`` (a newer format), ``"config"`` (damaged, or missing while a
