@@ -36,6 +36,7 @@ from ._manifest import Manifest
 from ._multihost import SaveAgreement
 from ._repository import Url, read_manifest
 from ._save import SaveInfo, inflight_window, plan_jobs, prepare, write
+from ._save_encode import lost_chunks
 from ._staging import StagingStream
 from .store import Store, open_store
 
@@ -201,7 +202,9 @@ class AsyncCheckpointer:
         inline, jobs = plan_jobs(prepared, arrays, self.chunk_size_bytes,
                                  DEFAULT_PACK_THRESHOLD_BYTES, whole)
         del arrays
-        stored = {r.id for leaf in previous.leaves for r in leaf.chunks} if previous else ()
+        stored = ({r.id for leaf in previous.leaves for r in leaf.chunks}
+                  - (lost_chunks(self.store, previous) if self.store.cheap_stat else set())
+                  if previous else ())
         stream = StagingStream(jobs, self.max_staging_bytes, self.chunk_size_bytes, stored,
                                hash_numpy)
         self._pending_step = step

@@ -31,11 +31,29 @@ from .store import Store
 DELTA_RETRY = 4
 
 
+def lost_chunks(store: Store, manifest: Manifest) -> set[str]:
+    """Ids of the chunks ``manifest`` references whose object, or for a delta chunk whose
+    base's chunk object (format.md §3.5), ``store`` no longer has: one ``exists`` per object.
+    For a store with :attr:`~casstore.store.Store.cheap_stat` (local disk), where that costs
+    microseconds: a save then writes a lost chunk again instead of committing a step that
+    references it (format.md §7 lets a writer reuse the latest step's chunks unchecked)."""
+    present: dict[str, bool] = {}
+
+    def has(key: str) -> bool:
+        if key not in present:
+            present[key] = store.exists(key)
+        return present[key]
+
+    return {r.id for leaf in manifest.leaves for r in leaf.chunks
+            if not has(r.key) or (r.base is not None and not has(chunk_key(r.base)))}
+
+
 class ChunkWriter:
     """Uploads chunks that the repository does not have yet; thread-safe.
 
     ``previous`` is the run's latest manifest (or None). Its chunks are stored (format.md §8),
-    so they are reused without looking; with ``lookup``, any other id is looked up with one
+    so they are reused without looking (on a store with cheap stats, local disk, each is
+    checked first: :func:`lost_chunks`); with ``lookup``, any other id is looked up with one
     ``stat`` of its key and uploaded only if absent, else uploaded without looking (a
     repository without a committed step: a chunk there is one no manifest references, and
     rewriting it with the same bytes is harmless). A second block with the same id waits for
@@ -52,7 +70,9 @@ class ChunkWriter:
 
     def __init__(self, store: Store, previous: Manifest | None, zstd_level: int, shuffle: bool,
                  delta: bool, lookup: bool = True, compress: bool = True):
-        refs = [(leaf.path, r) for leaf in previous.leaves for r in leaf.chunks] if previous else []
+        lost = lost_chunks(store, previous) if previous and store.cheap_stat else set()
+        refs = [(leaf.path, r) for leaf in previous.leaves for r in leaf.chunks
+                if r.id not in lost] if previous else []
         self.store, self.zstd_level, self.shuffle, self.lookup = store, zstd_level, shuffle, lookup
         self.previous = previous
         self.compress = compress

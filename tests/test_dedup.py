@@ -176,3 +176,57 @@ def test_without_shuffle_byte_planes_are_kept_only_where_they_save_a_quarter():
     assert stored["rounded"].stored_bytes <= (1 - PLANES_ONLY_IF_SAVING) * rounded.nbytes
     restored = casstore.restore(store, 1)
     assert restored["rounded"].tobytes() == rounded.tobytes()
+
+
+def _lose_chunk(root, manifest, path: str) -> str:
+    """Deletes the chunk object of key path ``path``'s first chunk; returns its id."""
+    ref = next(leaf for leaf in manifest.leaves if leaf.path == path).chunks[0]
+    (root / ref.key).unlink()
+    return ref.id
+
+
+def test_a_save_on_local_disk_writes_again_a_chunk_lost_since_the_previous_step(tmp_path):
+    """format.md §7 lets a save reuse the latest step's chunks unchecked; on local disk, where
+    a check costs a stat, a lost one is written again, so the new step restores."""
+    root = tmp_path / "repo"
+    state = train_state(1)
+    casstore.save(str(root), 0, state, chunk_size_bytes=CHUNK)
+    lost = _lose_chunk(root, casstore.read_manifest(str(root), 0), "params/base/embed")
+    info = casstore.save(str(root), 1, state, chunk_size_bytes=CHUNK)
+    assert info.new_chunks == 1
+    assert lost in casstore.read_manifest(str(root), 1).chunk_ids()
+    assert casstore.verify(str(root), 1).ok
+    restored = casstore.restore(str(root), 1)
+    np.testing.assert_array_equal(restored["params"]["base"]["embed"],
+                                  state["params"]["base"]["embed"])
+    # An object store is not checked (a request per chunk): the step reuses it unchecked.
+    memory = MemoryStore()
+    casstore.save(memory, 0, state, chunk_size_bytes=CHUNK)
+    ref = casstore.read_manifest(memory, 0).leaves[0].chunks[0]
+    memory.delete(ref.key)
+    assert casstore.save(memory, 1, state, chunk_size_bytes=CHUNK).new_chunks == 0
+
+
+def test_a_manager_on_local_disk_writes_again_a_chunk_lost_since_its_last_step(tmp_path):
+    """The same through an asynchronous manager, for numpy leaves (their blocks are hashed at
+    staging) and jax leaves (handed over by remembered chunk id, without a copy)."""
+    root = tmp_path / "repo"
+    state = train_state(1)
+    state["params"]["base"]["embed"] = jnp.asarray(state["params"]["base"]["embed"])
+    with casstore.CheckpointManager(str(root), enable_async_checkpointing=True) as mngr:
+        for step in (0, 1):
+            mngr.save(step, state)
+            mngr.wait_until_finished()
+        manifest = casstore.read_manifest(str(root), 1)
+        _lose_chunk(root, manifest, "params/base/embed")
+        _lose_chunk(root, manifest, "params/base/layers/[0]/w")
+        mngr.save(2, state)
+        mngr.wait_until_finished()
+        assert mngr.last_save_info.new_chunks == 2
+    assert casstore.verify(str(root), 2).ok
+    restored = casstore.restore(str(root), 2)
+    for path in (("embed",), ("layers", 0, "w")):
+        want, got = state["params"]["base"], restored["params"]["base"]
+        for k in path:
+            want, got = want[k], got[k]
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -144,6 +144,21 @@ def test_a_missing_base_is_found_by_verify_without_reading_data(tmp_path):
         (base, "missing", (("default", 0), ("default", 1)))], report.problems
 
 
+def test_a_save_on_local_disk_does_not_reuse_a_delta_chunk_whose_base_was_lost(tmp_path):
+    """On local disk a save checks the latest step's chunks (a stat each): an unchanged block
+    stored as a delta whose base was lost is not reused; it is stored anew, whole."""
+    store = LocalStore(tmp_path / "repo")
+    for step in (0, 1):
+        casstore.save(store, step, state(step), chunk_size_bytes=CHUNK)
+    base = refs(store, 1, "w")[0].base
+    assert base is not None
+    store.delete(chunk_key(base))
+    casstore.save(store, 2, state(1), chunk_size_bytes=CHUNK)  # w unchanged since step 1
+    assert casstore.verify(store, 2).ok
+    assert all(r.base != base for r in refs(store, 2, "w"))
+    assert_bit_exact(casstore.restore(store, 2), state(1))
+
+
 @pytest.mark.parametrize("dst_kind", ["memory", "seaweedfs"])
 def test_copy_of_one_delta_step_brings_its_bases(dst_kind, tmp_path, request):
     src = LocalStore(tmp_path / "src")

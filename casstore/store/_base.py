@@ -91,12 +91,17 @@ class Store(abc.ABC):
       put_copies: whether ``put`` has written or copied the bytes when it returns and keeps
         no reference to them (a class attribute), so a save may reuse the buffer of an
         object it stored for the next one. False unless a backend says so.
+      cheap_stat: whether ``exists`` costs microseconds, not a request (a class attribute;
+        local disk): a save then checks that every chunk of the run's latest step it would
+        reuse is still there, and writes again one that was lost (format.md §7). False
+        unless a backend says so.
     """
 
     url: str
     read_only: bool = False
     shuffle: bool = True
     put_copies: bool = False
+    cheap_stat: bool = False
     compression: str = "auto"
     write_bytes_per_s: float = 100e6
     read_bytes_per_s: float = 100e6

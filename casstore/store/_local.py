@@ -42,6 +42,7 @@ class LocalStore(Store):
     """
 
     put_copies = True  # ``_put`` writes the bytes to a file before it returns
+    cheap_stat = True  # ``exists`` is one stat(2): about 5 us with Python's overhead
     # Measured on the 2-core machine (issue 33): 1.23 GB of 16 MiB chunk files written with
     # fsync in 0.49 s on 4 threads; read back from the page cache at about 4.5 GB/s a core.
     write_bytes_per_s = 2.5e9
