@@ -47,7 +47,14 @@ from ._layout import chunk_key, manifest_key
 from ._locks import save_lock
 from ._manifest import Manifest, decode_manifest
 from ._pool import bounded_map
-from ._repository import Url, ensure_config, list_chunk_objects, list_runs, list_steps
+from ._repository import (
+    Url,
+    ensure_config,
+    list_chunk_objects,
+    list_runs,
+    list_steps,
+    read_manifest_bytes,
+)
 from .store import Store, open_store
 
 
@@ -246,7 +253,7 @@ def _plan(src: Store, dst: Store, selected: list[tuple[str, int]]
         if (run, step) in have:
             continue
         try:
-            data = src.get(manifest_key(run, step))
+            data = read_manifest_bytes(src, run, step)
         except FileNotFoundError:
             raise StepNotFoundError("step deleted from the source during the copy",
                                     url=src.url, run=run, step=step) from None

@@ -25,7 +25,7 @@ from ._layout import (
     parse_manifest_key,
     steps_prefix,
 )
-from ._manifest import Manifest, decode_manifest
+from ._manifest import MAX_MANIFEST_BYTES, Manifest, decode_manifest
 from .store import ObjectInfo, Store, open_store
 
 CONFIG_FORMAT = "casstore"
@@ -149,6 +149,25 @@ def resolve_step(store: Store, step: int | None, run: str) -> int:
     return latest
 
 
+def read_manifest_bytes(store: Store, run: str, step: int, size: int | None = None) -> bytes:
+    """The bytes of a step's manifest object. One over ``MAX_MANIFEST_BYTES`` (format.md
+    §4.4) is refused before it is read where its size is known: ``size``, from a listing, or
+    a stat on a store with cheap stats (local disk). Elsewhere it is read whole, and
+    :func:`~casstore._manifest.decode_manifest` refuses it.
+
+    Raises:
+      ManifestError: the object is over the size limit.
+      FileNotFoundError: it does not exist.
+    """
+    key = manifest_key(run, step)
+    if size is None and store.cheap_stat:
+        size = store.stat(key).size
+    if size is not None and size > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{size} bytes exceeds the size limit of {MAX_MANIFEST_BYTES} "
+                            "(not read)", run=run, step=step, url=store.url)
+    return store.get(key)
+
+
 def read_manifest(url: Url, step: int | None = None, *, run: str = "default") -> Manifest:
     """Reads and validates the manifest of one step (format.md §4).
 
@@ -171,7 +190,7 @@ def read_manifest(url: Url, step: int | None = None, *, run: str = "default") ->
                                 step=step)
     step = resolve_step(store, step, run)
     try:
-        data = store.get(manifest_key(run, step))
+        data = read_manifest_bytes(store, run, step)
     except FileNotFoundError:
         raise StepNotFoundError("no such step", url=store.url, run=run, step=step) from None
     return decode_manifest(data, run=run, step=step, url=store.url)

@@ -20,7 +20,7 @@ from ._errors import (
 from ._layout import RUNS_PREFIX, parse_manifest_key
 from ._manifest import Manifest, decode_manifest
 from ._pool import bounded_map
-from ._repository import Url, check_config
+from ._repository import Url, check_config, read_manifest_bytes
 from .store import Store, open_store
 
 # Problem.kind values: what is wrong, and so what to do (docs/recovery.md).
@@ -125,21 +125,23 @@ def scan_manifests(url: Url, *, runs: list[str] | None = None, step: int | None 
     store = open_store(url)
     if require_config and not check_config(store):
         return ManifestScan((), (), 0)
-    keys = [(info.key, parsed) for info in store.list(RUNS_PREFIX)
+    keys = [(parsed, info.size) for info in store.list(RUNS_PREFIX)
             if (parsed := parse_manifest_key(info.key)) is not None
             and (runs is None or parsed[0] in runs) and (step is None or parsed[1] == step)]
-    results = bounded_map(lambda kp: _read(store, *kp), keys, max_workers or store.max_workers)
+    results = bounded_map(lambda ks: _read(store, *ks), keys, max_workers or store.max_workers)
     manifests = [r for r in results if isinstance(r, Manifest)]
     damaged = tuple(r for r in results if isinstance(r, Problem))
     return ManifestScan(tuple(sorted(manifests, key=lambda m: (m.created, m.run, m.step))),
                         damaged, len(keys))
 
 
-def _read(store: Store, key: str, parsed: tuple[str, int]) -> Manifest | Problem | None:
-    """One manifest, the Problem that stops it, or None if it was deleted since listing."""
+def _read(store: Store, parsed: tuple[str, int], size: int) -> Manifest | Problem | None:
+    """One manifest (``size`` bytes as listed), the Problem that stops it, or None if it was
+    deleted since listing."""
     run, step = parsed
     try:
-        return decode_manifest(store.get(key), run=run, step=step, url=store.url)
+        data = read_manifest_bytes(store, run, step, size)
+        return decode_manifest(data, run=run, step=step, url=store.url)
     except STORE_FAILURES:
         raise
     except FileNotFoundError:

@@ -423,3 +423,31 @@ def test_a_tree_that_disagrees_with_the_leaf_paths_is_refused(tamper):
     store.put(key, msgpack.packb(doc, use_bin_type=True))
     with pytest.raises(casstore.ManifestError, match=r"the tree puts leaf|bad dict keys"):
         casstore.restore(store, 0)
+
+
+def test_a_manifest_over_the_size_limit_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    """A manifest object over MAX_MANIFEST_BYTES (format.md §4.4) is refused where its size is
+    known before reading (a stat on local disk, or the listing a scan makes): a 256 MiB file
+    at a manifest's key is never read into memory."""
+    import os
+
+    from casstore._manifest import MAX_MANIFEST_BYTES
+    from casstore.store import LocalStore
+
+    url = str(tmp_path / "repo")
+    for step in (0, 1):
+        casstore.save(url, step, {"x": np.arange(10.0) + step})
+    path = tmp_path / "repo" / "runs" / "default" / "steps" / f"{1:016d}.manifest"
+    os.truncate(path, MAX_MANIFEST_BYTES + 1)  # a sparse file: nothing is written
+    read: list[str] = []
+    get = LocalStore.get
+    monkeypatch.setattr(LocalStore, "get", lambda self, key: read.append(key) or get(self, key))
+    for call in (lambda: casstore.read_manifest(url, 1), lambda: casstore.restore(url, 1),
+                 lambda: casstore.copy(url, str(tmp_path / "dst"), steps=[1])):
+        with pytest.raises(casstore.ManifestError, match="exceeds the size limit"):
+            call()
+    report = casstore.verify(url)
+    assert [(p.kind, p.step) for p in report.problems] == [("manifest", 1)]
+    assert "exceeds the size limit" in report.problems[0].message
+    assert casstore.restore(url, 0)["x"].tolist() == list(np.arange(10.0))
+    assert path.name not in " ".join(read)
