@@ -358,7 +358,7 @@ class FsspecStore(Store):
         keys = list(items)
         for i in range(0, len(keys), self.batch_size):
             batch = keys[i:i + self.batch_size]
-            options = self._options_for(max(len(items[k]) for k in batch))
+            options = self._options_for(max(memoryview(items[k]).nbytes for k in batch))
             self.policy.run(batch[0], lambda t, b=batch, o=options: self._call(
                 "pipe", {self._path(k): bytes(items[k]) for k in b}, timeout=t, **o))
 
