@@ -150,10 +150,11 @@ def resolve_step(store: Store, step: int | None, run: str) -> int:
 
 
 def read_manifest_bytes(store: Store, run: str, step: int, size: int | None = None) -> bytes:
-    """The bytes of a step's manifest object. One over ``MAX_MANIFEST_BYTES`` (format.md
-    §4.4) is refused before it is read where its size is known: ``size``, from a listing, or
-    a stat on a store with cheap stats (local disk). Elsewhere it is read whole, and
-    :func:`~casstore._manifest.decode_manifest` refuses it.
+    """The bytes of a step's manifest object, at most ``MAX_MANIFEST_BYTES`` (format.md
+    §4.4). One over the limit is refused without being read where its size is known (``size``,
+    from a listing, or a stat on a store with cheap stats: local disk); elsewhere no more than
+    one byte past the limit is read (:meth:`~casstore.store.Store.head`: a ranged GET on
+    object stores).
 
     Raises:
       ManifestError: the object is over the size limit.
@@ -165,7 +166,11 @@ def read_manifest_bytes(store: Store, run: str, step: int, size: int | None = No
     if size is not None and size > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{size} bytes exceeds the size limit of {MAX_MANIFEST_BYTES} "
                             "(not read)", run=run, step=step, url=store.url)
-    return store.get(key)
+    data = store.head(key, MAX_MANIFEST_BYTES + 1)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"over {MAX_MANIFEST_BYTES} bytes: exceeds the size limit (read "
+                            "no further)", run=run, step=step, url=store.url)
+    return data
 
 
 def read_manifest(url: Url, step: int | None = None, *, run: str = "default") -> Manifest:

@@ -44,6 +44,14 @@ class StoreContract:
         assert isinstance(info.value, FileNotFoundError)
         assert "no/such/key" in str(info.value)
 
+    def test_head_gives_the_first_bytes(self, store: Store):
+        data = bytes(range(256)) * 40
+        store.put("h/obj", data)
+        assert store.head("h/obj", 100) == data[:100]
+        assert store.head("h/obj", len(data) + 1) == data
+        with pytest.raises(ObjectNotFoundError, match="no/such/key"):
+            store.head("no/such/key", 10)
+
     def test_put_if_absent_is_create_only(self, store: Store):
         store.put_if_absent("m/1", b"first")
         with pytest.raises(FileExistsError):

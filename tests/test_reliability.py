@@ -29,6 +29,8 @@ from casstore._manifest import decode_manifest
 from casstore.store import CountingStore, MemoryStore
 from casstore.testing import FaultyStore
 
+from conftest import object_store
+
 FAULT_SEEDS = range(40)
 
 
@@ -441,7 +443,10 @@ def test_a_manifest_over_the_size_limit_is_refused_before_it_is_read(tmp_path, m
     os.truncate(path, MAX_MANIFEST_BYTES + 1)  # a sparse file: nothing is written
     read: list[str] = []
     get = LocalStore.get
+    head = LocalStore.head
     monkeypatch.setattr(LocalStore, "get", lambda self, key: read.append(key) or get(self, key))
+    monkeypatch.setattr(LocalStore, "head",
+                        lambda self, key, n: read.append(key) or head(self, key, n))
     for call in (lambda: casstore.read_manifest(url, 1), lambda: casstore.restore(url, 1),
                  lambda: casstore.copy(url, str(tmp_path / "dst"), steps=[1])):
         with pytest.raises(casstore.ManifestError, match="exceeds the size limit"):
@@ -451,3 +456,25 @@ def test_a_manifest_over_the_size_limit_is_refused_before_it_is_read(tmp_path, m
     assert "exceeds the size limit" in report.problems[0].message
     assert casstore.restore(url, 0)["x"].tolist() == list(np.arange(10.0))
     assert path.name not in " ".join(read)
+
+
+@pytest.mark.parametrize("server", ["seaweedfs", "fake-gcs"])
+def test_an_object_store_reads_no_more_of_a_manifest_than_the_size_limit(
+        object_servers, server, monkeypatch):
+    """Where a manifest's size is not known beforehand (an object store, a step named by the
+    caller), read_manifest, restore and copy read at most one byte past MAX_MANIFEST_BYTES
+    (a ranged GET) and refuse the manifest: a huge object there cannot exhaust memory."""
+    import casstore._repository as repository
+
+    store = object_store(object_servers[server])
+    casstore.save(store, 3, {"x": np.arange(1000.0)})
+    assert store.stat("runs/default/steps/0000000000000003.manifest").size > 200
+    monkeypatch.setattr(repository, "MAX_MANIFEST_BYTES", 200)
+    returned: list[int] = []
+    cat = store.fs.cat_file
+    store.fs.cat_file = lambda *a, **kw: returned.append(len(data := cat(*a, **kw))) or data
+    for call in (lambda: casstore.read_manifest(store, 3), lambda: casstore.restore(store, 3),
+                 lambda: casstore.copy(store, casstore.store.MemoryStore(), steps=[3])):
+        with pytest.raises(casstore.ManifestError, match="over 200 bytes: exceeds the size"):
+            call()
+    assert max(returned) == 201  # the first 200 + 1 bytes, on each call

@@ -135,6 +135,16 @@ class Store(abc.ABC):
     def get(self, key: str) -> bytes:
         """Returns the object's bytes. Raises ObjectNotFoundError if ``key`` is absent."""
 
+    def head(self, key: str, nbytes: int) -> bytes:
+        """Returns the object's first ``nbytes`` bytes, or all of it if it is shorter: one
+        ranged read where the backend has them (fsspec's ``head``), so a reader bounds what a
+        damaged object can make it hold. This default reads the whole object with :meth:`get`.
+
+        Raises:
+          ObjectNotFoundError: ``key`` is absent.
+        """
+        return self.get(key)[:nbytes]
+
     def get_into(self, key: str, buffer: np.ndarray | None) -> tuple[memoryview, np.ndarray]:
         """Reads an object, into ``buffer`` where the backend can (a uint8 array, reused).
 

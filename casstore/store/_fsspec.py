@@ -213,15 +213,23 @@ class FsspecStore(Store):
         return ObjectNotFoundError("no such object", url=f"{self.url}/{key}")
 
     def get(self, key: str) -> bytes:
+        return self._cat(key)
+
+    def head(self, key: str, nbytes: int) -> bytes:
+        """One ranged GET (``Range: bytes=0-{nbytes - 1}``) on S3 and GCS."""
+        return self._cat(key, start=0, end=nbytes)
+
+    def _cat(self, key: str, **byte_range) -> bytes:
         path = self._path(check_key(key))
+        read = lambda t: self._call("cat_file", path, timeout=t, **byte_range)  # noqa: E731
         try:
-            return self.policy.run(key, lambda t: self._call("cat_file", path, timeout=t))
+            return self.policy.run(key, read)
         except FileNotFoundError:
             pass
         # s3fs sizes objects through its listings cache, which may predate the object.
         self.fs.invalidate_cache(path)
         try:
-            return self.policy.run(key, lambda t: self._call("cat_file", path, timeout=t))
+            return self.policy.run(key, read)
         except FileNotFoundError:
             raise self._missing(key) from None
 
@@ -239,7 +247,7 @@ class FsspecStore(Store):
         path = self._path(check_key(key))
         if hasattr(self.fs, "call_s3"):  # s3fs
             bucket, name, _ = self.fs.split_path(path)
-            info = self.policy.run(key, lambda t: self._head(bucket, name, key, t))
+            info = self.policy.run(key, lambda t: self._head_object(bucket, name, key, t))
             return ObjectInfo(key, int(info["ContentLength"]), info["LastModified"].timestamp())
         try:
             info = self.policy.run(key, lambda t: self._call("info", path, timeout=t))
@@ -249,7 +257,7 @@ class FsspecStore(Store):
             raise self._missing(key)
         return ObjectInfo(key, int(info.get("size") or 0), _mtime(info))
 
-    def _head(self, bucket: str, name: str, key: str, timeout: float) -> dict:
+    def _head_object(self, bucket: str, name: str, key: str, timeout: float) -> dict:
         try:
             return self._call("call_s3", "head_object", Bucket=bucket, Key=name,
                               timeout=timeout)

@@ -72,6 +72,14 @@ class LocalStore(Store):
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise ObjectNotFoundError("no such object", url=self._path(key)) from None
 
+    def head(self, key: str, nbytes: int) -> bytes:
+        try:
+            with open(self._path(key), "rb") as f:
+                _regular(f, self._path(key))
+                return f.read(nbytes)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise ObjectNotFoundError("no such object", url=self._path(key)) from None
+
     def get_into(self, key: str, buffer: np.ndarray | None) -> tuple[memoryview, np.ndarray]:
         try:
             with open(self._path(key), "rb", buffering=0) as f:
