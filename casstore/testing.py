@@ -36,6 +36,7 @@ class StoreContract:
     def test_empty_object(self, store: Store):
         store.put("empty", b"")
         assert store.get("empty") == b""
+        assert store.head("empty", 10) == b""
         assert store.exists("empty")
 
     def test_get_missing_raises_object_not_found(self, store: Store):
