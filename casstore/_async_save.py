@@ -202,6 +202,8 @@ class AsyncCheckpointer:
         inline, jobs = plan_jobs(prepared, arrays, self.chunk_size_bytes,
                                  DEFAULT_PACK_THRESHOLD_BYTES, whole)
         del arrays
+        # Lost chunks are staged with their bytes; the writer checks again under the save lock
+        # (a collection in between may lose more: such a save fails and the next stages all).
         stored = ({r.id for leaf in previous.leaves for r in leaf.chunks}
                   - (lost_chunks(self.store, previous) if self.store.cheap_stat else set())
                   if previous else ())

@@ -523,6 +523,9 @@ def test_a_damaged_or_missing_config_object_is_reported_and_repaired(delta_repo,
     assert [p["kind"] for p in report["problems"]] == ["config"]
     assert len(report["steps_checked"]) == 6
     assert report["chunks_ok"] == report["chunks_checked"] > 0
+    one_run = run_json("verify", delta_repo, "--run", "default", code=1)
+    assert ([p["kind"] for p in one_run["problems"]], one_run["steps_checked"]) == (
+        ["config"], report["steps_checked"])
     plan = run_json("repair", good, delta_repo, "--dry-run", code=1)
     assert (plan["config_restored"], plan["steps"], plan["unrepairable"]) == (True, [], [])
     assert config.read_bytes() == b"\x00junk"  # a dry run changes nothing
@@ -534,6 +537,8 @@ def test_a_damaged_or_missing_config_object_is_reported_and_repaired(delta_repo,
     config.unlink()  # missing where steps exist: the same problem
     missing = casstore.verify(delta_repo)
     assert [(p.kind, "missing" in p.message) for p in missing.problems] == [("config", True)]
+    one_run = run_json("verify", delta_repo, "--run", "default", "--no-read-data", code=1)
+    assert [p["kind"] for p in one_run["problems"]] == ["config"]
     assert casstore.repair(str(good), delta_repo).ok
     (good / "config").write_bytes(b"junk too")  # no good config to take: unrepairable
     config.write_bytes(b"\x00junk")
