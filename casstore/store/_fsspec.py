@@ -311,14 +311,23 @@ class FsspecStore(Store):
             if key.startswith(prefix) and info.get("type") != "directory":
                 yield ObjectInfo(key, int(info.get("size") or 0), _mtime(info))
 
+    def _body(self, data: bytes | memoryview) -> bytes | bytearray:
+        """The body to upload. s3fs gets a bytearray: botocore wraps a bytes body in a
+        BytesIO, which aiohttp copies whole and then reads in 64 KiB copies, on fsspec's one
+        event-loop thread; a bytearray is sent as it is (one copy, made here, in the caller's
+        thread)."""
+        if hasattr(self.fs, "call_s3"):
+            return bytearray(data)
+        return bytes(data) if isinstance(data, memoryview) else data
+
     def _put(self, key: str, data: bytes | memoryview, *, exclusive: bool) -> None:
         try:
-            self._write(key, bytes(data) if isinstance(data, memoryview) else data, exclusive)
+            self._write(key, self._body(data), exclusive)
         except FileNotFoundError as e:  # S3's NoSuchBucket, GCS's 404 on an upload
             raise ObjectNotFoundError("cannot write: the bucket does not exist (create it "
                                       f"first): {e}", url=f"{self.url}/{key}") from e
 
-    def _write(self, key: str, data: bytes, exclusive: bool) -> None:
+    def _write(self, key: str, data: bytes | bytearray, exclusive: bool) -> None:
         if not exclusive:
             path = self._path(key)
             self.policy.run(key, lambda t: self._call("pipe_file", path, data, timeout=t,
@@ -377,7 +386,7 @@ class FsspecStore(Store):
             batch = keys[i:i + self.batch_size]
             options = self._options_for(max(memoryview(items[k]).nbytes for k in batch))
             self.policy.run(batch[0], lambda t, b=batch, o=options: self._call(
-                "pipe", {self._path(k): bytes(items[k]) for k in b}, timeout=t, **o))
+                "pipe", {self._path(k): self._body(items[k]) for k in b}, timeout=t, **o))
 
     def _options_for(self, nbytes: int) -> dict:
         """:attr:`put_options` for an upload of ``nbytes`` sent in one request: s3fs uploads
