@@ -547,3 +547,44 @@ def test_a_damaged_or_missing_config_object_is_reported_and_repaired(delta_repo,
         ["config"], False, False)
     assert config.read_bytes() == b"\x00junk"
     run("verify", tmp_path / "nowhere", code=cli.EXIT_NO_REPOSITORY)  # still no repository
+
+
+def test_a_second_ctrl_c_quits_a_copy_to_a_stalled_store_at_once(tmp_path, object_servers):
+    """The first Ctrl-C stops a command as Python does: on a stalled store that waits for
+    the store's deadlines (its requests in flight, then the lock's release). A second one
+    exits at once with 130, and the destination has no step (its manifest is written last)."""
+    import signal
+
+    from faultproxy import fault_proxy
+
+    from casstore.store import FsspecStore
+
+    server = object_servers["seaweedfs"]
+    src, url = tmp_path / "src", server.url_for("interrupted")
+    casstore.save(str(src), 0, {"w": np.arange(100_000.0)}, chunk_size_bytes=65_536)
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(cli.__file__).parents[2])}
+    with fault_proxy(server.endpoint_url) as proxy:
+        options = {**server.storage_options, "endpoint_url": proxy.endpoint_url}
+        proxy.set("stall", only=b"/chunks/")  # the uploads, in the copy's worker threads
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "casstore", "copy", str(src), url,
+             *(a for k, v in options.items() for a in ("-o", f"{k}={json.dumps(v)}"))],
+            stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            deadline = time.monotonic() + 60
+            while proxy.faults["stall"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+            assert "press Ctrl-C again to quit now" in proc.stderr.readline()
+            time.sleep(1.0)
+            assert proc.poll() is None  # the requests in flight wait on the stalled store
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=30) == 130
+            assert time.monotonic() - t0 < 10
+            assert "aborted" in proc.stderr.read()
+        finally:
+            proc.kill()
+            proc.wait()
+    assert casstore.list_steps(FsspecStore.from_url(url, **server.storage_options)) == []

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 from typing import Any
 
 import click
@@ -32,13 +34,15 @@ Exit codes:
   {EXIT_NO_REPOSITORY}  no casstore repository at the URL
   {EXIT_UNREACHABLE}  the store is unreachable or did not answer in time
   {EXIT_ACCESS_DENIED}  the store refused access (credentials, read-only)
-  130 interrupted (Ctrl-C); 141 the output's reader went away (`| head`)"""
+  130 interrupted (Ctrl-C; a second one quits without waiting for requests in flight);
+      141 the output's reader went away (`| head`)"""
 # -o options that casstore itself takes (open_store), beside the filesystem's own
 CASSTORE_OPTIONS = {"read_only", "request_timeout_s", "operation_timeout_s"}
 # fsspec's AbstractFileSystem options, which every filesystem takes
 FSSPEC_OPTIONS = {"use_listings_cache", "listings_expiry_time", "max_paths",
                   "skip_instance_cache", "asynchronous", "loop"}
 _where: dict[str, str] = {"at": ""}
+_sigints: list[bool] = []  # [True] once a first Ctrl-C came
 
 
 class NoRepository(click.ClickException):
@@ -88,6 +92,20 @@ def describe(e: BaseException) -> str:
     return f"{message}; {fix}" if fix else message
 
 
+def _interrupted(signum: int, frame: Any) -> None:
+    """SIGINT: the first stops the command as Python does (KeyboardInterrupt: requests in
+    flight end, locks are released, which on a stalled store takes up to its deadlines); a
+    second exits at once. Either way no step is half there: a manifest is written last
+    (format.md §7); a save lock left behind holds off GC until it turns stale (_locks)."""
+    if _sigints:
+        os.write(2, b"casstore: aborted\n")
+        os._exit(130)
+    _sigints.append(True)
+    os.write(2, b"casstore: stopping: requests in flight end first (on a stalled store, at its "
+                b"deadline); press Ctrl-C again to quit now\n")
+    raise KeyboardInterrupt
+
+
 class _Group(click.Group):
     """Turns any error into one line on stderr (JSON with --json) and its exit code, unless
     ``--debug``."""
@@ -95,6 +113,16 @@ class _Group(click.Group):
     def main(self, args: Any = None, prog_name: str | None = None, **extra: Any) -> Any:
         args = list(sys.argv[1:] if args is None else args)
         _where["at"] = ""
+        _sigints.clear()
+        main_thread = threading.current_thread() is threading.main_thread()
+        before = signal.signal(signal.SIGINT, _interrupted) if main_thread else None
+        try:
+            self._main(args, prog_name, **extra)
+        finally:  # (a process stopping on Ctrl-C keeps it: a second one still exits at once)
+            if main_thread and not _sigints:
+                signal.signal(signal.SIGINT, before)
+
+    def _main(self, args: list[str], prog_name: str | None, **extra: Any) -> None:
         try:
             rv = super().main(args, prog_name=prog_name or "casstore", standalone_mode=False,
                               **extra)
