@@ -28,7 +28,7 @@ from typing import Any
 import fsspec
 from fsspec.asyn import AsyncFileSystem
 
-from .._errors import ObjectNotFoundError
+from .._errors import ObjectNotFoundError, StoreTimeoutError, StoreUnreachableError
 from ._base import ObjectInfo, Store, check_key
 from ._retry import (
     DEFAULT_OPERATION_TIMEOUT_S,
@@ -221,7 +221,7 @@ class FsspecStore(Store):
         gives ``b""``."""
         try:
             return self._cat(key, start=0, end=nbytes)
-        except FileNotFoundError:
+        except (FileNotFoundError, PermissionError, StoreTimeoutError, StoreUnreachableError):
             raise
         except Exception:
             if self.stat(key).size:
