@@ -2,10 +2,11 @@
 
 Follows the commit rule of format.md §7 at the destination: a step's chunk objects are all
 stored before its manifest is written create-only, so an interrupted copy leaves no partial
-step, and running it again sends only what is missing. The copy is planned first (every
-selected manifest read and validated, every object the destination lacks assigned to the first
-step that needs it), then the objects of all steps go through one bounded pool, and each step's
-manifest is written, in step order, as soon as the objects it needs are in.
+step, and running it again sends only what is missing. The copy is planned first (the
+selected manifests read concurrently and validated, every object the destination lacks
+assigned to the first step that needs it), then the objects of all steps go through one
+bounded pool, and each step's manifest is written, in step order, as soon as the objects it
+needs are in.
 
 Integrity of each object as it passes (``verify``):
 
@@ -241,24 +242,27 @@ def _plan(src: Store, dst: Store, selected: list[tuple[str, int]]
     Returns ``(steps to copy, steps skipped, the skipped steps' manifests)``."""
     have = {(run, step) for run in dict.fromkeys(r for r, _ in selected)
             for step in list_steps(dst, run=run)}
-    skipped = [pair for pair in selected if pair in have]
-    keys = [manifest_key(run, step) for run, step in skipped]
-    there, ours = dst.get_many(keys), src.get_many(keys)
-    kept = []
-    for (run, step), key in zip(skipped, keys):
-        _same_step(dst, run, step, there[key], ours[key])
-        kept.append(decode_manifest(ours[key], run=run, step=step, url=src.url))
-    plan = []
-    for run, step in selected:
-        if (run, step) in have:
-            continue
+
+    def read(pair: tuple[str, int]) -> tuple[bytes, Manifest]:
+        run, step = pair
         try:
             data = read_manifest_bytes(src, run, step)
         except FileNotFoundError:
             raise StepNotFoundError("step deleted from the source during the copy",
                                     url=src.url, run=run, step=step) from None
-        manifest = decode_manifest(data, run=run, step=step, url=src.url)
-        plan.append(_Step(run, step, manifest, data, set()))
+        return data, decode_manifest(data, run=run, step=step, url=src.url)
+
+    # one request each, all in flight at once: a copy of many steps to a remote store
+    manifests = bounded_map(read, selected, src.max_workers)
+    skipped = [pair for pair in selected if pair in have]
+    there = dst.get_many([manifest_key(run, step) for run, step in skipped])
+    kept, plan = [], []
+    for (run, step), (data, manifest) in zip(selected, manifests):
+        if (run, step) in have:
+            _same_step(dst, run, step, there[manifest_key(run, step)], data)
+            kept.append(manifest)
+        else:
+            plan.append(_Step(run, step, manifest, data, set()))
     return plan, skipped, kept
 
 

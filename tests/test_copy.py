@@ -329,3 +329,31 @@ def test_a_byte_flipped_in_transit_from_s3_fails_the_copy_and_a_tier_has_the_chu
     restored = casstore.restore(tiered, 0)
     assert all(restored[k].tobytes() == trees[0][k].tobytes() for k in trees[0])
     assert tiered.objects_recovered == len(casstore.read_manifest(direct, 0).chunk_ids())
+
+
+def test_a_copy_reads_the_manifests_of_its_steps_at_once(tmp_path):
+    """Planning reads the selected manifests concurrently: on a remote store, a copy of many
+    steps does not pay one round trip per step in turn."""
+    class SlowManifests(MemoryStore):
+        def __init__(self):
+            super().__init__()
+            self.in_flight = self.peak = 0
+            self.lock = threading.Lock()
+
+        def head(self, key, nbytes):
+            if key.endswith(".manifest"):
+                with self.lock:
+                    self.in_flight += 1
+                    self.peak = max(self.peak, self.in_flight)
+                time.sleep(0.2)
+                with self.lock:
+                    self.in_flight -= 1
+            return super().head(key, nbytes)
+
+    src = SlowManifests()
+    for step in range(8):
+        casstore.save(src, step, {"x": np.arange(10.0) + step})
+    dst = MemoryStore()
+    assert casstore.copy(src, dst).steps_copied == tuple(("default", s) for s in range(8))
+    assert src.peak > 1
+    assert casstore.restore(dst, 7)["x"].tolist() == (np.arange(10.0) + 7).tolist()
