@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import posixpath
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -101,6 +102,24 @@ def _shared_aio_session():
     import aiobotocore.session
 
     return aiobotocore.session.AioSession()
+
+
+class _Body(io.BytesIO):
+    """An upload's body for s3fs: a BytesIO holding its own copy of the bytes, which knows
+    its length (s3fs's ``pipe_file`` asks). Given bytes, botocore wraps them in a BytesIO that
+    shares them, and aiohttp unshares it (a copy of the whole object on fsspec's one
+    event-loop thread); given a bytearray, aiohttp sends the object in one write, which
+    Python 3.11's asyncio joins with the headers and buffers (two more copies there). This
+    one is copied once, in the uploading thread, and sent in 64 KiB pieces. botocore computes
+    the upload's checksum from it and seeks back."""
+
+    def __init__(self, data: bytes | memoryview):
+        super().__init__()
+        self.write(data)
+        self.seek(0)
+
+    def __len__(self) -> int:
+        return self.getbuffer().nbytes
 
 
 class FsspecStore(Store):
@@ -311,27 +330,27 @@ class FsspecStore(Store):
             if key.startswith(prefix) and info.get("type") != "directory":
                 yield ObjectInfo(key, int(info.get("size") or 0), _mtime(info))
 
-    def _body(self, data: bytes | memoryview) -> bytes | bytearray:
-        """The body to upload. s3fs gets a bytearray: botocore wraps a bytes body in a
-        BytesIO, which aiohttp copies whole and then reads in 64 KiB copies, on fsspec's one
-        event-loop thread; a bytearray is sent as it is (one copy, made here, in the caller's
-        thread)."""
-        if hasattr(self.fs, "call_s3"):
-            return bytearray(data)
+    def _body(self, data: bytes | memoryview) -> bytes | _Body:
+        """A new body for one upload attempt. For s3fs, a :class:`_Body`: a copy of the
+        bytes, made here in the caller's thread, that aiohttp sends in 64 KiB pieces without
+        copying it again (objects that s3fs uploads in parts excepted: it slices them)."""
+        if hasattr(self.fs, "call_s3") and memoryview(data).nbytes < _S3FS_SINGLE_PUT_BYTES:
+            return _Body(data)
         return bytes(data) if isinstance(data, memoryview) else data
 
     def _put(self, key: str, data: bytes | memoryview, *, exclusive: bool) -> None:
         try:
-            self._write(key, self._body(data), exclusive)
+            self._write(key, data, exclusive)
         except FileNotFoundError as e:  # S3's NoSuchBucket, GCS's 404 on an upload
             raise ObjectNotFoundError("cannot write: the bucket does not exist (create it "
                                       f"first): {e}", url=f"{self.url}/{key}") from e
 
-    def _write(self, key: str, data: bytes | bytearray, exclusive: bool) -> None:
+    def _write(self, key: str, data: bytes | memoryview, exclusive: bool) -> None:
+        options = self._options_for(memoryview(data).nbytes)
         if not exclusive:
             path = self._path(key)
-            self.policy.run(key, lambda t: self._call("pipe_file", path, data, timeout=t,
-                                                      **self._options_for(len(data))))
+            self.policy.run(key, lambda t: self._call("pipe_file", path, self._body(data),
+                                                      timeout=t, **options))
             return
         attempts = []
 
@@ -339,8 +358,8 @@ class FsspecStore(Store):
             attempts.append(1)
             t0 = time.monotonic()
             try:
-                self._call("pipe_file", self._path(key), data, mode="create", timeout=timeout,
-                           **self._options_for(len(data)))
+                self._call("pipe_file", self._path(key), self._body(data), mode="create",
+                           timeout=timeout, **options)
             except Exception as e:  # narrowed by _is_exists_error; everything else re-raises
                 if not _is_exists_error(e):
                     raise
