@@ -331,11 +331,11 @@ class FsspecStore(Store):
                 yield ObjectInfo(key, int(info.get("size") or 0), _mtime(info))
 
     def _body(self, data: bytes | memoryview) -> bytes | _Body:
-        """A new body for one upload attempt. For s3fs, a :class:`_Body`: a copy of the
-        bytes, made here in the caller's thread, that aiohttp sends in 64 KiB pieces without
-        copying it again (objects that s3fs uploads in parts excepted: it slices them)."""
-        if hasattr(self.fs, "call_s3") and memoryview(data).nbytes < _S3FS_SINGLE_PUT_BYTES:
-            return _Body(data)
+        """A new body for one upload attempt: a :class:`_Body` on s3fs (except for objects it
+        uploads in parts, which it slices), else bytes."""
+        view = memoryview(data)
+        if hasattr(self.fs, "call_s3") and view.nbytes < _S3FS_SINGLE_PUT_BYTES:
+            return _Body(view if view.contiguous else bytes(view))
         return bytes(data) if isinstance(data, memoryview) else data
 
     def _put(self, key: str, data: bytes | memoryview, *, exclusive: bool) -> None:
@@ -366,7 +366,7 @@ class FsspecStore(Store):
                 # A retried create may find the object its own failed attempt stored.
                 left = timeout - (time.monotonic() - t0)
                 if len(attempts) > 1 and self._call("cat_file", self._path(key),
-                                                    timeout=left) == data:
+                                                    timeout=left) == bytes(data):
                     return
                 raise FileExistsError(f"{self.url}/{key} exists") from e
 

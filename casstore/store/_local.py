@@ -65,14 +65,10 @@ class LocalStore(Store):
         return os.path.join(self.root, *key.split("/"))
 
     def get(self, key: str) -> bytes:
-        try:
-            with open(self._path(key), "rb") as f:
-                _regular(f, self._path(key))
-                return f.read()
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise ObjectNotFoundError("no such object", url=self._path(key)) from None
+        return self.head(key, -1)
 
     def head(self, key: str, nbytes: int) -> bytes:
+        """The first ``nbytes`` bytes (-1: all of them)."""
         try:
             with open(self._path(key), "rb") as f:
                 _regular(f, self._path(key))
