@@ -3,7 +3,6 @@ checks all its inputs before it changes anything."""
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections.abc import Callable
 from typing import Any
@@ -56,15 +55,18 @@ def verify_command(url: str, step: int | None, run: str | None, read_data: bool,
     """
     store = open_repo(url, options, damaged=True)
     run = "default" if step is not None and run is None else run
-    with contextlib.suppress(casstore.ManifestError):  # a damaged config: the report says so
-        if casstore.is_repository(store):  # (and so for a missing one)
-            check_run(store, url, run)
+    try:  # a damaged or missing config object: the report says so
+        sound = casstore.is_repository(store)
+    except casstore.ManifestError:
+        sound = False
+    if sound:
+        check_run(store, url, run)
     where(url, run, step)
     meter = Meter()
     report = progress("verifying", lambda: casstore.verify(
         store, step, run=run, read_data=read_data, progress=meter), meter)
     kinds = {p.kind for p in report.problems}
-    if "not found" in kinds and "config" not in kinds and not casstore.is_repository(store):
+    if "not found" in kinds and "config" not in kinds and not sound:
         raise no_repository(url)  # no config object and no step: no repository (exit 10)
     if step is not None and any(p.kind == "not found" for p in report.problems):
         steps = casstore.list_steps(store, run=run)  # a typo is no damage: exit 2, not 1
