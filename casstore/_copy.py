@@ -217,7 +217,11 @@ def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
     # With verify, a base that deltas share is read from the source once for all of them;
     # without, no base is decoded, so none is held.
     engine.bases = DeltaBases(src, [needed[k][:2] for k in missing] if verify else [])
-    bounded_map(engine.transfer, missing, max_workers or dst.max_workers)
+    try:
+        bounded_map(engine.transfer, missing, max_workers or dst.max_workers)
+    except KeyboardInterrupt:
+        engine.stopped = True  # the transfers left running send and commit nothing more
+        raise
     engine.commit_ready()
     if engine.unusable:
         message, where = next(iter(engine.unusable.values()))
@@ -294,6 +298,7 @@ class _Engine:
         self.unusable: dict[str, tuple[str, dict]] = {}  # source objects: (message, where)
         self.not_copied: list[tuple[str, int]] = []  # steps that need an unusable object
         self.next = 0  # index in plan of the next manifest to write
+        self.stopped = False  # Ctrl-C: the caller went on without the transfers in flight
         self.lock = threading.Lock()  # guards sent and waiting
         self.commit_lock = threading.Lock()  # one writer of manifests (and of progress)
 
@@ -309,6 +314,8 @@ class _Engine:
                 self.bases.decode(data, cid, base, raw_length)
             else:
                 check_framing(data, cid, raw_length, delta=base is not None)
+            if self.stopped:
+                return
             self.dst.put(obj, data)
         except (CorruptChunkError, FileNotFoundError) as e:  # the other steps go on
             where = {"url": self.src.url, "run": s.run, "step": s.step, "key_path": path,
@@ -355,7 +362,7 @@ class _Engine:
                 return
 
     def _commit_ready_steps(self) -> None:
-        while self.next < len(self.plan):
+        while self.next < len(self.plan) and not self.stopped:
             s = self.plan[self.next]
             with self.lock:
                 if s.waiting & self.unusable.keys():  # never complete: not written

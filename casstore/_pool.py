@@ -49,29 +49,41 @@ def bounded_map(fn: Callable[[Any], Any], items: Iterable, max_workers: int,
     hold (a chunk or two each) stays bounded by the window, not by the number of items, and a
     generator's side effects (starting a device-to-host copy) run just ahead of the workers.
     The first exception cancels what is still pending and is re-raised once the running tasks
-    have finished. ``fn`` may return a :class:`concurrent.futures.Future` (a second stage it
+    have finished. A ``KeyboardInterrupt`` (Ctrl-C in the calling thread) is re-raised at once:
+    the running tasks are left to end on their own (a request in flight on a stalled store
+    ends at its deadline), so an interactive caller gets control back without waiting for
+    them. A stage that must not act after that (a save's uploads, a copy's manifests) checks
+    for it itself. ``fn`` may return a :class:`concurrent.futures.Future` (a second stage it
     started on another pool, such as an upload): the item then keeps its place in the window
     until that future is done, and its result is what is collected.
 
     Args:
       max_workers: threads.
       window: items submitted and not yet collected (default ``2 * max_workers``; at least 1).
+
+    Raises:
+      KeyboardInterrupt: as soon as it reaches the calling thread; pending items never start.
     """
     window = max(1, window or 2 * max_workers)
     out: list = []
     pending: collections.deque[cf.Future] = collections.deque()
-    with cf.ThreadPoolExecutor(max(1, min(max_workers, window))) as pool:
-        try:
-            for item in items:
-                pending.append(pool.submit(fn, item))
-                if len(pending) >= window:
-                    out.append(_result(pending.popleft()))
-            while pending:
+    pool = cf.ThreadPoolExecutor(max(1, min(max_workers, window)))
+    try:
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) >= window:
                 out.append(_result(pending.popleft()))
-        except BaseException:
-            for f in pending:
-                f.cancel()
-            raise
+        while pending:
+            out.append(_result(pending.popleft()))
+    except KeyboardInterrupt:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    except BaseException:
+        for f in pending:
+            f.cancel()
+        pool.shutdown(wait=True)
+        raise
+    pool.shutdown(wait=True)
     return out
 
 

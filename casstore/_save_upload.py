@@ -78,12 +78,18 @@ def store_chunks(jobs: Iterable[Job], writer: ChunkWriter, max_workers: int, win
         writer.stored(upload[1])
         return refs
 
-    with cf.ThreadPoolExecutor(max_workers) as uploads:
-        try:
-            done = bounded_map(encode, jobs, max_workers, window)
-        except BaseException:
-            uploads.shutdown(cancel_futures=True)
-            raise
+    uploads = cf.ThreadPoolExecutor(max_workers)
+    try:
+        done = bounded_map(encode, jobs, max_workers, window)
+    except KeyboardInterrupt:
+        # Ctrl-C: no upload starts from here on (an encoding still running may read a numpy
+        # leaf its caller writes to once we return), and none in flight is waited for.
+        uploads.shutdown(wait=False, cancel_futures=True)
+        raise
+    except BaseException:
+        uploads.shutdown(cancel_futures=True)
+        raise
+    uploads.shutdown()
     refs: dict[int, list[ChunkRef]] = collections.defaultdict(list)
     for pairs in done:
         for i, ref in pairs:

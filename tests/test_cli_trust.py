@@ -549,10 +549,12 @@ def test_a_damaged_or_missing_config_object_is_reported_and_repaired(delta_repo,
     run("verify", tmp_path / "nowhere", code=cli.EXIT_NO_REPOSITORY)  # still no repository
 
 
-def test_a_second_ctrl_c_quits_a_copy_to_a_stalled_store_at_once(tmp_path, object_servers):
-    """The first Ctrl-C stops a command as Python does: on a stalled store that waits for
-    the store's deadlines (its requests in flight, then the lock's release). A second one
-    exits at once with 130, and the destination has no step (its manifest is written last)."""
+@pytest.mark.parametrize("lock_stalls", [False, True])
+def test_ctrl_c_stops_a_copy_to_a_stalled_store_at_once(tmp_path, object_servers, lock_stalls):
+    """Ctrl-C stops a copy whose uploads wait on a stalled store: it releases the save lock
+    and exits with 130 without waiting for the uploads' deadlines. Where the lock's release
+    stalls too, a second Ctrl-C exits at once. Either way the destination has no step (its
+    manifest is written last); without the second, no save lock is left either."""
     import signal
 
     from faultproxy import fault_proxy
@@ -564,7 +566,8 @@ def test_a_second_ctrl_c_quits_a_copy_to_a_stalled_store_at_once(tmp_path, objec
     casstore.save(str(src), 0, {"w": np.arange(100_000.0)}, chunk_size_bytes=65_536)
     env = {**os.environ, "PYTHONPATH": str(pathlib.Path(cli.__file__).parents[2])}
     with fault_proxy(server.endpoint_url) as proxy:
-        options = {**server.storage_options, "endpoint_url": proxy.endpoint_url}
+        options = {**server.storage_options, "endpoint_url": proxy.endpoint_url,
+                   "request_timeout_s": 30.0, "operation_timeout_s": 60.0}
         proxy.set("stall", only=b"/chunks/")  # the uploads, in the copy's worker threads
         proc = subprocess.Popen(
             [sys.executable, "-m", "casstore", "copy", str(src), url,
@@ -575,16 +578,23 @@ def test_a_second_ctrl_c_quits_a_copy_to_a_stalled_store_at_once(tmp_path, objec
             while proxy.faults["stall"] == 0 and time.monotonic() < deadline:
                 time.sleep(0.05)
             time.sleep(0.5)
-            proc.send_signal(signal.SIGINT)
-            assert "press Ctrl-C again to quit now" in proc.stderr.readline()
-            time.sleep(1.0)
-            assert proc.poll() is None  # the requests in flight wait on the stalled store
+            if lock_stalls:
+                proxy.set("stall")  # every request from now on: the lock's release too
             t0 = time.monotonic()
             proc.send_signal(signal.SIGINT)
+            assert "press Ctrl-C again to quit now" in proc.stderr.readline()
+            if lock_stalls:
+                time.sleep(1.0)
+                assert proc.poll() is None  # releasing the lock
+                t0 = time.monotonic()
+                proc.send_signal(signal.SIGINT)
             assert proc.wait(timeout=30) == 130
             assert time.monotonic() - t0 < 10
             assert "aborted" in proc.stderr.read()
         finally:
             proc.kill()
             proc.wait()
-    assert casstore.list_steps(FsspecStore.from_url(url, **server.storage_options)) == []
+    direct = FsspecStore.from_url(url, **server.storage_options)
+    assert casstore.list_steps(direct) == []
+    locks = [o.key for o in direct.list("locks/") if "save-" in o.key]
+    assert len(locks) == lock_stalls

@@ -10,12 +10,13 @@ import pytest
 from faultproxy import fault_proxy
 
 import casstore
+import casstore._copy
 from casstore._layout import manifest_key, parse_manifest_key
 from casstore._repository import list_chunk_objects
 from casstore.store import CountingStore, FsspecStore, LocalStore, MemoryStore
 from casstore.store._retry import CHECKSUM_ATTEMPTS
 
-from conftest import object_store
+from conftest import GatedStore, object_store
 
 ROWS = 2_000  # rows of 64 float32: 512 KB a leaf; 64 KB chunks -> 8 chunks a leaf
 
@@ -357,3 +358,43 @@ def test_a_copy_reads_the_manifests_of_its_steps_at_once(tmp_path):
     assert casstore.copy(src, dst).steps_copied == tuple(("default", s) for s in range(8))
     assert src.peak > 1
     assert casstore.restore(dst, 7)["x"].tolist() == (np.arange(10.0) + 7).tolist()
+
+
+def test_a_copy_stopped_by_ctrl_c_commits_nothing_its_transfers_finish_later(monkeypatch):
+    """Ctrl-C returns from copy without waiting for the transfers in flight; when they end
+    later (after the caller released the destination's lock) they write no manifest, though
+    every object of the step is then there."""
+    src, dst, arrived = MemoryStore(), GatedStore(), []
+    casstore.save(src, 0, {"w": np.arange(4096.0)}, chunk_size_bytes=16_384, delta=False)
+    assert len(list(list_chunk_objects(src))) == 2
+    real, put = casstore._copy.bounded_map, dst._put
+
+    def counted(key, data, *, exclusive):
+        arrived.append(key)
+        put(key, data, exclusive=exclusive)
+
+    dst._put = counted
+
+    def interrupted(fn, items, max_workers, *args):
+        if fn.__name__ != "transfer":
+            return real(fn, items, max_workers, *args)
+        items = list(items)
+
+        def stream():
+            yield from items  # both objects in flight, held at the gate
+            deadline = time.monotonic() + 10
+            while len(arrived) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            raise KeyboardInterrupt
+        return real(fn, stream(), 2)
+
+    monkeypatch.setattr(casstore._copy, "bounded_map", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        casstore.copy(src, dst)
+    dst.gate.set()  # the two transfers end now
+    deadline = time.monotonic() + 10
+    while len(list(list_chunk_objects(dst))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert len(list(list_chunk_objects(dst))) == 2
+    assert casstore.list_steps(dst) == []

@@ -2,7 +2,13 @@
 save, restore, copy, gc or the manager; each either succeeds bit-exact or fails with
 StoreTimeoutError within the bound of docs/reliability.md, and no partial step appears."""
 
+import json
+import os
+import pathlib
+import signal
 import socket
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -187,3 +193,59 @@ def test_manager_surfaces_a_stalled_background_save_and_recovers(object_servers)
         assert mngr.latest_step() == 2
         assert_bit_exact(mngr.restore(2), 2)
         mngr.close()
+
+
+# A script a user stops with Ctrl-C: it prints the time at which the call raised it.
+INTERRUPTED = r"""
+import json, sys, time
+import numpy as np
+import casstore
+op, url, options, local = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+store = casstore.open_store(url, **options)
+try:
+    if op == "save":
+        casstore.save(store, 1, {"w": np.arange(200_000.0)}, chunk_size_bytes=16_384)
+    elif op == "restore":
+        casstore.restore(store, 0)
+    else:
+        casstore.copy(local, store)
+except KeyboardInterrupt:
+    print(time.monotonic(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("op", ["save", "restore", "copy"])
+def test_ctrl_c_stops_save_restore_and_copy_on_a_stalled_store_at_once(op, tmp_path,
+                                                                       object_servers):
+    """Ctrl-C in a script or a notebook stops a save, restore or copy whose chunk requests
+    wait on a stalled store: the call raises KeyboardInterrupt within seconds instead of at
+    the requests' 30 s deadline (they are left to end on their own), and leaves no step and
+    no save lock behind."""
+    server = object_servers["seaweedfs"]
+    url, local = server.url_for("ctrl-c"), tmp_path / "local"
+    direct = FsspecStore.from_url(url, **server.storage_options)
+    casstore.save(direct, 0, tree_for(0), chunk_size_bytes=CHUNK)  # what the restore reads
+    casstore.save(str(local), 5, tree_for(5), chunk_size_bytes=CHUNK)  # what the copy sends
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(casstore.__file__).parents[1])}
+    with fault_proxy(server.endpoint_url) as proxy:
+        proxy.set("stall", only=b"/chunks/")  # lookups, uploads and reads of chunks
+        opts = {**options(server, proxy.endpoint_url), "request_timeout_s": 30.0,
+                "operation_timeout_s": 60.0}
+        proc = subprocess.Popen([sys.executable, "-c", INTERRUPTED, op, url, json.dumps(opts),
+                                 str(local)], stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            deadline = time.monotonic() + 60
+            while proxy.faults["stall"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert proxy.faults["stall"] > 0, "the call never reached the store"
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            line = proc.stdout.readline()
+            assert line, f"{op} did not raise KeyboardInterrupt (exit {proc.wait()})"
+            assert float(line) - t0 < 10, (op, float(line) - t0)
+        finally:
+            proc.kill()
+            proc.wait()
+    assert casstore.list_steps(direct) == [0]
+    assert [o.key for o in direct.list("locks/") if "save-" in o.key] == []

@@ -1,12 +1,20 @@
-"""Worker counts follow the cores this process may use (casstore/_pool.py, Store.max_workers)."""
+"""Worker counts follow the cores this process may use (casstore/_pool.py, Store.max_workers);
+a Ctrl-C stops the pipelines without waiting for their work in flight."""
 
 import os
+import threading
+import time
 
 import fsspec
+import numpy as np
 import pytest
 
+import casstore
+import casstore._save
 from casstore import _pool
 from casstore.store import CountingStore, FsspecStore, LocalStore, MemoryStore
+
+from conftest import GatedStore
 
 
 @pytest.fixture
@@ -45,3 +53,77 @@ def test_a_worker_count_set_on_a_store_is_kept(cores):
     cores(16)
     assert store.max_workers == 3
     assert CountingStore(store).max_workers == 3  # wrappers take the inner store's
+
+
+def test_bounded_map_gives_a_ctrl_c_back_at_once_and_starts_nothing_after_it():
+    """KeyboardInterrupt in the calling thread is raised without waiting for the running task
+    (a request on a stalled store), and the queued items never run; any other exception still
+    waits for the running tasks."""
+    for error in (KeyboardInterrupt, ValueError):
+        started, release, ran = threading.Event(), threading.Event(), []
+
+        def work(x, started=started, release=release, ran=ran):
+            started.set()
+            assert release.wait(30)
+            ran.append(x)
+
+        def items(started=started, error=error):
+            yield 0
+            yield 1  # queued behind 0: one worker
+            assert started.wait(10)
+            raise error
+
+        t0 = time.monotonic()
+        if error is ValueError:
+            threading.Timer(1.0, release.set).start()
+        with pytest.raises(error):
+            _pool.bounded_map(work, items(), max_workers=1, window=4)
+        seconds = time.monotonic() - t0
+        release.set()
+        time.sleep(0.3)
+        assert ran == [0]  # 1 was cancelled
+        if error is KeyboardInterrupt:
+            assert seconds < 5, seconds
+        else:  # it waited for 0
+            assert seconds >= 0.9, seconds
+
+
+def test_a_ctrl_c_during_a_save_waits_for_no_upload_and_starts_none(monkeypatch):
+    """A save stopped by Ctrl-C while its chunk uploads wait on the store raises at once,
+    starts no upload after that (an encoding still running may read a numpy leaf its caller
+    writes to once the call returns) and commits nothing."""
+    store, started = GatedStore(), []
+    put = store._put
+
+    def counted(key, data, *, exclusive):
+        if key.startswith("chunks/"):
+            started.append(key)
+        put(key, data, exclusive=exclusive)
+
+    store._put = counted
+    plan_jobs = casstore._save.plan_jobs
+
+    def interrupted(*args, **kwargs):
+        inline, jobs = plan_jobs(*args, **kwargs)
+
+        def stream():
+            for i, job in enumerate(jobs):
+                if i == 2:  # two jobs in flight, their uploads held at the gate
+                    deadline = time.monotonic() + 10
+                    while len(started) < 2 and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    raise KeyboardInterrupt
+                yield job
+        return inline, stream()
+
+    monkeypatch.setattr(casstore._save, "plan_jobs", interrupted)
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        casstore.save(store, 0, {"w": np.arange(16 * 1024.0)}, chunk_size_bytes=8192,
+                      max_workers=2)
+    assert time.monotonic() - t0 < 10  # the gate holds the uploads for 60 s
+    assert len(started) == 2
+    store.gate.set()
+    time.sleep(0.5)
+    assert len(started) == 2
+    assert casstore.list_steps(store) == []

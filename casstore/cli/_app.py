@@ -34,7 +34,8 @@ Exit codes:
   {EXIT_NO_REPOSITORY}  no casstore repository at the URL
   {EXIT_UNREACHABLE}  the store is unreachable or did not answer in time
   {EXIT_ACCESS_DENIED}  the store refused access (credentials, read-only)
-  130 interrupted (Ctrl-C; a second one quits without waiting for requests in flight);
+  130 interrupted (Ctrl-C: stops at once, releasing the save lock; a second one quits
+      without waiting for that);
       141 the output's reader went away (`| head`)"""
 # -o options that casstore itself takes (open_store), beside the filesystem's own
 CASSTORE_OPTIONS = {"read_only", "request_timeout_s", "operation_timeout_s"}
@@ -93,16 +94,17 @@ def describe(e: BaseException) -> str:
 
 
 def _interrupted(signum: int, frame: Any) -> None:
-    """SIGINT: the first stops the command as Python does (KeyboardInterrupt: requests in
-    flight end, locks are released, which on a stalled store takes up to its deadlines); a
-    second exits at once. Either way no step is half there: a manifest is written last
-    (format.md §7); a save lock left behind holds off GC until it turns stale (_locks)."""
+    """SIGINT: the first stops the command (KeyboardInterrupt): its chunk requests in flight
+    are left to end on their own (``bounded_map``), it releases its lock, and the process
+    exits without waiting for them (:meth:`_Group._main`); a second exits at once, even while
+    the lock's release waits on a stalled store. Either way no step is half there: a manifest
+    is written last (format.md §7); a save lock left behind holds off GC until it turns stale
+    (_locks)."""
     if _sigints:
         os.write(2, b"casstore: aborted\n")
         os._exit(130)
     _sigints.append(True)
-    os.write(2, b"casstore: stopping: requests in flight end first (on a stalled store, at its "
-                b"deadline); press Ctrl-C again to quit now\n")
+    os.write(2, b"casstore: stopping; press Ctrl-C again to quit now\n")
     raise KeyboardInterrupt
 
 
@@ -133,6 +135,10 @@ class _Group(click.Group):
             sys.exit(EXIT_USAGE)
         except click.Abort:
             click.echo("casstore: aborted", err=True)
+            if _sigints:  # Ctrl-C: the command cleaned up; its requests in flight are moot
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(130)
             sys.exit(130)
         except BrokenPipeError:  # `casstore ... --json | head`: the reader went away (SIGPIPE)
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error

@@ -218,6 +218,11 @@ class FsspecStore(Store):
             # s3fs sends a HEAD before every GET to decide on a ranged concurrent download
             # (objects over 50 MiB); chunks are 16 MiB by default, so one GET is enough.
             storage_options.setdefault("max_concurrency", 1)
+            # botocore opens at most 10 connections: fewer than the requests a save runs at
+            # once (8 a core), and none left for a lock's release (which goes past the
+            # adaptive limit, _retry) while stalled chunk requests hold them all.
+            storage_options["config_kwargs"].setdefault("max_pool_connections",
+                                                        cls.max_workers_cap + 16)
             if "profile" not in storage_options:  # a profile is a session's own setting
                 storage_options.setdefault("session", _shared_aio_session())
         fs, root = fsspec.core.url_to_fs(url, **storage_options)

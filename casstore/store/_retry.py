@@ -26,6 +26,7 @@ from typing import Any
 import fsspec
 
 from .._errors import AccessDeniedError, CasstoreError, CorruptChunkError
+from .._layout import LOCKS_PREFIX
 from ._adaptive import AdaptiveLimit
 from ._reach import UNREACHABLE_S, is_unreachable, no_answer, retry_deadline
 
@@ -162,7 +163,11 @@ class RetryPolicy:
     Args:
       url: the store's URL, for messages (no credentials).
       max_in_flight: the most requests at once while the store answers everything (the
-        store's ``max_workers``); fewer while it throttles (:class:`AdaptiveLimit`).
+        store's ``max_workers``); fewer while it throttles (:class:`AdaptiveLimit`). Requests
+        for lock objects (``locks/``, format.md §8: one put and one delete per save or GC) go
+        past the limit, so that a lock is never left waiting behind chunk requests, as when
+        a save stopped by Ctrl-C releases its lock while its abandoned uploads still hold
+        every slot on a stalled store.
       retries, backoff_s, max_backoff_s, request_timeout_s, operation_timeout_s: as
         :class:`~casstore.store.FsspecStore`'s; attributes that may be changed later.
 
@@ -183,8 +188,11 @@ class RetryPolicy:
         self.limit = AdaptiveLimit(max_in_flight)
         self._unanswered = False  # the last operation to end timed out
 
-    def _attempt(self, fn: Callable[[float], Any], deadline: float) -> Any:
-        """``fn(seconds left)`` in a slot of the adaptive limit, both before ``deadline``."""
+    def _attempt(self, fn: Callable[[float], Any], deadline: float, limited: bool) -> Any:
+        """``fn(seconds left)`` in a slot of the adaptive limit (if ``limited``), both before
+        ``deadline``."""
+        if not limited:
+            return fn(deadline - time.monotonic())
         epoch = self.limit.acquire(deadline)
         if epoch is None or deadline <= time.monotonic():
             if epoch is not None:
@@ -215,9 +223,11 @@ class RetryPolicy:
         if self._unanswered:
             budget = min(budget, self.request_timeout_s)
         deadline, refused, mismatches = time.monotonic() + budget, None, 0
+        limited = not key.startswith(LOCKS_PREFIX)
         for attempt in itertools.count():
             try:  # one attempt gets at most half the deadline: a trickle leaves time to retry
-                result = self._attempt(fn, min(deadline, time.monotonic() + budget / 2))
+                result = self._attempt(fn, min(deadline, time.monotonic() + budget / 2),
+                                       limited)
             except PermissionError as e:
                 if isinstance(e, CasstoreError):
                     raise
