@@ -77,10 +77,10 @@ class FaultProxy:
         self.endpoint_url = f"http://{HOST}:{self.port}"
 
     def set(self, fault: str | None, fraction: float = 1.0, rate_bytes_s: int = 4096,
-            max_in_flight: int | None = None, only: bytes = b"") -> None:
+            max_in_flight: int | None = None, only: bytes | re.Pattern = b"") -> None:
         """Injects ``fault`` (one of FAULTS or CORRUPTING, or None to heal) into ``fraction`` of
         requests (of those beyond ``max_in_flight`` concurrent ones, if given) whose request
-        line contains ``only``."""
+        line contains ``only`` (bytes), or matches it (a compiled bytes pattern: ``search``)."""
         if fault is not None and fault not in FAULTS + CORRUPTING:
             raise ValueError(f"unknown fault {fault!r}")
         self.fault, self.fraction, self.rate_bytes_s = fault, fraction, rate_bytes_s
@@ -106,7 +106,9 @@ class FaultProxy:
             self.requests += 1
             self.in_flight += 1
             busy = self.max_in_flight is None or self.in_flight > self.max_in_flight
-            busy = busy and self.only in head.split(b"\r\n", 1)[0]
+            line = head.split(b"\r\n", 1)[0]
+            busy = busy and (self.only.search(line) is not None
+                             if isinstance(self.only, re.Pattern) else self.only in line)
             fault = self.fault if busy and self.rng.random() < self.fraction else None
             if fault:
                 self.faults[fault] += 1

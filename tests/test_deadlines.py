@@ -5,6 +5,7 @@ StoreTimeoutError within the bound of docs/reliability.md, and no partial step a
 import json
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -207,6 +208,8 @@ try:
         casstore.save(store, 1, {"w": np.arange(200_000.0)}, chunk_size_bytes=16_384)
     elif op == "restore":
         casstore.restore(store, 0)
+    elif op == "copy-from":
+        casstore.copy(store, local)
     else:
         casstore.copy(local, store)
 except KeyboardInterrupt:
@@ -214,21 +217,27 @@ except KeyboardInterrupt:
 """
 
 
-@pytest.mark.parametrize("op", ["save", "restore", "copy"])
-def test_ctrl_c_stops_save_restore_and_copy_on_a_stalled_store_at_once(op, tmp_path,
+@pytest.mark.parametrize(("op", "backend"), [
+    (op, backend) for op in ("save", "restore", "copy-from") for backend in ("seaweedfs",
+                                                                            "fake-gcs")]
+    + [("copy-to", "seaweedfs")])  # GCS names an upload's object in its body, not its URL
+def test_ctrl_c_stops_save_restore_and_copy_on_a_stalled_store_at_once(op, backend, tmp_path,
                                                                        object_servers):
-    """Ctrl-C in a script or a notebook stops a save, restore or copy whose chunk requests
-    wait on a stalled store: the call raises KeyboardInterrupt within seconds instead of at
-    the requests' 30 s deadline (they are left to end on their own), and leaves no step and
-    no save lock behind."""
-    server = object_servers["seaweedfs"]
+    """Ctrl-C in a script or a notebook stops a save, restore or copy (from the store, or to
+    it) whose chunk requests wait in worker threads on a stalled store: the call raises
+    KeyboardInterrupt within seconds instead of at the requests' 30 s deadline (they are left
+    to end on their own), and leaves no new step and no save lock behind."""
+    server = object_servers[backend]
     url, local = server.url_for("ctrl-c"), tmp_path / "local"
     direct = FsspecStore.from_url(url, **server.storage_options)
     casstore.save(direct, 0, tree_for(0), chunk_size_bytes=CHUNK)  # what the restore reads
     casstore.save(str(local), 5, tree_for(5), chunk_size_bytes=CHUNK)  # what the copy sends
     env = {**os.environ, "PYTHONPATH": str(pathlib.Path(casstore.__file__).parents[1])}
     with fault_proxy(server.endpoint_url) as proxy:
-        proxy.set("stall", only=b"/chunks/")  # lookups, uploads and reads of chunks
+        # Lookups, uploads (S3) and reads of chunk objects, which worker threads make, not
+        # listings, which the calling thread makes: S3 names the object in the path, GCS
+        # after "/o/" with "%2F".
+        proxy.set("stall", only=re.compile(rb"/chunks/|/o/[^? ]*chunks"))
         opts = {**options(server, proxy.endpoint_url), "request_timeout_s": 30.0,
                 "operation_timeout_s": 60.0}
         proc = subprocess.Popen([sys.executable, "-c", INTERRUPTED, op, url, json.dumps(opts),
@@ -248,4 +257,5 @@ def test_ctrl_c_stops_save_restore_and_copy_on_a_stalled_store_at_once(op, tmp_p
             proc.kill()
             proc.wait()
     assert casstore.list_steps(direct) == [0]
+    assert casstore.list_steps(str(local)) == [5]
     assert [o.key for o in direct.list("locks/") if "save-" in o.key] == []
