@@ -1,5 +1,6 @@
 """Every store backend passes the same contract suite (casstore.testing.StoreContract)."""
 
+import errno
 import os
 
 import numpy as np
@@ -211,3 +212,24 @@ def test_a_url_with_an_empty_path_segment_is_refused():
             continue
         with pytest.raises(ValueError, match="empty path segment"):
             open_store(url, anon=True) if url.startswith("s3") else open_store(url)
+
+
+def test_a_full_disk_names_the_file_and_keeps_what_was_stored(tmp_path, monkeypatch):
+    """ENOSPC from the disk (here from fsync, where delayed allocation reports it) names the
+    object's file, not only the errno; the failed save leaves no temp file and the earlier
+    step restores."""
+    store = LocalStore(tmp_path / "repo")
+    casstore.save(store, 0, {"a": np.arange(10.0)})
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match="No space left on device: '") as caught:
+        casstore.save(store, 1, {"a": np.arange(100_000.0)})
+    monkeypatch.undo()
+    assert caught.value.errno == errno.ENOSPC
+    assert caught.value.filename.startswith(str(tmp_path / "repo") + os.sep)
+    assert not [p for p in (tmp_path / "repo").rglob("*") if p.name.endswith(".tmp")]
+    assert casstore.list_steps(store) == [0]
+    assert casstore.restore(store, 0)["a"].tolist() == list(np.arange(10.0))

@@ -141,12 +141,17 @@ class LocalStore(Store):
         self._makedirs(directory)
         tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
         try:
-            with open(tmp, "wb") as f:
-                written = f.write(data)
-                if written != len(memoryview(data).cast("B")):
-                    raise OSError(f"short write to {tmp}: {written} bytes")
-                if self.fsync:
-                    os.fsync(f.fileno())
+            try:
+                with open(tmp, "wb") as f:
+                    written = f.write(data)
+                    if written != len(memoryview(data).cast("B")):
+                        raise OSError(f"short write to {tmp}: {written} bytes")
+                    if self.fsync:
+                        os.fsync(f.fileno())
+            except OSError as e:  # a full disk or quota (ENOSPC, EDQUOT) names no file
+                if e.filename is not None or e.errno is None:
+                    raise
+                raise OSError(e.errno, e.strerror, path) from e
             if exclusive:
                 os.link(tmp, path)  # raises FileExistsError if present
             else:
