@@ -138,7 +138,8 @@ class AsyncCheckpointer:
         last save once :meth:`wait_until_finished` returned.
 
         Args:
-          step: the step number, ``0 <= step < 10**16``.
+          step: the step number, ``0 <= step < 10**16`` (an int, or an integer numpy or jax
+            scalar).
           tree: the pytree (see :func:`casstore.save`).
           metadata: user metadata stored in the manifest (as :func:`casstore.save`'s).
 
@@ -174,7 +175,7 @@ class AsyncCheckpointer:
         """:meth:`_start`'s checks, staging and the background write."""
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} is closed")
-        check_step(step)
+        step = check_step(step)
         self.wait_until_finished()
         if not self._writable:  # fail here, not at the next call, without write access
             check_write_access(self.store)

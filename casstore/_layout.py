@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import operator
 import re
 
 from ._codec import is_chunk_id
@@ -24,10 +26,19 @@ def check_run(run: str) -> str:
 
 
 def check_step(step: int) -> int:
-    """Returns ``step`` if it is an int in ``[0, 10**16)``, else raises ``ValueError``."""
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < MAX_STEP:
-        raise ValueError(f"invalid step {step!r}: steps are integers in [0, 10**16)")
-    return step
+    """``step`` as an int, if it is an integer in ``[0, 10**16)``: a Python int, or an integer
+    numpy or jax scalar (a 0-d array, such as a train state's ``step``), read with
+    ``operator.index``.
+
+    Raises:
+      ValueError: anything else, bools and floats included.
+    """
+    if not (isinstance(step, bool) or getattr(getattr(step, "dtype", None), "kind", "") == "b"):
+        with contextlib.suppress(TypeError):
+            value = operator.index(step)
+            if 0 <= value < MAX_STEP:
+                return value
+    raise ValueError(f"invalid step {step!r}: steps are integers in [0, 10**16)")
 
 
 def chunk_key(chunk_id: str) -> str:

@@ -192,12 +192,13 @@ class CheckpointManager:
         """True once the job was told it will be stopped (see the class docstring). The loop
         asks it at every step (every process, with several) and, when true, waits for the
         save (:meth:`wait_until_finished`) and stops. Makes no request."""
-        return self._notice.reached(step)
+        return self._notice.reached(check_step(step))
 
     def should_save(self, step: int) -> bool:
         """True if ``step`` is newer than the latest step and the save decision policy says so.
         Makes no request: the latest step is the one this manager knows (see the class
         docstring), the one in flight included."""
+        step = check_step(step)
         # in flight first: a save that commits in between is then among the known steps
         in_flight = self._saving if self._saver.is_saving_in_progress() else None
         latest = max((s for s in (self.latest_step(), in_flight) if s is not None), default=None)
@@ -224,7 +225,7 @@ class CheckpointManager:
         call. ``last_save_blocking_s``: how long the last call that saved blocked, seconds.
 
         Args:
-          step: the step number.
+          step: the step number (an int, or an integer numpy or jax scalar).
           tree: the pytree (see :func:`casstore.save`).
           metrics: msgpack-able metrics for the preservation policy, stored in the manifest.
           metadata: user metadata, stored in the manifest.
@@ -430,6 +431,7 @@ class CheckpointManager:
         Raises:
           StepNotFoundError: neither this manager nor a tier knows the step.
         """
+        step = check_step(step)
         self.wait_until_finished()
         found = step in self.all_steps()
         found = (self.persister is not None and self.persister.delete(step)) or found

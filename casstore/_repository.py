@@ -20,6 +20,7 @@ from ._layout import (
     DELTAS_PREFIX,
     RUNS_PREFIX,
     check_run,
+    check_step,
     is_object_key,
     manifest_key,
     parse_manifest_key,
@@ -140,9 +141,10 @@ def list_runs(url: Url) -> list[str]:
 
 
 def resolve_step(store: Store, step: int | None, run: str) -> int:
-    """``step``, or the latest step for None. Raises StepNotFoundError if there is none."""
+    """``step`` (:func:`~casstore._layout.check_step`), or the latest step for None. Raises
+    StepNotFoundError if there is none, ValueError for an invalid step."""
     if step is not None:
-        return step
+        return check_step(step)
     latest = latest_step(store, run=run)
     if latest is None:
         raise StepNotFoundError("no committed step", url=store.url, run=run)
@@ -210,7 +212,7 @@ def delete(url: Url, step: int, *, run: str = "default") -> None:
       StepNotFoundError: the step does not exist.
       ReadOnlyStoreError: the store is read-only.
     """
-    store = open_store(url)
+    store, step = open_store(url), check_step(step)
     key = manifest_key(run, step)
     if not store.exists(key):
         raise StepNotFoundError("no such step", url=store.url, run=run, step=step)

@@ -115,7 +115,8 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
 
     Args:
       url: a path, an fsspec URL or a Store.
-      step: the step number, ``0 <= step < 10**16``.
+      step: the step number, ``0 <= step < 10**16``: an int, or an integer numpy or jax scalar
+        (such as a train state's ``step``), stored as its int.
       tree: a pytree (dict / list / tuple / namedtuple / registered dataclasses, flax and equinox
         nodes) whose leaves are numpy or jax arrays of the dtypes of format.md §4.5 (typed PRNG
         keys included), Python bool / int / float / complex / str / bytes, or None.
@@ -191,8 +192,8 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
     """
     t0, agreement = time.perf_counter(), SaveAgreement()  # first, on every process (stage 5)
     with agreement.early():
-        store = open_store(url)
-        manifest_key(check_run(run), check_step(step))
+        store, step = open_store(url), check_step(step)
+        manifest_key(check_run(run), step)
         check_chunk_size(chunk_size_bytes)
         # 1. the leaves, checked and in their stored dtypes
         prepared, arrays = stored_as(*prepare(tree, metadata), dtypes)

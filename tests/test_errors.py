@@ -296,6 +296,35 @@ def test_a_path_no_target_leaf_matches_is_an_error_as_without_a_target(saved):
                 casstore.restore(store, 5, paths=[wrong], **kwargs)
 
 
+def test_integer_numpy_and_jax_scalars_are_steps(tmp_path):
+    """A train state's step is often a jax scalar: every call taking a step reads an integer
+    numpy or jax scalar (0-d) as its int, and refuses bools, floats and 1-element arrays."""
+    import jax.numpy as jnp
+
+    url = str(tmp_path / "repo")
+    info = casstore.save(url, np.int64(7), {"x": np.arange(3.0)})
+    assert info.step == 7
+    assert type(info.step) is int
+    assert casstore.list_steps(url) == [7]
+    assert casstore.read_manifest(url, jnp.int32(7)).step == 7
+    assert casstore.restore(url, np.uint8(7))["x"].tolist() == [0.0, 1.0, 2.0]
+    with casstore.CheckpointManager(url, max_to_keep=None) as mngr:
+        assert mngr.should_save(jnp.int32(8))
+        assert mngr.save(jnp.int32(8), {"x": np.ones(3)})
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [7, 8]
+        assert not mngr.reached_preemption(jnp.int32(8))
+        mngr.delete(np.int64(8))
+        assert mngr.all_steps() == [7]
+    casstore.delete(url, jnp.int32(7))
+    assert casstore.list_steps(url) == []
+    for step in (np.bool_(True), jnp.bool_(True), np.float32(7), np.array([7]), jnp.array([7]),
+                 np.int64(-1)):
+        with pytest.raises(ValueError, match="invalid step"):
+            casstore.save(url, step, {"x": np.ones(1)})
+    assert casstore.list_steps(url) == []
+
+
 def test_invalid_arguments(saved):
     store, _ = saved
     for step in (-1, 1.5, True, 10**16):

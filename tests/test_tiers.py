@@ -600,11 +600,19 @@ def test_a_synchronous_save_that_raises_a_persist_error_has_saved_nothing(tmp_pa
 
 
 def test_a_step_that_is_no_int_is_a_value_error_with_a_persistent_tier(tmp_path):
+    """A float, a negative or a bool step is a ValueError before the tiers see it (a jax
+    scalar once leaked TypeError: unhashable from them); an integer jax or numpy scalar is
+    its int."""
     with manager(tmp_path / "local", MemoryStore()) as mngr:
-        for step in (jax.numpy.int32(6), np.int64(6), 6.0, -1):
+        for step in (6.0, -1, np.bool_(True), jax.numpy.float32(6)):
             with pytest.raises(ValueError, match="invalid step"):
                 mngr.save(step, tree_for(6), force=True)
         assert mngr.all_steps() == []
+        assert mngr.save(jax.numpy.int32(6), tree_for(6), force=True)
+        assert mngr.save(np.int64(7), tree_for(7), force=True)
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [6, 7]
+        assert all(type(s) is int for s in mngr.all_steps())
 
 
 def test_storage_options_reach_the_persistent_tier_given_as_a_url(tmp_path, object_servers):
