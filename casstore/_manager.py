@@ -376,14 +376,11 @@ class CheckpointManager:
 
     def latest_step(self) -> int | None:
         """The run's latest committed step as this manager knows it, or None; no request."""
-        steps = self.all_steps()  # both tiers
-        return steps[-1] if steps else None
+        return max(self.all_steps(), default=None)  # both tiers
 
     def reload(self) -> None:
-        """Re-reads the run's steps from the store (one listing), after any save in flight.
-
-        Use it when another process may have saved or deleted steps of this run.
-        """
+        """Re-reads the run's steps from the store (one listing), after any save in flight: use
+        it when another process may have saved or deleted steps of this run."""
         self.wait_until_finished()
         self._steps = list_steps(self.store, run=self.run)
         if self.persister is not None:
