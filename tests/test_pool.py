@@ -34,13 +34,13 @@ def test_usable_cores_is_the_affinity_mask_not_the_machine(cores):
 
 def test_store_workers_follow_the_cores_at_each_access(cores, tmp_path):
     """A store's pools are sized when a save or restore asks, from the mask at that moment:
-    2 threads per core on local disk and memory, 8 on object stores, each under its cap."""
+    2 threads per core on local disk and memory, 5 on object stores, each under its cap."""
     local, memory = LocalStore(tmp_path / "repo"), MemoryStore()
     remote = FsspecStore(fsspec.filesystem("memory"), "/casstore-test-pool")
     cores(1)
-    assert (local.max_workers, memory.max_workers, remote.max_workers) == (2, 2, 8)
+    assert (local.max_workers, memory.max_workers, remote.max_workers) == (2, 2, 5)
     cores(6)
-    assert (local.max_workers, memory.max_workers, remote.max_workers) == (12, 12, 48)
+    assert (local.max_workers, memory.max_workers, remote.max_workers) == (12, 12, 30)
     cores(64)
     assert (local.max_workers, remote.max_workers) == (LocalStore.max_workers_cap,
                                                        FsspecStore.max_workers_cap) == (32, 64)

@@ -147,9 +147,12 @@ class FsspecStore(Store):
         ``request_timeout_s`` each until the store answers again, so a save that failed
         releases its lock quickly.
 
-    Saves and restores run 8 requests per usable core at once (``workers_per_core``; 2 for
+    Saves and restores run 5 requests per usable core at once (``workers_per_core``; 2 for
     local disk), at most 64 (``max_workers_cap``): an object store's latency, not its
-    bandwidth, bounds one request, so the requests in flight outnumber the cores. Requests in
+    bandwidth, bounds one request, so the requests in flight outnumber the cores. (8 a core
+    until 2026-11-27, when botocore's pool of 10 connections turned out to have capped S3 at
+    10: on 2 cores sharing loopback servers, 16 in flight copied S3 to S3 4% slower with
+    2.5x the page faults; benchmarks/README.md, "botocore's connection pool".) Requests in
     flight are capped by an :class:`~casstore.store._adaptive.AdaptiveLimit`: a store
     answering 503 SlowDown, 429 or timing out gets fewer at once.
 
@@ -162,7 +165,7 @@ class FsspecStore(Store):
       ValueError: a timeout that is not positive.
     """
 
-    workers_per_core = 8
+    workers_per_core = 5
     max_workers_cap = 64
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, *, read_only: bool = False,
@@ -219,8 +222,8 @@ class FsspecStore(Store):
             # (objects over 50 MiB); chunks are 16 MiB by default, so one GET is enough.
             storage_options.setdefault("max_concurrency", 1)
             # botocore opens at most 10 connections: fewer than the requests a save runs at
-            # once (8 a core), and none left for a lock's release (which goes past the
-            # adaptive limit, _retry) while stalled chunk requests hold them all.
+            # once on 3 cores or more, and none left for a lock's release (which goes past
+            # the adaptive limit, _retry) while stalled chunk requests hold them all.
             storage_options["config_kwargs"].setdefault("max_pool_connections",
                                                         cls.max_workers_cap + 16)
             if "profile" not in storage_options:  # a profile is a session's own setting
