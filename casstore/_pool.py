@@ -75,13 +75,8 @@ def bounded_map(fn: Callable[[Any], Any], items: Iterable, max_workers: int,
                 out.append(_result(pending.popleft()))
         while pending:
             out.append(_result(pending.popleft()))
-    except KeyboardInterrupt:
-        pool.shutdown(wait=False, cancel_futures=True)
-        raise
-    except BaseException:
-        for f in pending:
-            f.cancel()
-        pool.shutdown(wait=True)
+    except BaseException as e:  # Ctrl-C: do not wait for the running tasks
+        pool.shutdown(wait=not isinstance(e, KeyboardInterrupt), cancel_futures=True)
         raise
     pool.shutdown(wait=True)
     return out

@@ -81,13 +81,11 @@ def store_chunks(jobs: Iterable[Job], writer: ChunkWriter, max_workers: int, win
     uploads = cf.ThreadPoolExecutor(max_workers)
     try:
         done = bounded_map(encode, jobs, max_workers, window)
-    except KeyboardInterrupt:
-        # Ctrl-C: no upload starts from here on (an encoding still running may read a numpy
-        # leaf its caller writes to once we return), and none in flight is waited for.
-        uploads.shutdown(wait=False, cancel_futures=True)
-        raise
-    except BaseException:
-        uploads.shutdown(cancel_futures=True)
+    except BaseException as e:
+        # No upload starts from here on (after a Ctrl-C, an encoding still running may read a
+        # numpy leaf its caller writes to once we return); after a Ctrl-C none in flight is
+        # waited for either.
+        uploads.shutdown(wait=not isinstance(e, KeyboardInterrupt), cancel_futures=True)
         raise
     uploads.shutdown()
     refs: dict[int, list[ChunkRef]] = collections.defaultdict(list)
