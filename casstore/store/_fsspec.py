@@ -152,9 +152,10 @@ class FsspecStore(Store):
     bandwidth, bounds one request, so the requests in flight outnumber the cores. (8 a core
     until 2026-11-27, when botocore's pool of 10 connections turned out to have capped S3 at
     10: on 2 cores sharing loopback servers, 16 in flight copied S3 to S3 4% slower with
-    2.5x the page faults; benchmarks/README.md, "botocore's connection pool".) Requests in
-    flight are capped by an :class:`~casstore.store._adaptive.AdaptiveLimit`: a store
-    answering 503 SlowDown, 429 or timing out gets fewer at once.
+    2.5x the page faults; benchmarks/README.md, "botocore's connection pool, and 5 requests
+    a core".) Requests in flight are capped by an
+    :class:`~casstore.store._adaptive.AdaptiveLimit`: a store answering 503 SlowDown, 429 or
+    timing out gets fewer at once.
 
     Attributes:
       policy: the :class:`~casstore.store._retry.RetryPolicy` every operation runs under; its
