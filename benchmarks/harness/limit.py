@@ -20,12 +20,16 @@ A state of ``R`` raw bytes that casstore stores in ``S`` bytes cannot be saved i
 
 nor restored in less than
 
-    restore_s = max((S / copy + R / touch + R / decode) / workers, S / read)
+    restore_s = max((S / copy + R / touch + R / decode) / workers, S / read)      # cold
+    restore_s = max((S / copy + R / touch + R / decode) / workers,
+                    S / read + R / decode / workers)                               # warm
 
 where ``decode`` is the hash alone for a state stored raw (``S >= R``: codec 0 has nothing to
 decode, and its chunks are read straight into their destination), and ``read`` counts unless
 the restore found the page cache warm and the limit's read did not (a cold read is no bound on
-a warm one; a warm read is one on a cold one).
+a warm one; a warm read is one on a cold one). A read from the disk overlaps the decoding; a
+read from a warm page cache is the kernel copying on the same cores that decode, so the two add
+up (README.md, "A warm restore's limit: the read and the hash add up").
 
 A figure's fraction of the limit is ``limit_s / figure_s``: 1.0 runs at the machine's limit.
 """
@@ -150,8 +154,9 @@ def restore_s(limit: dict, raw: float, stored: float, cold: bool = False) -> flo
     ``cold``: the page cache was dropped before the restore (an object store's reads: True)."""
     decode = limit["hash_bps"] if stored >= raw else limit["decode_bps"]
     cpu = stored / limit["copy_bps"] + raw / limit["touch_bps"] + raw / decode
-    counted = cold or not limit["read_cold"]
-    return max(cpu, stored / limit["read_bps"] if counted else 0.0)
+    if not cold and not limit["read_cold"]:  # page cache to memory: CPU on the same cores
+        return max(cpu, stored / limit["read_bps"] + raw / decode)
+    return max(cpu, stored / limit["read_bps"] if cold else 0.0)
 
 
 def medians(limits: Iterable[dict]) -> dict:
