@@ -20,9 +20,11 @@ A state of ``R`` raw bytes that casstore stores in ``S`` bytes cannot be saved i
 
 nor restored in less than
 
-    restore_s = max((S / copy + R / touch + R / decode) / workers, S / read)      # cold
-    restore_s = max((S / copy + R / touch + R / decode) / workers,
-                    S / read + R / decode / workers)                               # warm
+    restore_s = max((S / copy + R / touch + R / decode) / workers, S / read)
+
+or, where ``read`` is a local disk's read from a warm page cache,
+
+    restore_s = max((S / copy + R / touch + R / decode) / workers, S / read + R / decode / workers)
 
 where ``decode`` is the hash alone for a state stored raw (``S >= R``: codec 0 has nothing to
 decode, and its chunks are read straight into their destination), and ``read`` counts unless
@@ -154,9 +156,10 @@ def restore_s(limit: dict, raw: float, stored: float, cold: bool = False) -> flo
     ``cold``: the page cache was dropped before the restore (an object store's reads: True)."""
     decode = limit["hash_bps"] if stored >= raw else limit["decode_bps"]
     cpu = stored / limit["copy_bps"] + raw / limit["touch_bps"] + raw / decode
-    if not cold and not limit["read_cold"]:  # page cache to memory: CPU on the same cores
-        return max(cpu, stored / limit["read_bps"] + raw / decode)
-    return max(cpu, stored / limit["read_bps"] if cold else 0.0)
+    if limit["store"] == "local disk" and not limit["read_cold"]:  # from the page cache: CPU
+        return max(cpu, stored / limit["read_bps"] + raw / decode)  # on the decoding cores
+    counted = cold or not limit["read_cold"]
+    return max(cpu, stored / limit["read_bps"] if counted else 0.0)
 
 
 def medians(limits: Iterable[dict]) -> dict:
