@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import os
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -50,12 +51,13 @@ def bounded_map(fn: Callable[[Any], Any], items: Iterable, max_workers: int,
     generator's side effects (starting a device-to-host copy) run just ahead of the workers.
     The first exception cancels what is still pending and is re-raised once the running tasks
     have finished. A ``KeyboardInterrupt`` (Ctrl-C in the calling thread) is re-raised at once:
-    the running tasks are left to end on their own (a request in flight on a stalled store
-    ends at its deadline), so an interactive caller gets control back without waiting for
-    them. A stage that must not act after that (a save's uploads, a copy's manifests) checks
-    for it itself. ``fn`` may return a :class:`concurrent.futures.Future` (a second stage it
-    started on another pool, such as an upload): the item then keeps its place in the window
-    until that future is done, and its result is what is collected.
+    the running tasks are not waited for, and the store requests they have in flight (or
+    start later) are cancelled through the call's :class:`Scope`, so the threads end soon
+    and a script exits without waiting for a stalled store's deadlines. A stage that must not
+    act after that (a save's uploads, a copy's manifests) checks for it itself. ``fn`` may
+    return a :class:`concurrent.futures.Future` (a second stage it started on another pool,
+    such as an upload, whose tasks should run :func:`in_scope`): the item then keeps its place
+    in the window until that future is done, and its result is what is collected.
 
     Args:
       max_workers: threads.
@@ -68,15 +70,20 @@ def bounded_map(fn: Callable[[Any], Any], items: Iterable, max_workers: int,
     out: list = []
     pending: collections.deque[cf.Future] = collections.deque()
     pool = cf.ThreadPoolExecutor(max(1, min(max_workers, window)))
+    scope = current_scope() or Scope()
+    task = in_scope(fn, scope)
     try:
         for item in items:
-            pending.append(pool.submit(fn, item))
+            pending.append(pool.submit(task, item))
             if len(pending) >= window:
                 out.append(_result(pending.popleft()))
         while pending:
             out.append(_result(pending.popleft()))
     except BaseException as e:  # Ctrl-C: do not wait for the running tasks
-        pool.shutdown(wait=not isinstance(e, KeyboardInterrupt), cancel_futures=True)
+        interrupted = isinstance(e, KeyboardInterrupt)
+        if interrupted:
+            scope.abandon()
+        pool.shutdown(wait=not interrupted, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
     return out
@@ -86,3 +93,64 @@ def _result(future: cf.Future) -> Any:
     """The future's result, or the result of the future it returned."""
     out = future.result()
     return out.result() if isinstance(out, cf.Future) else out
+
+
+class Scope:
+    """The store requests that the worker threads of one call (a save, restore, copy, ...)
+    have in flight, so that a Ctrl-C in the calling thread can cancel them.
+
+    A worker runs its task with the call's scope as its :func:`current_scope`
+    (:func:`in_scope`); ``FsspecStore`` tracks each request it sends on an async filesystem
+    there. :meth:`abandon` cancels those in flight and every one tracked afterwards: a
+    cancelled request raises :class:`concurrent.futures.CancelledError` in its thread, which
+    is not retried. An object store never keeps a cancelled upload (a PUT or a GCS upload is
+    stored whole or not at all).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inflight: set[cf.Future] = set()
+        self.abandoned = False
+
+    def track(self, future: cf.Future) -> None:
+        """Adds a request's future; cancels it at once if the scope is abandoned."""
+        with self._lock:
+            self._inflight.add(future)
+            abandoned = self.abandoned
+        if abandoned:
+            future.cancel()
+
+    def untrack(self, future: cf.Future) -> None:
+        with self._lock:
+            self._inflight.discard(future)
+
+    def abandon(self) -> None:
+        """Cancels every request in flight now or tracked later."""
+        with self._lock:
+            self.abandoned = True
+            inflight = list(self._inflight)
+        for future in inflight:
+            future.cancel()
+
+
+_local = threading.local()
+
+
+def current_scope() -> Scope | None:
+    """The :class:`Scope` of the call the calling thread works for, or None."""
+    return getattr(_local, "scope", None)
+
+
+def in_scope(fn: Callable[..., Any], scope: Scope | None) -> Callable[..., Any]:
+    """``fn``, run with ``scope`` as its thread's :func:`current_scope` (``fn`` if None)."""
+    if scope is None:
+        return fn
+
+    def run(*args: Any) -> Any:
+        outer, _local.scope = current_scope(), scope
+        try:
+            return fn(*args)
+        finally:
+            _local.scope = outer
+
+    return run

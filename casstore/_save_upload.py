@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from ._errors import StoreTimeoutError
 from ._known_chunks import remember
 from ._manifest import ChunkRef
-from ._pool import bounded_map
+from ._pool import bounded_map, current_scope, in_scope
 from ._save_encode import ChunkWriter
 from ._save_plan import Job
 
@@ -70,7 +70,8 @@ def store_chunks(jobs: Iterable[Job], writer: ChunkWriter, max_workers: int, win
                 release()
         refs = [(i, ChunkRef(cid, a, b, off, job.nbytes, stored, base))
                 for i, a, b, off in job.blocks]
-        return refs if upload is None else uploads.submit(put, paths[i], upload, refs)
+        return refs if upload is None else uploads.submit(in_scope(put, current_scope()),
+                                                          paths[i], upload, refs)
 
     def put(path: str, upload: tuple[str, bytes], refs: list) -> list[tuple[int, ChunkRef]]:
         with _naming(path):

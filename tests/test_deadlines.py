@@ -225,8 +225,9 @@ def test_ctrl_c_stops_save_restore_and_copy_on_a_stalled_store_at_once(op, backe
                                                                        object_servers):
     """Ctrl-C in a script or a notebook stops a save, restore or copy (from the store, or to
     it) whose chunk requests wait in worker threads on a stalled store: the call raises
-    KeyboardInterrupt within seconds instead of at the requests' 30 s deadline (they are left
-    to end on their own), and leaves no new step and no save lock behind."""
+    KeyboardInterrupt within seconds instead of at the requests' 30 s deadline, the script
+    then exits within seconds too (the requests are cancelled, not waited for when Python
+    joins the worker threads at exit), and no new step and no save lock are left behind."""
     server = object_servers[backend]
     url, local = server.url_for("ctrl-c"), tmp_path / "local"
     direct = FsspecStore.from_url(url, **server.storage_options)
@@ -253,6 +254,11 @@ def test_ctrl_c_stops_save_restore_and_copy_on_a_stalled_store_at_once(op, backe
             line = proc.stdout.readline()
             assert line, f"{op} did not raise KeyboardInterrupt (exit {proc.wait()})"
             assert float(line) - t0 < 10, (op, float(line) - t0)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{op}: the script did not exit within 10 s of raising "
+                            "KeyboardInterrupt (its stalled requests were waited for)")
         finally:
             proc.kill()
             proc.wait()

@@ -1,6 +1,7 @@
 """Worker counts follow the cores this process may use (casstore/_pool.py, Store.max_workers);
 a Ctrl-C stops the pipelines without waiting for their work in flight."""
 
+import concurrent.futures as cf
 import os
 import threading
 import time
@@ -86,6 +87,52 @@ def test_bounded_map_gives_a_ctrl_c_back_at_once_and_starts_nothing_after_it():
             assert seconds < 5, seconds
         else:  # it waited for 0
             assert seconds >= 0.9, seconds
+
+
+def test_a_ctrl_c_cancels_the_requests_of_the_call_and_of_its_second_pool():
+    """What a worker (and a task it hands to another pool, run ``in_scope``) has in flight is
+    cancelled by a Ctrl-C in the calling thread, and so is what it tracks afterwards; a worker
+    of another call, outside the scope, keeps its request."""
+    requests, tracked, theirs = [], threading.Event(), []
+    second = cf.ThreadPoolExecutor(1)
+
+    def request() -> cf.Future:
+        future = cf.Future()
+        _pool.current_scope().track(future)
+        requests.append(future)
+        return future
+
+    def work(x):
+        assert _pool.current_scope() is not None
+        request()
+        second.submit(_pool.in_scope(request, _pool.current_scope())).result()
+        tracked.set()
+        time.sleep(1.0)
+        return request()  # after the Ctrl-C: cancelled at once
+
+    def items():
+        yield 0
+        assert tracked.wait(10)
+        raise KeyboardInterrupt
+
+    def background(x):  # another call's worker, as a background save's
+        future = cf.Future()
+        _pool.current_scope().track(future)
+        theirs.append(future)
+        time.sleep(3.0)
+
+    other_call = threading.Thread(target=_pool.bounded_map, args=(background, [0], 1))
+    other_call.start()
+    with pytest.raises(KeyboardInterrupt):
+        _pool.bounded_map(work, items(), max_workers=1)
+    assert _pool.current_scope() is None  # the calling thread works for no call
+    time.sleep(1.5)
+    second.shutdown()
+    other_call.join()
+    assert len(requests) == 3
+    assert all(f.cancelled() for f in requests)
+    assert len(theirs) == 1
+    assert not theirs[0].cancelled()
 
 
 def test_a_ctrl_c_during_a_save_waits_for_no_upload_and_starts_none(monkeypatch):

@@ -471,8 +471,14 @@ def test_an_object_store_reads_no_more_of_a_manifest_than_the_size_limit(
     assert store.stat("runs/default/steps/0000000000000003.manifest").size > 200
     monkeypatch.setattr(repository, "MAX_MANIFEST_BYTES", 200)
     returned: list[int] = []
-    cat = store.fs.cat_file
-    store.fs.cat_file = lambda *a, **kw: returned.append(len(data := cat(*a, **kw))) or data
+    cat = store.fs._cat_file  # the coroutine FsspecStore runs on fsspec's event loop
+
+    async def counted(*args, **kwargs):
+        data = await cat(*args, **kwargs)
+        returned.append(len(data))
+        return data
+
+    store.fs._cat_file = counted
     for call in (lambda: casstore.read_manifest(store, 3), lambda: casstore.restore(store, 3),
                  lambda: casstore.copy(store, casstore.store.MemoryStore(), steps=[3])):
         with pytest.raises(casstore.ManifestError, match="over 200 bytes: exceeds the size"):

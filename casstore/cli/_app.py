@@ -95,8 +95,8 @@ def describe(e: BaseException) -> str:
 
 def _interrupted(signum: int, frame: Any) -> None:
     """SIGINT: the first stops the command (KeyboardInterrupt): its chunk requests in flight
-    are left to end on their own (``bounded_map``), it releases its lock, and the process
-    exits without waiting for them (:meth:`_Group._main`); a second exits at once, even while
+    are cancelled (``bounded_map``), it releases its lock, and the process exits without
+    waiting for any thread (:meth:`_Group._main`); a second exits at once, even while
     the lock's release waits on a stalled store. Either way no step is half there: a manifest
     is written last (format.md §7); a save lock left behind holds off GC until it turns stale
     (_locks)."""

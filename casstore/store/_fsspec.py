@@ -17,6 +17,8 @@ botocore and gcsfs make one attempt per call.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures as cf
 import contextlib
 import functools
 import io
@@ -28,8 +30,10 @@ from typing import Any
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem
+from fsspec.exceptions import FSTimeoutError
 
 from .._errors import ObjectNotFoundError, StoreTimeoutError, StoreUnreachableError
+from .._pool import current_scope
 from ._base import ObjectInfo, Store, check_key
 from ._retry import (
     DEFAULT_OPERATION_TIMEOUT_S,
@@ -187,11 +191,30 @@ class FsspecStore(Store):
             operation_timeout_s=operation_timeout_s)
 
     def _call(self, method: str, *args, timeout: float, **kwargs) -> Any:
-        """``fs.<method>(*args, **kwargs)``, cancelled after ``timeout`` seconds on an async
-        filesystem (fsspec's ``sync`` runs it under ``asyncio.wait_for``)."""
-        if isinstance(self.fs, AsyncFileSystem) and not self.fs.asynchronous:
-            kwargs["timeout"] = max(timeout, 0.001)  # 0 would mean "no timeout"
-        return getattr(self.fs, method)(*args, **kwargs)
+        """``fs.<method>(*args, **kwargs)``; on an async filesystem its coroutine
+        ``fs._<method>`` runs on fsspec's event loop, as fsspec's ``sync`` runs it, cancelled
+        after ``timeout`` seconds or when the calling thread's call is abandoned (Ctrl-C,
+        :class:`~casstore._pool.Scope`), and raises ``FSTimeoutError`` for a timeout."""
+        if not isinstance(self.fs, AsyncFileSystem) or self.fs.asynchronous:
+            return getattr(self.fs, method)(*args, **kwargs)
+        scope = current_scope()
+        if scope is not None and scope.abandoned:
+            raise cf.CancelledError(f"the call was stopped (Ctrl-C): {method} not sent")
+        coro = asyncio.wait_for(getattr(self.fs, f"_{method}")(*args, **kwargs),
+                                max(timeout, 0.001))
+        future = asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
+        if scope is not None:
+            scope.track(future)
+        try:
+            return future.result()
+        except asyncio.TimeoutError as e:  # as fsspec's sync: a timeout is FSTimeoutError
+            raise FSTimeoutError from e
+        except BaseException:  # Ctrl-C in this thread: the request is not waited for
+            future.cancel()
+            raise
+        finally:
+            if scope is not None:
+                scope.untrack(future)
 
     @classmethod
     def from_url(cls, url: str, *, read_only: bool = False,
