@@ -194,20 +194,22 @@ class FsspecStore(Store):
         """``fs.<method>(*args, **kwargs)``; on an async filesystem its coroutine
         ``fs._<method>`` runs on fsspec's event loop, as fsspec's ``sync`` runs it, cancelled
         after ``timeout`` seconds or when the calling thread's call is abandoned (Ctrl-C,
-        :class:`~casstore._pool.Scope`), and raises ``FSTimeoutError`` for a timeout."""
+        :class:`~casstore._pool.Scope`), and raises ``FSTimeoutError`` for a timeout (also
+        where the loop, busy, fails to end the request within a second after it)."""
         if not isinstance(self.fs, AsyncFileSystem) or self.fs.asynchronous:
             return getattr(self.fs, method)(*args, **kwargs)
         scope = current_scope()
         if scope is not None and scope.abandoned:
             raise cf.CancelledError(f"the call was stopped (Ctrl-C): {method} not sent")
-        coro = asyncio.wait_for(getattr(self.fs, f"_{method}")(*args, **kwargs),
-                                max(timeout, 0.001))
+        timeout = max(timeout, 0.001)
+        coro = asyncio.wait_for(getattr(self.fs, f"_{method}")(*args, **kwargs), timeout)
         future = asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
         if scope is not None:
             scope.track(future)
         try:
-            return future.result()
-        except asyncio.TimeoutError as e:  # as fsspec's sync: a timeout is FSTimeoutError
+            return future.result(timeout + 1.0)
+        except (asyncio.TimeoutError, cf.TimeoutError) as e:  # as fsspec's sync does
+            future.cancel()
             raise FSTimeoutError from e
         except BaseException:  # Ctrl-C in this thread: the request is not waited for
             future.cancel()
