@@ -103,8 +103,9 @@ class Scope:
     (:func:`in_scope`); ``FsspecStore`` tracks each request it sends on an async filesystem
     there. :meth:`abandon` cancels those in flight and every one tracked afterwards: a
     cancelled request raises :class:`concurrent.futures.CancelledError` in its thread, which
-    is not retried. An object store never keeps a cancelled upload (a PUT or a GCS upload is
-    stored whole or not at all).
+    is not retried. An object store never keeps part of a cancelled upload as an object (a PUT
+    or a GCS upload is stored whole or not at all; an unfinished S3 multipart upload is no
+    object).
     """
 
     def __init__(self) -> None:
@@ -121,6 +122,7 @@ class Scope:
             future.cancel()
 
     def untrack(self, future: cf.Future) -> None:
+        """Drops a request's future once it has ended."""
         with self._lock:
             self._inflight.discard(future)
 
