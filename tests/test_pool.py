@@ -93,7 +93,7 @@ def test_a_ctrl_c_cancels_the_requests_of_the_call_and_of_its_second_pool():
     """What a worker (and a task it hands to another pool, run ``in_scope``) has in flight is
     cancelled by a Ctrl-C in the calling thread, and so is what it tracks afterwards; a worker
     of another call, outside the scope, keeps its request."""
-    requests, tracked, theirs = [], threading.Event(), []
+    requests, tracked, finished, theirs = [], threading.Event(), threading.Event(), []
     second = cf.ThreadPoolExecutor(1)
 
     def request() -> cf.Future:
@@ -108,7 +108,8 @@ def test_a_ctrl_c_cancels_the_requests_of_the_call_and_of_its_second_pool():
         second.submit(_pool.in_scope(request, _pool.current_scope())).result()
         tracked.set()
         time.sleep(1.0)
-        return request()  # after the Ctrl-C: cancelled at once
+        request()  # after the Ctrl-C: cancelled at once
+        finished.set()
 
     def items():
         yield 0
@@ -126,7 +127,7 @@ def test_a_ctrl_c_cancels_the_requests_of_the_call_and_of_its_second_pool():
     with pytest.raises(KeyboardInterrupt):
         _pool.bounded_map(work, items(), max_workers=1)
     assert _pool.current_scope() is None  # the calling thread works for no call
-    time.sleep(1.5)
+    assert finished.wait(30)
     second.shutdown()
     other_call.join()
     assert len(requests) == 3
