@@ -265,3 +265,24 @@ def test_ctrl_c_stops_save_restore_and_copy_on_a_stalled_store_at_once(op, backe
     assert casstore.list_steps(direct) == [0]
     assert casstore.list_steps(str(local)) == [5]
     assert [o.key for o in direct.list("locks/") if "save-" in o.key] == []
+
+
+def test_a_request_the_busy_event_loop_cannot_end_still_times_out():
+    """A request whose timeout cannot fire because something holds fsspec's event loop (a
+    blocking call on the loop thread) still raises a timeout a second after it, as fsspec's
+    ``sync`` did, instead of waiting for the loop to come free."""
+    from fsspec.asyn import AsyncFileSystem
+    from fsspec.exceptions import FSTimeoutError
+
+    class BlockedLoop(AsyncFileSystem):
+        async def _info(self, path, **kwargs):
+            time.sleep(4.0)  # holds the loop thread: asyncio.wait_for cannot fire meanwhile
+            return {"name": path, "size": 1, "type": "file"}
+
+    store = FsspecStore(BlockedLoop(skip_instance_cache=True), "root", retries=0,
+                        request_timeout_s=0.2, operation_timeout_s=0.4)
+    t0 = time.monotonic()
+    with pytest.raises(FSTimeoutError):
+        store.stat("k")
+    assert time.monotonic() - t0 < 3.5  # 0.2 s + 1 s of grace, not the loop's 4 s
+    time.sleep(4.0)  # let the loop come free before the next test uses it
