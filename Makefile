@@ -4,8 +4,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
-# Test processes (pytest-xdist): one per core, at most 2 (what the suite is checked with: 5:49
-# quiet on the 2-core machine, 9:04 beside two CPU-bound processes, 2026-11-27). TEST_WORKERS=0:
+# Test processes (pytest-xdist): one per core, at most 2 (what the suite is checked with: 5:56
+# quiet on the 2-core machine, 9:20 beside two CPU-bound processes, 2026-11-27). TEST_WORKERS=0:
 # one process.
 TEST_WORKERS ?= auto
 
