@@ -26,6 +26,12 @@ Integrity of each object as it passes (``verify``):
   tier (``docs/tiers.md``).
 - ``verify=True`` decodes every object (a delta on its base) and checks it against its chunk
   id before it is sent: nothing damaged at the source reaches the destination.
+
+Between two stores on one service (two buckets or prefixes of one S3 endpoint, or of GCS, with
+the same credentials: :meth:`~casstore.store.Store.server_side_copy`), an object is copied by
+the service itself (S3 CopyObject, GCS rewrite), as rclone does between two paths of one
+remote: its bytes never reach this process, so no framing is checked (the service copies the
+object it checked at upload); ``verify=True`` reads and decodes every object instead.
 """
 
 from __future__ import annotations
@@ -119,7 +125,9 @@ def copy(src_url: Url, dst_url: Url, *, steps: list[int] | None = None,
     then sends the objects the destination lacks (delta objects and their bases included)
     through one pool of ``max_workers`` threads across all steps, and writes each step's
     manifest create-only, in step order, once its objects are in. The destination holds a save
-    lock meanwhile, so its garbage collection cannot interfere.
+    lock meanwhile, so its garbage collection cannot interfere. Between two paths of one S3 or
+    GCS service reached with the same endpoint and credentials, each object is copied by the
+    service (:meth:`~casstore.store.Store.server_side_copy`) unless ``verify``.
 
     Args:
       src_url, dst_url: paths, fsspec URLs or Stores.
@@ -308,6 +316,10 @@ class _Engine:
             self.gate()
         try:
             if self.probe and self._found(obj):
+                return
+            size = None if self.verify else self.dst.server_side_copy(self.src, obj)
+            if size is not None:
+                self._done(obj, self.sent, size)
                 return
             data = self.bases.read(obj, cid, base)
             if self.verify:

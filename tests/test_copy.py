@@ -398,3 +398,59 @@ def test_a_copy_stopped_by_ctrl_c_commits_nothing_its_transfers_finish_later(mon
     time.sleep(0.3)
     assert len(list(list_chunk_objects(dst))) == 2
     assert casstore.list_steps(dst) == []
+
+
+@pytest.mark.parametrize("server", ["seaweedfs", "moto", "fake-gcs"])
+@pytest.mark.parametrize("where", ["another prefix", "another bucket"])
+def test_a_copy_within_one_service_is_server_side(tmp_path, object_servers, monkeypatch,
+                                                  server, where):
+    """Between two paths of one S3 or GCS service reached with the same options, the service
+    copies every chunk object (CopyObject, rewrite): this process reads none of them; the
+    counts are those of any copy and the destination restores bit-exact. ``verify=True``
+    reads every object through the process instead."""
+    srv = object_servers[server]
+    src = object_store(srv)
+    trees = shared_steps(src, n=3)
+    url = srv.url() if where == "another prefix" else (
+        f"{srv.protocol}://{srv.new_bucket()}/repo")
+    dst = FsspecStore.from_url(url, **srv.storage_options, request_timeout_s=7)
+    assert dst.fs is not src.fs or where == "another prefix"  # other client settings, too
+    chunk_reads = []
+    cat_file = src.fs._cat_file
+
+    async def counting(path, *args, **kwargs):
+        chunk_reads.extend([path] if "/chunks/" in path else [])
+        return await cat_file(path, *args, **kwargs)
+
+    monkeypatch.setattr(src.fs, "_cat_file", counting)
+    monkeypatch.setattr(dst.fs, "_cat_file", counting)
+    info = casstore.copy(src, dst)
+    objects = {o.key: o.size for o in list_chunk_objects(src)}
+    assert chunk_reads == []
+    assert (info.chunks_copied, info.bytes_copied) == (len(objects), sum(objects.values()))
+    assert {o.key: o.size for o in list_chunk_objects(dst)} == objects
+    for step, tree in enumerate(trees):
+        got = casstore.restore(dst, step)
+        assert all(got[k].tobytes() == tree[k].tobytes() for k in tree)
+    chunk_reads.clear()  # the restores read dst's chunks
+    checked = FsspecStore.from_url(srv.url(), **srv.storage_options)
+    casstore.copy(src, checked, verify=True)
+    assert sorted(chunk_reads) == sorted(f"{src.root}/{k}" for k in objects)
+
+
+def test_a_server_side_copy_needs_the_same_endpoint_and_credentials(object_servers):
+    """Stores whose options differ in more than client settings (timeouts, pools) are not one
+    service to a copy: it reads and writes their objects itself."""
+    from casstore.store._clients import same_service
+
+    server = object_servers["seaweedfs"]
+    opts = server.storage_options
+    a = FsspecStore.from_url(server.url(), **opts, skip_instance_cache=True)
+    b = FsspecStore.from_url(server.url(), **opts, request_timeout_s=3, skip_instance_cache=True)
+    other = FsspecStore.from_url(server.url(), **{**opts, "endpoint_url": opts[
+        "endpoint_url"].replace("127.0.0.1", "localhost")})
+    assert a.fs is not b.fs
+    assert same_service(a.fs, b.fs)
+    assert not same_service(a.fs, other.fs)
+    assert other.server_side_copy(a, "config") is None
+    assert MemoryStore().server_side_copy(a, "config") is None

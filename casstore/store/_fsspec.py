@@ -20,8 +20,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import contextlib
-import functools
-import io
 import posixpath
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -34,6 +32,7 @@ from fsspec.exceptions import FSTimeoutError
 
 from .._errors import ObjectNotFoundError, StoreTimeoutError, StoreUnreachableError
 from .._pool import current_scope
+from . import _clients
 from ._base import ObjectInfo, Store, check_key
 from ._retry import (
     DEFAULT_OPERATION_TIMEOUT_S,
@@ -42,44 +41,6 @@ from ._retry import (
     one_attempt,
     one_attempt_options,
 )
-
-_S3FS_SINGLE_PUT_BYTES = 100 << 20  # s3fs sends smaller objects in one PutObject
-
-
-def _put_options(fs: fsspec.AbstractFileSystem) -> dict:
-    """Keyword arguments of every upload: on s3fs, with awscrt installed, the CRC32C checksum
-    (``ChecksumAlgorithm="CRC32C"``) instead of botocore's default CRC32.
-
-    The store checks either against the body and refuses a changed byte (``BadDigest``), and
-    botocore checks every download against the checksum the store keeps. awscrt computes
-    CRC32C at about 27 GiB/s on one core of the 2-core machine, where zlib's CRC32 runs at
-    3.9 GiB/s (and awscrt's at 2.8): both checks run on fsspec's one event-loop thread.
-    Without awscrt botocore cannot compute CRC32C, so uploads keep its CRC32; and a client
-    whose ``request_checksum_calculation`` is not botocore's default ``"when_supported"``
-    (set for a store that refuses checksums it does not know) gets no checksum forced on it.
-    """
-    if not hasattr(fs, "call_s3"):
-        return {}
-    try:
-        import awscrt.checksums  # noqa: F401
-
-        calculation = fs.s3.meta.config.request_checksum_calculation
-    except (ImportError, RuntimeError, AttributeError):  # no awscrt; an asynchronous fs
-        return {}
-    return {"ChecksumAlgorithm": "CRC32C"} if calculation == "when_supported" else {}
-
-
-def _is_exists_error(exc: BaseException) -> bool:
-    """True if ``exc`` says a create-only write found the object present.
-
-    s3fs raises FileExistsError on moto and AWS; on SeaweedFS it raises OSError(EINVAL) whose
-    cause is a botocore ClientError with code ``PreconditionFailed`` (TESTING-SERVERS.md).
-    """
-    if isinstance(exc, FileExistsError):
-        return True
-    cause = exc.__cause__
-    code = getattr(cause, "response", {}).get("Error", {}).get("Code") if cause else None
-    return code in ("PreconditionFailed", "412")
 
 
 def _mtime(info: dict) -> float:
@@ -93,37 +54,6 @@ def _mtime(info: dict) -> float:
         if isinstance(value, str):
             return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
     return 0.0
-
-
-@functools.cache
-def _shared_aio_session():
-    """One aiobotocore session for every S3 store this process opens. A session caches the
-    JSON models botocore parses for each new client (the endpoints, the S3 API and its rules:
-    0.08-0.24 s of CPU a client on the 2-core machine), so only the first S3 store pays it.
-    Keys and endpoints given in the storage options are each client's own; credentials found
-    in the environment or config files are resolved once per process (and refreshed when they
-    expire), as boto3's default session does. Pass ``session=None`` for a store of its own."""
-    import aiobotocore.session
-
-    return aiobotocore.session.AioSession()
-
-
-class _Body(io.BytesIO):
-    """An upload's body for s3fs: a BytesIO holding its own copy of the bytes, which knows
-    its length (s3fs's ``pipe_file`` asks). Given bytes, botocore wraps them in a BytesIO that
-    shares them, and aiohttp unshares it (a copy of the whole object on fsspec's one
-    event-loop thread); given a bytearray, aiohttp sends the object in one write, which
-    Python 3.11's asyncio joins with the headers and buffers (two more copies there). This
-    one is copied once, in the uploading thread, and sent in 64 KiB pieces. botocore computes
-    the upload's checksum from it and seeks back."""
-
-    def __init__(self, data: bytes | memoryview):
-        super().__init__()
-        self.write(data)
-        self.seek(0)
-
-    def __len__(self) -> int:
-        return self.getbuffer().nbytes
 
 
 class FsspecStore(Store):
@@ -153,11 +83,9 @@ class FsspecStore(Store):
 
     Saves and restores run 5 requests per usable core at once (``workers_per_core``; 2 for
     local disk), at most 64 (``max_workers_cap``): an object store's latency, not its
-    bandwidth, bounds one request, so the requests in flight outnumber the cores. (8 a core
-    until 2026-11-27, when botocore's pool of 10 connections turned out to have capped S3 at
-    10: on 2 cores sharing loopback servers, 16 in flight copied S3 to S3 4% slower with
-    2.5x the page faults; benchmarks/README.md, "botocore's connection pool, and 5 requests
-    a core".) Requests in flight are capped by an
+    bandwidth, bounds one request, so the requests in flight outnumber the cores (more were
+    slower on 2 cores: benchmarks/README.md, "botocore's connection pool, and 5 requests a
+    core"). Requests in flight are capped by an
     :class:`~casstore.store._adaptive.AdaptiveLimit`: a store answering 503 SlowDown, 429 or
     timing out gets fewer at once.
 
@@ -184,7 +112,7 @@ class FsspecStore(Store):
         self.url = url or f"{protocol}://{self.root}"
         self.read_only = read_only
         self.batch_size = batch_size
-        self.put_options: dict | None = None  # _put_options(fs), at the first upload
+        self.put_options: dict | None = None  # put_options(fs), at the first upload
         self.policy = RetryPolicy(
             self.url, self.max_workers, retries=retries, backoff_s=backoff_s,
             max_backoff_s=max_backoff_s, request_timeout_s=request_timeout_s,
@@ -253,7 +181,7 @@ class FsspecStore(Store):
             storage_options["config_kwargs"].setdefault("max_pool_connections",
                                                         cls.max_workers_cap + 16)
             if "profile" not in storage_options:  # a profile is a session's own setting
-                storage_options.setdefault("session", _shared_aio_session())
+                storage_options.setdefault("session", _clients.shared_aio_session())
         fs, root = fsspec.core.url_to_fs(url, **storage_options)
         one_attempt(fs)
         return cls(fs, root, read_only=read_only, url=url.rstrip("/"),
@@ -364,12 +292,12 @@ class FsspecStore(Store):
             if key.startswith(prefix) and info.get("type") != "directory":
                 yield ObjectInfo(key, int(info.get("size") or 0), _mtime(info))
 
-    def _body(self, data: bytes | memoryview) -> bytes | _Body:
-        """A new body for one upload attempt: a :class:`_Body` on s3fs (except for objects it
-        uploads in parts, which it slices), else bytes."""
+    def _body(self, data: bytes | memoryview) -> bytes | _clients.Body:
+        """A new body for one upload attempt: a :class:`~casstore.store._clients.Body` on s3fs
+        (except for objects it uploads in parts, which it slices), else bytes."""
         view = memoryview(data)
-        if hasattr(self.fs, "call_s3") and view.nbytes < _S3FS_SINGLE_PUT_BYTES:
-            return _Body(view if view.contiguous else bytes(view))
+        if hasattr(self.fs, "call_s3") and view.nbytes < _clients.S3FS_SINGLE_PUT_BYTES:
+            return _clients.Body(view if view.contiguous else bytes(view))
         return bytes(data) if isinstance(data, memoryview) else data
 
     def _put(self, key: str, data: bytes | memoryview, *, exclusive: bool) -> None:
@@ -394,8 +322,8 @@ class FsspecStore(Store):
             try:
                 self._call("pipe_file", self._path(key), self._body(data), mode="create",
                            timeout=timeout, **options)
-            except Exception as e:  # narrowed by _is_exists_error; everything else re-raises
-                if not _is_exists_error(e):
+            except Exception as e:  # narrowed by is_exists_error; everything else re-raises
+                if not _clients.is_exists_error(e):
                     raise
                 # A retried create may find the object its own failed attempt stored.
                 left = timeout - (time.monotonic() - t0)
@@ -405,6 +333,19 @@ class FsspecStore(Store):
                 raise FileExistsError(f"{self.url}/{key} exists") from e
 
         self.policy.run(key, create)
+
+    def server_side_copy(self, src: Store, key: str) -> int | None:
+        """:meth:`Store.server_side_copy` by ``fs.cp_file`` (a HEAD of the source, then
+        CopyObject on s3fs, rewrite on gcsfs) where ``src`` is on a filesystem of the same kind
+        with the same endpoint and credentials (:func:`~casstore.store._clients.same_service`),
+        after a ``stat`` of the source for its size."""
+        if not isinstance(src, FsspecStore) or not _clients.same_service(src.fs, self.fs):
+            return None
+        self._check_writable(key)
+        size = src.stat(key).size
+        self.policy.run(key, lambda t: self._call("cp_file", src._path(key), self._path(key),
+                                                  timeout=t))
+        return size
 
     def _delete(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -446,5 +387,5 @@ class FsspecStore(Store):
         an object of 100 MiB or more in parts, which would get botocore's default checksum and
         not match the upload's."""
         if self.put_options is None:
-            self.put_options = _put_options(self.fs)
-        return self.put_options if nbytes < _S3FS_SINGLE_PUT_BYTES else {}
+            self.put_options = _clients.put_options(self.fs)
+        return self.put_options if nbytes < _clients.S3FS_SINGLE_PUT_BYTES else {}
