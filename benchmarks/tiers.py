@@ -45,6 +45,8 @@ TARGETS = [  # (ratio key, numerator, denominator: figures of one run; descripti
      "casstore.copy / rclone copy --transfers 16, S3 to S3", 1.0),
     ("copy_local_s3", "copy_local_s3_s", "rclone_local_s3_s",
      "casstore.copy / rclone copy --transfers 16, local to S3", 1.0),
+    ("copy_same_s3", "copy_same_s3_s", "rclone_same_s3_s",
+     "casstore.copy / rclone copy --transfers 16, two buckets of one S3 (server-side)", 1.0),
 ]
 
 
@@ -116,7 +118,8 @@ def copies(local: pathlib.Path, a: tuple, b: tuple, cfg, out: dict) -> None:
     out["rclone"] = shutil.which(RCLONE)
     if out["rclone"] is None:
         phase("copy_s3_s3_s", lambda: casstore.copy(s3(src, a_opts), s3(dst, b_opts)))
-        out["rclone_local_s3_s"] = out["rclone_s3_s3_s"] = math.nan
+        out["rclone_local_s3_s"] = out["rclone_s3_s3_s"] = out["rclone_same_s3_s"] = math.nan
+        out["copy_same_s3_s"] = math.nan
         return
     env = {**h.rclone_env("a", a_opts), **h.rclone_env("b", b_opts)}
     rclone = functools.partial(h.rclone_copy, env=env, program=out["rclone"])
@@ -125,6 +128,10 @@ def copies(local: pathlib.Path, a: tuple, b: tuple, cfg, out: dict) -> None:
     for key in h.rotated(("copy_s3_s3_s", "rclone_s3_s3_s"), cfg.r):
         phase(key, (lambda: casstore.copy(s3(src, a_opts), s3(dst, b_opts))) if "copy" in key
               else (lambda: rclone(f"a:{src[5:]}", f"b:{b_bucket}/rc")))
+    same = h.new_bucket(a_opts)  # the same server: both copy each object server-side
+    for key in h.rotated(("copy_same_s3_s", "rclone_same_s3_s"), cfg.r):
+        phase(key, (lambda: casstore.copy(s3(src, a_opts), s3(f"s3://{same}/cs", a_opts)))
+              if "copy" in key else (lambda: rclone(f"a:{src[5:]}", f"a:{same}/rc")))
     a_fs, b_fs = (fsspec.filesystem("s3", skip_instance_cache=True, **o) for o in (a_opts, b_opts))
     copied = (len(a_fs.find(f"{a_bucket}/rc")), len(b_fs.find(f"{b_bucket}/rc")))
     assert copied == (h.du(local)[0], len(a_fs.find(src[5:]))), f"rclone copied {copied}"

@@ -54,6 +54,7 @@ def test_tiers_benchmark_reports_its_ratios_and_the_byte_ratios_meet_their_targe
     assert f["rclone"] is None
     assert math.isnan(ratios["copy_s3_s3"])
     assert math.isnan(ratios["copy_local_s3"])
+    assert math.isnan(ratios["copy_same_s3"])
     assert [t["target"] for t in result["targets"]] == [t[3] for t in bench.TARGETS]
     printed = capsys.readouterr().out
     assert "rclone-not-installed-here is not on PATH" in printed
