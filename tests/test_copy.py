@@ -439,8 +439,9 @@ def test_a_copy_within_one_service_is_server_side(tmp_path, object_servers, monk
 
 
 def test_a_server_side_copy_needs_the_same_endpoint_and_credentials(object_servers):
-    """Stores whose options differ in more than client settings (timeouts, pools) are not one
-    service to a copy: it reads and writes their objects itself."""
+    """Stores whose options differ in more than client settings (timeouts, pools), or whose
+    aiobotocore sessions differ, are not one service to a copy: it reads and writes their
+    objects itself."""
     from casstore.store._clients import same_service
 
     server = object_servers["seaweedfs"]
@@ -452,5 +453,7 @@ def test_a_server_side_copy_needs_the_same_endpoint_and_credentials(object_serve
     assert a.fs is not b.fs
     assert same_service(a.fs, b.fs)
     assert not same_service(a.fs, other.fs)
+    own_session = FsspecStore.from_url(server.url(), **opts, session=None)  # its own credentials
+    assert not same_service(a.fs, own_session.fs)
     assert other.server_side_copy(a, "config") is None
     assert MemoryStore().server_side_copy(a, "config") is None

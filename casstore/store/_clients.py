@@ -51,9 +51,11 @@ def is_exists_error(exc: BaseException) -> bool:
 
 
 def same_service(a: fsspec.AbstractFileSystem, b: fsspec.AbstractFileSystem) -> bool:
-    """Whether ``a`` and ``b`` reach one service as one user: the same class of async
-    filesystem and the same options but for client settings (timeouts, retries, pools)."""
-    client = ("config_kwargs", "requests_timeout", "session", "skip_instance_cache")
+    """Whether ``a`` and ``b`` reach one service as one user: one filesystem, or the same
+    class of async filesystem with the same options but for client settings (timeouts,
+    retries, pools: s3fs's ``config_kwargs``, gcsfs's ``requests_timeout``) and, for s3fs, the
+    same aiobotocore session object (a session may hold its own credentials)."""
+    client = ("config_kwargs", "requests_timeout", "skip_instance_cache")
     same = lambda o: {k: v for k, v in o.items() if k not in client}  # noqa: E731
     return a is b or (type(a) is type(b) and isinstance(a, AsyncFileSystem)
                       and same(a.storage_options) == same(b.storage_options))
