@@ -18,6 +18,7 @@ from test_cli import run, run_json, tree, write_repo
 import casstore
 import casstore.store
 from casstore import cli
+from casstore._layout import manifest_key
 
 
 @pytest.fixture
@@ -598,3 +599,37 @@ def test_ctrl_c_stops_a_copy_to_a_stalled_store_at_once(tmp_path, object_servers
     assert casstore.list_steps(direct) == []
     locks = [o.key for o in direct.list("locks/") if "save-" in o.key]
     assert len(locks) == lock_stalls
+
+
+def test_repair_leaves_alone_what_the_good_copy_holds_damaged_too(delta_repo, tmp_path):
+    """A chunk the damaged copy lacks and the good copy holds with one byte changed: repair
+    reads and checks it before changing anything, and leaves every step that needs it as it
+    was (manifests kept, the problems reported unrepairable, a dry run saying the same); once
+    the good copy is mended, the same repair fixes everything."""
+    good = tmp_path / "good"
+    casstore.copy(delta_repo, str(good))
+    w = {s: next(leaf for leaf in casstore.read_manifest(delta_repo, s).leaves
+                 if leaf.path == "w") for s in (0, 5)}
+    lost, fixable = w[0].chunks[0], w[5].chunks[1]  # the base every step needs; a delta of 5
+    assert fixable.base is not None
+    for ref in (lost, fixable):
+        (pathlib.Path(delta_repo) / ref.key).unlink()
+    bad = good / lost.key
+    data = bytearray(bad.read_bytes())
+    data[-1] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    manifests = {s: (pathlib.Path(delta_repo) / manifest_key("default", s)).read_bytes()
+                 for s in range(6)}
+    for dry_run in (True, False):
+        info = casstore.repair(str(good), delta_repo, dry_run=dry_run)
+        assert info.steps == ()
+        assert {(p.kind, p.chunk_id) for p in info.unrepairable} == {
+            ("missing", lost.id), ("missing", fixable.id)}
+        assert not info.ok
+    assert {s: (pathlib.Path(delta_repo) / manifest_key("default", s)).read_bytes()
+            for s in range(6)} == manifests  # nothing deleted
+    assert not (pathlib.Path(delta_repo) / lost.key).exists()  # nothing damaged copied
+    bad.write_bytes(bytes(data[:-1] + bytes([data[-1] ^ 0xFF])))  # the good copy mended
+    info = casstore.repair(str(good), delta_repo)
+    assert info.ok
+    assert casstore.restore(delta_repo, 5)["w"].tobytes() == trained(5).tobytes()
