@@ -17,14 +17,18 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from ._codec import decode_chunk
+from ._copy import needed_objects
 from ._delta import decode_delta
 from ._errors import CorruptChunkError, ManifestError, ObjectNotFoundError, UnsupportedFormatError
-from ._layout import CONFIG_KEY, chunk_key
-from ._manifest import ChunkRef
-from ._repository import parse_config
+from ._layout import CONFIG_KEY, chunk_key, parse_manifest_key
+from ._manifest import ChunkRef, decode_manifest
+from ._repository import list_chunk_objects, parse_config
 from .store import ObjectInfo, Store, open_store
 
 log = logging.getLogger("casstore")
+# The most bytes a FallbackStore with write_back holds, read from fallbacks and not yet checked:
+# a restore's reads in flight (at most 16 chunk objects of up to 16 MiB on local disk) fit.
+HELD_BYTES = 512 << 20
 
 
 def _damaged_config(data: bytes, url: str) -> bool:
@@ -51,8 +55,13 @@ class FallbackStore(Store):
     Args:
       primary: a path, URL or Store: read first, and written to.
       fallbacks: URLs or Stores, tried in order.
-      write_back: put each object read from a fallback into the primary too (best effort: a
-        failed write is logged and the read still succeeds), so the next restore finds it.
+      write_back: put what a restore read from a fallback into the primary too, once it is
+        checked (best effort: a failed write is logged and the read still succeeds), so the
+        next restore finds it there: a chunk or delta object after the restore decoded it and
+        checked it against its chunk id (:func:`confirm_chunk`), a config object once it
+        parses, and a manifest the primary lacks at the end of the restore, create-only and
+        only if the primary then holds every object it needs (format.md §7's commit rule).
+        Nothing a fallback holds damaged is written to the primary.
 
     Attributes:
       bytes_read: ``{url: bytes}``: stored bytes read from each tier (primary first), as
@@ -71,6 +80,7 @@ class FallbackStore(Store):
         self.bytes_read = {t.url: 0 for t in [self.primary, *self.fallbacks]}
         self.objects_recovered = 0
         self._lock = threading.Lock()
+        self._held: dict[str, bytes] = {}  # read from a fallback, written back once checked
 
     @property
     def read_workers(self) -> int:
@@ -96,6 +106,18 @@ class FallbackStore(Store):
                 return good
         return data
 
+    def from_fallbacks(self, key: str, skip: int = 0) -> bytes:
+        """``key``'s bytes from the first fallback (after the first ``skip``) that has it; a
+        config object is written back at once if it parses (``write_back``).
+
+        Raises:
+          ObjectNotFoundError: no fallback has it (the primary's error, naming its URL).
+        """
+        data = self._from_fallback(key, skip)[0]
+        if key == CONFIG_KEY and not _damaged_config(data, self.primary.url):
+            self.confirm(key)
+        return data
+
     def get_into(self, key: str, buffer: np.ndarray | None) -> tuple[memoryview, np.ndarray]:
         try:
             data, buffer = self.primary.get_into(key, buffer)
@@ -113,14 +135,6 @@ class FallbackStore(Store):
         self._count(self.primary, len(head) + memoryview(body).nbytes)
         return True
 
-    def from_fallbacks(self, key: str, skip: int = 0) -> bytes:
-        """``key``'s bytes from the first fallback (after the first ``skip``) that has it.
-
-        Raises:
-          ObjectNotFoundError: no fallback has it (the primary's error, naming its URL).
-        """
-        return self._from_fallback(key, skip)[0]
-
     def _from_fallback(self, key: str, skip: int = 0) -> tuple[bytes, int]:
         """``(bytes, index of the fallback they came from)``; see :meth:`from_fallbacks`."""
         for i, tier in enumerate(self.fallbacks[skip:], skip):
@@ -129,19 +143,54 @@ class FallbackStore(Store):
             except FileNotFoundError:
                 continue
             self._count(tier, len(data), recovered=True)
-            self._write_back(key, data)
+            if self.write_back and not self.primary.read_only:
+                self._hold(key, data)
             return data, i
         urls = ", ".join(t.url for t in [self.primary, *self.fallbacks[skip:]])
         raise ObjectNotFoundError(f"no such object in any tier ({urls})",
                                   url=f"{self.primary.url}/{key}")
 
-    def _write_back(self, key: str, data: bytes) -> None:
-        if self.write_back and not self.primary.read_only:
-            try:
-                self.primary.put(key, data)
-            except Exception as e:  # best effort: the read itself succeeded
-                log.warning("casstore: could not write %s back to %s: %s", key, self.primary.url,
-                            e)
+    def _hold(self, key: str, data: bytes) -> None:
+        """Keeps ``data`` until it is confirmed; the oldest held objects beyond
+        ``HELD_BYTES`` are forgotten (not written back: reads that no restore checks, such
+        as a copy's, would otherwise pile up)."""
+        with self._lock:
+            self._held[key] = data
+            total = sum(len(v) for v in self._held.values())
+            while total > HELD_BYTES and len(self._held) > 1:
+                total -= len(self._held.pop(next(iter(self._held))))
+
+    def confirm(self, key: str, *, keep: bool = True) -> None:
+        """Writes ``key``'s bytes, read from a fallback and since checked, to the primary
+        (``write_back``); with ``keep=False`` forgets them instead (they failed the check)."""
+        with self._lock:
+            data = self._held.pop(key, None)
+        if data is not None and keep:
+            self._write_back(key, data, exclusive=False)
+
+    def finish(self) -> None:
+        """The end of a restore: writes back each manifest the primary lacked (create-only)
+        whose objects the primary now all holds, and forgets every other object held."""
+        with self._lock:
+            held, self._held = self._held, {}
+        manifests = {k: (v, parse_manifest_key(k)) for k, v in held.items()
+                     if parse_manifest_key(k)}
+        if not manifests:
+            return
+        present = {info.key for info in list_chunk_objects(self.primary)}
+        for key, (data, (run, step)) in manifests.items():
+            with contextlib.suppress(ManifestError, UnsupportedFormatError):
+                manifest = decode_manifest(data, run=run, step=step, url=self.url)
+                if needed_objects(manifest).keys() <= present:
+                    self._write_back(key, data, exclusive=True)
+
+    def _write_back(self, key: str, data: bytes, *, exclusive: bool) -> None:
+        try:
+            (self.primary.put_if_absent if exclusive else self.primary.put)(key, data)
+        except FileExistsError:
+            pass
+        except Exception as e:  # best effort: the read itself succeeded
+            log.warning("casstore: could not write %s back to %s: %s", key, self.primary.url, e)
 
     def exists(self, key: str) -> bool:
         return any(t.exists(key) for t in [self.primary, *self.fallbacks])
@@ -196,17 +245,34 @@ def reread_chunk(store: Store, key: str, ref: ChunkRef, out: np.ndarray | None
         try:
             data, i = store._from_fallback(key, i)
             if ref.base is None:
-                return decode_chunk(data, ref.id, ref.raw_bytes, out)
-            base, _ = store._from_fallback(chunk_key(ref.base), i)
-            return decode_delta(data, base, ref.id, ref.base, ref.raw_bytes, out)
+                raw = decode_chunk(data, ref.id, ref.raw_bytes, out)
+            else:
+                base, _ = store._from_fallback(chunk_key(ref.base), i)
+                raw = decode_delta(data, base, ref.id, ref.base, ref.raw_bytes, out)
+            confirm_chunk(store, key, ref.base)
+            return raw
         except (CorruptChunkError, FileNotFoundError) as e:
             log.warning("casstore: fallback copy of %s unusable: %s", key, e)
+            confirm_chunk(store, key, ref.base, ok=False)
             i += 1
     return None
 
 
-def log_tiers(store: Store, what: str) -> None:
-    """Logs (INFO, logger ``casstore``) where a restore's bytes came from, for a tiered store."""
+def confirm_chunk(store: Store, key: str, base: str | None, ok: bool = True) -> None:
+    """A restore decoded chunk object ``key`` (a delta on ``base`` if given) and it matched its
+    chunk id (``ok``), or it did not: a :class:`FallbackStore` with ``write_back`` writes the
+    object (and the base) back to its primary if it read them from a fallback, or forgets
+    them."""
     if isinstance(store, FallbackStore):
+        store.confirm(key, keep=ok)
+        if base is not None:
+            store.confirm(chunk_key(base), keep=ok)
+
+
+def log_tiers(store: Store, what: str) -> None:
+    """The end of a restore through a tiered store: :meth:`FallbackStore.finish`, and a log
+    line (INFO, logger ``casstore``) saying where its bytes came from."""
+    if isinstance(store, FallbackStore):
+        store.finish()
         log.info("casstore: %s: %s (%d objects from fallbacks)", what, store.summary(),
                  store.objects_recovered)

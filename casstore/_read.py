@@ -22,7 +22,7 @@ from ._chunking import Index
 from ._codec import HEADER, verify_raw
 from ._delta import DeltaBases
 from ._errors import CorruptChunkError, MissingChunkError, StoreTimeoutError
-from ._fallback import reread_chunk
+from ._fallback import confirm_chunk, reread_chunk
 from ._manifest import ChunkRef, LeafEntry, Manifest
 from ._place import ALIGN, normalize, saved_dtype
 from ._pool import bounded_map
@@ -120,6 +120,7 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
             else:
                 data, buffers.read = store.get_into(key, getattr(buffers, "read", None))
                 raw = bases.decode(data, cid, first.base, first.raw_bytes, into)
+                confirm_chunk(store, key, first.base)  # a tier's copy: now written back
         except (FileNotFoundError, CorruptChunkError) as e:
             raw = reread_chunk(store, key, first, into)  # tiers: a good copy elsewhere
             if raw is None:

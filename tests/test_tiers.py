@@ -171,6 +171,57 @@ def test_write_back_repairs_the_local_tier(tmp_path, remote):
     assert_bit_exact(casstore.restore(local, 1), 1)
 
 
+def test_write_back_writes_nothing_a_fallback_holds_damaged(tmp_path, remote):
+    """A chunk the local tier lacks and the persistent tier holds with a changed byte: the
+    restore fails naming it, and the damaged copy is not written to the local tier (a later
+    save there would reuse it unchecked)."""
+    local = LocalStore(tmp_path / "local")
+    casstore.save(local, 1, tree_for(1), chunk_size_bytes=CHUNK)
+    casstore.copy(local, remote)
+    key = sorted(object_keys(local, [1]))[0]
+    local.delete(key)
+    data = bytearray(remote.get(key))
+    data[len(data) // 2] ^= 0x10
+    remote.put(key, bytes(data))
+    tiered = casstore.FallbackStore(local, [remote], write_back=True)
+    with pytest.raises(casstore.CorruptChunkError):
+        casstore.restore(tiered, 1)
+    assert not local.exists(key)
+    assert tiered._held == {}  # forgotten, not kept
+
+
+def test_write_back_commits_a_step_locally_only_once_its_objects_are_there(tmp_path, remote):
+    """A step only the persistent tier holds: a restore of one leaf writes back that leaf's
+    objects but not the step's manifest (the local tier would list a step it cannot restore);
+    a full restore writes back the rest, then the manifest, and the local tier verifies."""
+    local = LocalStore(tmp_path / "local")
+    casstore.save(remote, 3, tree_for(3), chunk_size_bytes=CHUNK)
+    tiered = casstore.FallbackStore(local, [remote], write_back=True)
+    head = casstore.restore(tiered, 3, paths=["head"])
+    assert head["head"].tobytes() == tree_for(3)["head"].tobytes()
+    assert casstore.list_steps(local) == []
+    assert list(list_chunk_objects(local))  # the head's chunks are there
+    assert_bit_exact(casstore.restore(tiered, 3), 3)
+    assert casstore.list_steps(local) == [3]
+    assert casstore.verify(local).ok
+    assert_bit_exact(casstore.restore(local, 3), 3)
+
+
+def test_write_back_holds_at_most_its_bound_of_unchecked_reads(tmp_path, remote, monkeypatch):
+    """Reads through a write-back store that no restore checks (a copy's) are held up to
+    HELD_BYTES, the oldest forgotten first, and none of them is written back."""
+    import casstore._fallback
+
+    monkeypatch.setattr(casstore._fallback, "HELD_BYTES", 3 * CHUNK)
+    local = LocalStore(tmp_path / "local")
+    casstore.save(remote, 0, tree_for(0), chunk_size_bytes=CHUNK)
+    tiered = casstore.FallbackStore(local, [remote], write_back=True)
+    casstore.copy(tiered, tmp_path / "other")
+    assert 0 < sum(len(v) for v in tiered._held.values()) <= 3 * CHUNK
+    assert list(list_chunk_objects(local)) == []
+    assert_bit_exact(casstore.restore(tmp_path / "other", 0), 0)
+
+
 def test_a_damaged_local_config_object_is_read_from_the_persistent_tier(tmp_path, remote,
                                                                        caplog):
     """Every reader refuses a repository whose config object is damaged; through the tiers
