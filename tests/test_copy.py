@@ -457,3 +457,43 @@ def test_a_server_side_copy_needs_the_same_endpoint_and_credentials(object_serve
     assert not same_service(a.fs, own_session.fs)
     assert other.server_side_copy(a, "config") is None
     assert MemoryStore().server_side_copy(a, "config") is None
+
+
+def test_the_cli_copies_server_side_and_reads_every_object_with_verify(object_servers,
+                                                                        monkeypatch):
+    """``casstore copy`` within one service copies server-side, also through the counting
+    wrapper a terminal gets (its progress counts the copied bytes); ``--verify`` reads and
+    decodes every object."""
+    from click.testing import CliRunner
+
+    from casstore import cli
+
+    server = object_servers["seaweedfs"]
+    src = object_store(server)
+    shared_steps(src, n=2)
+    objects = {o.key: o.size for o in list_chunk_objects(src)}
+    opts = [f"-o{k}={v}" for k, v in server.storage_options.items()]
+    wrapped = []
+
+    def counting(store):
+        wrapped.append(CountingStore(store))
+        return wrapped[-1]
+
+    monkeypatch.setattr("casstore.cli._check.counted", counting)  # as on a terminal
+    gets = []
+    cat_file = type(src.fs)._cat_file
+
+    async def spy(fs, path, *args, **kwargs):  # any client the command makes
+        gets.extend([path] if "/chunks/" in path else [])
+        return await cat_file(fs, path, *args, **kwargs)
+
+    monkeypatch.setattr(type(src.fs), "_cat_file", spy)
+    for flags, reads in (([], 0), (["--verify"], len(objects))):
+        dst = server.url()
+        gets.clear()
+        result = CliRunner().invoke(cli.main, ["copy", src.url, dst, *opts, *flags])
+        assert result.exit_code == 0, result.output
+        assert len(gets) == reads
+        assert wrapped[-1].bytes_written >= sum(objects.values())
+        got = FsspecStore.from_url(dst, **server.storage_options)
+        assert {o.key: o.size for o in list_chunk_objects(got)} == objects

@@ -173,17 +173,21 @@ def check_selection(store: Any, url: str, runs: list[str] | None,
 @click.argument("dst")
 @click.option("--steps", help="Comma-separated steps to copy (default: all).")
 @click.option("--runs", help="Comma-separated runs to copy (default: all).")
+@click.option("--verify", is_flag=True,
+              help="Decode every object and check its chunk id before writing it (reads each "
+                   "object here, also between two paths of one S3 or GCS service).")
 @storage_options
 @click.option("-O", "--dst-storage-option", "dst_options", multiple=True, metavar="KEY=VALUE",
               callback=parse_options,
               help="Storage option for DST only (default: -o's). Local paths take none.")
 @json_flag
-def copy_command(src: str, dst: str, steps: str | None, runs: str | None, options: dict,
-                 dst_options: dict, as_json: bool) -> None:
+def copy_command(src: str, dst: str, steps: str | None, runs: str | None, verify: bool,
+                 options: dict, dst_options: dict, as_json: bool) -> None:
     """Copies steps from SRC to DST, sending only the chunks DST lacks.
 
     Runs and steps are checked in SRC before DST is touched. A step of SRC whose manifest
-    is damaged is not copied; name the steps to copy around it.
+    is damaged is not copied; name the steps to copy around it. Between two paths of one S3
+    or GCS service the service copies the objects itself, unless --verify.
 
     \b
     Examples:
@@ -198,7 +202,7 @@ def copy_command(src: str, dst: str, steps: str | None, runs: str | None, option
     where(f"{src} -> {dst}", None)
     meter = StoreMeter(lambda: target.bytes_written) if hasattr(target, "bytes_written") else None
     info = progress("copying", lambda: casstore.copy(source, target, steps=step_list,
-                                                     runs=run_list), meter)
+                                                     runs=run_list, verify=verify), meter)
     if as_json:
         emit_json(rows_of([info])[0])
         return

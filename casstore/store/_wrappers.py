@@ -13,8 +13,10 @@ class CountingStore(Store):
     """Wraps a store and counts every operation and the bytes moved.
 
     ``counts[op]`` is the number of calls of ``get``, ``put``, ``put_if_absent``, ``exists``,
-    ``stat``, ``delete`` and ``list`` (bulk calls count once per key), ``bytes_read`` and
-    ``bytes_written`` sum the object sizes, and ``keys_written`` / ``keys_read`` record the keys.
+    ``stat``, ``delete``, ``list`` and ``server_side_copy`` (bulk calls count once per key; a
+    server-side copy the inner store declined is not counted), ``bytes_read`` and
+    ``bytes_written`` sum the object sizes (a server-side copy's as written), and
+    ``keys_written`` / ``keys_read`` record the keys.
 
     Args:
       inner: the store to wrap; every call is passed on to it.
@@ -43,7 +45,7 @@ class CountingStore(Store):
             self.bytes_written += written
             if key is not None and read:
                 self.keys_read.append(key)
-            if key is not None and op in ("put", "put_if_absent"):
+            if key is not None and op in ("put", "put_if_absent", "server_side_copy"):
                 self.keys_written.append(key)
 
     def get(self, key: str) -> bytes:
@@ -69,6 +71,14 @@ class CountingStore(Store):
         else:
             self.inner.put(key, data)
         self._count("put_if_absent" if exclusive else "put", key, written=len(data))
+
+    def server_side_copy(self, src: Store, key: str) -> int | None:
+        """The inner store's, with ``src`` unwrapped if it is a CountingStore too."""
+        size = self.inner.server_side_copy(src.inner if isinstance(src, CountingStore) else src,
+                                           key)
+        if size is not None:
+            self._count("server_side_copy", key, written=size)
+        return size
 
     def _delete(self, key: str) -> None:
         self._count("delete")
