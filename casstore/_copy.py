@@ -221,6 +221,8 @@ def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
         s.waiting = {k for k in needed_objects(s.manifest) if k not in present}
     engine = _Engine(src, dst, plan if share is None else [], needed, len(missing), verify,
                      progress, probe, gate)
+    engine.sizes = {r.key: r.stored_bytes for s in plan for leaf in s.manifest.leaves
+                    for r in leaf.chunks}  # a delta's base: looked up if copied server-side
     engine.commit_ready()
     # With verify, a base that deltas share is read from the source once for all of them;
     # without, no base is decoded, so none is held.
@@ -297,6 +299,7 @@ class _Engine:
         self.src, self.dst, self.plan, self.needed, self.gate = src, dst, plan, needed, gate
         self.total, self.verify, self.progress, self.probe = total, verify, progress, probe
         self.bases: DeltaBases | None = None
+        self.sizes: dict[str, int] = {}  # stored bytes of the objects the manifests give
         self.sent: dict[str, int] = {}
         self.bytes_sent = 0
         self.recheck = False  # a step may have become ready while another thread committed
@@ -317,7 +320,8 @@ class _Engine:
         try:
             if self.probe and self._found(obj):
                 return
-            size = None if self.verify else self.dst.server_side_copy(self.src, obj)
+            size = None if self.verify else self.dst.server_side_copy(self.src, obj,
+                                                                       self.sizes.get(obj))
             if size is not None:
                 self._done(obj, self.sent, size)
                 return

@@ -223,11 +223,13 @@ class Store(abc.ABC):
         self._check_writable(key)
         self._put(check_key(key), data, exclusive=True)
 
-    def server_side_copy(self, src: Store, key: str) -> int | None:
+    def server_side_copy(self, src: Store, key: str, size: int | None = None) -> int | None:
         """Copies object ``key`` of ``src`` to the same key here without its bytes passing
         through this process, where both stores are on one service that copies objects
         itself (S3's CopyObject, GCS's rewrite: :class:`FsspecStore`); None where they are not
-        (this default), and the caller reads and writes the object instead.
+        (this default), and the caller reads and writes the object instead. ``size``, the
+        object's size in bytes where the caller knows it (a manifest's ``stored_bytes``),
+        saves looking it up.
 
         Returns:
           the object's size in bytes, or None (nothing was done).

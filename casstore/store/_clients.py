@@ -12,6 +12,7 @@ import fsspec
 from fsspec.asyn import AsyncFileSystem
 
 S3FS_SINGLE_PUT_BYTES = 100 << 20  # s3fs sends smaller objects in one PutObject
+S3_COPY_OBJECT_BYTES = 5 << 30  # S3's CopyObject copies objects up to 5 GiB
 
 
 def put_options(fs: fsspec.AbstractFileSystem) -> dict:

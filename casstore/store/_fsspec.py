@@ -334,17 +334,25 @@ class FsspecStore(Store):
 
         self.policy.run(key, create)
 
-    def server_side_copy(self, src: Store, key: str) -> int | None:
-        """:meth:`Store.server_side_copy` by ``fs.cp_file`` (a HEAD of the source, then
-        CopyObject on s3fs, rewrite on gcsfs) where ``src`` is on a filesystem of the same kind
-        with the same endpoint and credentials (:func:`~casstore.store._clients.same_service`),
-        after a ``stat`` of the source for its size."""
+    def server_side_copy(self, src: Store, key: str, size: int | None = None) -> int | None:
+        """:meth:`Store.server_side_copy` where ``src`` is on a filesystem of the same kind with
+        the same endpoint and credentials (:func:`~casstore.store._clients.same_service`): on
+        s3fs one CopyObject (an object of 5 GiB or more: ``fs.cp_file``, a HEAD then a copy in
+        parts), elsewhere ``fs.cp_file`` (one rewrite on gcsfs); with ``size`` None, after a
+        ``stat`` of the source for its size."""
         if not isinstance(src, FsspecStore) or not _clients.same_service(src.fs, self.fs):
             return None
         self._check_writable(key)
-        size = src.stat(key).size
-        self.policy.run(key, lambda t: self._call("cp_file", src._path(key), self._path(key),
-                                                  timeout=t))
+        size = src.stat(key).size if size is None else size
+        from_path, to_path = src._path(key), self._path(key)
+        if hasattr(self.fs, "call_s3") and size < _clients.S3_COPY_OBJECT_BYTES:
+            (bucket, name, _), (to_bucket, to_name, _) = map(self.fs.split_path,
+                                                              (from_path, to_path))
+            self.policy.run(key, lambda t: self._call(
+                "call_s3", "copy_object", Bucket=to_bucket, Key=to_name,
+                CopySource={"Bucket": bucket, "Key": name}, timeout=t))
+        else:
+            self.policy.run(key, lambda t: self._call("cp_file", from_path, to_path, timeout=t))
         return size
 
     def _delete(self, key: str) -> None:

@@ -72,10 +72,10 @@ class CountingStore(Store):
             self.inner.put(key, data)
         self._count("put_if_absent" if exclusive else "put", key, written=len(data))
 
-    def server_side_copy(self, src: Store, key: str) -> int | None:
+    def server_side_copy(self, src: Store, key: str, size: int | None = None) -> int | None:
         """The inner store's, with ``src`` unwrapped if it is a CountingStore too."""
         size = self.inner.server_side_copy(src.inner if isinstance(src, CountingStore) else src,
-                                           key)
+                                           key, size)
         if size is not None:
             self._count("server_side_copy", key, written=size)
         return size
