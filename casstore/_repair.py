@@ -5,8 +5,8 @@ holds exactly the same objects for it. :func:`repair` runs :func:`~casstore.veri
 damaged copy, puts the good copy's config object in place of a damaged or missing one,
 deletes its corrupt objects and the steps that need a damaged object, and copies those steps
 back from the good copy with :func:`~casstore.copy` (which sends only the objects the
-destination lacks, each checked against its chunk id on the way), once it has checked that the
-good copy holds every object they need undamaged.
+destination lacks), once it has checked each of those objects in the good copy against its
+chunk id.
 """
 
 from __future__ import annotations
@@ -62,13 +62,12 @@ def repair(good_url: Url, damaged_url: Url, *, dry_run: bool = False,
     is replaced by the good copy's (format.md §2.1: it holds no per-step data). A step that
     needs a missing or corrupt object, or whose manifest is damaged, is deleted there and
     copied again from the good copy, after its corrupt objects are deleted (``copy`` skips
-    objects and steps that exist), each object decoded and checked against its chunk id before
-    it is written (``copy(..., verify=True)``). Before anything is changed, the objects the
-    damaged copy lacks are read from the good copy and checked the same way: a step the good
-    copy cannot give back (it lacks the step, its manifest there is damaged, or an object the
-    step needs is missing or corrupt there too), and a config object that is damaged in the
-    good copy too, are left alone and reported in ``unrepairable``; nothing of them is
-    deleted.
+    objects and steps that exist). Before anything is changed, each object the damaged copy
+    lacks is read from the good copy, decoded and checked against its chunk id (as
+    ``copy(..., verify=True)`` does): a step the good copy cannot give back (it lacks the
+    step, its manifest there is damaged, or an object the step needs is missing or corrupt
+    there too), and a config object that is damaged in the good copy too, are left alone and
+    reported in ``unrepairable``; nothing of them is deleted.
 
     Args:
       good_url, damaged_url: paths, fsspec URLs or Stores.
@@ -80,8 +79,8 @@ def repair(good_url: Url, damaged_url: Url, *, dry_run: bool = False,
       A :class:`RepairInfo`.
 
     Raises:
-      CorruptChunkError, MissingChunkError: the good copy was damaged after the check above,
-        where a step needs it (that step's manifest is then not written).
+      CorruptChunkError, MissingChunkError: the good copy lost or truncated an object after
+        the check above, where a step needs it (that step's manifest is then not written).
       StoreTimeoutError, StoreUnreachableError, AccessDeniedError: a store failed.
     """
     t0 = time.perf_counter()
@@ -110,7 +109,7 @@ def repair(good_url: Url, damaged_url: Url, *, dry_run: bool = False,
         delete(damaged, step, run=run)
         by_run[run].append(step)
     for run, run_steps in by_run.items():
-        copy(good, damaged, runs=[run], steps=run_steps, verify=True)
+        copy(good, damaged, runs=[run], steps=run_steps)  # its objects checked above
     after = verify(damaged, read_data=read_data)
     return RepairInfo(report.problems, objects, steps, unrepairable, after.ok, False,
                       time.perf_counter() - t0, config is not None)
