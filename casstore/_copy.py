@@ -18,12 +18,10 @@ Integrity of each object as it passes (``verify``):
   changed in transit is seen without decoding: botocore sends a CRC32C (a CRC32 without
   awscrt) with every upload, which the store checks (it refuses the body), and checks every
   download against the checksum the store keeps; the object is sent or fetched again, then
-  the copy fails
-  (:mod:`casstore.store._retry`). gcsfs checks neither way (GCS itself is reached over
-  HTTPS, whose TLS refuses a changed byte). Damage at the source is seen by
-  every restore and ``verify`` of the destination (the chunk id is checked on every read, so
-  damage is never restored silently), and a tiered restore then takes the chunk from the other
-  tier (``docs/tiers.md``).
+  the copy fails (:mod:`casstore.store._retry`). gcsfs checks neither way (GCS is reached
+  over HTTPS, whose TLS refuses a changed byte). Damage at the source is seen by every
+  restore and ``verify`` of the destination (the chunk id is checked on every read), and a
+  tiered restore then takes the chunk from the other tier (``docs/tiers.md``).
 - ``verify=True`` decodes every object (a delta on its base) and checks it against its chunk
   id before it is sent: nothing damaged at the source reaches the destination.
 
@@ -36,6 +34,7 @@ object it checked at upload); ``verify=True`` reads and decodes every object ins
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import threading
 import time
@@ -56,6 +55,7 @@ from ._manifest import Manifest, decode_manifest
 from ._pool import bounded_map
 from ._repository import (
     Url,
+    check_config,
     ensure_config,
     list_chunk_objects,
     list_runs,
@@ -120,12 +120,13 @@ def copy(src_url: Url, dst_url: Url, *, steps: list[int] | None = None,
          progress: Callable[[CopyProgress], None] | None = None) -> CopyInfo:
     """Copies checkpoints from one repository to another.
 
-    Checks the selected runs and steps first (nothing is written if one is missing), lists
-    the destination's chunk objects once, reads and validates every selected source manifest,
-    then sends the objects the destination lacks (delta objects and their bases included)
-    through one pool of ``max_workers`` threads across all steps, and writes each step's
-    manifest create-only, in step order, once its objects are in. The destination holds a save
-    lock meanwhile, so its garbage collection cannot interfere. Between two paths of one S3 or
+    Lists the selected runs and steps and reads and validates their manifests at the source
+    while it takes a save lock at the destination and lists its chunk objects once (nothing is
+    written if a step is missing or a manifest invalid), then sends the objects the
+    destination lacks (delta objects and their bases included) through one pool of
+    ``max_workers`` threads across all steps, and writes each step's manifest create-only, in
+    step order, once its objects are in. The lock keeps the destination's garbage collection
+    out meanwhile. Between two paths of one S3 or
     GCS service reached with the same endpoint and credentials, each object is copied by the
     service (:meth:`~casstore.store.Store.server_side_copy`) unless ``verify``.
 
@@ -156,12 +157,23 @@ def copy(src_url: Url, dst_url: Url, *, steps: list[int] | None = None,
         for a chunk, run, step, key path and chunk id); manifests that need it are not written.
     """
     src, dst = open_store(src_url), open_store(dst_url)
+    with cf.ThreadPoolExecutor(1) as pool:
+        # the source's listings and manifests read beside the destination's config, lock, list
+        source = pool.submit(_read_source, src, steps, runs)
+        if not check_config(dst):
+            source.result()  # a run or step not in the source: nothing written, not a config
+            ensure_config(dst)
+        with save_lock(dst):
+            present = {info.key: info.size for info in list_chunk_objects(dst)}
+            selected, manifests = source.result()
+            return copy_selected(src, dst, selected, present, max_workers=max_workers,
+                                 verify=verify, progress=progress, manifests=manifests)
+
+
+def _read_source(src: Store, steps: list[int] | None, runs: list[str] | None) -> tuple:
+    """The selected ``(run, step)`` pairs (:func:`select_steps`) and their manifests."""
     selected = select_steps(src, steps=steps, runs=runs)
-    ensure_config(dst)
-    with save_lock(dst):
-        present = {info.key: info.size for info in list_chunk_objects(dst)}
-        return copy_selected(src, dst, selected, present, max_workers=max_workers,
-                             verify=verify, progress=progress)
+    return selected, read_manifests(src, selected)
 
 
 def select_steps(src: Store, *, steps: list[int] | None = None,
@@ -192,7 +204,8 @@ def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
                   verify: bool = False, probe: bool = False,
                   progress: Callable[[CopyProgress], None] | None = None,
                   share: tuple[int, int] | None = None,
-                  gate: Callable[[], None] | None = None) -> CopyInfo:
+                  gate: Callable[[], None] | None = None,
+                  manifests: list[tuple[bytes, Manifest]] | None = None) -> CopyInfo:
     """The engine of :func:`copy` (and of the manager's persist): copies ``selected`` steps
     from ``src`` to ``dst`` given ``present``, destination object keys and sizes known to be
     there, which it updates with what it sends or finds. With ``probe``, an object not in
@@ -200,10 +213,11 @@ def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
     what is known, not everything. With ``share=(i, n)`` it sends only the objects of share
     ``i`` of ``n`` (:func:`share_of`) and writes no manifest: ``n`` processes each send
     theirs, then one copies with every object in ``present``, writing the manifests. ``gate``
-    runs before each object's transfer (a persist waiting for local saves). The caller holds
-    the destination's save lock."""
+    runs before each object's transfer (a persist waiting for local saves). ``manifests``: the
+    selected steps' (:func:`read_manifests`), if read already. The caller holds the
+    destination's save lock."""
     t0 = time.perf_counter()
-    plan, skipped_steps, kept = _plan(src, dst, selected)
+    plan, skipped_steps, kept = _plan(src, dst, selected, manifests)
     needed: dict[str, tuple[str, str | None, int, str, _Step]] = {}
     for s in plan:
         for obj, (cid, base, raw, path) in needed_objects(s.manifest).items():
@@ -248,15 +262,15 @@ def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
                     sum(present[k] for k in skipped), time.perf_counter() - t0)
 
 
-def _plan(src: Store, dst: Store, selected: list[tuple[str, int]]
-          ) -> tuple[list[_Step], list[tuple[str, int]], list[Manifest]]:
-    """Reads and validates the manifests of the selected steps the destination lacks; a
-    step it has is skipped if its manifest is the source's, byte for byte (a copy writes
-    them as is), else StepAlreadyExistsError (another step of that number is there).
-    Returns ``(steps to copy, steps skipped, the skipped steps' manifests)``."""
-    have = {(run, step) for run in dict.fromkeys(r for r, _ in selected)
-            for step in list_steps(dst, run=run)}
+def read_manifests(src: Store, selected: list[tuple[str, int]]
+                   ) -> list[tuple[bytes, Manifest]]:
+    """The selected steps' manifests as stored and decoded (validated), all requests in flight
+    at once (a copy of many steps from a store far away).
 
+    Raises:
+      StepNotFoundError: a step was deleted from the source since it was listed.
+      ManifestError: a manifest is invalid.
+    """
     def read(pair: tuple[str, int]) -> tuple[bytes, Manifest]:
         run, step = pair
         try:
@@ -266,8 +280,20 @@ def _plan(src: Store, dst: Store, selected: list[tuple[str, int]]
                                     url=src.url, run=run, step=step) from None
         return data, decode_manifest(data, run=run, step=step, url=src.url)
 
-    # one request each, all in flight at once: a copy of many steps to a remote store
-    manifests = bounded_map(read, selected, src.max_workers)
+    return bounded_map(read, selected, src.max_workers)
+
+
+def _plan(src: Store, dst: Store, selected: list[tuple[str, int]],
+          manifests: list[tuple[bytes, Manifest]] | None
+          ) -> tuple[list[_Step], list[tuple[str, int]], list[Manifest]]:
+    """Reads (unless given) and validates the manifests of the selected steps; a step the
+    destination has is skipped if its manifest is the source's, byte for byte (a copy writes
+    them as is), else StepAlreadyExistsError (another step of that number is there).
+    Returns ``(steps to copy, steps skipped, the skipped steps' manifests)``."""
+    have = {(run, step) for run in dict.fromkeys(r for r, _ in selected)
+            for step in list_steps(dst, run=run)}
+    if manifests is None:
+        manifests = read_manifests(src, selected)
     skipped = [pair for pair in selected if pair in have]
     there = dst.get_many([manifest_key(run, step) for run, step in skipped])
     kept, plan = [], []

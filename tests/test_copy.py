@@ -131,6 +131,23 @@ def test_a_missing_run_or_step_fails_before_anything_is_written(tmp_path, kwargs
     assert not (tmp_path / "dst").exists()
 
 
+
+def test_an_invalid_source_manifest_fails_before_anything_is_written(tmp_path):
+    """The source's manifests are read while the destination is set up: a damaged one still
+    stops the copy before the destination gets anything, not even its config object."""
+    src = LocalStore(tmp_path / "src")
+    shared_steps(src, n=2)
+    src.put(manifest_key("default", 1), b"\x93not a manifest")
+    with pytest.raises(casstore.ManifestError, match="step 1"):
+        casstore.copy(src, tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+    existing = LocalStore(tmp_path / "existing")
+    casstore.copy(src, existing, steps=[0])
+    before = sorted(info.key for info in existing.list(""))
+    with pytest.raises(casstore.ManifestError, match="step 1"):
+        casstore.copy(src, existing)
+    assert sorted(info.key for info in existing.list("")) == before  # the lock released too
+
 class Recording(CountingStore):
     """Records each put with the number of puts in flight at its start."""
 
