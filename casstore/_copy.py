@@ -158,7 +158,6 @@ def copy(src_url: Url, dst_url: Url, *, steps: list[int] | None = None,
     """
     src, dst = open_store(src_url), open_store(dst_url)
     with cf.ThreadPoolExecutor(1) as pool:
-        # the source's listings and manifests read beside the destination's config, lock, list
         source = pool.submit(_read_source, src, steps, runs)
         if not check_config(dst):
             source.result()  # a run or step not in the source: nothing written, not a config
