@@ -14,15 +14,16 @@ from conftest import load_benchmark
 def test_storage_cost_benchmark_reports_every_scenario_and_deltas_pay(tmp_path, capsys):
     bench = load_benchmark("storage_cost")
     out = tmp_path / "result.json"
-    result = bench.main(["--tiny", "--dir", str(tmp_path / "work"), "--json", str(out)])
+    result = bench.main(["--tiny", "--steps", "2", "--pretrain-steps", "2", "--dir",
+                         str(tmp_path / "work"), "--json", str(out)])
     assert list((tmp_path / "work").iterdir()) == []  # every repository is removed
 
     assert result["scenarios"] == list(bench.SCENARIOS)
     (ft,) = result["finetune"]  # --tiny: one learning rate
     pt = result["pretrain"]
     assert ft["lr"] == 1e-4
-    assert ft["steps"] == 3
-    assert pt["steps"] == 3
+    assert ft["steps"] == 2
+    assert pt["steps"] == 2
     assert ft["raw_bytes"]["params"] > 90e6  # all 22.7M parameters, float32
     assert ft["raw_bytes"]["mu"] == ft["raw_bytes"]["nu"] == ft["raw_bytes"]["params"]
     for figures in (ft, pt):
@@ -121,7 +122,7 @@ def test_storage_cost_benchmark_with_default_codecs_stores_moments_smaller(tmp_p
     # writes (docs/tuning.md); below 4 cores "auto" stores raw chunks there.
     monkeypatch.setattr(_compression, "usable_cores", lambda: 8)
     bench = load_benchmark("storage_cost")
-    args = ["--tiny", "--scenarios", "finetune", "--dir", str(tmp_path)]
+    args = ["--tiny", "--steps", "2", "--scenarios", "finetune", "--dir", str(tmp_path)]
     local = bench.main([*args, "--codecs", "no-shuffle"])["finetune"][0]["systems"]
     shuffled = bench.main(args)
     assert shuffled["codecs"] == "default"
