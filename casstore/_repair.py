@@ -2,24 +2,32 @@
 
 Chunks are named by the hash of their bytes, so any copy of a repository that holds a step
 holds exactly the same objects for it. :func:`repair` runs :func:`~casstore.verify` on the
-damaged copy, puts the good copy's config object in place of a damaged or missing one,
-deletes its corrupt objects and the steps that need a damaged object, and copies those steps
-back from the good copy with :func:`~casstore.copy` (which sends only the objects the
-destination lacks), once it has checked each of those objects in the good copy against its
-chunk id.
+damaged copy, puts the good copy's config object in place of a damaged or missing one, and
+for each step that needs a damaged object (or whose manifest is damaged) writes the good
+copy's objects in place of the missing and corrupt ones, then the good copy's manifest in
+place of a damaged one (format.md §7: objects first). It deletes no step: before it writes
+anything it has read and checked (decoded, against its chunk id) every object it will write,
+and a step the good copy cannot give back whole is left as it is.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
 
-from ._copy import copy, needed_objects
+from ._copy import needed_objects
 from ._delta import DeltaBases
 from ._errors import CorruptChunkError, ManifestError
-from ._layout import CONFIG_KEY
-from ._repository import Url, delete, list_steps, parse_config, read_manifest
+from ._framing import check_framing
+from ._layout import CONFIG_KEY, chunk_key, manifest_key
+from ._manifest import decode_manifest
+from ._pool import bounded_map
+from ._repository import (
+    Url,
+    list_chunk_objects,
+    parse_config,
+    read_manifest_bytes,
+)
 from ._scan import CONFIG, CORRUPT, MANIFEST, MISSING, Problem
 from ._verify import verify
 from .store import Store, open_store
@@ -31,10 +39,12 @@ class RepairInfo:
 
     Attributes:
       problems: what verify found in the damaged repository before the repair.
-      deleted_objects: store keys of corrupt objects deleted (or, for a dry run, to delete).
-      steps: ``(run, step)`` pairs copied back from the good copy (or to copy).
-      unrepairable: problems the good copy cannot fix: a step it lacks or holds damaged (its
-        manifest, or an object the step needs that the damaged copy lacks), or a format newer
+      deleted_objects: store keys of corrupt objects replaced by the good copy's (or, for a
+        dry run, to replace).
+      steps: ``(run, step)`` pairs mended from the good copy (or to mend).
+      unrepairable: problems the good copy cannot fix: a step it lacks, holds damaged (its
+        manifest, or an object the step needs that the damaged copy lacks or holds damaged)
+        or holds as another step of that number (its manifest differs), or a format newer
         than this casstore.
       ok: the damaged repository verifies clean afterwards (False for a dry run with
         problems).
@@ -59,15 +69,17 @@ def repair(good_url: Url, damaged_url: Url, *, dry_run: bool = False,
     """Repairs ``damaged_url`` from ``good_url``, another copy of the same repository.
 
     Verifies the damaged copy. A damaged config object, or a missing one where steps exist,
-    is replaced by the good copy's (format.md §2.1: it holds no per-step data). A step that
-    needs a missing or corrupt object, or whose manifest is damaged, is deleted there and
-    copied again from the good copy, after its corrupt objects are deleted (``copy`` skips
-    objects and steps that exist). Before anything is changed, each object the damaged copy
-    lacks is read from the good copy, decoded and checked against its chunk id (as
-    ``copy(..., verify=True)`` does): a step the good copy cannot give back (it lacks the
-    step, its manifest there is damaged, or an object the step needs is missing or corrupt
-    there too), and a config object that is damaged in the good copy too, are left alone and
-    reported in ``unrepairable``; nothing of them is deleted.
+    is replaced by the good copy's (format.md §2.1: it holds no per-step data). For a step
+    that needs a missing or corrupt object, or whose manifest is damaged, the good copy's
+    manifest of the step is read; every object it needs that the damaged copy lacks or holds
+    corrupt (with ``read_data``, the objects of a step whose manifest is damaged are read
+    there too) is read from the good copy, decoded and checked against its chunk id. Only
+    then is anything written: those objects, then the good manifest in place of a damaged
+    one. A step the good copy cannot give back (it lacks the step, its manifest there is
+    damaged or differs from the damaged copy's readable one, or an object is missing or
+    corrupt there too), and a config object damaged in the good copy too, are left alone and
+    reported in ``unrepairable``. No step is deleted: a failure part way leaves every step
+    as it was or mended.
 
     Args:
       good_url, damaged_url: paths, fsspec URLs or Stores.
@@ -79,66 +91,114 @@ def repair(good_url: Url, damaged_url: Url, *, dry_run: bool = False,
       A :class:`RepairInfo`.
 
     Raises:
-      CorruptChunkError, MissingChunkError: the good copy lost or truncated an object after
-        the check above, where a step needs it (that step's manifest is then not written).
+      CorruptChunkError, ObjectNotFoundError: the good copy lost or changed an object after
+        the check above (the manifest of a step that needs it is not written).
       StoreTimeoutError, StoreUnreachableError, AccessDeniedError: a store failed.
     """
     t0 = time.perf_counter()
     good, damaged = open_store(good_url), open_store(damaged_url)
     report = verify(damaged, read_data=read_data)
     config = _good_config(good) if any(p.kind == CONFIG for p in report.problems) else None
-    runs = {run for p in report.problems for run, _ in p.needed_by}
-    held = {run: set(list_steps(good, run=run)) for run in runs}
-    fixable = [p for p in report.problems if p.kind in (MISSING, CORRUPT, MANIFEST)
-               and p.needed_by and all(s in held[r] for r, s in p.needed_by)]
-    spoilt = _damaged_in_good(good, fixable)  # left alone: nothing of them is deleted
-    fixable = [p for p in fixable if not spoilt & set(p.needed_by)]
-    fixable += [p for p in report.problems if p.kind == CONFIG and config is not None]
+    plan = _Plan(good, damaged, report.problems, read_data)
+    fixable = [p for p in report.problems if (p.kind in (MISSING, CORRUPT) and p.key in plan.sent)
+               or (p.kind == MANIFEST and set(p.needed_by) <= plan.mended.keys())
+               or (p.kind == CONFIG and config is not None)]
     unrepairable = tuple(p for p in report.problems if p not in fixable)
-    objects = tuple(sorted({p.key for p in fixable if p.kind == CORRUPT and p.key}))
-    steps = tuple(sorted({rs for p in fixable for rs in p.needed_by}))
+    objects = tuple(sorted(plan.corrupt & plan.sent))
+    steps = tuple(sorted(plan.mended))
     if dry_run or not fixable:
         return RepairInfo(report.problems, objects, steps, unrepairable,
                           report.ok, dry_run, time.perf_counter() - t0, config is not None)
-    if config is not None:  # first: a copy into the damaged copy validates its config
+    if config is not None:  # first: the steps' manifests are validated against it
         damaged.put(CONFIG_KEY, config)
-    for key in objects:
-        damaged.delete(key)
-    by_run = collections.defaultdict(list)
-    for run, step in steps:
-        delete(damaged, step, run=run)
-        by_run[run].append(step)
-    for run, run_steps in by_run.items():
-        copy(good, damaged, runs=[run], steps=run_steps)  # its objects checked above
+    plan.write()
     after = verify(damaged, read_data=read_data)
     return RepairInfo(report.problems, objects, steps, unrepairable, after.ok, False,
                       time.perf_counter() - t0, config is not None)
 
 
-def _damaged_in_good(good: Store, problems: list[Problem]) -> set[tuple[str, int]]:
-    """The ``(run, step)`` pairs of ``problems`` that the good copy cannot give back: its
-    manifest of the step is damaged, or an object the step needs that the damaged copy lacks
-    (a problem's key) is missing there too or fails its chunk id check (read and decoded
-    here, a delta on its base, as ``copy(..., verify=True)`` does)."""
-    spoilt, info, users = set(), {}, collections.defaultdict(set)
-    for run, step in sorted({rs for p in problems for rs in p.needed_by}):
+class _Plan:
+    """What a repair writes, checked before anything is written.
+
+    Attributes:
+      mended: ``(run, step)`` -> the good copy's manifest (bytes) of each step to mend.
+      sent: object keys to write from the good copy (each read and checked there).
+      corrupt: object keys the damaged copy holds corrupt.
+      broken: steps whose manifest is damaged in the damaged copy (written from the good).
+    """
+
+    def __init__(self, good: Store, damaged: Store, problems: tuple[Problem, ...],
+                 read_data: bool):
+        self.good, self.damaged = good, damaged
+        self.corrupt = {p.key for p in problems if p.kind == CORRUPT}
+        self.broken = {rs for p in problems if p.kind == MANIFEST for rs in p.needed_by}
+        steps = sorted({rs for p in problems if p.kind in (MISSING, CORRUPT, MANIFEST)
+                        for rs in p.needed_by})
+        present = {info.key for info in list_chunk_objects(damaged)} if steps else set()
+        self.info: dict[str, tuple] = {}
+        self.mended, needs = {}, {}
+        for run, step in steps:
+            found = self._good_manifest(run, step)
+            if found is not None:
+                self.mended[run, step], needs[run, step] = found
+                self.info.update(needs[run, step])
+        unsure: set[str] = set()  # deltas whose base is damaged too: sent, not called corrupt
+        if read_data:  # the objects of a damaged manifest's step: unchecked by verify
+            failed = _failing(damaged, {k for rs in self.broken & needs.keys()
+                                        for k in needs[rs] if k in present}, self.info)
+            unsure = {k for k in failed if self.info[k][1] is not None and chunk_key(
+                self.info[k][1]) in (failed | self.corrupt | (self.info.keys() - present))}
+            self.corrupt |= failed - unsure
+        wanted = {rs: {k for k in needs[rs] if k not in present or k in self.corrupt | unsure}
+                  for rs in needs}
+        bad = _failing(good, set().union(*wanted.values()), self.info)
+        self.mended = {rs: m for rs, m in self.mended.items() if not wanted[rs] & bad}
+        self.sent = set().union(*(wanted[rs] for rs in self.mended))
+
+    def _good_manifest(self, run: str, step: int) -> tuple[bytes, dict] | None:
+        """The good copy's manifest of the step and the objects it needs; None if the good
+        copy cannot give the step back: it lacks it, or it is damaged there, or the damaged
+        copy's readable manifest differs (another step of this number)."""
         try:
-            needed = needed_objects(read_manifest(good, step, run=run))
-        except ManifestError:
-            spoilt.add((run, step))
-            continue
-        info.update(needed)
-        for key in needed:
-            users[key].add((run, step))
-    wanted = sorted({p.key for p in problems if p.kind in (MISSING, CORRUPT)} & info.keys())
-    bases = DeltaBases(good, [info[key][:2] for key in wanted])
-    for key in wanted:
+            data = read_manifest_bytes(self.good, run, step)
+            needed = needed_objects(decode_manifest(data, run=run, step=step,
+                                                    url=self.good.url))
+            if ((run, step) not in self.broken
+                    and read_manifest_bytes(self.damaged, run, step) != data):
+                return None
+        except (FileNotFoundError, ManifestError):
+            return None
+        return data, needed
+
+    def write(self) -> None:
+        """The checked objects (framing checked again as they pass), then the manifests of
+        the steps whose manifest was damaged."""
+        def send(key: str) -> None:
+            cid, base, raw_length, _ = self.info[key]
+            data = self.good.get(key)
+            check_framing(data, cid, raw_length, delta=base is not None)
+            self.damaged.put(key, data)
+
+        bounded_map(send, sorted(self.sent), self.damaged.max_workers)
+        for run, step in sorted(self.broken & self.mended.keys()):
+            self.damaged.put(manifest_key(run, step), self.mended[run, step])
+
+
+def _failing(store: Store, keys: set[str], info: dict[str, tuple]) -> set[str]:
+    """The ``keys`` whose objects in ``store`` are missing or fail their chunk id check (read
+    and decoded, a delta on its base, as ``copy(..., verify=True)`` does)."""
+    bases = DeltaBases(store, [info[key][:2] for key in keys])
+
+    def fails(key: str) -> bool:
         cid, base, raw_length, _ = info[key]
         try:
             bases.decode(bases.read(key, cid, base), cid, base, raw_length)
         except (CorruptChunkError, FileNotFoundError):
-            spoilt |= users[key]
-    return spoilt
+            return True
+        return False
+
+    keys = sorted(keys)
+    return {key for key, bad in zip(keys, bounded_map(fails, keys, store.max_workers)) if bad}
 
 
 def _good_config(good: Store) -> bytes | None:

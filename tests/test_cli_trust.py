@@ -633,3 +633,75 @@ def test_repair_leaves_alone_what_the_good_copy_holds_damaged_too(delta_repo, tm
     info = casstore.repair(str(good), delta_repo)
     assert info.ok
     assert casstore.restore(delta_repo, 5)["w"].tobytes() == trained(5).tobytes()
+
+
+def flip_last_byte(path: pathlib.Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_repair_mends_what_it_can_and_deletes_no_step(tmp_path):
+    """Run ``a``'s step has a truncated manifest and lost a chunk that the good copy lost too;
+    run ``b``'s step has a corrupt chunk the good copy holds intact. ``b`` is mended; ``a`` is
+    reported unrepairable and left as it was (its manifest kept, nothing of it deleted)."""
+    good, damaged = tmp_path / "good", tmp_path / "damaged"
+    rng = np.random.default_rng(0)
+    trees = {name: {"x": rng.standard_normal((4000, 16)).astype(np.float32)} for name in "ab"}
+    for name, state in trees.items():
+        casstore.save(str(good), 0, state, run=name, chunk_size_bytes=64_000)
+    casstore.copy(str(good), str(damaged))
+    lost = casstore.read_manifest(str(good), 0, run="a").leaves[0].chunks[1].key
+    for copy in (good, damaged):
+        (copy / lost).unlink()
+    truncate_manifest(str(damaged), 0, run="a")
+    a_manifest = (damaged / manifest_key("a", 0)).read_bytes()
+    corrupt = casstore.read_manifest(str(good), 0, run="b").leaves[0].chunks[0].key
+    flip_last_byte(damaged / corrupt)
+    for dry_run in (True, False):
+        info = casstore.repair(str(good), str(damaged), dry_run=dry_run)
+        assert info.steps == (("b", 0),)
+        assert info.deleted_objects == (corrupt,)
+        assert [(p.kind, p.run, p.step) for p in info.unrepairable] == [("manifest", "a", 0)]
+        assert not info.ok
+    assert (damaged / manifest_key("a", 0)).read_bytes() == a_manifest
+    assert casstore.restore(str(damaged), 0, run="b")["x"].tobytes() == trees["b"][
+        "x"].tobytes()
+    assert [p.kind for p in casstore.verify(str(damaged)).problems] == ["manifest"]
+
+
+def test_repair_refuses_a_good_copy_whose_step_is_another_step(tmp_path):
+    """The good copy's step 0 is another checkpoint (another history of the run): the damaged
+    step is unrepairable and stays as it was, its intact leaf still restoring its values."""
+    good, damaged = tmp_path / "good", tmp_path / "damaged"
+    rng = np.random.default_rng(1)
+    mine, theirs = ({"w": rng.standard_normal((4000, 16)).astype(np.float32),
+                     "b": rng.standard_normal((3000, 16)).astype(np.float32)} for _ in "12")
+    casstore.save(str(damaged), 0, mine, chunk_size_bytes=64_000)
+    casstore.save(str(good), 0, theirs, chunk_size_bytes=64_000)
+    w = next(leaf for leaf in casstore.read_manifest(str(damaged), 0).leaves if leaf.path == "w")
+    (damaged / w.chunks[0].key).unlink()
+    info = casstore.repair(str(good), str(damaged))
+    assert (info.steps, [p.kind for p in info.unrepairable], info.ok) == ((), ["missing"], False)
+    assert casstore.restore(str(damaged), 0, paths=["b"])["b"].tobytes() == mine["b"].tobytes()
+    assert not (damaged / w.chunks[0].key).exists()  # none of the other step's objects
+
+
+def test_repair_of_a_damaged_manifest_checks_the_objects_of_its_step(delta_repo, tmp_path):
+    """verify cannot read the objects of a step whose manifest is damaged; repair reads them
+    after taking the good copy's manifest, and replaces one that is corrupt."""
+    good = tmp_path / "good"
+    casstore.copy(delta_repo, str(good))
+    only_4 = (casstore.read_manifest(delta_repo, 4).chunk_ids()
+              - casstore.read_manifest(delta_repo, 3).chunk_ids()
+              - casstore.read_manifest(delta_repo, 5).chunk_ids())
+    ref = next(r for leaf in casstore.read_manifest(delta_repo, 4).leaves for r in leaf.chunks
+               if r.id in only_4)
+    flip_last_byte(pathlib.Path(delta_repo) / ref.key)
+    truncate_manifest(delta_repo, 4)
+    assert [p.kind for p in casstore.verify(delta_repo).problems] == ["manifest"]
+    info = casstore.repair(str(good), delta_repo)
+    assert (info.steps, info.deleted_objects, info.unrepairable) == (
+        (("default", 4),), (ref.key,), ())
+    assert info.ok
+    assert casstore.restore(delta_repo, 4)["w"].tobytes() == trained(4).tobytes()

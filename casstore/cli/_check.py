@@ -250,7 +250,7 @@ def rm_command(url: str, steps: tuple[int, ...], run: str, dry_run: bool, option
 @command("repair")
 @click.argument("good")
 @click.argument("damaged")
-@click.option("--dry-run", is_flag=True, help="Show what would be deleted and copied back.")
+@click.option("--dry-run", is_flag=True, help="Show what would be mended; change nothing.")
 @click.option("--read-data/--no-read-data", default=True, show_default=True,
               help="Verify DAMAGED by reading every chunk, or only that it exists.")
 @storage_options
@@ -261,11 +261,11 @@ def repair_command(good: str, damaged: str, dry_run: bool, read_data: bool, opti
                    dst_options: dict, as_json: bool) -> None:
     """Repairs DAMAGED from GOOD, another copy of the same repository.
 
-    Runs verify on DAMAGED; a damaged or missing config object is replaced by GOOD's; each
-    step that needs a missing or corrupt object, or whose manifest is damaged, is deleted
-    there (its corrupt objects first) and copied back from GOOD. Steps GOOD lacks are left
-    alone and reported. Exits 1 unless DAMAGED verifies clean
-    afterwards (docs/recovery.md).
+    Runs verify on DAMAGED; a damaged or missing config object is replaced by GOOD's; for
+    each step that needs a missing or corrupt object, or whose manifest is damaged, GOOD's
+    copies of those objects (checked first) and of a damaged manifest are written there. No
+    step is deleted; steps GOOD lacks, holds damaged or holds as another step are left alone
+    and reported. Exits 1 unless DAMAGED verifies clean afterwards (docs/recovery.md).
 
     \b
     Examples:
@@ -284,7 +284,7 @@ def repair_command(good: str, damaged: str, dry_run: bool, read_data: bool, opti
     else:
         verb = "would copy back" if dry_run else "copied back"
         say(f"{len(info.problems)} problem(s); {verb} {len(info.steps)} step(s) ("
-            + ", ".join(f"{r}@{s}" for r, s in info.steps) + f"), deleting "
+            + ", ".join(f"{r}@{s}" for r, s in info.steps) + f"), replacing "
             f"{len(info.deleted_objects)} corrupt object(s); "
             + ("config object from GOOD; " if info.config_restored else "")
             + f"{len(info.unrepairable)} unrepairable; {'ok' if info.ok else 'not ok'}")
