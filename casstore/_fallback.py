@@ -160,6 +160,23 @@ class FallbackStore(Store):
             while total > HELD_BYTES and len(self._held) > 1:
                 total -= len(self._held.pop(next(iter(self._held))))
 
+    def copies(self, key: str, *, primary: bool = True) -> list[tuple[Store, bytes]]:
+        """``(tier, bytes)`` of every tier's copy of ``key`` (the primary's first, unless
+        ``primary=False``); tiers without one are left out."""
+        found = []
+        for tier in [self.primary, *self.fallbacks][0 if primary else 1:]:
+            with contextlib.suppress(FileNotFoundError):
+                data = tier.get(key)
+                self._count(tier, len(data), recovered=tier is not self.primary)
+                found.append((tier, data))
+        return found
+
+    def write_back_copy(self, key: str, tier: Store, data: bytes) -> None:
+        """Writes ``data``, ``tier``'s copy of ``key`` that a restore checked, to the primary
+        (``write_back``) unless it came from there."""
+        if self.write_back and not self.primary.read_only and tier is not self.primary:
+            self._write_back(key, data, exclusive=False)
+
     def confirm(self, key: str, *, keep: bool = True) -> None:
         """Writes ``key``'s bytes, read from a fallback and since checked, to the primary
         (``write_back``); with ``keep=False`` forgets them instead (they failed the check)."""
@@ -234,27 +251,35 @@ def with_fallback(store: Store, fallback) -> Store:
 
 def reread_chunk(store: Store, key: str, ref: ChunkRef, out: np.ndarray | None
                  ) -> memoryview | None:
-    """A chunk that failed its checks in the primary, read and decoded from the first fallback
-    whose copy (and base, for a delta) passes them; None if ``store`` has no fallbacks or none
-    has a good copy. ``out`` as for :func:`decode_chunk`. Written back to the primary when the
-    store says so (replacing the damaged copy)."""
+    """A chunk that failed its checks as first read, read and decoded from the tiers' other
+    copies: a whole chunk from the first fallback whose copy passes them; a delta chunk from
+    the first pair of copies of the delta object and of its base (from any tier, the
+    primary's included: either of the two may be the damaged one) that passes them. None if
+    ``store`` has no fallbacks or no pair passes. ``out`` as for :func:`decode_chunk`. The
+    copies used are written back to the primary when the store says so (replacing the
+    damaged ones)."""
     if not isinstance(store, FallbackStore):
         return None
-    i = 0
-    while i < len(store.fallbacks):
+    if ref.base is None:
+        pairs = [(c, None) for c in store.copies(key, primary=False)]
+    else:
+        bases = store.copies(chunk_key(ref.base))
+        pairs = [(c, b) for c in store.copies(key) for b in bases
+                 if c[0] is not store.primary or b[0] is not store.primary]  # that one failed
+    for copy, base in pairs:
         try:
-            data, i = store._from_fallback(key, i)
-            if ref.base is None:
-                raw = decode_chunk(data, ref.id, ref.raw_bytes, out)
+            if base is None:
+                raw = decode_chunk(copy[1], ref.id, ref.raw_bytes, out)
             else:
-                base, _ = store._from_fallback(chunk_key(ref.base), i)
-                raw = decode_delta(data, base, ref.id, ref.base, ref.raw_bytes, out)
-            confirm_chunk(store, key, ref.base)
-            return raw
-        except (CorruptChunkError, FileNotFoundError) as e:
-            log.warning("casstore: fallback copy of %s unusable: %s", key, e)
-            confirm_chunk(store, key, ref.base, ok=False)
-            i += 1
+                raw = decode_delta(copy[1], base[1], ref.id, ref.base, ref.raw_bytes, out)
+        except CorruptChunkError as e:
+            log.warning("casstore: copies of %s in %s unusable: %s", key, " and ".join(
+                dict.fromkeys(c[0].url for c in (copy, base) if c is not None)), e)
+            continue
+        store.write_back_copy(key, *copy)
+        if base is not None:
+            store.write_back_copy(chunk_key(ref.base), *base)
+        return raw
     return None
 
 

@@ -23,7 +23,7 @@ from faultproxy import fault_proxy
 
 import casstore
 from casstore._copy import needed_objects, share_of
-from casstore._layout import is_object_key
+from casstore._layout import chunk_key, is_object_key
 from casstore._repository import list_chunk_objects
 from casstore.store import CountingStore, FsspecStore, LocalStore, MemoryStore
 
@@ -799,3 +799,29 @@ def test_with_half_the_local_chunks_gone_only_those_are_read_remotely(tmp_path, 
     assert tiered.bytes_read[remote.url] == sum(sizes[k] for k in gone)
     assert tiered.objects_recovered == len(gone)
     assert not any(local.exists(k) for k in gone)  # no write-back unless asked
+
+
+def test_a_damaged_local_base_of_a_delta_is_taken_from_the_persistent_tier(tmp_path, remote):
+    """Step 1 is local only and stores a delta on a chunk of step 0, which is persisted. With
+    that base damaged locally, a restore of step 1 pairs the local delta with the persistent
+    tier's base (and, with ``write_back``, puts the base back locally)."""
+    w = np.random.default_rng(3).normal(size=(256, 64)).astype(np.float32)
+    trees = [{"w": np.where(np.arange(256)[:, None] == s, w + 1, w)} for s in range(2)]
+    local = LocalStore(tmp_path / "local")
+    with manager(local, remote, persist_interval_steps=2) as mngr:
+        for step, state in enumerate(trees):
+            mngr.save(step, state)
+        mngr.wait_until_finished()
+    assert casstore.list_steps(remote) == [0]
+    ref = next(r for leaf in casstore.read_manifest(local, 1).leaves for r in leaf.chunks
+               if r.base is not None)
+    base = pathlib.Path(local.root) / chunk_key(ref.base)
+    data = bytearray(base.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    base.write_bytes(bytes(data))
+    with manager(local, remote, persist_interval_steps=2) as mngr:
+        assert mngr.restore(1)["w"].tobytes() == trees[1]["w"].tobytes()
+    assert not casstore.verify(local).ok
+    tiers = casstore.FallbackStore(local, [remote], write_back=True)
+    assert casstore.restore(tiers, 1)["w"].tobytes() == trees[1]["w"].tobytes()
+    assert casstore.verify(local).ok  # the base written back, the local delta kept
