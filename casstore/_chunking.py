@@ -117,7 +117,7 @@ class CastView:
         xp = np if isinstance(block, np.ndarray) else jnp
         with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below
             out = block.astype(self.dtype)
-        if block.size == 0 or np.can_cast(block.dtype, self.dtype, "safe"):
+        if block.size == 0 or lossless(block.dtype, self.dtype):
             return out
         if xp.issubdtype(self.dtype, xp.integer):
             if bool(xp.all(out.astype(block.dtype) == block)):
@@ -126,22 +126,39 @@ class CastView:
         elif not overflowed(block, out):
             return out
         else:
-            why = "finite values beyond its range (they would overflow)"
+            why = "NaN or infinities it has no such value for, or finite values beyond its range"
         raise UnsupportedLeafError(
             f"cannot store this leaf as {self.dtype.name}: its {block.dtype} values hold {why}; "
             "store it in a wider dtype; nothing was committed", key_path=self.path)
 
 
+def lossless(source: Any, target: Any) -> bool:
+    """True if every ``source`` value casts exactly to ``target``: numpy's ``can_cast(...,
+    "safe")``, trusted for numpy's own dtypes only. ml_dtypes registers lossy casts as safe
+    (float8 to another float8 or to int4, int8 to float8), so a cast from or to one of its
+    types (bfloat16, float8, int4, ...) is always checked value by value."""
+    source, target = np.dtype(source), np.dtype(target)
+    return (source.kind in "biufc" and target.kind in "biufc"
+            and np.can_cast(source, target, "safe"))
+
+
 def overflowed(block: Any, out: Any) -> bool:
-    """True if a finite value of ``block`` (numpy or jax) became infinite or NaN in ``out``, its
-    cast to a float dtype, or saturated there (a dtype without infinity, float4_e2m1fn)."""
+    """True if ``out``, the cast of ``block`` (numpy or jax) to a float dtype, changed a value
+    beyond rounding: a finite value became infinite or NaN, or saturated (a dtype without
+    infinity, float4_e2m1fn), a NaN is no NaN there (float4_e2m1fn has none), or an infinity
+    is not that infinity there (float8_e4m3fn has none)."""
     xp = np if isinstance(block, np.ndarray) else jnp
-    lost = ~xp.isfinite(out)
+    finite = xp.isfinite(block)
+    lost = finite & ~xp.isfinite(out)
     if (bound := saturation_bound(out.dtype)) is not None:
         limit, tie_overflows = bound
-        magnitude = xp.abs(block)
-        lost |= magnitude >= limit if tie_overflows else magnitude > limit
-    return bool(xp.any(xp.isfinite(block) & lost))
+        integer = jax.dtypes.issubdtype(block.dtype, np.integer)  # abs(int8(-128)) wraps:
+        magnitude = xp.abs(block.astype(np.float32) if integer else block)
+        lost |= finite & (magnitude >= limit if tie_overflows else magnitude > limit)
+    if not bool(xp.all(finite)):
+        lost |= xp.isnan(block) & ~xp.isnan(out)
+        lost |= xp.isinf(block) & ~(xp.isinf(out) & ((out > 0) == (block > 0)))
+    return bool(xp.any(lost))
 
 
 @functools.cache  # per dtype: asked for each block cast

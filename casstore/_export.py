@@ -138,7 +138,8 @@ def _cast(path: str, value: Any, dtype: np.dtype | None) -> Any:
     """``value`` cast to ``dtype`` if both are floating point (bfloat16 and float8 included).
 
     Raises:
-      UnsupportedLeafError: a finite value would overflow ``dtype``; names the key path.
+      UnsupportedLeafError: a value would overflow ``dtype``, or is a NaN or infinity that
+        ``dtype`` has no such value for; names the key path.
     """
     name = str(getattr(value, "dtype", ""))
     if dtype is None or not name.startswith(("float", "bfloat")):
@@ -147,8 +148,9 @@ def _cast(path: str, value: Any, dtype: np.dtype | None) -> Any:
     with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused just below
         out = value.astype(dtype)
     if overflowed(value, out):
-        raise UnsupportedLeafError(f"its {value.dtype} values overflow {dtype.name}; export it "
-                                   "in a wider dtype", key_path=path)
+        raise UnsupportedLeafError(f"its {value.dtype} values overflow {dtype.name} or hold "
+                                   "NaN or infinities it has no such value for; export it in "
+                                   "a wider dtype", key_path=path)
     return out
 
 

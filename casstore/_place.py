@@ -8,13 +8,14 @@ target dtype cannot hold instead of wrapping or overflowing them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
-from ._chunking import Index, dtype_from_name, overflowed
+from ._chunking import Index, dtype_from_name, lossless, overflowed
 from ._errors import ManifestError
 from ._manifest import LeafEntry
 from ._target import is_numpy_class, returns_numpy, target_shape
@@ -128,7 +129,8 @@ def cast(host: np.ndarray, entry: LeafEntry, dtype: Any, fail: Fail) -> Any:
     A cast keeps every value the target dtype can hold, as numpy casts it (floats round to
     nearest, floats to integers truncate toward zero). Values it cannot hold are refused, never
     wrapped or overflowed: integers out of the target integer's range, NaN or infinite floats
-    into integers, finite values that would become infinite or NaN in a float dtype, values
+    into integers, finite values that would become infinite or NaN (or saturate) in a float
+    dtype, NaN or infinities into a float dtype without them (float4_e2m1fn), values
     other than 0 and 1 into bool, complex numbers with an imaginary part into a real dtype.
     The check costs one pass over the region, for casts that can lose a value only.
 
@@ -145,12 +147,16 @@ def cast(host: np.ndarray, entry: LeafEntry, dtype: Any, fail: Fail) -> Any:
                    "ask for a dtype that holds them", entry.path)
     if _kind(host.dtype) == "c" and _kind(dtype) != "c":  # imaginary parts checked 0
         host = host.real
-    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused just below
-        out = host.astype(dtype)
-    if (_kind(dtype) in "fc" and not np.can_cast(host.dtype, dtype, "safe")
-            and overflowed(host, out)):
+    try:
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below
+            out = host.astype(dtype)
+    except TypeError as e:  # a pair ml_dtypes does not cast (int4 to int2)
+        raise fail(f"the saved {host.dtype} values cannot be cast to {dtype} ({e})",
+                   entry.path) from e
+    if _kind(dtype) in "fc" and not lossless(host.dtype, dtype) and overflowed(host, out):
         raise fail(f"the saved {host.dtype} values overflow {dtype} (they would become inf or "
-                   "NaN, or saturate); ask for a wider dtype", entry.path)
+                   f"NaN, or saturate) or hold NaN or infinities {dtype} has no such value "
+                   "for; ask for a wider dtype", entry.path)
     return out
 
 
@@ -164,7 +170,7 @@ def _kind(dtype: np.dtype) -> str:
 def _unrepresentable(host: np.ndarray, dtype: np.dtype) -> str | None:
     """What in ``host`` a cast to ``dtype`` cannot keep (checked before the cast), or None."""
     source, target = _kind(host.dtype), _kind(dtype)
-    if host.size == 0 or np.can_cast(host.dtype, dtype, "safe"):
+    if host.size == 0 or lossless(host.dtype, dtype):
         return None
     if source == "c" and target != "c":
         if np.any(host.imag != 0):
@@ -178,7 +184,9 @@ def _unrepresentable(host: np.ndarray, dtype: np.dtype) -> str | None:
     if source == "f" and not np.all(np.isfinite(host)):
         return "NaN or infinity"
     low, high = host.min(), host.max()
-    if int(low) < info.min or int(high) > info.max:  # a float's int() truncates as astype
+    # truncated toward zero as astype does; through float: int() of a bfloat16 wraps
+    exact = int if source in "bi" else (lambda v: math.trunc(float(v)))
+    if exact(low) < info.min or exact(high) > info.max:
         return f"values in [{low}, {high}]"
     return None
 

@@ -354,3 +354,53 @@ def test_abstract_tree_of_a_big_endian_numpy_leaf_restores_it():
     restored = casstore.restore(store, 0, target=target)["be"]
     assert isinstance(restored, jax.Array)
     assert restored.tolist() == tree["be"].tolist()
+
+
+def ml(name: str) -> np.dtype:
+    return np.dtype(getattr(ml_dtypes, name, None) or name)
+
+
+@pytest.mark.parametrize(("saved", "values", "target"), [
+    ("float8_e4m3fn", [256.0, 448.0], "float8_e4m3fnuz"),  # ml_dtypes: a "safe" cast, to NaN
+    ("float8_e4m3fn", [256.0, 448.0], "float8_e3m4"),  # to inf
+    ("float8_e4m3fn", [-1.0, -2.5], "uint4"),
+    ("float8_e4m3fn", [1.0, float("nan")], "int4"),
+    ("uint8", [255], "float8_e4m3"),
+    ("int8", [100, -128], "float8_e3m4"),
+    ("int8", [-128], "float4_e2m1fn"),  # saturates at -6
+    ("bool", [False], "float8_e8m0fnu"),  # it has no zero: NaN
+    ("float32", [float("nan"), 1.0], "float4_e2m1fn"),  # it has no NaN: -0.0
+    ("float32", [float("inf"), -float("inf")], "float8_e4m3fn"),  # it has no inf: NaN
+    ("bfloat16", [1e30, 5.0], "int64"),  # int() of a bfloat16 wraps
+    ("int4", [1, -1], "int2"),  # a cast ml_dtypes does not make
+])
+def test_casts_between_ml_dtypes_types_are_checked_value_by_value(saved, values, target):
+    """ml_dtypes calls these casts "safe" (or has none): a restore into the target refuses
+    them (numpy and jax targets), and a save storing the leaf in that dtype commits nothing."""
+    data = np.array(values, np.float32).astype(ml(saved)) if saved != "bool" else np.array(
+        values)
+    store = MemoryStore()
+    casstore.save(store, 0, {"x": data})
+    for t in (np.zeros(data.shape, ml(target)), jax.ShapeDtypeStruct(data.shape, ml(target))):
+        with jax.enable_x64(True), pytest.raises(casstore.TargetMismatchError,
+                                                 match=rf"{target}.*key path 'x'"):
+            casstore.restore(store, 0, target={"x": t})
+    if saved != "int4":
+        with pytest.raises(casstore.UnsupportedLeafError, match=rf"as {target}.*'x'"):
+            casstore.save(store, 1, {"x": data}, dtypes={"x": ml(target)})
+        assert casstore.list_steps(store) == [0]
+
+
+def test_nan_and_infinities_keep_their_value_where_the_target_has_them():
+    store = MemoryStore()
+    saved = np.array([float("nan"), float("inf"), -float("inf"), 1.5], np.float32)
+    casstore.save(store, 0, {"x": saved, "f8": np.array([1.0, -2.0, float("nan")],
+                                                         ml_dtypes.float8_e4m3fn)})
+    got = casstore.restore(store, 0, target={"x": np.zeros(4, ml_dtypes.bfloat16)},
+                           partial=True)
+    assert got["x"].astype(np.float32).tobytes() == saved.tobytes()
+    with pytest.raises(casstore.TargetMismatchError, match=r"NaN or infinity.*'f8'"):
+        casstore.restore(store, 0, target={"f8": np.zeros(3, np.int8)}, partial=True)
+    got = casstore.restore(store, 0, target={"f8": np.zeros(3, np.float16)}, partial=True)
+    assert got["f8"].tolist()[:2] == [1.0, -2.0]
+    assert np.isnan(got["f8"][2])
