@@ -136,10 +136,14 @@ def lossless(source: Any, target: Any) -> bool:
     """True if every ``source`` value casts exactly to ``target``: numpy's ``can_cast(...,
     "safe")``, trusted for numpy's own dtypes only. ml_dtypes registers lossy casts as safe
     (float8 to another float8 or to int4, int8 to float8), so a cast from or to one of its
-    types (bfloat16, float8, int4, ...) is always checked value by value."""
+    types (bfloat16, float8, int4, ...) is checked value by value, except into float32 and
+    wider (complex too), which holds each of their values exactly."""
     source, target = np.dtype(source), np.dtype(target)
-    return (source.kind in "biufc" and target.kind in "biufc"
-            and np.can_cast(source, target, "safe"))
+    if source.kind in "biufc" and target.kind in "biufc":
+        return np.can_cast(source, target, "safe")
+    # ml_dtypes' types (at most 16 bits, 8 of exponent) all fit float32 exactly, NaN and inf too
+    return target.kind in "fc" and target.itemsize >= 4 and source.itemsize <= 2 and any(
+        jax.dtypes.issubdtype(source, kind) for kind in (np.floating, np.integer))
 
 
 def overflowed(block: Any, out: Any) -> bool:
