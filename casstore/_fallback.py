@@ -260,6 +260,7 @@ def reread_chunk(store: Store, key: str, ref: ChunkRef, out: np.ndarray | None
     damaged ones)."""
     if not isinstance(store, FallbackStore):
         return None
+    confirm_chunk(store, key, ref.base, ok=False)  # what the first read held failed its checks
     if ref.base is None:
         pairs = [(c, None) for c in store.copies(key, primary=False)]
     else:

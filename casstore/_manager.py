@@ -397,27 +397,28 @@ class CheckpointManager:
                 paths: list[str] | None = None, partial: bool = False, strict: bool = True,
                 sharding: str | None = None, transforms: dict[str, str | None] | None = None,
                 fill_missing: bool = False) -> Any:
-        """Restores ``step`` (None: the latest), after any save in flight; see
+        """Restores ``step`` (None: :meth:`latest_step`), after any save in flight; see
         :func:`casstore.restore` for ``target``, ``paths``, ``partial``, ``strict``,
         ``sharding``, ``transforms`` and ``fill_missing``. With a persistent tier,
-        ``last_restore_bytes`` then holds ``{url: stored bytes read}`` for each tier.
-        """
-        self.wait_until_finished()
+        ``last_restore_bytes`` then holds ``{url: stored bytes read}`` for each tier (a failed
+        persist's error is left to ``save()`` and :meth:`wait_until_finished`)."""
+        self._saver.wait_until_finished()
         reader = self._reader()
-        restored = restore(reader, step, run=self.run, target=target, paths=paths,
-                           partial=partial, strict=strict, sharding=sharding,
-                           transforms=transforms, fill_missing=fill_missing)
+        restored = restore(reader, self.latest_step() if step is None else step, run=self.run,
+                           target=target, paths=paths, partial=partial, strict=strict,
+                           sharding=sharding, transforms=transforms, fill_missing=fill_missing)
         self.last_restore_bytes = getattr(reader, "bytes_read", None)
         return restored
 
     def metadata(self, step: int | None = None) -> Any:
-        """The user metadata saved with ``step`` (None: the latest): by this manager's
+        """The user metadata saved with ``step`` (None: :meth:`latest_step`): by this manager's
         ``save(..., metadata=)``, or by ``casstore.save(..., metadata=)`` or ``import_orbax``.
 
         Raises:
           StepNotFoundError: no such step.
         """
-        self.wait_until_finished()
+        self._saver.wait_until_finished()  # as restore()
+        step = self.latest_step() if step is None else step
         return split_metadata(read_manifest(self._reader(), step, run=self.run).metadata)[1]
 
     def delete(self, step: int) -> None:

@@ -43,7 +43,9 @@ import jax
 from ._copy import CopyInfo, copy_selected, needed_objects
 from ._errors import (
     CasstoreError,
+    ManifestError,
     StepAlreadyExistsError,
+    StepNotFoundError,
     StoreTimeoutError,
 )
 from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, RetentionGc
@@ -56,6 +58,7 @@ from ._policies import (
     PreservationContext,
     PreservationPolicy,
     manifest_details,
+    utc_now,
 )
 from ._repository import deleted, ensure_config, list_steps, read_manifest
 from .store import Store, open_store
@@ -132,10 +135,8 @@ class Persister:
         self._local_saves = 0  # running on the local tier: persists yield to them
         # another process: the newest step it expects process 0 to persist, and the newest
         # round process 0 has ended (committed or failed)
-        self._expected: int | None = None
-        self._through: float = -1
-        self._closed = False
-        self._configured = False
+        self._expected, self._through = None, -1.0
+        self._closed = self._configured = False
         self._cond = threading.Condition()
         self.rounds = Rounds(run) if jax.process_count() > 1 else None
         follower = self.rounds is not None and not self.rounds.is_leader
@@ -323,7 +324,11 @@ class Persister:
         manifest = read_manifest(self.local, step, run=self.run)
         self._details[step] = manifest_details(manifest)
         known = {k: present[k] for k in needed_objects(manifest) if k in present}
-        self._retain()  # may drop this very step, and its objects with GC
+        try:
+            self._retain()  # may drop this very step, and its objects with GC
+        except Exception as e:
+            raise PersistError(f"step {step} is persisted; retention or GC there then failed: "
+                               f"{e!r}", step=step, url=self.persistent.url, run=self.run) from e
         self._known = (step, known) if step in self._remote_steps else (None, {})
 
     def _still_there(self) -> dict[str, int]:
@@ -379,10 +384,15 @@ class Persister:
 
     def _step_details(self, step: int) -> tuple:
         """(metrics, save time) of a persisted step: remembered from its persist, or read from
-        its manifest on the persistent tier once (a step an earlier manager persisted)."""
+        its manifest on the persistent tier once (a step an earlier manager persisted); one
+        damaged there, or deleted there by someone else (then forgotten), ranks as new."""
         if step not in self._details:
-            self._details[step] = manifest_details(read_manifest(self.persistent, step,
-                                                                 run=self.run))
+            try:
+                manifest = read_manifest(self.persistent, step, run=self.run)
+            except (StepNotFoundError, ManifestError) as e:
+                self._remote_steps -= {step} if isinstance(e, StepNotFoundError) else set()
+                return None, utc_now()
+            self._details[step] = manifest_details(manifest)
         return self._details[step]
 
 
@@ -403,7 +413,7 @@ def start_persister(local: Store, persistent, run: str, local_steps: list[int],
         that error surfaces on the next save; the tier is listed again before a persist).
     """
     persistent = open_store(persistent)
-    a, b = local.url.rstrip("/") + "/", persistent.url.rstrip("/") + "/"
+    a, b = local.location(), persistent.location()
     if a.startswith(b) or b.startswith(a):
         raise ValueError(f"the persistent tier {persistent.url!r} and the local tier "
                          f"{local.url!r} must be two repositories, neither inside the other")
@@ -426,6 +436,8 @@ def _located(e: BaseException, step: int | None, url: str, run: str) -> BaseExce
     """The error to surface for a failed persist of ``step``, naming the step and URL."""
     if isinstance(e, StoreTimeoutError):
         return e.at(run=run, step=step)
+    if isinstance(e, PersistError):
+        return e
     error = PersistError(f"persisting to the persistent tier failed: {type(e).__name__}: {e}",
                          step=step, url=url, run=run)
     error.__cause__ = e

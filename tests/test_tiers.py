@@ -397,6 +397,14 @@ def test_persistent_best_n_ranks_the_metrics_saved_with_each_step(tmp_path, remo
         mngr.wait_until_persisted()
     assert casstore.list_steps(remote) == [1, 5]
     assert_bit_exact(casstore.restore(remote, 5), 5)
+    # A step someone else deleted there is forgotten, not a failed persist of the next one.
+    with manager(tmp_path / "local3", remote, persistent_preservation_policy=best) as mngr:
+        casstore.delete(remote, 1)
+        for step, loss in ((6, 3.0), (7, 4.0)):
+            mngr.save(step, tree_for(step), metrics={"loss": loss})
+            assert mngr.wait_until_persisted()
+        assert sorted(mngr.persister.persisted) == [6, 7]
+    assert casstore.list_steps(remote) == [5, 6]
 
 
 def test_a_step_persistent_retention_drops_at_once_leaves_nothing_assumed_there(tmp_path,
@@ -432,11 +440,17 @@ def test_a_step_another_process_deleted_there_leaves_nothing_assumed_there(tmp_p
     assert_bit_exact(casstore.restore(remote, 1), 0)
 
 
-@pytest.mark.parametrize("persistent", ["local", "local/inner", "."])
+@pytest.mark.parametrize("persistent", ["local", "local/inner", ".", "local://local",
+                                        "file://local", "link", "link/inner"])
 def test_a_persistent_tier_that_is_or_holds_the_local_one_is_refused(tmp_path, persistent):
+    """However the same directory is spelled: a URL, or a symlink to it."""
+    (tmp_path / "local").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "local")
+    scheme, _, path = persistent.rpartition("://")
+    url = f"{scheme}://{tmp_path / path}" if scheme else tmp_path / path
     with pytest.raises(ValueError, match="must be two repositories"):
-        casstore.CheckpointManager(tmp_path / "local", persistent=tmp_path / persistent)
-    assert not (tmp_path / "local").exists() or not any((tmp_path / "local").iterdir())
+        casstore.CheckpointManager(tmp_path / "local", persistent=url)
+    assert not any((tmp_path / "local").iterdir())
 
 
 def test_delete_removes_a_step_from_both_tiers_and_a_persisted_only_one(tmp_path, remote):
@@ -562,6 +576,13 @@ def test_an_unreachable_persistent_tier_leaves_the_local_tier_working(tmp_path, 
     assert casstore.list_steps(tmp_path / "local")  # saves went on locally
     for step in casstore.list_steps(tmp_path / "local"):
         assert_bit_exact(casstore.restore(tmp_path / "local", step), step)
+    # the manager restores its latest step without asking the unreachable tier for it
+    mngr = manager(tmp_path / "local", remote, persist_interval_steps=1)
+    latest = mngr.latest_step()
+    assert_bit_exact(mngr.restore(), latest)
+    assert mngr.metadata() is None
+    with contextlib.suppress(casstore.PersistError, casstore.StoreTimeoutError):
+        mngr.close()
 
 
 def test_a_tier_unreachable_at_start_is_listed_before_the_next_persist(tmp_path,

@@ -223,6 +223,12 @@ class Store(abc.ABC):
         self._check_writable(key)
         self._put(check_key(key), data, exclusive=True)
 
+    def location(self) -> str:
+        """Where the objects are, spelled one way for comparing two stores (a local
+        directory's real path: symlinks, ``file://`` and ``local://`` resolved; else the URL),
+        ending in ``/``."""
+        return self.url.rstrip("/") + "/"
+
     def server_side_copy(self, src: Store, key: str, size: int | None = None) -> int | None:
         """Copies object ``key`` of ``src`` to the same key here without its bytes passing
         through this process, where both stores are on one service that copies objects

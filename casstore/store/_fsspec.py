@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import contextlib
+import os
 import posixpath
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -333,6 +334,12 @@ class FsspecStore(Store):
                 raise FileExistsError(f"{self.url}/{key} exists") from e
 
         self.policy.run(key, create)
+
+    def location(self) -> str:
+        protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else self.fs.protocol
+        if "file" in protocols:
+            return os.path.realpath(self.root).rstrip("/") + "/"
+        return super().location()
 
     def server_side_copy(self, src: Store, key: str, size: int | None = None) -> int | None:
         """:meth:`Store.server_side_copy` where ``src`` is on a filesystem of the same kind with

@@ -61,6 +61,9 @@ class LocalStore(Store):
         self.read_only = read_only
         self.fsync = fsync
 
+    def location(self) -> str:
+        return os.path.realpath(self.root).rstrip("/") + "/"
+
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"))
 
