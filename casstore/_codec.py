@@ -105,8 +105,7 @@ def _plane_compressor(level: int) -> zstandard.ZstdCompressor:
     exponent plane of floats (a few bits of entropy a byte) is full of short repeats that
     zstd's fast matcher takes as matches costing more than the literals they replace, while
     the Huffman literal coder is near the entropy. On the exponent plane of N(0, 0.02) float32
-    that keeps 0.34 of the plane at 490 MB/s, where level 1 keeps 0.37 at 180 MB/s.
-    """
+    that keeps 0.34 of the plane at 490 MB/s, where level 1 keeps 0.37 at 180 MB/s."""
     cache = _local.__dict__.setdefault("plane_compressors", {})
     if level not in cache:
         narrow = {"min_match": 7, "hash_log": 6} if level <= 1 else {}
@@ -336,6 +335,15 @@ def raw_object(raw: memoryview | bytes, pool: BufferPool | None = None) -> bytes
     return memoryview(buffer)
 
 
+def refuse_newer(version: int, codec: int, chunk_id: str) -> None:
+    """Raises UnsupportedFormatError for a chunk header (magic and non-zero version checked)
+    of another version or an unknown codec: a newer writer's, not damage (format.md §10)."""
+    if version != VERSION or codec not in KNOWN_CODECS:
+        what = f"chunk header version {version}" if version != VERSION else f"chunk codec {codec}"
+        raise UnsupportedFormatError(f"{what} (or a damaged chunk)", needs=None,
+                                     reader=READER_VERSION, chunk_id=chunk_id)
+
+
 def check_header(data: bytes | memoryview, expected_id: str, raw_length: int
                  ) -> tuple[int, int]:
     """Checks a chunk object's header (format.md §3.2) as :func:`decode_chunk` does; returns
@@ -346,10 +354,7 @@ def check_header(data: bytes | memoryview, expected_id: str, raw_length: int
     magic, version, codec, element_size, length = HEADER.unpack_from(data)
     if magic != MAGIC or version == 0:
         raise CorruptChunkError("bad chunk header", chunk_id=expected_id)
-    if version != VERSION or codec not in KNOWN_CODECS:  # format.md §10: a newer writer's
-        what = f"chunk header version {version}" if version != VERSION else f"chunk codec {codec}"
-        raise UnsupportedFormatError(what + " (or a damaged chunk)", needs=None,
-                                     reader=READER_VERSION, chunk_id=expected_id)
+    refuse_newer(version, codec, expected_id)
     if codec in (CODEC_SHUFFLE_ZSTD, *PLANE_CODECS):
         bad = not 2 <= element_size <= MAX_ELEMENT_SIZE or length % element_size
     else:
@@ -407,8 +412,7 @@ def decode_chunk(data: bytes | memoryview, expected_id: str, raw_length: int,
       CorruptChunkError: any check fails (the message says which; the caller adds step and
         key path).
       UnsupportedFormatError: the header has the magic but a version or codec number this
-        casstore does not know (a newer writer's chunk, or damage to those bytes).
-    """
+        casstore does not know (a newer writer's chunk, or damage to those bytes)."""
     codec, element_size = check_header(data, expected_id, raw_length)
     payload = memoryview(data)[HEADER.size:]
     if codec == CODEC_RAW:

@@ -149,7 +149,8 @@ def copy(src_url: Url, dst_url: Url, *, steps: list[int] | None = None,
       CorruptChunkError: a source object fails its checks or is missing (names run, step, key
         path and chunk id of the first, and the steps not copied); no manifest that needs it
         is written, and every other selected step is copied first.
-      ManifestError: a source manifest is invalid (nothing is written).
+      ManifestError: a source manifest is invalid (nothing is written); its subclass
+        UnsupportedFormatError: a source object is of a newer format than this casstore's.
       StepAlreadyExistsError: the destination has a selected step whose manifest is not the
         source's (another step of that number; nothing is written), or one was written there
         concurrently (the steps before it are copied).
@@ -202,8 +203,7 @@ def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
                   present: dict[str, int], *, max_workers: int | None = None,
                   verify: bool = False, probe: bool = False,
                   progress: Callable[[CopyProgress], None] | None = None,
-                  share: tuple[int, int] | None = None,
-                  gate: Callable[[], None] | None = None,
+                  share: tuple[int, int] | None = None, gate: Callable[[], None] | None = None,
                   manifests: list[tuple[bytes, Manifest]] | None = None) -> CopyInfo:
     """The engine of :func:`copy` (and of the manager's persist): copies ``selected`` steps
     from ``src`` to ``dst`` given ``present``, destination object keys and sizes known to be

@@ -44,6 +44,7 @@ from ._codec import (
     plane_buffer,
     planes_object,
     planes_of,
+    refuse_newer,
     shuffle,
 )
 from ._errors import CorruptChunkError
@@ -275,8 +276,11 @@ def decode_delta(data: bytes | memoryview, base: bytes | memoryview, expected_id
         raise CorruptChunkError(f"delta object of {len(data)} bytes is shorter than its header",
                                 chunk_id=expected_id)
     magic, version, codec, k, length = HEADER.unpack_from(data)
-    if magic != MAGIC or version != VERSION or codec != CODEC_DELTA:
-        raise CorruptChunkError(f"bad delta object header (codec {codec})", chunk_id=expected_id)
+    if magic != MAGIC or version == 0:
+        raise CorruptChunkError("bad delta object header", chunk_id=expected_id)
+    refuse_newer(version, codec, expected_id)
+    if codec != CODEC_DELTA:
+        raise CorruptChunkError(f"codec {codec} in a delta object", chunk_id=expected_id)
     if not 1 <= k <= MAX_ELEMENT_SIZE or length % k or length != raw_length:
         raise CorruptChunkError(f"delta header says element size {k} and {length} raw bytes, "
                                 f"manifest says {raw_length} raw bytes", chunk_id=expected_id)

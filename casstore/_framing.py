@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import zstandard
 
-from ._codec import HEADER, MAGIC, MAX_ELEMENT_SIZE, VERSION
+from ._codec import HEADER, MAGIC, MAX_ELEMENT_SIZE, refuse_newer
 from ._errors import CorruptChunkError
 
 _CODEC_RAW, _CODEC_ZSTD, _CODEC_SHUFFLE, _CODEC_DELTA = 0, 1, 2, 3
@@ -23,6 +23,7 @@ def check_framing(data: bytes | memoryview, cid: str, raw_length: int, *,
 
     Raises:
       CorruptChunkError: a check fails (names the chunk id).
+      UnsupportedFormatError: another header version or an unknown codec (a newer writer's).
     """
     def bad(why: str) -> CorruptChunkError:
         return CorruptChunkError(f"bad chunk object: {why}", chunk_id=cid)
@@ -30,8 +31,9 @@ def check_framing(data: bytes | memoryview, cid: str, raw_length: int, *,
     if len(data) < HEADER.size:
         raise bad(f"{len(data)} bytes, shorter than the header")
     magic, version, codec, k, length = HEADER.unpack_from(data)
-    if magic != MAGIC or version != VERSION:
+    if magic != MAGIC or version == 0:
         raise bad("wrong magic or version")
+    refuse_newer(version, codec, cid)
     if length != raw_length:
         raise bad(f"header says {length} raw bytes, manifest says {raw_length}")
     if delta != (codec == _CODEC_DELTA):

@@ -82,10 +82,19 @@ def ensure_config(store: Store) -> None:
 
 
 def check_config(store: Store) -> bool:
-    """Validates the config object if present; returns whether the repository exists."""
+    """Validates the config object if present; returns whether the repository exists.
+
+    Raises:
+      ManifestError: the config object is damaged or of an unknown version
+        (:func:`parse_config`), or missing while a manifest exists (every reader refuses such
+        a repository until its config object is put back: ``repair``).
+    """
     try:
         parse_config(store.get(CONFIG_KEY), store.url)
     except FileNotFoundError:
+        if any(parse_manifest_key(info.key) for info in store.list(RUNS_PREFIX)):
+            raise ManifestError(f"config object missing, but steps exist{_REPAIR_HINT}",
+                                url=store.url) from None
         return False
     return True
 

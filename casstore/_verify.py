@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from ._delta import DeltaBases
 from ._errors import CasstoreError, ManifestError, UnsupportedFormatError
-from ._layout import CONFIG_KEY, RUNS_PREFIX, chunk_key, manifest_key, parse_manifest_key
+from ._layout import CONFIG_KEY, chunk_key, manifest_key
 from ._manifest import ChunkRef, Manifest
 from ._pool import bounded_map
 from ._repository import Url, check_config, list_chunk_objects
@@ -167,13 +167,9 @@ def _config_problem(store: Store, run: str | None = None, step: int | None = Non
             return None
     except UnsupportedFormatError as e:  # a newer repository: upgrade, nothing is damaged
         return Problem(run, step, None, None, f"needs a newer casstore: {e}", UNSUPPORTED)
-    except ManifestError as e:
-        return Problem(None, None, None, None, f"config object damaged: {e}", CONFIG,
-                       key=CONFIG_KEY)
-    if not any(parse_manifest_key(info.key) for info in store.list(RUNS_PREFIX)):
-        return Problem(run, step, None, None, "no casstore repository here", NOT_FOUND)
-    return Problem(None, None, None, None, "config object missing, but steps exist (every "
-                   "reader refuses the repository)", CONFIG, key=CONFIG_KEY)
+    except ManifestError as e:  # damaged, or missing while steps exist
+        return Problem(None, None, None, None, f"config object: {e}", CONFIG, key=CONFIG_KEY)
+    return Problem(run, step, None, None, "no casstore repository here", NOT_FOUND)
 
 
 @dataclasses.dataclass(slots=True)

@@ -538,6 +538,12 @@ def test_a_damaged_or_missing_config_object_is_reported_and_repaired(delta_repo,
     config.unlink()  # missing where steps exist: the same problem
     missing = casstore.verify(delta_repo)
     assert [(p.kind, "missing" in p.message) for p in missing.problems] == [("config", True)]
+    for reader in (lambda: casstore.restore(delta_repo, 2), lambda: casstore.list_steps(
+            delta_repo), lambda: casstore.copy(delta_repo, str(tmp_path / "elsewhere")),
+                   lambda: casstore.gc(delta_repo)):  # not taken for an empty repository
+        with pytest.raises(casstore.ManifestError, match=r"missing, but steps exist.*repair"):
+            reader()
+    assert not (tmp_path / "elsewhere").exists()
     one_run = run_json("verify", delta_repo, "--run", "default", "--no-read-data", code=1)
     assert [p["kind"] for p in one_run["problems"]] == ["config"]
     assert casstore.repair(str(good), delta_repo).ok

@@ -117,6 +117,30 @@ def test_a_chunk_of_an_unknown_codec_is_unsupported_not_corrupt(store):
     report = casstore.verify(store)
     assert [(p.kind, p.key_path, p.chunk_id) for p in report.problems] == [
         ("unsupported", "w", ref.id)]
+    dst = MemoryStore()  # a copy's framing check says the same, and commits nothing
+    with pytest.raises(casstore.UnsupportedFormatError, match="chunk codec 9"):
+        casstore.copy(store, dst)
+    assert casstore.list_steps(dst) == []
+
+
+def test_a_delta_object_of_a_newer_header_version_is_unsupported_not_corrupt():
+    store = MemoryStore()
+    w = np.arange(64 * 1024, dtype=np.float32) / 3
+    casstore.save(store, 0, {"w": w}, chunk_size_bytes=64 * 1024)
+    w[::1000] += 1
+    casstore.save(store, 1, {"w": w}, chunk_size_bytes=64 * 1024)
+    ref = casstore.read_manifest(store, 1).leaves[0].chunks[0]
+    assert ref.base is not None
+    data = bytearray(store.get(ref.key))
+    magic, _, codec, k, length = HEADER.unpack_from(data)
+    HEADER.pack_into(data, 0, magic, 2, codec, k, length)
+    store.delete(ref.key)
+    store.put(ref.key, bytes(data))
+    with pytest.raises(casstore.UnsupportedFormatError, match="chunk header version 2"):
+        casstore.restore(store, 1)
+    assert [p.kind for p in casstore.verify(store).problems] == ["unsupported"]
+    with pytest.raises(casstore.UnsupportedFormatError, match="chunk header version 2"):
+        casstore.copy(store, MemoryStore())
 
 
 @pytest.mark.parametrize(("fields", "message"), [

@@ -89,7 +89,8 @@ def describe(e: BaseException) -> str:
         message = f"{type(e).__name__}: {message}"
     if _where["at"] and getattr(e, "url", None) is None:  # casstore errors name their place
         message += f" ({_where['at']})"
-    fix = _FIXES.get(exit_code_of(e))
+    fix = None if isinstance(e, casstore.UnsupportedFormatError) else _FIXES.get(
+        exit_code_of(e))  # that one says to upgrade
     return f"{message}; {fix}" if fix else message
 
 
