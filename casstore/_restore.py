@@ -46,7 +46,8 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
         ``jax.ShapeDtypeStruct`` (a jax.Array of that dtype, placed with its ``sharding`` or on
         the default device), a jax.Array (same, with its sharding), a numpy array (numpy, of its
         dtype), the class ``np.ndarray`` (numpy of the saved shape and dtype: orbax's
-        ``restore_type=np.ndarray``), a Python scalar, or :data:`casstore.PLACEHOLDER` (``...``:
+        ``restore_type=np.ndarray``; typed PRNG keys, which numpy cannot hold, come back as
+        jax keys), a Python scalar, or :data:`casstore.PLACEHOLDER` (``...``:
         returned as ``...``, the leaf, or every saved leaf under its key path, not read).
         Get one without allocating memory with :func:`casstore.abstract_tree` (keeps each
         array's sharding), ``jax.eval_shape``, ``nnx.eval_shape`` or ``eqx.filter_eval_shape``.

@@ -190,6 +190,10 @@ def test_typed_prng_keys_restore_as_typed_keys(repo_store):
     typed = casstore.restore(repo_store, 0, target=jax.eval_shape(lambda: tree))
     assert_trees_equal(tree, typed)
     assert jax.random.uniform(typed["key"]) == jax.random.uniform(tree["key"])
+    rbg = jax.ShapeDtypeStruct((4,), jax.random.key(0, impl="rbg").dtype)  # same key shape
+    with pytest.raises(casstore.TargetMismatchError,
+                       match=r"'keys': target asks for PRNG keys of 'rbg', saved 'threefry2x32'"):
+        casstore.restore(repo_store, 0, target={**typed, "keys": rbg})
 
 
 class Point(NamedTuple):
