@@ -31,10 +31,15 @@ log = logging.getLogger("casstore")
 HELD_BYTES = 512 << 20
 
 
-def _damaged_config(data: bytes, url: str) -> bool:
-    """True if ``data`` is no valid config object (one of a newer format is not damaged)."""
+def _damaged(key: str, data: bytes, url: str) -> bool:
+    """True if ``data`` is the config object or a manifest and not a valid one (one of a newer
+    format is not damaged); False for any other object (a chunk is checked by its reader)."""
+    step = parse_manifest_key(key)
     try:
-        parse_config(data, url)
+        if key == CONFIG_KEY:
+            parse_config(data, url)
+        elif step is not None:
+            decode_manifest(data, run=step[0], step=step[1], url=url)
     except UnsupportedFormatError:
         return False
     except ManifestError:
@@ -46,14 +51,17 @@ class FallbackStore(Store):
     """A read view of ``primary`` that reads what ``primary`` lacks from ``fallbacks``.
 
     ``get`` and ``get_into`` try the primary, then each fallback in order, for a missing
-    object, and ``get`` for a config object that is damaged in the primary (one that fails
-    validation: not one of a newer format); :func:`reread_chunk` (which a restore calls for a
-    chunk that fails its checks) reads the chunk from the fallbacks only. ``list`` yields the
-    union of every tier's keys (the primary's entry where several have one), so the latest
-    step is the latest of all tiers. Writes and deletes go to the primary.
+    object, and ``get`` for a config object or a manifest that is damaged in the primary (one
+    that fails validation: not one of a newer format) where a fallback's is not;
+    :func:`reread_chunk` (which a restore calls for a chunk that fails its checks) reads the
+    chunk from the other copies. ``list`` yields the union of every tier's keys (the
+    primary's entry where several have one), so the latest step is the latest of all tiers.
+    It is read-only (:class:`~casstore.ReadOnlyStoreError`): ``exists`` answers for every
+    tier, so a save through it would skip the chunks only a fallback holds; save to the
+    primary itself.
 
     Args:
-      primary: a path, URL or Store: read first, and written to.
+      primary: a path, URL or Store: read first (and written to by ``write_back``).
       fallbacks: URLs or Stores, tried in order.
       write_back: put what a restore read from a fallback into the primary too, once it is
         checked (best effort: a failed write is logged and the read still succeeds), so the
@@ -74,7 +82,7 @@ class FallbackStore(Store):
         self.fallbacks = [open_store(f) for f in fallbacks]
         self.write_back = write_back
         self.url = self.primary.url
-        self.read_only = self.primary.read_only
+        self.read_only = True  # a view: see the class docstring
         self.max_workers = self.primary.max_workers
         self.shuffle = self.primary.shuffle
         self.bytes_read = {t.url: 0 for t in [self.primary, *self.fallbacks]}
@@ -98,12 +106,14 @@ class FallbackStore(Store):
         except FileNotFoundError:
             return self.from_fallbacks(key)
         self._count(self.primary, len(data))
-        if key == CONFIG_KEY and _damaged_config(data, self.primary.url):
+        if _damaged(key, data, self.primary.url):
             with contextlib.suppress(FileNotFoundError):
                 good = self.from_fallbacks(key)
-                log.warning("casstore: the config object of %s is damaged; read another tier's",
-                            self.primary.url)
-                return good
+                if not _damaged(key, good, self.primary.url):
+                    log.warning("casstore: %s of %s is damaged; read another tier's",
+                                "the config object" if key == CONFIG_KEY else f"manifest {key}",
+                                self.primary.url)
+                    return good
         return data
 
     def from_fallbacks(self, key: str, skip: int = 0) -> bytes:
@@ -114,7 +124,7 @@ class FallbackStore(Store):
           ObjectNotFoundError: no fallback has it (the primary's error, naming its URL).
         """
         data = self._from_fallback(key, skip)[0]
-        if key == CONFIG_KEY and not _damaged_config(data, self.primary.url):
+        if key == CONFIG_KEY and not _damaged(key, data, self.primary.url):
             self.confirm(key)
         return data
 
@@ -230,10 +240,10 @@ class FallbackStore(Store):
                     yield info
 
     def _put(self, key: str, data: bytes | memoryview, *, exclusive: bool) -> None:
-        (self.primary.put_if_absent if exclusive else self.primary.put)(key, data)
+        raise NotImplementedError  # read-only: Store.put refuses first
 
     def _delete(self, key: str) -> None:
-        self.primary.delete(key)
+        raise NotImplementedError
 
     def summary(self) -> str:
         """One line: the bytes read from each tier, e.g. for a log."""

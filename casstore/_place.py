@@ -138,7 +138,11 @@ def cast(host: np.ndarray, entry: LeafEntry, dtype: Any, fail: Fail) -> Any:
       the error ``fail`` makes (a TargetMismatchError naming the key path and both dtypes).
     """
     if entry.key_impl:
-        return keys(host, entry)
+        out = keys(host, entry)  # an implementation jax does not know: ManifestError
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and out.dtype != dtype:
+            raise fail(f"the target asks for PRNG keys {dtype}, saved {out.dtype} keys "
+                       f"({entry.key_impl!r})", entry.path)
+        return out
     dtype = np.dtype(dtype)
     if host.dtype == dtype:
         return host

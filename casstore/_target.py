@@ -210,9 +210,6 @@ def _compatibility_problem(entry: LeafEntry, t: Any, strict: bool) -> str | None
         return f"target has shape {shape}, saved shape is {saved}"
     if jax.dtypes.issubdtype(t.dtype, jax.dtypes.prng_key) != bool(entry.key_impl):
         return "target and checkpoint disagree on whether this is a PRNG key array"
-    if entry.key_impl and (impl := getattr(getattr(t.dtype, "_impl", None), "name",
-                                           entry.key_impl)) != entry.key_impl:
-        return f"target asks for PRNG keys of {impl!r}, saved {entry.key_impl!r} keys"
     if (isinstance(t, jax.ShapeDtypeStruct | jax.Array) and not returns_numpy(entry, t)
             and (held := _narrowed(entry, t.dtype)) is not None):
         return (f"saved {_saved_dtype(entry)}, the target asks for a jax array of "

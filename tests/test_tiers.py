@@ -23,7 +23,7 @@ from faultproxy import fault_proxy
 
 import casstore
 from casstore._copy import needed_objects, share_of
-from casstore._layout import chunk_key, is_object_key
+from casstore._layout import chunk_key, is_object_key, manifest_key
 from casstore._repository import list_chunk_objects
 from casstore.store import CountingStore, FsspecStore, LocalStore, MemoryStore
 
@@ -846,3 +846,18 @@ def test_a_damaged_local_base_of_a_delta_is_taken_from_the_persistent_tier(tmp_p
     tiers = casstore.FallbackStore(local, [remote], write_back=True)
     assert casstore.restore(tiers, 1)["w"].tobytes() == trees[1]["w"].tobytes()
     assert casstore.verify(local).ok  # the base written back, the local delta kept
+
+
+def test_a_damaged_local_manifest_of_a_persisted_step_is_read_from_the_persistent_tier(
+        tmp_path, remote):
+    local = LocalStore(tmp_path / "local")
+    with manager(local, remote) as mngr:
+        mngr.save(0, tree_for(0))
+        assert mngr.wait_until_persisted()
+    path = pathlib.Path(local.root) / manifest_key("default", 0)
+    path.write_bytes(path.read_bytes()[:50])
+    with pytest.raises(casstore.ManifestError):
+        casstore.restore(local, 0)
+    assert_bit_exact(casstore.restore(local, 0, fallback=remote), 0)
+    with manager(local, remote) as mngr:
+        assert_bit_exact(mngr.restore(0), 0)
