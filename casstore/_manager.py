@@ -21,7 +21,7 @@ from ._chunking import DEFAULT_CHUNK_SIZE_BYTES
 from ._codec import DEFAULT_ZSTD_LEVEL
 from ._errors import StepNotFoundError
 from ._fallback import FallbackStore
-from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, RetentionGc
+from ._gc import DEFAULT_GRACE_PERIOD_S, RetentionGc
 from ._layout import check_step
 from ._multihost import SaveAgreement
 from ._policies import (
@@ -43,6 +43,7 @@ from ._preemption import PreemptionNotice
 from ._repository import Url, deleted, list_steps, read_manifest
 from ._restore import restore
 from ._save import SaveInfo
+from ._save_leaves import snapshot
 from ._tiers import PersistPolicy, start_persister
 from .store import Store, open_store, split_options
 
@@ -162,9 +163,7 @@ class CheckpointManager:
         self._preemption_saved = False
         self._details: dict[int, tuple[Any, datetime.datetime]] = {}
         self._saving: int | None = None  # the step of the save in flight
-        self.last_save_blocking_s: float | None = None
-        self.last_gc_info: GcInfo | None = None
-        self.last_restore_bytes: dict[str, int] | None = None
+        self.last_save_blocking_s = self.last_gc_info = self.last_restore_bytes = None
         self._steps: list[int] = list_steps(self.store, run=self.run)
         # tiers (_tiers.py): the persister, which resumes what a killed manager left
         self.persister = None if persistent is None else start_persister(
@@ -255,16 +254,17 @@ class CheckpointManager:
         with agreement.early():
             if self.persister is not None:  # a failed persist's error (maybe process 0 only)
                 self.persister.raise_error()
-            self._preemption_saved |= self.reached_preemption(step)
+            preempted = self.reached_preemption(step)  # noted once the save is under way
             done = self.persister.local_save(step) if self.persister is not None else None
         try:  # persists yield to this save until its commit (_tiers)
             self._saver.wait_until_finished()
-            self._saving = step
+            self._saving, metrics = step, snapshot(metrics, "metrics")  # the caller may change it
             agreement.propose(metrics, utc_now())  # every process ranks by process 0's
             self._saver._start(step, tree, {"metrics": metrics, "user": metadata},
                               previous_step=self._steps[-1] if self._steps else None,
                               then=lambda _: self._committed(step, *agreement.agreed()),
                               agreement=agreement)
+            self._preemption_saved |= preempted
         finally:
             if done is not None:  # the background write's future, None if not started
                 done(self._saver._pending)

@@ -77,7 +77,7 @@ def prepare(tree: Any, metadata: Any = None) -> tuple[Prepared, dict[int, Any]]:
       ValueError: ``metadata`` that msgpack cannot encode, or over 1 MiB encoded.
     """
     node, leaves = flatten(tree)
-    _check_metadata(metadata)
+    metadata = snapshot(metadata)
     scalars: dict[int, LeafEntry] = {}
     values: dict[int, Any] = {}
     infos: dict[int, ArrayInfo] = {}
@@ -134,11 +134,25 @@ def _as_array(path: str, value: Any) -> tuple[Any, ArrayInfo]:
 
 
 
-def _check_metadata(metadata: Any) -> None:
-    """Raises ValueError if ``metadata`` is not msgpack-serializable or over 1 MiB encoded."""
+def snapshot(value: Any, what: str = "metadata") -> Any:
+    """``value`` as the manifest stores it (msgpack: tuples become lists; numpy and jax
+    scalars, such as a loss, Python numbers): a copy, so a caller's later change to its
+    object does not reach a save in flight.
+
+    Raises:
+      ValueError: ``value`` is not msgpack-serializable or over 1 MiB encoded (names ``what``).
+    """
     try:
-        size = len(msgpack.packb(metadata, use_bin_type=True))
+        data = msgpack.packb(value, use_bin_type=True, default=_python_scalar)
     except (TypeError, ValueError, OverflowError) as e:
-        raise ValueError(f"metadata is not msgpack-serializable: {e}") from e
-    if size > MAX_METADATA_BYTES:
-        raise ValueError(f"metadata is {size} bytes encoded; the limit is 1 MiB")
+        raise ValueError(f"{what} is not msgpack-serializable: {e}") from e
+    if len(data) > MAX_METADATA_BYTES:
+        raise ValueError(f"{what} is {len(data)} bytes encoded; the limit is 1 MiB")
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def _python_scalar(value: Any) -> Any:
+    """msgpack's hook for what it cannot encode: a numpy or jax scalar (0-d) as a Python one."""
+    if isinstance(value, np.generic | np.ndarray | jax.Array) and np.ndim(value) == 0:
+        return value.item()
+    raise TypeError(f"cannot serialize {type(value).__name__!r} object")

@@ -4,7 +4,9 @@ import datetime
 import os
 import signal
 import threading
+import time
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -294,3 +296,40 @@ def test_a_signal_policy_needs_the_main_thread():
     thread.join()
     assert len(errors) == 1
     assert "main thread" in str(errors[0])
+
+
+def test_a_preemption_save_that_raises_leaves_the_next_step_to_save():
+    """A leaf the save refuses at the step after the notice: that call raises and saves
+    nothing, and the next step is still saved (once)."""
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        policy = FixedIntervalPolicy(100) | PreemptionCheckpointingPolicy()
+        with casstore.CheckpointManager(MemoryStore(), save_decision_policy=policy) as mngr:
+            os.kill(os.getpid(), signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while not mngr.reached_preemption(1) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            with pytest.raises(casstore.UnsupportedLeafError, match="'bad'"):
+                mngr.save(1, {**state(1), "bad": object()})
+            assert mngr.save(2, state(2))
+            assert not mngr.save(3, state(3))
+            mngr.wait_until_finished()
+            assert mngr.all_steps() == [2]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_metrics_and_metadata_are_taken_as_they_are_at_save():
+    """A dict the loop updates in place each step, and numpy and jax scalar losses: each step
+    is ranked and stored with its own values."""
+    with casstore.CheckpointManager(MemoryStore(), max_to_keep=2, best_fn=lambda m: m["loss"],
+                                    best_mode="min") as mngr:
+        metrics, meta = {}, {"lr": 0.1}
+        for step, loss in enumerate([np.float32(1.0), jnp.float32(5.0), 6.0, 7.0]):
+            metrics["loss"] = loss
+            mngr.save(step, state(step), metrics=metrics, metadata=meta)
+            meta["lr"] = -1.0  # while the save may still be running
+        mngr.wait_until_finished()
+        assert (mngr.all_steps(), mngr.best_step()) == ([0, 1], 0)
+        assert casstore.read_manifest(mngr.store, 0).metadata == {
+            "metrics": {"loss": 1.0}, "user": {"lr": 0.1}}

@@ -172,6 +172,10 @@ OUT_OF_RANGE = [  # (values, stored dtype, message): a cast that would lose more
     (np.array([1.0, 70000.0], np.float32), np.float16, "beyond its range"),
     (np.array([1.0, 1e30], np.float32), "float8_e4m3fn", "beyond its range"),
     (np.array([1.0, 100.0], np.float32), "float4_e2m1fn", "beyond its range"),  # saturates
+    (np.array([1, -1], np.int32), np.uint32, r"values in \[-1, 1\]"),  # the same width
+    (np.array([1, 4_000_000_000], np.uint32), np.int32, r"\[1, 4000000000\]"),
+    (np.array([1, 8], np.int8), "int4", r"values in \[1, 8\]"),
+    (np.array([1.0, np.nan], np.float32), "float4_e2m1fn", "NaN or infinities"),
 ]
 
 
@@ -194,12 +198,13 @@ def test_values_the_stored_dtype_cannot_hold_are_refused_not_wrapped(
 
 def test_values_the_stored_dtype_holds_are_rounded_as_numpy_casts_them():
     tree = {"f": np.array([1.0, 65504.0, 1e-9, 0.1, np.nan, -np.inf], np.float32),
-            "i": np.array([-2**31, 2**31 - 1], np.int64)}
+            "i": np.array([-2**31, 2**31 - 1], np.int64), "n": np.array([-8, 7, 0], np.int8)}
     store = MemoryStore()
-    casstore.save(store, 0, tree, dtypes={"f": np.float16, "i": np.int32})
+    casstore.save(store, 0, tree, dtypes={"f": np.float16, "i": np.int32, "n": "int4"})
     got = casstore.restore(store, 0)
     assert got["f"].tobytes() == tree["f"].astype(np.float16).tobytes()  # 1e-9 rounds to 0
     assert got["i"].tolist() == tree["i"].tolist()
+    assert (str(got["n"].dtype), got["n"].astype(np.int8).tolist()) == ("int4", [-8, 7, 0])
 
 
 def test_a_prefix_matching_no_array_leaf_is_an_error():
