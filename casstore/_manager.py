@@ -226,8 +226,8 @@ class CheckpointManager:
         Args:
           step: the step number (an int, or an integer numpy or jax scalar).
           tree: the pytree (see :func:`casstore.save`).
-          metrics: msgpack-able metrics for the preservation policy, stored in the manifest.
-          metadata: user metadata, stored in the manifest.
+          metrics, metadata: for the preservation policy, and the user's: stored in the manifest
+            as they are at this call (msgpack; numpy and jax scalars become Python numbers).
           force: save even if ``should_save(step)`` is false.
 
         Returns:
