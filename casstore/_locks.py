@@ -4,11 +4,12 @@ A save puts a ``locks/save-*`` object, then looks for ``locks/gc-*``; GC puts ``
 then looks for ``locks/save-*``. On a store with read-after-write listings (local disk, S3,
 GCS), at least one of two racing parties sees the other. GC that sees a save withdraws its lock
 and retries later; a save that sees GC keeps its lock and waits for GC to finish its sweep.
-Save locks older than ``STALE_LOCK_S`` belong to dead processes and are ignored (restic's
-stale-lock rule). The GC lock is a lease, as restic refreshes its locks: GC re-puts it every
-``GC_LOCK_REFRESH_S``, saves ignore a GC lock not refreshed for ``GC_LOCK_STALE_S`` (so a
-killed GC holds saves up for minutes, not hours), and GC deletes only while every refresh came
-within half that time, so its lock never looked stale while it swept.
+Save locks not re-put for ``STALE_LOCK_S`` belong to dead processes and are ignored (restic's
+stale-lock rule; a long save or copy re-puts its lock). The GC lock is a lease, as restic
+refreshes its locks: GC re-puts it every ``GC_LOCK_REFRESH_S``, saves ignore a GC lock not
+refreshed for ``GC_LOCK_STALE_S`` (so a killed GC holds saves up for minutes, not hours), and
+GC deletes only while every refresh came within half that time, so its lock never looked
+stale while it swept.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ._layout import LOCKS_PREFIX, lock_key, lock_kind
 from .store import Store
 
 STALE_LOCK_S = 6 * 3600.0
+SAVE_LOCK_REFRESH_S = STALE_LOCK_S / 4
 GC_LOCK_REFRESH_S = 60.0
 GC_LOCK_STALE_S = 600.0  # seconds; leaves room for clock skew between hosts and the store
 POLL_S = 0.1
@@ -126,15 +128,29 @@ def _held_by(store: Store, keys: list[str]) -> str:
 
 @contextlib.contextmanager
 def save_lock(store: Store) -> Iterator[None]:
-    """Holds a save lock for the body, after any GC that holds its lock has finished."""
-    key = lock_key("save", uuid.uuid4().hex)
+    """Holds a save lock for the body, after any GC that holds its lock has finished; a body
+    that runs for hours (a copy of terabytes) has it re-put every ``SAVE_LOCK_REFRESH_S``, so
+    GC never takes it for a dead process's."""
+    key, stop = lock_key("save", uuid.uuid4().hex), threading.Event()
+    refresher = threading.Thread(target=_keep_fresh, args=(store, key, stop), daemon=True,
+                                 name="casstore-save-lock")
     try:
         _put_lock(store, "save", key)  # its answer lost, the lock may be stored all the same
         while _live(store, "gc"):
             time.sleep(POLL_S)
+        refresher.start()
         yield
     finally:
+        stop.set()
+        if refresher.is_alive():
+            refresher.join()  # a put in flight must not bring the lock back after its release
         _release(store, key)
+
+
+def _keep_fresh(store: Store, key: str, stop: threading.Event) -> None:
+    while not stop.wait(SAVE_LOCK_REFRESH_S):
+        with contextlib.suppress(Exception):  # the next refresh may land; it is hours away
+            _put_lock(store, "save", key)
 
 
 def _release(store: Store, key: str) -> None:

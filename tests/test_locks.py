@@ -30,6 +30,21 @@ def test_a_live_gc_lock_holds_a_save_and_a_stale_one_does_not(tmp_path):
     assert casstore.list_steps(store) == [0, 1]
 
 
+def test_a_save_lock_held_for_longer_than_the_stale_age_stays_live(tmp_path, monkeypatch):
+    """A copy of terabytes holds its save lock for hours: it is re-put, so GC never takes it
+    for a dead process's and sweeps chunks the copy counted on; none is left after it."""
+    monkeypatch.setattr(_locks, "SAVE_LOCK_REFRESH_S", 0.1)
+    monkeypatch.setattr(_locks, "STALE_LOCK_S", 3.0)
+    store = LocalStore(tmp_path / "repo")
+    with _locks.save_lock(store):
+        (key,) = [info.key for info in store.list("locks/")]
+        first = store.stat(key).mtime
+        time.sleep(3.5)  # past the stale age: re-put meanwhile
+        assert store.stat(key).mtime > first
+        assert _locks._live(store, "save") == [key]
+    assert not list(store.list("locks/"))
+
+
 def test_gc_refreshes_its_lock_while_it_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(_locks, "GC_LOCK_REFRESH_S", 0.05)
     store = LocalStore(tmp_path / "repo")
