@@ -121,6 +121,9 @@ def _as_array(path: str, value: Any) -> tuple[Any, ArrayInfo]:
         value = jax.random.key_data(value)
     elif isinstance(value, np.generic):
         value = np.asarray(value)
+    elif isinstance(value, np.ma.MaskedArray):  # its data alone would come back, unmasked
+        raise UnsupportedLeafError("a masked array's mask cannot be stored; save its .data "
+                                   "and np.ma.getmaskarray(...) as two leaves", key_path=path)
     if dtype_name(value.dtype) is None:
         raise UnsupportedLeafError(f"arrays of dtype {value.dtype} cannot be stored",
                                    key_path=path)

@@ -269,7 +269,8 @@ class Opaque:
 
 
 @pytest.mark.parametrize("bad", [Opaque(1), np.array(["a", "b"]), np.array([object()]),
-                                 lambda x: x, np.arange(3).astype("datetime64[s]")])
+                                 lambda x: x, np.arange(3).astype("datetime64[s]"),
+                                 np.ma.masked_array([1.0, 2.0], mask=[False, True])])
 def test_unsupported_leaves_name_their_key_path(repo_store, bad):
     with pytest.raises(casstore.UnsupportedLeafError, match="params/bad") as info:
         casstore.save(repo_store, 0, {"params": {"ok": np.ones(2), "bad": bad}})
