@@ -2,11 +2,10 @@
 
 Follows the commit rule of format.md §7 at the destination: a step's chunk objects are all
 stored before its manifest is written create-only, so an interrupted copy leaves no partial
-step, and running it again sends only what is missing. The copy is planned first (the
-selected manifests read concurrently and validated, every object the destination lacks
-assigned to the first step that needs it), then the objects of all steps go through one
-bounded pool, and each step's manifest is written, in step order, as soon as the objects it
-needs are in.
+step, and running it again sends only what is missing. The copy is planned first (manifests
+read concurrently and validated, every object the destination lacks assigned to the first
+step that needs it), then the objects of all steps go through one bounded pool, and each
+step's manifest is written, in step order, once its objects are in.
 
 Integrity of each object as it passes (``verify``):
 
@@ -20,8 +19,7 @@ Integrity of each object as it passes (``verify``):
   download against the checksum the store keeps; the object is sent or fetched again, then
   the copy fails (:mod:`casstore.store._retry`). gcsfs checks neither way (GCS is reached
   over HTTPS, whose TLS refuses a changed byte). Damage at the source is seen by every
-  restore and ``verify`` of the destination (the chunk id is checked on every read), and a
-  tiered restore then takes the chunk from the other tier (``docs/tiers.md``).
+  restore and ``verify`` of the destination (the chunk id is checked on every read).
 - ``verify=True`` decodes every object (a delta on its base) and checks it against its chunk
   id before it is sent: nothing damaged at the source reaches the destination.
 
@@ -50,7 +48,7 @@ from ._errors import (
 )
 from ._framing import check_framing
 from ._layout import chunk_key, manifest_key
-from ._locks import save_lock
+from ._locks import SaveLease, save_lock
 from ._manifest import Manifest, decode_manifest
 from ._pool import bounded_map
 from ._repository import (
@@ -163,11 +161,12 @@ def copy(src_url: Url, dst_url: Url, *, steps: list[int] | None = None,
         if not check_config(dst):
             source.result()  # a run or step not in the source: nothing written, not a config
             ensure_config(dst)
-        with save_lock(dst):
+        with save_lock(dst) as lease:
             present = {info.key: info.size for info in list_chunk_objects(dst)}
             selected, manifests = source.result()
             return copy_selected(src, dst, selected, present, max_workers=max_workers,
-                                 verify=verify, progress=progress, manifests=manifests)
+                                 verify=verify, progress=progress, manifests=manifests,
+                                 lease=lease)
 
 
 def _read_source(src: Store, steps: list[int] | None, runs: list[str] | None) -> tuple:
@@ -204,7 +203,8 @@ def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
                   verify: bool = False, probe: bool = False,
                   progress: Callable[[CopyProgress], None] | None = None,
                   share: tuple[int, int] | None = None, gate: Callable[[], None] | None = None,
-                  manifests: list[tuple[bytes, Manifest]] | None = None) -> CopyInfo:
+                  manifests: list[tuple[bytes, Manifest]] | None = None,
+                  lease: SaveLease | None = None) -> CopyInfo:
     """The engine of :func:`copy` (and of the manager's persist): copies ``selected`` steps
     from ``src`` to ``dst`` given ``present``, destination object keys and sizes known to be
     there, which it updates with what it sends or finds. With ``probe``, an object not in
@@ -214,7 +214,7 @@ def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
     theirs, then one copies with every object in ``present``, writing the manifests. ``gate``
     runs before each object's transfer (a persist waiting for local saves). ``manifests``: the
     selected steps' (:func:`read_manifests`), if read already. The caller holds the
-    destination's save lock."""
+    destination's save lock (``lease``: checked before each manifest is written)."""
     t0 = time.perf_counter()
     plan, skipped_steps, kept = _plan(src, dst, selected, manifests)
     needed: dict[str, tuple[str, str | None, int, str, _Step]] = {}
@@ -233,12 +233,11 @@ def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
     for s in plan:
         s.waiting = {k for k in needed_objects(s.manifest) if k not in present}
     engine = _Engine(src, dst, plan if share is None else [], needed, len(missing), verify,
-                     progress, probe, gate)
+                     progress, probe, gate, lease)
     engine.sizes = {r.key: r.stored_bytes for s in plan for leaf in s.manifest.leaves
                     for r in leaf.chunks}  # a delta's base: looked up if copied server-side
     engine.commit_ready()
-    # With verify, a base that deltas share is read from the source once for all of them;
-    # without, no base is decoded, so none is held.
+    # with verify, a base the deltas share is read once for all; without, none is decoded
     engine.bases = DeltaBases(src, [needed[k][:2] for k in missing] if verify else [])
     try:
         bounded_map(engine.transfer, missing, max_workers or dst.max_workers)
@@ -249,12 +248,10 @@ def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
     if engine.unusable:
         message, where = next(iter(engine.unusable.values()))
         names = ", ".join(f"{run}@{step}" for run, step in engine.not_copied[:10])
-        raise CorruptChunkError(
-            f"{message}; {len(engine.unusable)} source object(s) unusable: "
-            f"{len(engine.not_copied)} step(s) not copied ({names}), the other "
-            f"{len(engine.committed)} copied", **where)
-    present.update(engine.sent)
-    present.update(engine.found)
+        raise CorruptChunkError(f"{message}; {len(engine.unusable)} source object(s) unusable: "
+                                f"{len(engine.not_copied)} step(s) not copied ({names}), the "
+                                f"other {len(engine.committed)} copied", **where)
+    present.update(engine.sent | engine.found)
     skipped += list(engine.found)
     return CopyInfo(tuple(engine.committed), tuple(skipped_steps + engine.raced),
                     len(engine.sent), sum(engine.sent.values()), len(skipped),
@@ -320,8 +317,9 @@ class _Engine:
 
     def __init__(self, src: Store, dst: Store, plan: list[_Step], needed: dict, total: int,
                  verify: bool, progress: Callable[[CopyProgress], None] | None, probe: bool,
-                 gate: Callable[[], None] | None = None):
+                 gate: Callable[[], None] | None, lease: SaveLease | None):
         self.src, self.dst, self.plan, self.needed, self.gate = src, dst, plan, needed, gate
+        self.lease = lease
         self.total, self.verify, self.progress, self.probe = total, verify, progress, probe
         self.bases: DeltaBases | None = None
         self.sizes: dict[str, int] = {}  # stored bytes of the objects the manifests give
@@ -413,6 +411,8 @@ class _Engine:
                 if s.waiting:
                     break
             try:
+                if self.lease is not None:
+                    self.lease.check()  # GC kept off the objects all along
                 self.dst.put_if_absent(manifest_key(s.run, s.step), s.data)
                 self.committed.append((s.run, s.step))
             except FileExistsError:  # written concurrently by someone else

@@ -126,31 +126,62 @@ def _held_by(store: Store, keys: list[str]) -> str:
             "delete its object once sure that process is gone (docs/reliability.md)")
 
 
+class SaveLease:
+    """A save lock kept fresh: re-put every ``SAVE_LOCK_REFRESH_S`` from a background thread,
+    so GC never takes a save or copy of many hours for a dead process's.
+
+    Attributes:
+      key: the lock object.
+    """
+
+    def __init__(self, store: Store, key: str):
+        self.store, self.key = store, key
+        self.last, self._broken = time.time(), False  # wall time: it counts a suspend too
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._refresh, daemon=True,
+                                        name="casstore-save-lock")
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(SAVE_LOCK_REFRESH_S):
+            with contextlib.suppress(Exception):  # the next refresh may land; hours away
+                _put_lock(self.store, "save", self.key)
+                now = time.time()
+                self._broken |= now - self.last > STALE_LOCK_S / 2
+                self.last = now
+
+    def check(self) -> None:
+        """Raises unless the lock was kept fresh ever since it was taken; called before a
+        manifest is written.
+
+        Raises:
+          CasstoreError: a refresh came late or not at all (the process was paused, or the
+            store did not answer, for hours): GC may have taken the lock for a dead process's
+            and deleted chunks this save or copy counted on, so it must commit nothing more.
+        """
+        if self._broken or time.time() - self.last > STALE_LOCK_S / 2:
+            raise CasstoreError(f"the save lock {self.key!r} (url {self.store.url!r}) was not "
+                                "kept fresh: garbage collection may have deleted chunks "
+                                "this step needs; nothing more is committed, save or copy "
+                                "again")
+
+
 @contextlib.contextmanager
-def save_lock(store: Store) -> Iterator[None]:
-    """Holds a save lock for the body, after any GC that holds its lock has finished; a body
-    that runs for hours (a copy of terabytes) has it re-put every ``SAVE_LOCK_REFRESH_S``, so
-    GC never takes it for a dead process's."""
-    key, stop = lock_key("save", uuid.uuid4().hex), threading.Event()
-    refresher = threading.Thread(target=_keep_fresh, args=(store, key, stop), daemon=True,
-                                 name="casstore-save-lock")
+def save_lock(store: Store) -> Iterator[SaveLease]:
+    """Holds a save lock for the body, after any GC that holds its lock has finished, and
+    keeps it fresh (:class:`SaveLease`, whose ``check`` the body calls before each commit)."""
+    lease = SaveLease(store, lock_key("save", uuid.uuid4().hex))
     try:
-        _put_lock(store, "save", key)  # its answer lost, the lock may be stored all the same
+        _put_lock(store, "save", lease.key)  # its answer lost, it may be stored all the same
         while _live(store, "gc"):
             time.sleep(POLL_S)
-        refresher.start()
-        yield
+        lease.last = time.time()
+        lease._thread.start()
+        yield lease
     finally:
-        stop.set()
-        if refresher.is_alive():
-            refresher.join()  # a put in flight must not bring the lock back after its release
-        _release(store, key)
-
-
-def _keep_fresh(store: Store, key: str, stop: threading.Event) -> None:
-    while not stop.wait(SAVE_LOCK_REFRESH_S):
-        with contextlib.suppress(Exception):  # the next refresh may land; it is hours away
-            _put_lock(store, "save", key)
+        lease._stop.set()
+        if lease._thread.is_alive():
+            lease._thread.join()  # a put in flight must not bring the lock back after release
+        _release(store, lease.key)
 
 
 def _release(store: Store, key: str) -> None:

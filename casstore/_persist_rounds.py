@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from ._copy import CopyInfo, copy_selected
 from ._errors import ManifestError, StepNotFoundError
-from ._locks import save_lock
+from ._locks import SaveLease, save_lock
 from ._multihost import Rounds
 from ._repository import read_manifest
 from .store import Store
@@ -26,7 +26,7 @@ from .store import Store
 
 def persist_shared(rounds: Rounds, local: Store, persistent: Store, run: str, step: int,
                    present: dict[str, int], known: int | None, persisted: set[int],
-                   gate: Callable[[], None]) -> CopyInfo:
+                   gate: Callable[[], None], lease: SaveLease | None = None) -> CopyInfo:
     """Process 0's part of a shared persist of ``step`` of ``run`` from ``local`` to
     ``persistent``: a round, its own share, the others' posts, then the manifest (every object
     in ``present`` by then: no transfer), then the round's outcome.
@@ -53,7 +53,8 @@ def persist_shared(rounds: Rounds, local: Store, persistent: Store, run: str, st
             raise
         theirs, chunks, nbytes = rounds.gather()  # raises if one failed: no manifest
         present.update(theirs)
-        last = copy_selected(local, persistent, [(run, step)], present, probe=True)
+        last = copy_selected(local, persistent, [(run, step)], present, probe=True,
+                             lease=lease)
     except BaseException as e:
         with contextlib.suppress(Exception):
             rounds.outcome(f"{type(e).__name__}: {e}")

@@ -238,7 +238,7 @@ def write(store: Store, step: int, prepared: Prepared, inline: dict[int, bytes],
         created = time.time()
         check_absent(store, run, step)
     manifest_bytes = 0
-    with agreement.early(), save_lock(store), agreement.committing():
+    with agreement.early(), save_lock(store) as lease, agreement.committing():
         if agreement.is_primary:
             ensure_config(store)
         if previous is not None and not store.exists(manifest_key(run, previous.step)):
@@ -255,6 +255,7 @@ def write(store: Store, step: int, prepared: Prepared, inline: dict[int, bytes],
         every_refs = agreement.gather_refs(refs, store)
         # 6. the commit, on process 0 (the outcome is posted as `committing` ends)
         if every_refs is not None:
+            lease.check()  # GC kept off the chunks all along
             manifest_bytes = commit(store, step, run, created, prepared, inline, every_refs)
     return SaveInfo(step, run, prepared.logical_bytes, writer.written + manifest_bytes,
                     writer.new, writer.reused, manifest_bytes, time.perf_counter() - t0,

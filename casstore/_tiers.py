@@ -310,15 +310,15 @@ class Persister:
         if not self._configured:
             ensure_config(self.persistent)
             self._configured = True
-        with save_lock(self.persistent):
+        with save_lock(self.persistent) as lease:
             present = self._still_there()
             if self.rounds is None:
                 info = copy_selected(self.local, self.persistent, [(self.run, step)], present,
-                                     probe=True, gate=self._yielder())
+                                     probe=True, gate=self._yielder(), lease=lease)
             else:
                 info = persist_shared(self.rounds, self.local, self.persistent, self.run,
                                       step, present, self._known[0] if present else None,
-                                      self.steps(), self._yielder())
+                                      self.steps(), self._yielder(), lease)
         self.persisted[step] = info
         self._remote_steps.add(step)
         manifest = read_manifest(self.local, step, run=self.run)

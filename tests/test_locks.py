@@ -137,3 +137,34 @@ def test_a_lock_that_cannot_be_deleted_is_logged_not_raised_over_a_committed_sav
     (left,) = locks(store)
     assert "could not delete lock memory:" in caplog.text
     assert left in caplog.text
+
+
+class SlowChunks(LocalStore):
+    """Each chunk object's write takes ``delay_s``: a save paused (a suspended VM) meanwhile."""
+
+    delay_s = 0.0
+
+    def _put(self, key, data, *, exclusive):
+        if key.startswith(CHUNKS_PREFIX):
+            time.sleep(self.delay_s)
+        super()._put(key, data, exclusive=exclusive)
+
+
+def test_a_save_or_copy_whose_lock_was_not_kept_fresh_commits_nothing(tmp_path, monkeypatch):
+    """Its lock not re-put for half the stale age (the process was paused, or the store did
+    not answer): GC may have deleted chunks it counted on, so no manifest is written."""
+    monkeypatch.setattr(_locks, "STALE_LOCK_S", 1.0)
+    monkeypatch.setattr(_locks, "SAVE_LOCK_REFRESH_S", 3600.0)  # as if paused: never re-put
+    store = SlowChunks(tmp_path / "repo")
+    store.delay_s = 0.6
+    with pytest.raises(casstore.CasstoreError, match="not kept fresh"):
+        casstore.save(store, 0, {"w": np.ones(1000)})
+    assert casstore.list_steps(store) == []
+    store.delay_s = 0.0
+    casstore.save(store, 0, {"w": np.ones(1000)})
+    dst = SlowChunks(tmp_path / "dst")
+    dst.delay_s = 0.6
+    with pytest.raises(casstore.CasstoreError, match="not kept fresh"):
+        casstore.copy(store, dst)
+    assert casstore.list_steps(dst) == []
+    assert not list(dst.list("locks/"))
