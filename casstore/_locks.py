@@ -172,7 +172,13 @@ def save_lock(store: Store) -> Iterator[SaveLease]:
     lease = SaveLease(store, lock_key("save", uuid.uuid4().hex))
     try:
         _put_lock(store, "save", lease.key)  # its answer lost, it may be stored all the same
-        while _live(store, "gc"):
+        since = time.monotonic()
+        while gc := _live(store, "gc"):
+            if since is not None and time.monotonic() - since > WAIT_NOTICE_S:
+                since = None  # said once
+                log.warning("casstore: a save to %s waits for garbage collection to finish "
+                            "(lock %s); a GC lock not refreshed for %g s is ignored", store.url,
+                            ", ".join(gc), GC_LOCK_STALE_S)
             time.sleep(POLL_S)
         lease.last = time.time()
         lease._thread.start()

@@ -14,15 +14,18 @@ from casstore._layout import CHUNKS_PREFIX, chunk_id_of_key
 from casstore.store import LocalStore, MemoryStore
 
 
-def test_a_live_gc_lock_holds_a_save_and_a_stale_one_does_not(tmp_path):
+def test_a_live_gc_lock_holds_a_save_and_a_stale_one_does_not(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(_locks, "WAIT_NOTICE_S", 0.2)
     store = LocalStore(tmp_path / "repo")
     casstore.save(store, 0, {"w": np.zeros(3)})
     key = _locks._put_lock(store, "gc")  # as a GC that was SIGKILLed while sweeping left it
     done = threading.Event()
     saver = threading.Thread(target=lambda: (casstore.save(store, 1, {"w": np.ones(3)}),
                                              done.set()))
-    saver.start()
-    assert not done.wait(1.0)  # a fresh GC lock: the save waits for GC
+    with caplog.at_level("WARNING", logger="casstore"):
+        saver.start()
+        assert not done.wait(1.0)  # a fresh GC lock: the save waits for GC, and says so
+    assert f"waits for garbage collection to finish (lock {key})" in caplog.text
     old = time.time() - _locks.GC_LOCK_STALE_S - 5
     os.utime(store._path(key), (old, old))  # ten minutes without a refresh: a dead GC
     assert done.wait(10)
