@@ -233,3 +233,15 @@ def test_a_full_disk_names_the_file_and_keeps_what_was_stored(tmp_path, monkeypa
     assert not [p for p in (tmp_path / "repo").rglob("*") if p.name.endswith(".tmp")]
     assert casstore.list_steps(store) == [0]
     assert casstore.restore(store, 0)["a"].tolist() == list(np.arange(10.0))
+
+
+def test_an_object_whose_backend_gives_no_modification_time_counts_as_just_written():
+    """GC's grace period and the stale-lock age read the time a listing gives; where the
+    fsspec backend gives none it fails safe (the object is spared, the lock is live)."""
+    import time
+
+    from casstore.store._fsspec import _mtime
+    now = time.time()
+    assert now - 1 <= _mtime({"name": "x", "size": 3}) <= time.time()
+    assert _mtime({"last_modified": "2026-01-02T03:04:05Z"}) == 1767323045.0
+    assert _mtime({"mtime": 12.5}) == 12.5

@@ -45,8 +45,9 @@ from ._retry import (
 
 
 def _mtime(info: dict) -> float:
-    """The modification time, seconds since the epoch, from an fsspec info dict."""
-    for name in ("mtime", "LastModified", "updated", "created"):
+    """The modification time, seconds since the epoch, from an fsspec info dict; now where it
+    gives none (fails safe: GC's grace period then spares the object, and a lock is live)."""
+    for name in ("mtime", "LastModified", "last_modified", "updated", "created"):
         value = info.get(name)
         if isinstance(value, (int, float)):
             return float(value)
@@ -54,7 +55,7 @@ def _mtime(info: dict) -> float:
             return value.timestamp()
         if isinstance(value, str):
             return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    return 0.0
+    return time.time()
 
 
 class FsspecStore(Store):
