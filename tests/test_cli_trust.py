@@ -53,9 +53,12 @@ def delta_repo(tmp_path) -> str:
     return url
 
 
-def truncate_manifest(url: str, step: int, run: str = "default") -> None:
+def truncate_manifest(url: str, step: int, run: str = "default", keep: int | None = None
+                      ) -> None:
+    """Cuts a manifest short: to ``keep`` bytes, or half of it."""
     path = pathlib.Path(url) / "runs" / run / "steps" / f"{step:016d}.manifest"
-    path.write_bytes(path.read_bytes()[:100])
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2 if keep is None else keep])
 
 
 def test_a_truncated_manifest_costs_its_step_only(delta_repo, tmp_path):
@@ -691,6 +694,15 @@ def test_repair_refuses_a_good_copy_whose_step_is_another_step(tmp_path):
     assert (info.steps, [p.kind for p in info.unrepairable], info.ok) == ((), ["missing"], False)
     assert casstore.restore(str(damaged), 0, paths=["b"])["b"].tobytes() == mine["b"].tobytes()
     assert not (damaged / w.chunks[0].key).exists()  # none of the other step's objects
+    # A damaged manifest that is not the good one cut short: the other step is not put there
+    casstore.save(str(damaged), 1, mine, chunk_size_bytes=64_000)
+    casstore.save(str(good), 1, theirs, chunk_size_bytes=64_000)
+    truncate_manifest(str(damaged), 1, keep=100)  # before its created time: alike, refused
+    before = (damaged / manifest_key("default", 1)).read_bytes()
+    info = casstore.repair(str(good), str(damaged))
+    assert ("default", 1) not in info.steps
+    assert ("manifest", 1) in [(p.kind, p.step) for p in info.unrepairable]
+    assert (damaged / manifest_key("default", 1)).read_bytes() == before
 
 
 def test_repair_of_a_damaged_manifest_checks_the_objects_of_its_step(delta_repo, tmp_path):
