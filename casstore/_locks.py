@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import msgpack
 
-from ._errors import CasstoreError
+from ._errors import CasstoreError, ReadOnlyStoreError
 from ._layout import LOCKS_PREFIX, lock_key, lock_kind
 from .store import Store
 
@@ -196,6 +196,8 @@ def _release(store: Store, key: str) -> None:
     (a committed step, or the error that matters)."""
     try:
         store.delete(key)
+    except (ReadOnlyStoreError, NotADirectoryError):
+        return  # nor was a lock put: refused before any request, or no such directory
     except Exception as e:
         log.warning("casstore: could not delete lock %s/%s (%s): it stays until it turns "
                     "stale; delete it by hand once no process holds it", store.url, key, e)

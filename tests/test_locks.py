@@ -171,3 +171,12 @@ def test_a_save_or_copy_whose_lock_was_not_kept_fresh_commits_nothing(tmp_path, 
         casstore.copy(store, dst)
     assert casstore.list_steps(dst) == []
     assert not list(dst.list("locks/"))
+
+
+def test_a_save_to_a_read_only_store_warns_of_no_lock_left_behind(tmp_path, caplog):
+    casstore.save(tmp_path / "repo", 0, {"w": np.zeros(3)})
+    store = casstore.open_store(tmp_path / "repo", read_only=True)
+    with caplog.at_level("WARNING", logger="casstore"), pytest.raises(
+            casstore.ReadOnlyStoreError, match="read-only"):
+        casstore.save(store, 1, {"w": np.ones(3)})
+    assert "lock" not in caplog.text  # none was put, so none stays
