@@ -510,6 +510,10 @@ def test_copy_and_repair_refuse_storage_options_no_path_takes(repo, tmp_path):
         assert "storage options (-o/-O) are for fsspec URLs" in result.stderr
         result = run(command, repo, tmp_path / f"{command}-dst", "-O", "anon=true", code=2)
         assert "take none" in result.stderr
+        # -o for a local SRC beside -O for DST would be dropped silently (DST takes -O only)
+        result = run(command, repo, "s3://bucket/dst", "-o", "endpoint_url=http://127.0.0.1:9",
+                     "-O", "anon=true", code=2)
+        assert "-o is for SRC, a local path here" in result.stderr
     assert not (tmp_path / "copy-dst").exists()
 
 

@@ -243,9 +243,12 @@ def pair_options(src: str, dst: str, options: dict, dst_options: dict) -> tuple[
     Raises:
       click.UsageError: options that no URL of the two takes (they would be ignored).
     """
-    if (options and is_local(src) and is_local(dst)) or (dst_options and is_local(dst)):
+    if ((options and is_local(src) and (is_local(dst) or dst_options))
+            or (dst_options and is_local(dst))):  # -o for a local SRC with -O: for no URL
         raise click.UsageError(f"storage options (-o/-O) are for fsspec URLs; {src!r} and "
-                               f"{dst!r} take none")
+                               f"{dst!r} take none" if is_local(dst) else
+                               "-o is for SRC, a local path here, which takes none; give "
+                               "DST's options with -O (or -o alone)")
     return ({} if is_local(src) else options), ({} if is_local(dst) else dst_options or options)
 
 
