@@ -141,6 +141,7 @@ def _cast(path: str, value: Any, dtype: np.dtype | None) -> Any:
       UnsupportedLeafError: a value would overflow ``dtype``, or is a NaN or infinity that
         ``dtype`` has no such value for; names the key path.
     """
+    value = np.asarray(value) if isinstance(value, float) else value  # a 0-d float64 array
     name = str(getattr(value, "dtype", ""))
     if dtype is None or not name.startswith(("float", "bfloat")):
         return value

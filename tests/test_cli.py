@@ -377,6 +377,10 @@ def test_export_of_a_whole_tree_skips_and_lists_what_a_file_cannot_hold(repo, tm
     info = casstore.export_tensors(url, 0, tmp_path / "api.npz", dtype="float32",
                                    paths=["bf"])
     assert (info.tensors, info.skipped) == (1, ())
+    casstore.save(url, 1, {"lr": 0.5, "n": 3})  # a Python float is a floating-point leaf too
+    casstore.export_tensors(url, 1, tmp_path / "lr.npz", dtype="float32")
+    with np.load(tmp_path / "lr.npz", allow_pickle=False) as z:
+        assert (z["lr"].dtype, float(z["lr"]), z["n"].dtype) == (np.float32, 0.5, np.int64)
 
 
 def test_export_refuses_an_unknown_dtype_and_values_it_would_overflow(tmp_path):

@@ -136,15 +136,16 @@ def test_a_deleted_base_chunk_is_one_missing_object_with_the_steps_needing_it(de
     text = run("verify", delta_repo, code=1).stdout
     assert text.count("problem:") == 1
     assert "default@5" in text
-    dry = run_json("gc", delta_repo, "--dry-run", "--grace-period", "0")
+    dry = run_json("gc", delta_repo, "--dry-run", "--grace-period", "0", code=1)  # damage
     listed = sum(1 for d in ("chunks", "deltas")
                  for p in (pathlib.Path(delta_repo) / d).rglob("*") if p.is_file())
     assert dry["chunks"] == listed
     assert dry["missing_chunks"] == 1
     assert dry["chunks"] == (dry["referenced_chunks"] + dry["deleted_chunks"]
                              + dry["young_unreferenced_chunks"])
-    assert f"of {listed} chunks listed, {dry['referenced_chunks']} referenced" in run(
-        "gc", delta_repo, "--dry-run").stdout
+    said = run("gc", delta_repo, "--dry-run", code=1)
+    assert f"of {listed} chunks listed, {dry['referenced_chunks']} referenced" in said.stdout
+    assert "1 chunk object(s) referenced but missing" in said.stderr
     for step in (0, 3):
         with pytest.raises(casstore.MissingChunkError,
                            match=f"missing.*{base[2:]}.*step {step}") as info:

@@ -81,7 +81,8 @@ def verify_command(url: str, step: int | None, run: str | None, read_data: bool,
         say(f"{'ok' if report.ok else f'{len(report.problems)} problem(s)'}: "
                       f"{len(report.steps_checked)} step(s), {report.chunks_checked} chunks "
                       f"({report.chunks_ok} ok, {report.chunks_missing} missing, "
-                      f"{report.chunks_corrupt} corrupt, {report.chunks_unchecked} unchecked), "
+                      f"{report.chunks_corrupt} corrupt, {report.chunks_unsupported} unsupported, "
+                      f"{report.chunks_unchecked} unchecked), "
                       f"{report.manifests_damaged} damaged manifest(s); "
                       f"{human(report.bytes_read)} read in {report.seconds:.1f} s")
     if not report.ok:
@@ -113,7 +114,7 @@ def gc_command(url: str, dry_run: bool, grace_period: float, lock_timeout: float
     """Deletes chunks no step of any run references (after the grace period).
 
     gc covers every run (it takes no --run). With a damaged manifest it refuses to delete
-    anything (exit 1); --dry-run still reports.
+    anything (exit 1); --dry-run still reports. A chunk referenced but missing exits 1 too.
 
     \b
     Examples:
@@ -131,11 +132,14 @@ def gc_command(url: str, dry_run: bool, grace_period: float, lock_timeout: float
                       f"{info.manifests} manifests, {info.young_unreferenced_chunks} "
                       "unreferenced within the grace period; "
                       f"{info.missing_chunks} referenced but missing")
-    if info.damaged_manifests:
-        if not as_json:
-            click.echo(f"casstore: damaged: {info.damaged_manifests} manifest(s) unreadable; "
-                       "chunks only they reference count as garbage above, and gc without "
-                       "--dry-run refuses to run (see verify, docs/recovery.md)", err=True)
+    if info.damaged_manifests and not as_json:
+        click.echo(f"casstore: damaged: {info.damaged_manifests} manifest(s) unreadable; "
+                   "chunks only they reference count as garbage above, and gc without "
+                   "--dry-run refuses to run (see verify, docs/recovery.md)", err=True)
+    if info.missing_chunks and not as_json:
+        click.echo(f"casstore: damaged: {info.missing_chunks} chunk object(s) referenced but "
+                   "missing (see verify, docs/recovery.md)", err=True)
+    if info.damaged_manifests or info.missing_chunks:
         click.get_current_context().exit(EXIT_PROBLEMS)
 
 
