@@ -19,7 +19,7 @@ import numpy as np
 
 from ._copy import needed_objects
 from ._delta import DeltaBases
-from ._errors import CorruptChunkError, ManifestError
+from ._errors import CorruptChunkError, ManifestError, UnsupportedFormatError
 from ._framing import check_framing
 from ._layout import CONFIG_KEY, chunk_key, manifest_key
 from ._manifest import decode_manifest
@@ -30,7 +30,7 @@ from ._repository import (
     parse_config,
     read_manifest_bytes,
 )
-from ._scan import CONFIG, CORRUPT, MANIFEST, MISSING, Problem
+from ._scan import CONFIG, CORRUPT, MANIFEST, MISSING, UNSUPPORTED, Problem
 from ._verify import verify
 from .store import Store, open_store
 
@@ -102,7 +102,7 @@ def repair(good_url: Url, damaged_url: Url, *, dry_run: bool = False,
     report = verify(damaged, read_data=read_data)
     config = _good_config(good) if any(p.kind == CONFIG for p in report.problems) else None
     plan = _Plan(good, damaged, report.problems, read_data)
-    fixable = [p for p in report.problems if (p.kind in (MISSING, CORRUPT) and p.key in plan.sent)
+    fixable = [p for p in report.problems if (_object_problem(p) and p.key in plan.sent)
                or (p.kind == MANIFEST and set(p.needed_by) <= plan.mended.keys())
                or (p.kind == CONFIG and config is not None)]
     unrepairable = tuple(p for p in report.problems if p not in fixable)
@@ -132,9 +132,9 @@ class _Plan:
     def __init__(self, good: Store, damaged: Store, problems: tuple[Problem, ...],
                  read_data: bool):
         self.good, self.damaged = good, damaged
-        self.corrupt = {p.key for p in problems if p.kind == CORRUPT}
+        self.corrupt = {p.key for p in problems if _object_problem(p) and p.kind != MISSING}
         self.broken = {rs for p in problems if p.kind == MANIFEST for rs in p.needed_by}
-        steps = sorted({rs for p in problems if p.kind in (MISSING, CORRUPT, MANIFEST)
+        steps = sorted({rs for p in problems if _object_problem(p) or p.kind == MANIFEST
                         for rs in p.needed_by})
         present = {info.key for info in list_chunk_objects(damaged)} if steps else set()
         self.info: dict[str, tuple] = {}
@@ -202,6 +202,13 @@ def _damaged_copy(damaged: bytes, good: bytes) -> bool:
     return changed <= max(1, len(good) // 100)
 
 
+def _object_problem(p: Problem) -> bool:
+    """A chunk or delta object missing, corrupt, or of a format this casstore does not read
+    (damage to its header, or a newer encoding: the good copy's, checked, holds the same
+    bytes either way)."""
+    return p.kind in (MISSING, CORRUPT) or (p.kind == UNSUPPORTED and p.key is not None)
+
+
 def _failing(store: Store, keys: set[str], info: dict[str, tuple]) -> set[str]:
     """The ``keys`` whose objects in ``store`` are missing or fail their chunk id check (read
     and decoded, a delta on its base, as ``copy(..., verify=True)`` does)."""
@@ -211,7 +218,7 @@ def _failing(store: Store, keys: set[str], info: dict[str, tuple]) -> set[str]:
         cid, base, raw_length, _ = info[key]
         try:
             bases.decode(bases.read(key, cid, base), cid, base, raw_length)
-        except (CorruptChunkError, FileNotFoundError):
+        except (CorruptChunkError, FileNotFoundError, UnsupportedFormatError):
             return True
         return False
 

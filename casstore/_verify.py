@@ -246,6 +246,8 @@ def _read_all(store: Store, users: dict[str, _Users], keys: list[str], max_worke
         except FileNotFoundError as e:  # deleted since the listing
             found = _problem(key, users[key], f"chunk missing: {e}", MISSING)
         except UnsupportedFormatError as e:  # a newer writer's codec: not damage
+            if ref.base is not None and e.chunk_id == ref.base:
+                key = chunk_key(ref.base)  # the base is of that format, not this delta
             found = _problem(key, users[key], f"needs a newer casstore: {e}", UNSUPPORTED)
         except CasstoreError as e:
             if ref.base is not None and f"base chunk {ref.base} is corrupt" in str(e):

@@ -724,3 +724,20 @@ def test_repair_of_a_damaged_manifest_checks_the_objects_of_its_step(delta_repo,
         (("default", 4),), (ref.key,), ())
     assert info.ok
     assert casstore.restore(delta_repo, 4)["w"].tobytes() == trained(4).tobytes()
+
+
+def test_repair_replaces_a_chunk_whose_header_reads_as_a_newer_format(delta_repo, tmp_path):
+    """A changed version byte reads as a newer format ("unsupported"); the good copy's object
+    of the same chunk id checks out, so it is written in its place."""
+    good = tmp_path / "good"
+    casstore.copy(delta_repo, str(good))
+    ref = next(leaf for leaf in casstore.read_manifest(delta_repo, 0).leaves
+               if leaf.path == "w").chunks[0]
+    victim = pathlib.Path(delta_repo) / ref.key
+    data = bytearray(victim.read_bytes())
+    data[4] = 9  # the header's version (format.md §3.2)
+    victim.write_bytes(bytes(data))
+    assert [p.kind for p in casstore.verify(delta_repo).problems] == ["unsupported"]
+    info = casstore.repair(str(good), delta_repo)
+    assert (info.deleted_objects, info.unrepairable, info.ok) == ((ref.key,), (), True)
+    assert victim.read_bytes() == (good / ref.key).read_bytes()
