@@ -29,7 +29,7 @@ _WHERE = {
                      "inspect_step", "manifest_as_dict"], "_inspect"),
     **dict.fromkeys(["RepositoryUsage", "RunUsage", "StepUsage", "object_sizes", "run_usage",
                      "step_usage", "usage"], "_usage"),
-    "GcInfo": "_gc", "gc": "_gc",
+    "GcInfo": "_gc", "gc": "_gc", "GcBusyError": "_locks",
     "CheckpointManager": "_manager",
     "ChunkRef": "_manifest", "LeafEntry": "_manifest", "Manifest": "_manifest",
     "import_orbax": "_orbax", "UnsupportedItemError": "_orbax",
@@ -104,6 +104,7 @@ if TYPE_CHECKING:  # the names as static tools see them
     from ._inspect import diff_steps as diff_steps
     from ._inspect import inspect_step as inspect_step
     from ._inspect import manifest_as_dict as manifest_as_dict
+    from ._locks import GcBusyError as GcBusyError
     from ._manager import CheckpointManager as CheckpointManager
     from ._manifest import ChunkRef as ChunkRef
     from ._manifest import LeafEntry as LeafEntry

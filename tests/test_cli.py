@@ -285,7 +285,7 @@ def test_gc_names_the_save_lock_it_waits_for(repo):
     from casstore._locks import _put_lock
 
     key = _put_lock(casstore.open_store(repo), "save")  # as a killed save leaves it
-    result = run("gc", repo, "--lock-timeout", "1s", code=2)
+    result = run("gc", repo, "--lock-timeout", "1s", code=cli.EXIT_BUSY)  # not a usage error
     assert "saves kept running for 1 s; garbage collection did nothing" in result.stderr
     assert f"held by {key} (host {socket.gethostname()!r}, pid {os.getpid()}," in (
         result.stderr)

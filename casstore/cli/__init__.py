@@ -8,6 +8,7 @@ casstore's public API only, so a script can do what each command does.
 
 from . import _check, _files, _read  # noqa: F401  (registers the commands)
 from ._app import EXIT_ACCESS_DENIED as EXIT_ACCESS_DENIED
+from ._app import EXIT_BUSY as EXIT_BUSY
 from ._app import EXIT_NO_REPOSITORY as EXIT_NO_REPOSITORY
 from ._app import EXIT_OK as EXIT_OK
 from ._app import EXIT_PROBLEMS as EXIT_PROBLEMS

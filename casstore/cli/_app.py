@@ -25,6 +25,7 @@ EXIT_USAGE = 2
 EXIT_NO_REPOSITORY = 10
 EXIT_UNREACHABLE = 11
 EXIT_ACCESS_DENIED = 12
+EXIT_BUSY = 13
 EXIT_CODES = f"""\b
 Exit codes:
   {EXIT_OK}   ok
@@ -34,6 +35,7 @@ Exit codes:
   {EXIT_NO_REPOSITORY}  no casstore repository at the URL
   {EXIT_UNREACHABLE}  the store is unreachable or did not answer in time
   {EXIT_ACCESS_DENIED}  the store refused access (credentials, read-only)
+  {EXIT_BUSY}  gc waited --lock-timeout for saves in flight and did nothing
   130 interrupted (Ctrl-C: stops at once, releasing the save lock; a second one quits
       without waiting for that);
       141 the output's reader went away (`| head`)"""
@@ -62,6 +64,8 @@ def exit_code_of(e: BaseException) -> int:
         return e.exit_code
     if isinstance(e, (casstore.StoreTimeoutError, casstore.StoreUnreachableError)):
         return EXIT_UNREACHABLE
+    if isinstance(e, casstore.GcBusyError):
+        return EXIT_BUSY
     if isinstance(e, PermissionError) or type(e).__name__ in _NO_CREDENTIALS:
         return EXIT_ACCESS_DENIED  # AccessDeniedError, ReadOnlyStoreError, no credentials
     if isinstance(e, (casstore.ManifestError, casstore.CorruptChunkError,
