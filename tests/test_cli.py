@@ -557,3 +557,20 @@ def test_text_tables_escape_control_characters_of_key_paths(tmp_path):
     assert "osc\\x1b]0;title\\x07" in out
     assert "\x1b" not in out
     assert "\x07" not in out
+
+
+def test_a_step_of_a_newer_format_is_named_as_such_not_as_damage(tmp_path):
+    import msgpack
+
+    from casstore._layout import manifest_key
+    url = str(tmp_path / "repo")
+    for step in (0, 1):
+        casstore.save(url, step, {"w": np.ones(3)})
+    key = tmp_path / "repo" / manifest_key("default", 1)
+    doc = msgpack.unpackb(key.read_bytes())
+    doc.update(features=[*doc["features"], "future-thing"], min_reader="9.0.0")
+    key.write_bytes(msgpack.packb(doc, use_bin_type=True))
+    result = run("ls", url, code=1)
+    assert "casstore: newer format:" in result.stderr
+    assert "upgrade casstore" in result.stderr
+    assert "casstore: damaged" not in result.stderr

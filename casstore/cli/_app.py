@@ -349,8 +349,13 @@ def report_damage(problems: list, as_json: bool) -> None:
     if not problems:
         return
     if not as_json:
+        newer = [p for p in problems if p.kind == "unsupported"]  # not damage: upgrade
         for p in problems:
-            click.echo(f"casstore: damaged: {p}", err=True)
-        click.echo(f"casstore: {len(problems)} damaged object(s); the rest is shown. "
-                   "See 'casstore verify' and docs/recovery.md", err=True)
+            click.echo(f"casstore: {'newer format' if p in newer else 'damaged'}: {p}", err=True)
+        if len(newer) < len(problems):
+            click.echo(f"casstore: {len(problems) - len(newer)} damaged object(s); the rest is "
+                       "shown. See 'casstore verify' and docs/recovery.md", err=True)
+        if newer:
+            click.echo(f"casstore: {len(newer)} object(s) of a newer format, not damaged: "
+                       "upgrade casstore to read them; the rest is shown", err=True)
     click.get_current_context().exit(EXIT_PROBLEMS)
