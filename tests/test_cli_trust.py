@@ -12,7 +12,6 @@ import time
 import msgpack
 import numpy as np
 import pytest
-from click.testing import CliRunner
 from test_cli import run, run_json, tree, write_repo
 
 import casstore
@@ -240,8 +239,12 @@ def test_errors_are_one_line_with_their_exit_code(repo, tmp_path):
     usage = run("show", repo, code=2)  # click's own usage error: one line too
     assert usage.stderr.count("\n") == 1
     assert "--help" in usage.stderr
-    debug = CliRunner().invoke(cli.main, ["--debug", "show", repo, "99"])
-    assert isinstance(debug.exception, casstore.StepNotFoundError)
+    debug = run("--debug", "show", repo, "99", code=2)  # the traceback, the same exit code
+    assert "Traceback (most recent call last)" in debug.stderr
+    assert "StepNotFoundError" in debug.stderr
+    late = run("show", repo, "99", "--debug", code=2)  # a group option after the command
+    assert "No such option '--debug'" in late.stderr
+    assert "Traceback" not in late.stderr
     for command in ("ls", "verify", "show", "diff", "cat", "export"):
         extra = {"show": [1], "diff": [0, 1], "cat": [1], "export": [1, tmp_path / "x.npz"]}
         result = run(command, repo, *extra.get(command, []), "--run", "nope", code=2)

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from typing import Any
 
 import click
@@ -149,9 +150,9 @@ class _Group(click.Group):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error
             sys.exit(128 + 13)
         except Exception as e:
-            if "--debug" in args:
-                raise
             code = exit_code_of(e)
+            if "--debug" in args and not isinstance(e, click.UsageError):
+                traceback.print_exc()  # then the same exit code as without --debug
             error_line(describe(e), code, type(e).__name__, as_json="--json" in args)
             sys.exit(code)
         sys.exit(rv if isinstance(rv, int) else EXIT_OK)
