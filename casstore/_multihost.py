@@ -74,6 +74,7 @@ class SaveAgreement:
         self._posted = False  # this process posted its refs (or its error)
         self._published = False  # process 0 posted the outcome
         self.save: list = []  # [run, step, tree digest], as describe() gives it
+        self.spread: list[str] = []  # describe()
         self.details: tuple | None = None  # a manager's (metrics, save time): propose()
 
     @property
@@ -87,6 +88,9 @@ class SaveAgreement:
         ``paths``, and each array leaf's shape, dtype and key implementation)."""
         shapes = [[i, list(a.shape), a.dtype.name, a.key_impl] for i, a in sorted(arrays.items())]
         self.save = [run, step, xxhash.xxh3_64_hexdigest(msgpack.packb([node, paths, shapes]))]
+        # jax leaves whose shards this process writes itself: alike on every process for a
+        # global array; a per-process one (jnp.asarray(0) on each) is spread on some only
+        self.spread = sorted(paths[i] for i, a in arrays.items() if a.is_jax and a.spread)
 
     def propose(self, metrics: Any, started: datetime.datetime) -> None:
         """A manager's save: its ``metrics`` and save time. Process 0 posts its own with the
@@ -114,7 +118,7 @@ class SaveAgreement:
         self._posted = True
         client.key_value_set_bytes(f"{self.tag}/refs/{self.index}",
                                    msgpack.packb({"error": error, "refs": refs,
-                                                  "save": self.save}))
+                                                  "save": self.save, "spread": self.spread}))
         if not self.is_primary:
             return []
         posts = [msgpack.unpackb(self._wait(client, f"{self.tag}/refs/{p}", p),
@@ -123,6 +127,10 @@ class SaveAgreement:
                   if post["error"]]
         failed += [f"process {p} {self._other(post['save'])}" for p, post in enumerate(posts)
                    if not post["error"] and post["save"] != self.save]
+        if not failed and (local := _per_process([post["spread"] for post in posts])):
+            failed = [f"key path {local[0]!r} is a jax array each process holds on its own "
+                      "devices, not one global array: save it as numpy (np.asarray) or give it "
+                      "a sharding over every process's devices"]
         if failed:
             raise CasstoreError("save failed on other processes; no manifest written: "
                                 + "; ".join(failed))
@@ -249,6 +257,11 @@ class SaveAgreement:
             metrics, timestamp = outcome["details"]
             self.details = (metrics, datetime.datetime.fromtimestamp(timestamp,
                                                                      datetime.timezone.utc))
+
+
+def _per_process(spread: list[list[str]]) -> list[str]:
+    """The key paths some processes write their own shards of and others do not."""
+    return sorted(set().union(*spread) - set.intersection(*map(set, spread)))
 
 
 _seen_shared: set[str] = set()  # URLs where process 0 saw another process's chunk

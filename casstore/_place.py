@@ -99,7 +99,9 @@ def place(entry: LeafEntry, regions: dict[Index, np.ndarray] | None, t: Any,
             d = jax.sharding.SingleDeviceSharding(d, memory_kind=memory_kind)
         shards.append(jax.device_put(value, d) if shared or not isinstance(value, np.ndarray)
                       or not isinstance(d, jax.Device) else to_device(value, d))
-    return jax.make_array_from_single_device_arrays(tuple(t.shape), sharding, shards)
+    # dtype: where this process holds none of the array (another process's pipeline stage)
+    return jax.make_array_from_single_device_arrays(tuple(t.shape), sharding, shards,
+                                                    dtype=dtype)
 
 
 def off_host(entry: LeafEntry, t: Any) -> bool:

@@ -69,7 +69,9 @@ def out_of_step() -> None:
     kind = mode.removeprefix("manager-")
     state = global_state(step)
     mine = step + 1 if kind == "other-step" and pid == 1 else step
-    if pid == 1 and kind != "other-step":
+    if kind == "local-array":  # on each process, its own: not one global array
+        state = dict(state, count=jax.numpy.asarray(step))
+    elif pid == 1 and kind != "other-step":
         state = dict(state, w=state["w"].astype(np.int32)) if kind == "other-tree" else dict(
             state, bad=object())
     mngr = casstore.CheckpointManager(repo, chunk_size_bytes=2048) if mode != kind else None
@@ -100,6 +102,11 @@ def subset_mesh() -> None:
                                                dtype=np.float32),
             "state": global_state(step)}
     casstore.save(repo, step, tree, chunk_size_bytes=2048)
+    # restored onto its sharding: process 0 holds none of it, and gets an array all the same
+    got = casstore.restore(repo, step, paths=["sub"], target={"sub": jax.ShapeDtypeStruct(
+        sub.shape, np.float32, sharding=sharding)})["sub"]
+    assert (got.shape, len(got.addressable_shards) > 0) == (sub.shape, pid == 1)
+    assert all(np.array_equal(np.asarray(s.data), sub[s.index]) for s in got.addressable_shards)
 
 
 def ranked_by_metrics() -> None:
@@ -125,7 +132,8 @@ def main() -> None:
         jax.distributed.shutdown()
         print("OK", flush=True)
         return
-    if mode.removeprefix("manager-") in ("early-fail", "other-step", "other-tree"):
+    if mode.removeprefix("manager-") in ("early-fail", "other-step", "other-tree",
+                                         "local-array"):
         out_of_step()
         jax.distributed.shutdown()
         print("OK", flush=True)

@@ -92,7 +92,7 @@ def test_processes_saving_to_disks_of_their_own_commit_nothing(tmp_path):
     assert casstore.list_steps(repo / "host1") == []
 
 
-@pytest.mark.parametrize("mode", ["early-fail", "other-step", "other-tree",
+@pytest.mark.parametrize("mode", ["early-fail", "other-step", "other-tree", "local-array",
                                   "manager-early-fail", "manager-other-step"])
 def test_processes_that_do_not_save_alike_commit_nothing_and_stay_in_step(tmp_path, mode):
     """Process 1 fails before the exchange (an object leaf), saves another step, or another
@@ -109,6 +109,9 @@ def test_processes_that_do_not_save_alike_commit_nothing_and_stay_in_step(tmp_pa
         assert expected in outputs[0], outputs[0][-2000:]
     if "other-tree" in mode:
         assert "process 1 saves another tree" in outputs[0], outputs[0][-2000:]
+    if "local-array" in mode:  # jnp.asarray on each process: named, not a bad manifest
+        expected = "key path 'state/count' is a jax array each process holds on its own"
+        assert all(expected in out for out in outputs), outputs
     if "early-fail" in mode:
         assert "UnsupportedLeafError" in outputs[1], outputs[1][-2000:]
         assert "process 1: UnsupportedLeafError" in outputs[0], outputs[0][-2000:]
