@@ -112,9 +112,14 @@ def test_transient_errors_are_retried_and_permanent_ones_are_not(tmp_path):
     store = make_store("fsspec-memory", tmp_path)
     store.policy.backoff_s = 0.001
     store.put("a", b"1")
+    import gcsfs.retry
+    import requests
+
     store.fs.cat_file = flaky(store.fs.cat_file, [OSError(errno.EREMOTEIO, "InternalError"),
                                                    ConnectionResetError("reset"),
-                                                   TimeoutError("slow")])
+                                                   TimeoutError("slow"),
+                                                   requests.exceptions.ProxyError(),  # GCS 502
+                                                   gcsfs.retry.HttpError({"code": 408})])
     assert store.get("a") == b"1"
     store.fs.cat_file = flaky(store.fs.cat_file, [PermissionError(13, "AccessDenied")])
     with pytest.raises(PermissionError, match="refused access") as info:

@@ -49,7 +49,8 @@ def _http_status(exc: BaseException) -> object:
 
 
 def is_transient(exc: BaseException) -> bool:
-    """True for errors worth retrying: 5xx, 429/503 SlowDown, timeouts, connection resets.
+    """True for errors worth retrying: 5xx, 408, 429/503 SlowDown, timeouts, connection
+    resets, and the HTTP clients' own errors (aiohttp, urllib3, requests).
 
     Not found, already exists, permission and credential errors are permanent (restic's
     ``IsPermanentError``). The exception and its causes are inspected, since s3fs and gcsfs wrap
@@ -67,14 +68,15 @@ def is_transient(exc: BaseException) -> bool:
         if isinstance(response, dict):
             status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
             if response.get("Error", {}).get("Code") in _TRANSIENT_CODES or status >= 500 or (
-                    status == 429):
+                    status in (408, 429)):
                 return True
         code = _http_status(e)
-        if isinstance(code, int) and (code >= 500 or code == 429):
+        if isinstance(code, int) and (code >= 500 or code in (408, 429)):
             return True
         if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
             return True
-        if type(e).__module__.split(".")[0] in ("aiohttp", "urllib3"):
+        # the HTTP clients' own errors (gcsfs turns a 502 into requests' ProxyError)
+        if type(e).__module__.split(".")[0] in ("aiohttp", "urllib3", "requests"):
             return True
     return False
 
