@@ -43,6 +43,8 @@ class GcInfo:
       seconds: wall time.
       damaged_manifests: manifests that did not read (a dry run only: a real gc refuses).
         Chunks only they reference count as garbage in a dry run's figures.
+      leftover_bytes: bytes of temporary files that writers killed mid-write left in a local
+        directory, deleted past the grace period (0 for a dry run and an object store).
     """
 
     manifests: int
@@ -55,6 +57,7 @@ class GcInfo:
     dry_run: bool
     seconds: float
     damaged_manifests: int = 0
+    leftover_bytes: int = 0
 
 
 def gc(url: Url, *, grace_period_s: float = DEFAULT_GRACE_PERIOD_S, dry_run: bool = False,
@@ -97,7 +100,7 @@ def gc(url: Url, *, grace_period_s: float = DEFAULT_GRACE_PERIOD_S, dry_run: boo
 def _collect(store: Store, grace_period_s: float, lease: GcLease | None,
              max_workers: int | None, t0: float) -> GcInfo:
     """Marks and sweeps; ``lease`` None is a dry run (nothing deleted)."""
-    dry_run = lease is None
+    dry_run, leftovers = lease is None, 0
     now = time.time()
     chunks = {info.key: info for info in list_chunk_objects(store)}  # before the manifests
     scan = scan_manifests(store, max_workers=max_workers)
@@ -113,10 +116,12 @@ def _collect(store: Store, grace_period_s: float, lease: GcLease | None,
             store.delete(key)
 
         bounded_map(sweep, garbage, max_workers or store.max_workers)
+        lease.check()
+        leftovers = store.sweep_leftovers(grace_period_s)  # a killed local write's temp files
     return GcInfo(len(scan.manifests), len(chunks), len(referenced & chunks.keys()),
                   len(garbage), sum(chunks[key].size for key in garbage), young,
                   len(referenced - chunks.keys()), dry_run, time.perf_counter() - t0,
-                  len(scan.damaged))
+                  len(scan.damaged), leftovers)
 
 
 class RetentionGc:

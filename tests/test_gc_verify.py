@@ -266,3 +266,21 @@ def test_verify_of_a_live_repository_reports_no_step_committed_during_it(monkeyp
     report = casstore.verify(store, read_data=False)
     assert report.ok, report.problems
     assert sorted(report.steps_checked) == [("default", 0), ("default", 1)]
+
+
+def test_gc_deletes_the_temporary_files_of_a_killed_local_write(tmp_path):
+    """A save killed between writing a chunk's temporary file and renaming it leaves a file
+    no listing shows; gc deletes it once past the grace period, and nothing else."""
+    url = tmp_path / "repo"
+    casstore.save(url, 0, {"w": np.arange(1000.0)})
+    chunk = next((url / "chunks").rglob("*"))
+    chunk = chunk if chunk.is_file() else next(p for p in chunk.rglob("*") if p.is_file())
+    old = chunk.parent / f".{chunk.name}.{'a' * 32}.tmp"
+    young = chunk.parent / f".{chunk.name}.{'b' * 32}.tmp"
+    old.write_bytes(b"x" * 100)
+    young.write_bytes(b"y" * 10)
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    assert casstore.gc(url, dry_run=True).leftover_bytes == 0
+    info = casstore.gc(url)  # grace period: 1 hour
+    assert (info.leftover_bytes, old.exists(), young.exists()) == (100, False, True)
+    assert casstore.verify(url).ok

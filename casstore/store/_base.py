@@ -223,6 +223,13 @@ class Store(abc.ABC):
         self._check_writable(key)
         self._put(check_key(key), data, exclusive=True)
 
+    def sweep_leftovers(self, older_than_s: float) -> int:
+        """Deletes what a killed writer left that no listing shows, once ``older_than_s``
+        seconds old (GC calls it while it holds its lock); returns the bytes freed. None here:
+        an object store keeps no part of an upload that did not complete (``LocalStore``
+        overrides it for its temporary files)."""
+        return 0
+
     def location(self) -> str:
         """Where the objects are, spelled one way for comparing two stores (a local
         directory's real path: symlinks, ``file://`` and ``local://`` resolved; else the URL),

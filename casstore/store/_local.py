@@ -7,8 +7,11 @@ returns the object survives a crash and readers never see a partial object.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import stat
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -17,6 +20,7 @@ import numpy as np
 from .._errors import ObjectNotFoundError
 from ._base import ObjectInfo, Store
 
+_TEMPORARY = re.compile(r"\..+\.[0-9a-f]{32}\.tmp")  # a write's temporary file (_put)
 MAX_SPLIT_READ = 1 << 30  # bytes: larger objects are read whole (one preadv reads < 2 GiB)
 
 
@@ -122,6 +126,20 @@ class LocalStore(Store):
         if st is None or not stat.S_ISREG(st.st_mode):
             raise ObjectNotFoundError("no such object", url=self._path(key))
         return ObjectInfo(key, st.st_size, st.st_mtime)
+
+    def sweep_leftovers(self, older_than_s: float) -> int:
+        """Deletes the temporary files (``.<name>.<hex>.tmp``, see ``_put``) of writers killed
+        before their rename, once older than ``older_than_s`` seconds; returns their bytes."""
+        freed, now = 0, time.time()
+        for dirpath, _, filenames in os.walk(self.root):
+            for name in filenames:
+                path = os.path.join(dirpath, name)
+                with contextlib.suppress(FileNotFoundError):
+                    st = os.stat(path)
+                    if _TEMPORARY.fullmatch(name) and now - st.st_mtime >= older_than_s:
+                        os.unlink(path)
+                        freed += st.st_size
+        return freed
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
