@@ -221,20 +221,20 @@ class Persister:
             return {s for s in (self._running, self._queued) if s is not None}
 
     def delete(self, step: int) -> bool:
-        """For the manager's ``delete``: drops ``step`` from the backlog, waits while it is
-        persisting, forgets it, and (process 0) deletes it from the persistent tier; returns
-        whether it was there."""
+        """For the manager's ``delete``: drops ``step`` from the backlog, waits for its persist,
+        deletes it there (process 0), then forgets it; returns whether it was there."""
         with self._cond:
-            if self._queued == step:
-                self._queued = None
-                self._cond.notify_all()
-            if self._expected == step:  # process 0 drops it too: no round to wait for
-                self._expected = None
+            if step in (self._queued, self._expected):  # _expected: process 0 drops it too
+                self._queued = None if self._queued == step else self._queued
+                self._expected = None if self._expected == step else self._expected
                 self._cond.notify_all()
             self._cond.wait_for(lambda: self._running != step)
+        # first: if it raises (the tier unreachable), the step stays known to be there
+        found = jax.process_index() == 0 and deleted(self.persistent, step, self.run)
+        with self._cond:
             self._remote_steps.discard(step)
             self._details.pop(step, None)
-        return jax.process_index() == 0 and deleted(self.persistent, step, self.run)
+        return found
 
     def steps(self) -> set[int]:
         """The steps known to be on the persistent tier."""
