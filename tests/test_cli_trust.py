@@ -134,6 +134,7 @@ def test_a_deleted_base_chunk_is_one_missing_object_with_the_steps_needing_it(de
                                             + report["chunks_unchecked"])
     text = run("verify", delta_repo, code=1).stdout
     assert text.count("problem:") == 1
+    assert "1 missing, 0 corrupt, 0 unsupported, 5 unchecked" in text  # they add up
     assert "default@5" in text
     dry = run_json("gc", delta_repo, "--dry-run", "--grace-period", "0", code=1)  # damage
     listed = sum(1 for d in ("chunks", "deltas")

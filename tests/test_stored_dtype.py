@@ -207,6 +207,16 @@ def test_values_the_stored_dtype_holds_are_rounded_as_numpy_casts_them():
     assert (str(got["n"].dtype), got["n"].astype(np.int8).tolist()) == ("int4", [-8, 7, 0])
 
 
+def test_a_complex_narrowing_casts_without_a_warning():
+    import warnings
+
+    store, value = MemoryStore(), np.array([1 + 2j, -0.5j], np.complex128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's ComplexWarning came from the check
+        casstore.save(store, 0, {"c": value}, dtypes={"c": np.complex64})
+    assert casstore.restore(store, 0)["c"].tolist() == value.astype(np.complex64).tolist()
+
+
 def test_a_prefix_matching_no_array_leaf_is_an_error():
     store = CountingStore(MemoryStore())
     with pytest.raises(ValueError, match="'parms' matches no array leaf"):

@@ -861,3 +861,13 @@ def test_a_damaged_local_manifest_of_a_persisted_step_is_read_from_the_persisten
     assert_bit_exact(casstore.restore(local, 0, fallback=remote), 0)
     with manager(local, remote) as mngr:
         assert_bit_exact(mngr.restore(0), 0)
+
+
+def test_a_fallback_store_is_a_read_only_view(tmp_path):
+    """exists() answers for every tier, so a save through the view would skip the chunks only
+    a fallback holds and leave the primary a step it cannot restore: refused."""
+    local, remote = LocalStore(tmp_path / "local"), LocalStore(tmp_path / "remote")
+    casstore.save(remote, 0, tree_for(0))
+    with pytest.raises(casstore.ReadOnlyStoreError):
+        casstore.save(casstore.FallbackStore(local, [remote]), 1, tree_for(0))
+    assert casstore.list_steps(local) == []
