@@ -283,8 +283,8 @@ def gc_when(store: Store, key: str, locks: bool, monkeypatch, before=lambda: Non
     from casstore import _gc, _save
     if not locks:
         import contextlib
-        monkeypatch.setattr(_save, "save_lock", lambda store: contextlib.nullcontext())
-        unlocked = type("Unlocked", (), {"check": lambda self: None})()
+        unlocked = type("Unlocked", (), {"check": lambda self: None})()  # no lease to check
+        monkeypatch.setattr(_save, "save_lock", lambda store: contextlib.nullcontext(unlocked))
         monkeypatch.setattr(_gc, "gc_lock",
                             lambda store, timeout: contextlib.nullcontext(unlocked))
     outcome = []
