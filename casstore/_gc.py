@@ -21,6 +21,7 @@ from ._scan import require_intact, scan_manifests
 from .store import Store, open_store
 
 DEFAULT_GRACE_PERIOD_S = 3600.0
+LEFTOVER_AGE_S = 3600.0  # a temporary file untouched this long is no write in flight
 log = logging.getLogger("casstore")
 
 
@@ -44,7 +45,9 @@ class GcInfo:
       damaged_manifests: manifests that did not read (a dry run only: a real gc refuses).
         Chunks only they reference count as garbage in a dry run's figures.
       leftover_bytes: bytes of temporary files that writers killed mid-write left in a local
-        directory, deleted past the grace period (0 for a dry run and an object store).
+        directory, deleted once untouched for the grace period and at least
+        ``LEFTOVER_AGE_S`` (1 hour: a younger one may be a write in flight); 0 for a dry run
+        and an object store.
     """
 
     manifests: int
@@ -117,7 +120,8 @@ def _collect(store: Store, grace_period_s: float, lease: GcLease | None,
 
         bounded_map(sweep, garbage, max_workers or store.max_workers)
         lease.check()
-        leftovers = store.sweep_leftovers(grace_period_s)  # a killed local write's temp files
+        # a killed local write's temp files; a younger one may be a write in flight
+        leftovers = store.sweep_leftovers(max(grace_period_s, LEFTOVER_AGE_S))
     return GcInfo(len(scan.manifests), len(chunks), len(referenced & chunks.keys()),
                   len(garbage), sum(chunks[key].size for key in garbage), young,
                   len(referenced - chunks.keys()), dry_run, time.perf_counter() - t0,

@@ -284,3 +284,20 @@ def test_gc_deletes_the_temporary_files_of_a_killed_local_write(tmp_path):
     info = casstore.gc(url)  # grace period: 1 hour
     assert (info.leftover_bytes, old.exists(), young.exists()) == (100, False, True)
     assert casstore.verify(url).ok
+
+
+def test_gc_with_no_grace_period_spares_a_temporary_file_being_written(tmp_path):
+    """grace_period_s=0 frees unreferenced chunks at once, but a temporary file younger than
+    LEFTOVER_AGE_S may be another process's write before its rename (a save lock, a chunk):
+    deleting it failed that write (CI, test_processes)."""
+    url = tmp_path / "repo"
+    casstore.save(url, 0, {"w": np.arange(1000.0)})
+    (url / "locks").mkdir(exist_ok=True)
+    in_flight = url / "locks" / f".save-{'c' * 32}.{'d' * 32}.tmp"
+    in_flight.write_bytes(b"lock")
+    os.utime(in_flight, (time.time() - 600, time.time() - 600))
+    assert casstore.gc(url, grace_period_s=0).leftover_bytes == 0
+    assert in_flight.exists()
+    os.utime(in_flight, (time.time() - 3700, time.time() - 3700))
+    assert casstore.gc(url, grace_period_s=0).leftover_bytes == 4
+    assert not in_flight.exists()
