@@ -48,7 +48,7 @@ from ._errors import (
 )
 from ._framing import check_framing
 from ._layout import chunk_key, manifest_key
-from ._locks import SaveLease, save_lock
+from ._locks import Lease, save_lock
 from ._manifest import Manifest, decode_manifest
 from ._pool import bounded_map
 from ._repository import (
@@ -204,7 +204,7 @@ def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
                   progress: Callable[[CopyProgress], None] | None = None,
                   share: tuple[int, int] | None = None, gate: Callable[[], None] | None = None,
                   manifests: list[tuple[bytes, Manifest]] | None = None,
-                  lease: SaveLease | None = None) -> CopyInfo:
+                  lease: Lease | None = None) -> CopyInfo:
     """The engine of :func:`copy` (and of the manager's persist): copies ``selected`` steps
     from ``src`` to ``dst`` given ``present``, destination object keys and sizes known to be
     there, which it updates with what it sends or finds. With ``probe``, an object not in
@@ -317,7 +317,7 @@ class _Engine:
 
     def __init__(self, src: Store, dst: Store, plan: list[_Step], needed: dict, total: int,
                  verify: bool, progress: Callable[[CopyProgress], None] | None, probe: bool,
-                 gate: Callable[[], None] | None, lease: SaveLease | None):
+                 gate: Callable[[], None] | None, lease: Lease | None):
         self.src, self.dst, self.plan, self.needed, self.gate = src, dst, plan, needed, gate
         self.lease = lease
         self.total, self.verify, self.progress, self.probe = total, verify, progress, probe

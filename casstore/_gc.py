@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import time
 
-from ._locks import GcBusyError, GcLease, gc_lock
+from ._locks import GcBusyError, Lease, gc_lock
 from ._pool import bounded_map
 from ._repository import Url, check_config, list_chunk_objects
 from ._scan import require_intact, scan_manifests
@@ -100,7 +100,7 @@ def gc(url: Url, *, grace_period_s: float = DEFAULT_GRACE_PERIOD_S, dry_run: boo
         return _collect(store, grace_period_s, lease, max_workers, t0)
 
 
-def _collect(store: Store, grace_period_s: float, lease: GcLease | None,
+def _collect(store: Store, grace_period_s: float, lease: Lease | None,
              max_workers: int | None, t0: float) -> GcInfo:
     """Marks and sweeps; ``lease`` None is a dry run (nothing deleted)."""
     dry_run, leftovers = lease is None, 0

@@ -45,7 +45,7 @@ class GcBusyError(CasstoreError):
 
 def _live(store: Store, kind: str) -> list[str]:
     """Keys of the locks of ``kind`` that are not stale (see the module docstring)."""
-    now, stale = time.time(), GC_LOCK_STALE_S if kind == "gc" else STALE_LOCK_S
+    now, stale = time.time(), _timing(kind)[1]
     return [info.key for info in store.list(LOCKS_PREFIX)
             if lock_kind(info.key) == kind and now - info.mtime < stale]
 
@@ -57,46 +57,71 @@ def _put_lock(store: Store, kind: str, key: str | None = None) -> str:
     return key
 
 
-class GcLease:
-    """Keeps a GC lock fresh from a background thread while GC runs.
+def _timing(kind: str) -> tuple[float, float]:
+    """(refresh, stale) seconds of a lock of ``kind``: a lock not re-put for ``stale`` is
+    ignored as a dead process's (read at each call: tests shorten them)."""
+    return (GC_LOCK_REFRESH_S, GC_LOCK_STALE_S) if kind == "gc" else (SAVE_LOCK_REFRESH_S,
+                                                                      STALE_LOCK_S)
+
+
+class Lease:
+    """A lock kept fresh: re-put every refresh period from a background thread (restic
+    refreshes its locks so), so that no one takes it for a dead process's while its holder
+    works. A GC lock is re-put every ``GC_LOCK_REFRESH_S``, a save lock (a save or copy of
+    many hours) every ``SAVE_LOCK_REFRESH_S``. Times are wall-clock: a suspended process
+    counts its sleep as the others do.
 
     Attributes:
       key: the lock object.
+      kind: ``"gc"`` or ``"save"``.
     """
 
-    def __init__(self, store: Store, key: str):
-        self.store, self.key = store, key
-        self._last, self._broken = time.monotonic(), False
+    def __init__(self, store: Store, kind: str):
+        self.store, self.kind, self.key = store, kind, lock_key(kind, uuid.uuid4().hex)
+        self._last, self._broken = time.time(), False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._refresh, daemon=True,
-                                        name="casstore-gc-lease")
+                                        name=f"casstore-{kind}-lock")
+
+    def start(self) -> None:
+        """Starts the refreshes; the lock was put just now."""
+        self._last = time.time()
         self._thread.start()
 
     def _refresh(self) -> None:
-        while not self._stop.wait(GC_LOCK_REFRESH_S):
-            try:
-                _put_lock(self.store, "gc", self.key)
-            except Exception:  # the lease runs out unless a later refresh lands
-                continue
-            now = time.monotonic()
-            self._broken |= now - self._last > GC_LOCK_STALE_S / 2
-            self._last = now
+        while not self._stop.wait(_timing(self.kind)[0]):
+            with contextlib.suppress(Exception):  # the lease runs out unless a later put lands
+                _put_lock(self.store, self.kind, self.key)
+                now = time.time()
+                self._broken |= now - self._last > _timing(self.kind)[1] / 2
+                self._last = now
 
     def check(self) -> None:
-        """Raises unless the lock was refreshed in time ever since it was taken.
+        """Raises unless every refresh came within half the stale time since the lock was
+        taken; GC calls it before each delete, a save or copy before each commit.
 
         Raises:
-          CasstoreError: a refresh came late or not at all: saves may have ignored the lock,
-            so GC must not delete anything more.
+          CasstoreError: a refresh came late or not at all (the process was paused, or the
+            store did not answer): for a GC lock, saves may have ignored it, so GC deletes
+            nothing more; for a save lock, GC may have deleted chunks the step needs, so
+            nothing more is committed.
         """
-        if self._broken or time.monotonic() - self._last > GC_LOCK_STALE_S / 2:
+        if not self._broken and time.time() - self._last <= _timing(self.kind)[1] / 2:
+            return
+        if self.kind == "gc":
             raise CasstoreError(f"garbage collection could not keep its lock {self.key!r} "
                                 f"fresh (url {self.store.url!r}); it stopped deleting, and "
                                 "running it again finishes the work")
+        raise CasstoreError(f"the save lock {self.key!r} (url {self.store.url!r}) was not "
+                            "kept fresh: garbage collection may have deleted chunks this "
+                            "step needs; nothing more is committed, save or copy again")
 
     def stop(self) -> None:
+        """Stops the refreshes; a put in flight ends first (it must not bring the lock back
+        once released)."""
         self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
 
 def check_write_access(store: Store) -> None:
@@ -126,50 +151,11 @@ def _held_by(store: Store, keys: list[str]) -> str:
             "delete its object once sure that process is gone (docs/reliability.md)")
 
 
-class SaveLease:
-    """A save lock kept fresh: re-put every ``SAVE_LOCK_REFRESH_S`` from a background thread,
-    so GC never takes a save or copy of many hours for a dead process's.
-
-    Attributes:
-      key: the lock object.
-    """
-
-    def __init__(self, store: Store, key: str):
-        self.store, self.key = store, key
-        self.last, self._broken = time.time(), False  # wall time: it counts a suspend too
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._refresh, daemon=True,
-                                        name="casstore-save-lock")
-
-    def _refresh(self) -> None:
-        while not self._stop.wait(SAVE_LOCK_REFRESH_S):
-            with contextlib.suppress(Exception):  # the next refresh may land; hours away
-                _put_lock(self.store, "save", self.key)
-                now = time.time()
-                self._broken |= now - self.last > STALE_LOCK_S / 2
-                self.last = now
-
-    def check(self) -> None:
-        """Raises unless the lock was kept fresh ever since it was taken; called before a
-        manifest is written.
-
-        Raises:
-          CasstoreError: a refresh came late or not at all (the process was paused, or the
-            store did not answer, for hours): GC may have taken the lock for a dead process's
-            and deleted chunks this save or copy counted on, so it must commit nothing more.
-        """
-        if self._broken or time.time() - self.last > STALE_LOCK_S / 2:
-            raise CasstoreError(f"the save lock {self.key!r} (url {self.store.url!r}) was not "
-                                "kept fresh: garbage collection may have deleted chunks "
-                                "this step needs; nothing more is committed, save or copy "
-                                "again")
-
-
 @contextlib.contextmanager
-def save_lock(store: Store) -> Iterator[SaveLease]:
+def save_lock(store: Store) -> Iterator[Lease]:
     """Holds a save lock for the body, after any GC that holds its lock has finished, and
-    keeps it fresh (:class:`SaveLease`, whose ``check`` the body calls before each commit)."""
-    lease = SaveLease(store, lock_key("save", uuid.uuid4().hex))
+    keeps it fresh (:class:`Lease`, whose ``check`` the body calls before each commit)."""
+    lease = Lease(store, "save")
     try:
         _put_lock(store, "save", lease.key)  # its answer lost, it may be stored all the same
         since = time.monotonic()
@@ -180,13 +166,10 @@ def save_lock(store: Store) -> Iterator[SaveLease]:
                             "(lock %s); a GC lock not refreshed for %g s is ignored", store.url,
                             ", ".join(gc), GC_LOCK_STALE_S)
             time.sleep(POLL_S)
-        lease.last = time.time()
-        lease._thread.start()
+        lease.start()
         yield lease
     finally:
-        lease._stop.set()
-        if lease._thread.is_alive():
-            lease._thread.join()  # a put in flight must not bring the lock back after release
+        lease.stop()
         _release(store, lease.key)
 
 
@@ -204,7 +187,7 @@ def _release(store: Store, key: str) -> None:
 
 
 @contextlib.contextmanager
-def gc_lock(store: Store, timeout_s: float) -> Iterator[GcLease]:
+def gc_lock(store: Store, timeout_s: float) -> Iterator[Lease]:
     """Holds the GC lock for the body, taken at a moment no save is in flight; yields its
     lease, whose ``check()`` GC calls before each delete.
 
@@ -218,15 +201,15 @@ def gc_lock(store: Store, timeout_s: float) -> Iterator[GcLease]:
     told = False
     while True:
         if not (saves := _live(store, "save")):
-            key = lock_key("gc", uuid.uuid4().hex)
+            lease = Lease(store, "gc")
             try:
-                _put_lock(store, "gc", key)
+                _put_lock(store, "gc", lease.key)
             except BaseException:
-                _release(store, key)  # an answer lost: the lock may be stored
+                _release(store, lease.key)  # an answer lost: the lock may be stored
                 raise
             if not (saves := _live(store, "save")):
                 break
-            _release(store, key)
+            _release(store, lease.key)
         waited = time.monotonic() - start
         if waited >= timeout_s or (not told and waited > WAIT_NOTICE_S):
             told = True
@@ -237,9 +220,9 @@ def gc_lock(store: Store, timeout_s: float) -> Iterator[GcLease]:
             log.warning("casstore: gc of %s waits for saves in flight (up to %g s); %s",
                         store.url, timeout_s, held)
         time.sleep(POLL_S)
-    lease = GcLease(store, key)
+    lease.start()
     try:
         yield lease
     finally:
         lease.stop()
-        _release(store, key)
+        _release(store, lease.key)

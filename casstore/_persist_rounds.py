@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from ._copy import CopyInfo, copy_selected
 from ._errors import ManifestError, StepNotFoundError
-from ._locks import SaveLease, save_lock
+from ._locks import Lease, save_lock
 from ._multihost import Rounds
 from ._repository import read_manifest
 from .store import Store
@@ -26,7 +26,7 @@ from .store import Store
 
 def persist_shared(rounds: Rounds, local: Store, persistent: Store, run: str, step: int,
                    present: dict[str, int], known: int | None, persisted: set[int],
-                   gate: Callable[[], None], lease: SaveLease | None = None) -> CopyInfo:
+                   gate: Callable[[], None], lease: Lease | None = None) -> CopyInfo:
     """Process 0's part of a shared persist of ``step`` of ``run`` from ``local`` to
     ``persistent``: a round, its own share, the others' posts, then the manifest (every object
     in ``present`` by then: no transfer), then the round's outcome.
