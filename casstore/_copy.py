@@ -40,16 +40,11 @@ import zlib
 from collections.abc import Callable
 
 from ._delta import DeltaBases
-from ._errors import (
-    CorruptChunkError,
-    StepAlreadyExistsError,
-    StepNotFoundError,
-    StoreTimeoutError,
-)
+from ._errors import CorruptChunkError, StepAlreadyExistsError, StepNotFoundError, StoreTimeoutError
 from ._framing import check_framing
 from ._layout import chunk_key, manifest_key
 from ._locks import Lease, save_lock
-from ._manifest import Manifest, decode_manifest
+from ._manifest import Manifest
 from ._pool import bounded_map
 from ._repository import (
     Url,
@@ -58,7 +53,7 @@ from ._repository import (
     list_chunk_objects,
     list_runs,
     list_steps,
-    read_manifest_bytes,
+    read_decoded,
 )
 from .store import Store, open_store
 
@@ -124,9 +119,8 @@ def copy(src_url: Url, dst_url: Url, *, steps: list[int] | None = None,
     destination lacks (delta objects and their bases included) through one pool of
     ``max_workers`` threads across all steps, and writes each step's manifest create-only, in
     step order, once its objects are in. The lock keeps the destination's garbage collection
-    out meanwhile. Between two paths of one S3 or
-    GCS service reached with the same endpoint and credentials, each object is copied by the
-    service (:meth:`~casstore.store.Store.server_side_copy`) unless ``verify``.
+    out meanwhile. Between two paths of one S3 or GCS service (same endpoint, credentials) the
+    service copies each object unless ``verify``: :meth:`~casstore.store.Store.server_side_copy`.
 
     Args:
       src_url, dst_url: paths, fsspec URLs or Stores.
@@ -270,11 +264,10 @@ def read_manifests(src: Store, selected: list[tuple[str, int]]
     def read(pair: tuple[str, int]) -> tuple[bytes, Manifest]:
         run, step = pair
         try:
-            data = read_manifest_bytes(src, run, step)
+            return read_decoded(src, run, step)
         except FileNotFoundError:
             raise StepNotFoundError("step deleted from the source during the copy",
                                     url=src.url, run=run, step=step) from None
-        return data, decode_manifest(data, run=run, step=step, url=src.url)
 
     return bounded_map(read, selected, src.max_workers)
 
@@ -349,10 +342,10 @@ class _Engine:
                 self._done(obj, self.sent, size)
                 return
             data = self.bases.read(obj, cid, base)
-            if self.verify:
-                self.bases.decode(data, cid, base, raw_length)
-            else:
-                check_framing(data, cid, raw_length, delta=base is not None)
+            try:
+                self._check(data, cid, base, raw_length)
+            except CorruptChunkError:  # damaged at the source only if it fails again
+                self._check(data := self.src.get(obj), cid, base, raw_length)
             if self.stopped:
                 return
             self.dst.put(obj, data)
@@ -366,6 +359,12 @@ class _Engine:
         except StoreTimeoutError as e:
             raise e.at(run=s.run, step=s.step, key_path=path, chunk_id=cid) from e
         self._done(obj, self.sent, len(data))
+
+    def _check(self, data: bytes, cid: str, base: str | None, raw_length: int) -> None:
+        if self.verify:
+            self.bases.decode(data, cid, base, raw_length)
+        else:
+            check_framing(data, cid, raw_length, delta=base is not None)
 
     def _found(self, obj: str) -> bool:
         try:

@@ -18,7 +18,7 @@ import numpy as np
 
 from ._codec import decode_chunk
 from ._copy import needed_objects
-from ._delta import decode_delta
+from ._delta import decode_delta, read_again
 from ._errors import CorruptChunkError, ManifestError, ObjectNotFoundError, UnsupportedFormatError
 from ._layout import CONFIG_KEY, chunk_key, parse_manifest_key
 from ._manifest import ChunkRef, decode_manifest
@@ -170,12 +170,12 @@ class FallbackStore(Store):
             while total > HELD_BYTES and len(self._held) > 1:
                 total -= len(self._held.pop(next(iter(self._held))))
 
-    def copies(self, key: str, *, primary: bool = True) -> list[tuple[Store, bytes]]:
-        """``(tier, bytes)`` of every tier's copy of ``key`` (the primary's first, unless
-        ``primary=False``); tiers without one are left out."""
+    def copies(self, key: str) -> list[tuple[Store, bytes]]:
+        """``(tier, bytes)`` of every tier's copy of ``key``, the primary's first; tiers without
+        one, or whose read failed its transfer checksum, are left out."""
         found = []
-        for tier in [self.primary, *self.fallbacks][0 if primary else 1:]:
-            with contextlib.suppress(FileNotFoundError):
+        for tier in [self.primary, *self.fallbacks]:
+            with contextlib.suppress(FileNotFoundError, CorruptChunkError):
                 data = tier.get(key)
                 self._count(tier, len(data), recovered=tier is not self.primary)
                 found.append((tier, data))
@@ -261,22 +261,24 @@ def with_fallback(store: Store, fallback) -> Store:
 
 def reread_chunk(store: Store, key: str, ref: ChunkRef, out: np.ndarray | None
                  ) -> memoryview | None:
-    """A chunk that failed its checks as first read, read and decoded from the tiers' other
-    copies: a whole chunk from the first fallback whose copy passes them; a delta chunk from
-    the first pair of copies of the delta object and of its base (from any tier, the
-    primary's included: either of the two may be the damaged one) that passes them. None if
-    ``store`` has no fallbacks or no pair passes. ``out`` as for :func:`decode_chunk`. The
-    copies used are written back to the primary when the store says so (replacing the
-    damaged ones)."""
+    """A chunk that failed its checks (or was missing) as first read, read again and decoded:
+    from ``store`` itself (:func:`~casstore._delta.read_again`: bytes damaged on their way);
+    for tiers, from each tier's copy, the primary's first: a whole chunk from the first copy
+    that passes them; a delta chunk from the first pair of copies of the delta object and of
+    its base (from any tier: either of the two may be the damaged one) that passes them.
+    None if nothing passes. ``out`` as for :func:`decode_chunk`. The copies used are written
+    back to the primary when the store says so (replacing the damaged ones)."""
     if not isinstance(store, FallbackStore):
-        return None
+        try:
+            return read_again(store, key, ref.id, ref.base, ref.raw_bytes, out)
+        except (CorruptChunkError, FileNotFoundError):
+            return None
     confirm_chunk(store, key, ref.base, ok=False)  # what the first read held failed its checks
     if ref.base is None:
-        pairs = [(c, None) for c in store.copies(key, primary=False)]
+        pairs = [(c, None) for c in store.copies(key)]
     else:
         bases = store.copies(chunk_key(ref.base))
-        pairs = [(c, b) for c in store.copies(key) for b in bases
-                 if c[0] is not store.primary or b[0] is not store.primary]  # that one failed
+        pairs = [(c, b) for c in store.copies(key) for b in bases]
     for copy, base in pairs:
         try:
             if base is None:

@@ -68,9 +68,25 @@ def _check_planes(payload: memoryview, k: int, n: int, bad: Callable) -> None:
 
 
 def _check_frame_size(frame: memoryview, size: int, bad: Callable) -> None:
+    """Checks that ``frame`` is one zstd frame declaring ``size`` content bytes that ends
+    exactly where ``frame`` does: its blocks are walked by their 3-byte headers (RFC 8878
+    §3.1.1.2), none decoded, so a frame cut short (a body that ended early) is refused."""
     try:
         declared = zstandard.frame_content_size(frame)
+        position = zstandard.frame_header_size(frame)
+        checksum = zstandard.get_frame_parameters(frame).has_checksum
     except zstandard.ZstdError as e:
         raise bad(f"not a zstd frame: {e}") from e
     if declared != size:
         raise bad(f"zstd frame declares {declared} bytes, expected {size}")
+    last = False
+    while not last:
+        if position + 3 > len(frame):
+            raise bad(f"zstd frame cut short at {len(frame)} bytes")
+        header = int.from_bytes(frame[position:position + 3], "little")
+        last, kind = bool(header & 1), (header >> 1) & 3
+        if kind == 3:
+            raise bad("reserved zstd block type")
+        position += 3 + (1 if kind == 1 else header >> 3)  # an RLE block holds one byte
+    if position + 4 * checksum != len(frame):
+        raise bad(f"zstd frame of {position + 4 * checksum} bytes in {len(frame)}")

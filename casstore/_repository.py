@@ -90,7 +90,15 @@ def check_config(store: Store) -> bool:
         a repository until its config object is put back: ``repair``).
     """
     try:
-        parse_config(store.get(CONFIG_KEY), store.url)
+        data = store.get(CONFIG_KEY)
+        try:
+            parse_config(data, store.url)
+        except UnsupportedFormatError:
+            raise
+        except ManifestError:  # damaged in storage only if it fails again (read_decoded)
+            if (again := store.get(CONFIG_KEY)) == data:
+                raise
+            parse_config(again, store.url)
     except FileNotFoundError:
         if any(parse_manifest_key(info.key) for info in store.list(RUNS_PREFIX)):
             raise ManifestError(f"config object missing, but steps exist{_REPAIR_HINT}",
@@ -184,6 +192,29 @@ def read_manifest_bytes(store: Store, run: str, step: int, size: int | None = No
     return data
 
 
+def read_decoded(store: Store, run: str, step: int, size: int | None = None
+                 ) -> tuple[bytes, Manifest]:
+    """A step's manifest object, read (:func:`read_manifest_bytes`) and decoded: its bytes
+    and the :class:`Manifest`. One that does not decode is read once more, and decoded if
+    its bytes changed (a body cut short on its way, a response without Content-Length).
+
+    Raises:
+      ManifestError: it does not decode (the second read's error, or the first's if the same
+        bytes came back), or is over the size limit.
+      FileNotFoundError: it does not exist.
+    """
+    data = read_manifest_bytes(store, run, step, size)
+    try:
+        return data, decode_manifest(data, run=run, step=step, url=store.url)
+    except UnsupportedFormatError:
+        raise
+    except ManifestError:
+        again = read_manifest_bytes(store, run, step, size)
+        if again == data:
+            raise
+    return again, decode_manifest(again, run=run, step=step, url=store.url)
+
+
 def read_manifest(url: Url, step: int | None = None, *, run: str = "default") -> Manifest:
     """Reads and validates the manifest of one step (format.md §4).
 
@@ -206,10 +237,9 @@ def read_manifest(url: Url, step: int | None = None, *, run: str = "default") ->
                                 step=step)
     step = resolve_step(store, step, run)
     try:
-        data = read_manifest_bytes(store, run, step)
+        return read_decoded(store, run, step)[1]
     except FileNotFoundError:
         raise StepNotFoundError("no such step", url=store.url, run=run, step=step) from None
-    return decode_manifest(data, run=run, step=step, url=store.url)
 
 
 def delete(url: Url, step: int, *, run: str = "default") -> None:

@@ -18,9 +18,9 @@ from ._errors import (
     StoreUnreachableError,
 )
 from ._layout import RUNS_PREFIX, parse_manifest_key
-from ._manifest import Manifest, decode_manifest
+from ._manifest import Manifest
 from ._pool import bounded_map
-from ._repository import Url, check_config, read_manifest_bytes
+from ._repository import Url, check_config, read_decoded
 from .store import Store, open_store
 
 # Problem.kind values: what is wrong, and so what to do (docs/recovery.md).
@@ -140,8 +140,7 @@ def _read(store: Store, parsed: tuple[str, int], size: int) -> Manifest | Proble
     deleted since listing."""
     run, step = parsed
     try:
-        data = read_manifest_bytes(store, run, step, size)
-        return decode_manifest(data, run=run, step=step, url=store.url)
+        return read_decoded(store, run, step, size)[1]
     except STORE_FAILURES:
         raise
     except FileNotFoundError:

@@ -14,8 +14,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from ._delta import DeltaBases
-from ._errors import CasstoreError, ManifestError, UnsupportedFormatError
+from ._delta import DeltaBases, read_again
+from ._errors import CasstoreError, CorruptChunkError, ManifestError, UnsupportedFormatError
 from ._layout import CONFIG_KEY, chunk_key, manifest_key
 from ._manifest import ChunkRef, Manifest
 from ._pool import bounded_map
@@ -239,7 +239,10 @@ def _read_all(store: Store, users: dict[str, _Users], keys: list[str], max_worke
         ref = users[key].ref
         try:
             data = bases.read(key, ref.id, ref.base)
-            bases.decode(data, ref.id, ref.base, ref.raw_bytes)
+            try:
+                bases.decode(data, ref.id, ref.base, ref.raw_bytes)
+            except CorruptChunkError:  # damaged in storage only if it fails again
+                read_again(store, key, ref.id, ref.base, ref.raw_bytes)
             found = None
         except STORE_FAILURES:
             raise  # the store failed; the object may be fine

@@ -230,6 +230,26 @@ def test_the_framing_check_refuses_a_truncated_object_without_decoding(tmp_path)
     assert casstore.list_steps(tmp_path / "dst") == []
 
 
+@pytest.mark.parametrize("array", [np.arange(10.0), np.zeros(100_000),
+                                   np.random.default_rng(0).normal(0, 0.02, 300_000)
+                                   .astype(np.float32)], ids=["tiny", "zeros", "planes"])
+def test_the_framing_check_finds_a_zstd_frame_cut_short_or_followed_by_bytes(array):
+    """Each zstd frame's blocks are walked (RFC 8878 §3.1.1.2): a body that ended early
+    anywhere, even inside a frame whose header is intact, is refused, and so are bytes past
+    the frame; the whole object passes."""
+    from casstore._codec import chunk_id, encode_chunk
+    from casstore._framing import check_framing
+
+    raw = memoryview(array.tobytes())
+    data = bytes(encode_chunk(raw, element_size=array.itemsize))
+    assert data[5] != 0  # zstd frames (codec 1 or 5), not raw bytes
+    check_framing(data, chunk_id(raw), len(raw))
+    for damaged in [data[:n] for n in (len(data) - 1, len(data) - 4, len(data) * 2 // 3,
+                                       len(data) // 2)] + [data + b"\0"]:
+        with pytest.raises(casstore.CorruptChunkError, match="bad chunk object"):
+            check_framing(damaged, chunk_id(raw), len(raw))
+
+
 def test_steps_that_need_an_unusable_object_are_left_out_and_the_rest_copied(tmp_path):
     """A recovery copies the healthy rest: the steps of other runs, and later steps of the
     same run that do not need the damaged object, commit; the error names what was not."""
