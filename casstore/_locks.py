@@ -30,7 +30,7 @@ from ._layout import LOCKS_PREFIX, lock_key, lock_kind
 from .store import Store
 
 STALE_LOCK_S = 6 * 3600.0
-SAVE_LOCK_REFRESH_S = STALE_LOCK_S / 4
+SAVE_LOCK_REFRESH_S = STALE_LOCK_S / 8  # 45 min: two refreshes in a row may fail (STALE / 2)
 GC_LOCK_REFRESH_S = 60.0
 GC_LOCK_STALE_S = 600.0  # seconds; leaves room for clock skew between hosts and the store
 POLL_S = 0.1
