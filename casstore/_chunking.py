@@ -161,7 +161,8 @@ def overflowed(block: Any, out: Any) -> bool:
         lost |= finite & (magnitude >= limit if tie_overflows else magnitude > limit)
     if not bool(xp.all(finite)):
         lost |= xp.isnan(block) & ~xp.isnan(out)
-        lost |= xp.isinf(block) & ~(xp.isinf(out) & ((out > 0) == (block > 0)))
+        with np.errstate(invalid="ignore"):  # NaN compared with 0: False, as meant here
+            lost |= xp.isinf(block) & ~(xp.isinf(out) & ((out > 0) == (block > 0)))
     return bool(xp.any(lost))
 
 

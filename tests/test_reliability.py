@@ -521,11 +521,13 @@ def test_a_body_cut_short_on_its_way_is_read_again_not_reported_as_damage(backen
     assert casstore.read_manifest(CutShort(inner), 1).step == 1
     np.testing.assert_array_equal(casstore.restore(CutShort(inner), 1)["w"], w)
     report = casstore.verify(CutShort(inner))
-    assert report.ok and report.chunks_checked > 0, report.problems
+    assert report.ok, report.problems
+    assert report.chunks_checked > 0
     for verify in (False, True):
         dst = casstore.LocalStore(tmp_path / f"copy-{verify}")
         info = casstore.copy(CutShort(inner), dst, verify=verify)
-        assert len(info.steps_copied) == 2 and casstore.verify(dst).ok
+        assert len(info.steps_copied) == 2
+        assert casstore.verify(dst).ok
         np.testing.assert_array_equal(casstore.restore(dst, 1)["w"], w)
     assert "passed when read again" in caplog.text
 
@@ -534,9 +536,10 @@ def test_a_body_cut_short_on_its_way_is_read_again_not_reported_as_damage(backen
     with pytest.raises(casstore.ManifestError, match="config object"):
         casstore.read_manifest(FaultyStore(inner, seed=0, rate=1.0, kinds=("truncated",)), 1)
     damaged = CutShort(inner, ("deltas/",), always=True)
-    with pytest.raises(casstore.CorruptChunkError):
+    with pytest.raises(casstore.CorruptChunkError, match="step 1"):
         casstore.restore(damaged, 1)
     report = casstore.verify(damaged)
-    assert not report.ok and {p.kind for p in report.problems} == {"corrupt"}
-    with pytest.raises(casstore.CorruptChunkError):
+    assert not report.ok
+    assert {p.kind for p in report.problems} == {"corrupt"}
+    with pytest.raises(casstore.CorruptChunkError, match="bad chunk object"):
         casstore.copy(damaged, casstore.LocalStore(tmp_path / "copy-damaged"))

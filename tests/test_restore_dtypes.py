@@ -391,6 +391,7 @@ def test_casts_between_ml_dtypes_types_are_checked_value_by_value(saved, values,
         assert casstore.list_steps(store) == [0]
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # the check compares NaN silently
 def test_nan_and_infinities_keep_their_value_where_the_target_has_them():
     store = MemoryStore()
     saved = np.array([float("nan"), float("inf"), -float("inf"), 1.5], np.float32)
