@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ._chunking import DTYPE_NAMES, dtype_from_name, overflowed
-from ._errors import UnsupportedLeafError
+from ._errors import TensorFileError, UnsupportedLeafError
 from ._repository import Url, read_manifest
 from .store import open_store
 
@@ -172,13 +172,20 @@ def import_tensors(file: str | os.PathLike, url: Url, step: int, *,
     Names with "/" nest (key paths, format.md §5); others are keys of one flat dict.
 
     Raises:
-      TensorFileError: the file is not a valid .safetensors / .npz file (names it).
+      TensorFileError: the file is not a valid .safetensors / .npz file, or its tensor names
+        do not nest into one pytree (:func:`~casstore._tensorfile.tree_of`; names the file).
+      UnsupportedLeafError: an .npz array of a dtype casstore does not store.
       StepAlreadyExistsError: the step exists.
     """
     from ._save import save
     from ._tensorfile import read_tensors, tree_of
 
     tensors = read_tensors(file)
-    info = save(url, step, tree_of(tensors), run=run)
+    try:
+        tree = tree_of(tensors)
+    except ValueError as e:
+        raise TensorFileError(f"its tensor names do not make a pytree: {e}", url=str(file)
+                              ) from e
+    info = save(url, step, tree, run=run)
     return ImportInfo(len(tensors), info.logical_bytes, info.written_bytes)
 

@@ -112,7 +112,11 @@ def _read_npz(path: str) -> dict[str, np.ndarray]:
         raise TensorFileError("not an .npz archive (numpy sees no zip file)", url=str(path)
                               ) from e
     with z:
-        return {name: z[name] for name in z.files}
+        out = {name: z[name] for name in z.files}
+    for name, value in out.items():
+        if not isinstance(value, np.ndarray):  # numpy returns another member's raw bytes
+            raise TensorFileError(f"member {name!r} is not a .npy array", url=str(path))
+    return out
 
 
 def _read_safetensors(path: str) -> dict[str, np.ndarray]:
@@ -131,10 +135,12 @@ def tree_of(tensors: dict[str, np.ndarray]) -> dict:
     """Nests tensors by their names' key paths: ``a/b`` -> ``{"a": {"b": ...}}``.
 
     A name that is not a valid key path (format.md §5) is one dict key. A node whose elements
-    are exactly ``[0] .. [n-1]`` becomes a list; ``[=k]`` is the int dict key k.
+    are exactly ``[0] .. [n-1]`` becomes a list; ``[=k]``, and ``[k]`` elsewhere, are the int
+    dict key k.
 
     Raises:
-      ValueError: a name lies below or on another tensor's key path.
+      ValueError: a name lies below or on another tensor's key path, or the elements of one
+        node mix int keys with names or give one int key twice (``[1]`` and ``[=1]``).
     """
     root: dict = {}
     for name, value in tensors.items():
@@ -154,10 +160,15 @@ def _containers(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
     keys = list(node)
-    if keys and all(re.fullmatch(r"\[\d+\]", k) for k in keys) and sorted(
+    if keys and all(re.fullmatch(r"\[(0|[1-9]\d*)\]", k) for k in keys) and sorted(
             int(k[1:-1]) for k in keys) == list(range(len(keys))):
         return [_containers(node[f"[{i}]"]) for i in range(len(keys))]
-    return {_unescape(k): _containers(v) for k, v in node.items()}
+    out = {_unescape(k): _containers(v) for k, v in node.items()}
+    if len(out) < len(keys) or len({type(k) for k in out}) > 1:
+        raise ValueError(f"tensor name elements {sorted(keys)[:6]} at one level name the same "
+                         "int key twice or mix int keys ([k], [=k]) with names: a pytree "
+                         "dict's keys are all of one type")
+    return out
 
 
 def _unescape(element: str) -> Any:

@@ -8,6 +8,7 @@ import pathlib
 import subprocess
 import sys
 import time
+import zipfile
 
 import msgpack
 import numpy as np
@@ -348,6 +349,33 @@ def test_junk_tensor_files_are_named_without_library_advice(repo, tmp_path):
         casstore.import_tensors(junk, repo, 9)
     assert isinstance(info.value, ValueError)
     assert casstore.list_steps(repo) == [0, 1, 2]
+
+
+def test_tensor_names_that_make_no_pytree_and_npz_members_that_are_no_arrays_are_refused(
+        tmp_path):
+    """Names mixing int elements with names at one level, or giving one int key twice, are
+    a TensorFileError naming the file (was jax's sort error, or one tensor silently lost); an
+    .npz member that is not a .npy array is refused (was stored as a bytes leaf)."""
+    from safetensors.numpy import save_file
+
+    repo = tmp_path / "repo"
+    for i, names in enumerate([("m/[0]", "m/x"), ("[1]", "[=1]"), ("[=3]", "a")]):
+        path = tmp_path / f"names{i}.safetensors"
+        save_file({n: np.full(2, j, np.float32) for j, n in enumerate(names)}, str(path))
+        with pytest.raises(casstore.TensorFileError, match=rf"names{i}\.safetensors") as info:
+            casstore.import_tensors(path, repo, i)
+        assert "one type" in str(info.value)
+    npz = tmp_path / "extra.npz"
+    np.savez(npz, x=np.arange(3))
+    with zipfile.ZipFile(npz, "a") as z:
+        z.writestr("README.txt", "hello")
+    with pytest.raises(casstore.TensorFileError, match=r"'README\.txt' is not a \.npy array"):
+        casstore.import_tensors(npz, repo, 5)
+    assert casstore.list_steps(repo) == []
+    fine = tmp_path / "fine.safetensors"
+    save_file({"[0]": np.zeros(1, np.float32), "[2]": np.ones(1, np.float32)}, str(fine))
+    casstore.import_tensors(fine, repo, 6)  # not 0..n-1: int dict keys, as documented
+    assert sorted(casstore.restore(repo, 6)) == [0, 2]
 
 
 def test_a_damaged_repository_on_s3(object_servers):
