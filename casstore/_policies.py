@@ -164,7 +164,7 @@ class ContinuousCheckpointingPolicy(SaveDecisionPolicy):
 
 @dataclasses.dataclass
 class PreemptionCheckpointingPolicy(SaveDecisionPolicy):
-    """Saves the first step asked after a preemption notice.
+    """Saves the first step after a preemption notice that the loop had not asked about yet.
 
     The notice is jax's preemption sync point
     (``jax.experimental.multihost_utils.reached_preemption_sync_point``, which agrees across

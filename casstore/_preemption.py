@@ -43,7 +43,8 @@ class PreemptionNotice:
         self.signal_received: int | None = None
         self._previous: dict[int, object] = {}
         self._closed = False
-        self._step: int | None = None  # the step the notice was first seen at
+        self._step: int | None = None  # the first step reached: the one to save
+        self._denied: int | None = None  # the latest step answered False
         if not signals or jax.process_count() > 1:
             return
         if threading.current_thread() is not threading.main_thread():
@@ -60,14 +61,20 @@ class PreemptionNotice:
             previous(signum, frame)
 
     def reached(self, step: int) -> bool:
-        """True from the first step asked after a notice on (the job is going away).
+        """True from the first step asked after a notice on (the job is going away) that is
+        later than every step already answered False: a loop that asked about a step (its
+        save decided not to save it) before the notice came saves the next one, as jax's sync
+        point agrees on a step later than those reported.
 
         Every process of a multi-process job must ask at every step (jax's protocol).
         """
         if self._step is None and (self.signal_received is not None
                                    or reached_sync_point(step)):
-            self._step = step
-        return self._step is not None and step >= self._step
+            self._step = step if self._denied is None else max(step, self._denied + 1)
+        if self._step is not None and step >= self._step:
+            return True
+        self._denied = step if self._denied is None else max(self._denied, step)
+        return False
 
     def close(self) -> None:
         """Puts back the signal handlers it replaced, skipping those of notices closed since

@@ -247,6 +247,28 @@ def test_sigterm_saves_the_next_step_once_and_the_loop_stops():
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_a_notice_between_a_steps_save_and_its_reached_preemption_saves_the_next_step():
+    """docs/orbax.md's loop with SIGTERM landing after save(250) returned (say, while the
+    loop logs): step 250 was already decided, so the notice is reached at 251, which is
+    saved; before, reached_preemption(250) was true and the loop stopped with no save."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        policy = FixedIntervalPolicy(100) | PreemptionCheckpointingPolicy()
+        with casstore.CheckpointManager(MemoryStore(), save_decision_policy=policy) as mngr:
+            for step in range(1, 1000):
+                mngr.save(step, state(step))
+                if step == 250:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                if mngr.reached_preemption(step):
+                    mngr.wait_until_finished()
+                    break
+            assert step == 251
+            assert mngr.all_steps() == [100, 200, 251]
+            assert mngr.restore(251)["w"][0] == 251
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_managers_closed_in_any_order_put_back_the_first_handler():
     def original(signum, frame):
         calls.append("original")
