@@ -66,8 +66,8 @@ class CheckpointManager:
     with ``|``.
 
     Preemption: :meth:`reached_preemption` tells the loop the job will be stopped (jax's sync
-    point; in one process, SIGTERM where the save policy holds a ``PreemptionCheckpointingPolicy
-    ()``); the first step after it that the loop had not asked about yet is saved.
+    point; in one process, SIGTERM, with ``PreemptionCheckpointingPolicy()`` in the save
+    policy); the first step after it that the loop had not asked about yet is saved.
 
     Saving: ``save`` stages the arrays and returns (see :class:`casstore.AsyncCheckpointer`
     for what is copied and what it costs in host memory, and ``max_staging_bytes``); the
