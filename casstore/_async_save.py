@@ -275,6 +275,12 @@ class AsyncCheckpointer:
         if pending is not None:
             pending.result()
 
+    def _join(self) -> None:
+        """Blocks until the background save has ended, committed or not; an error it ended
+        with stays for the next :meth:`wait_until_finished` or ``save`` to raise."""
+        if (pending := self._pending) is not None:
+            cf.wait([pending])
+
     def close(self) -> None:
         """Waits for the background save, then stops its thread. Idempotent.
 

@@ -401,8 +401,8 @@ class CheckpointManager:
         :func:`casstore.restore` for ``target``, ``paths``, ``partial``, ``strict``,
         ``sharding``, ``transforms`` and ``fill_missing``. With a persistent tier,
         ``last_restore_bytes`` then holds ``{url: stored bytes read}`` for each tier (a failed
-        persist's error is left to ``save()`` and :meth:`wait_until_finished`)."""
-        self._saver.wait_until_finished()
+        save's or persist's error is left to ``save()`` and :meth:`wait_until_finished`)."""
+        self._saver._join()
         reader = self._reader()
         restored = restore(reader, self.latest_step() if step is None else step, run=self.run,
                            target=target, paths=paths, partial=partial, strict=strict,
@@ -417,7 +417,7 @@ class CheckpointManager:
         Raises:
           StepNotFoundError: no such step.
         """
-        self._saver.wait_until_finished()  # as restore()
+        self._saver._join()  # as restore()
         step = self.latest_step() if step is None else step
         return split_metadata(read_manifest(self._reader(), step, run=self.run).metadata)[1]
 

@@ -149,6 +149,23 @@ def test_background_errors_surface_from_wait_and_next_save():
     assert casstore.list_steps(store) == []
 
 
+def test_restore_and_metadata_leave_a_failed_saves_error_to_save_and_wait():
+    """restore() of a good step after a background save failed restores it, and the failure
+    still surfaces from wait_until_finished (restore raised it and used it up: a caller that
+    retried the restore never heard that the step was not saved)."""
+    store = FailingStore(ok_puts=10**6)
+    with casstore.CheckpointManager(store) as mngr:
+        mngr.save(0, state(0), metadata={"note": "zero"})
+        mngr.wait_until_finished()
+        store.ok_puts = 0
+        mngr.save(1, state(1))
+        np.testing.assert_array_equal(mngr.restore(0)["w"], state(0)["w"])
+        assert mngr.metadata(0) == {"note": "zero"}
+        with pytest.raises(OSError, match="disk full"):
+            mngr.wait_until_finished()
+        assert mngr.all_steps() == [0]
+
+
 def test_close_raises_pending_error_and_stops_the_thread():
     store = FailingStore(ok_puts=0)
     before = {t.name for t in threading.enumerate()}
