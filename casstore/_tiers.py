@@ -17,13 +17,10 @@ save runs (a transfer in flight finishes), so persisting takes the time between 
 than CPU from them. A step's persist yields for at most ``PersistPolicy.yield_s`` seconds in
 all, so saves that never pause still let it through.
 
-Several ``jax.distributed`` processes share the work of each persist (:class:`Rounds`):
-process 0 runs the backlog and, for each step it persists, starts a round on the coordinator's
-key-value store; every process sends its share of the step's missing objects (a hash of the
-key picks the process) and posts what it sent; process 0 writes the step's manifest on the
-persistent tier once every process has posted without error, so a step appears there only with
-all its objects (format.md §7). The local tier must be one that every process reads (one
-machine or a shared filesystem), as it must for a multi-process restore.
+Several ``jax.distributed`` processes share each persist (:class:`Rounds`, docs/tiers.md
+"Limits"): each sends its share of the step's missing objects, and process 0 writes the
+manifest once every process has posted without error (format.md §7). The local tier must be
+one that every process reads (one machine or a shared filesystem).
 """
 
 from __future__ import annotations
@@ -445,6 +442,9 @@ def _located(e: BaseException, step: int | None, url: str, run: str) -> BaseExce
 
 
 def _drain_at_exit(ref: weakref.ref) -> None:
-    persister = ref()
-    if persister is not None and not persister._closed:
-        persister.wait(persister._bound())
+    """At exit: waits for local saves in flight (they queue persists), then the backlog."""
+    p = ref()
+    if p is not None and not p._closed:
+        with p._cond:
+            p._cond.wait_for(lambda: not p._local_saves, p._bound())
+        p.wait(p._bound())

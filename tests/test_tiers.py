@@ -871,3 +871,21 @@ def test_a_fallback_store_is_a_read_only_view(tmp_path):
     with pytest.raises(casstore.ReadOnlyStoreError):
         casstore.save(casstore.FallbackStore(local, [remote]), 1, tree_for(0))
     assert casstore.list_steps(local) == []
+
+
+def test_a_save_in_flight_at_interpreter_exit_is_persisted_before_the_process_ends(tmp_path):
+    """The persister's exit hook ran before the saver's (threading's hooks run in reverse):
+    it found nothing queued, the saver's hook then committed the step and queued its persist,
+    and the process ended with the persist half done (audit). Now the step is on both tiers."""
+    local, persistent = tmp_path / "local", tmp_path / "persistent"
+    child = ("import sys, numpy as np, casstore\n"
+             "m = casstore.CheckpointManager(sys.argv[1], persistent=sys.argv[2],\n"
+             "                              chunk_size_bytes=1 << 20)\n"
+             "m.save(0, {'w': np.arange(4 << 20, dtype=np.float32)})\n"
+             "print('exits without waiting', flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", child, str(local), str(persistent)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert casstore.list_steps(local) == [0]
+    assert casstore.list_steps(persistent) == [0]
+    assert casstore.verify(persistent).ok
