@@ -50,8 +50,9 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
         jax keys), a Python scalar, or :data:`casstore.PLACEHOLDER` (``...``:
         returned as ``...``, the leaf, or every saved leaf under its key path, not read).
         Get one without allocating memory with :func:`casstore.abstract_tree` (keeps each
-        array's sharding), ``jax.eval_shape``, ``nnx.eval_shape`` or ``eqx.filter_eval_shape``.
-        Leaves are matched by key path.
+        array's sharding), ``jax.eval_shape``, ``nnx.eval_shape`` or ``eqx.filter_eval_shape``
+        (a sharding on an AbstractMesh, which these give under ``jax.set_mesh``, is taken on
+        the mesh ``jax.set_mesh`` makes active at the restore). Leaves are matched by key path.
 
         Dtypes: where the target asks for another dtype than the saved one, values are cast as
         numpy casts them (floats round to nearest, floats to integers truncate toward zero);

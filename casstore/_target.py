@@ -119,10 +119,11 @@ def match_target(manifest: Manifest, flat: list, store: Store, *, paths, partial
             missing.append((path, "not in the checkpoint" if not fill_missing else
                             f"not in the checkpoint, and the target leaf ({type(t).__name__}) "
                             "is abstract: fill_missing needs a concrete array or scalar"))
-        elif (problem := _compatibility_problem(manifest.leaves[i], t, strict)) is not None:
+        elif (problem := _compatibility_problem(manifest.leaves[i], t, strict)
+              or (t := _on_concrete_mesh(t))[1]) is not None:
             mismatched.append((path, problem))
         else:
-            plan.append((t, i))
+            plan.append((t[0], i))
     used = {i for _, i in plan if i is not None} | {by_path[p] for p, _ in mismatched}
     extra = [] if partial else [(manifest.leaves[i].path, p) for p, i in by_path.items()
                                 if i not in used and matches(p, paths)
@@ -130,6 +131,24 @@ def match_target(manifest: Manifest, flat: list, store: Store, *, paths, partial
     if missing or extra or mismatched:
         raise _mismatch_report(manifest, store, missing, extra, mismatched)
     return plan
+
+
+def _on_concrete_mesh(t: Any) -> tuple[Any, str | None]:
+    """``(t, None)``; for a target whose sharding is on an AbstractMesh (``nnx.eval_shape``
+    or ``jax.eval_shape`` under ``jax.set_mesh`` gives such targets: it names no devices),
+    ``t`` on the mesh ``jax.set_mesh`` made active, or ``(t, the problem)`` without one of
+    those axes."""
+    sharding = getattr(t, "sharding", None)
+    if not (isinstance(sharding, jax.sharding.NamedSharding)
+            and isinstance(sharding.mesh, jax.sharding.AbstractMesh)):
+        return t, None
+    mesh = jax.sharding.get_mesh()
+    if mesh.empty or mesh.abstract_mesh != sharding.mesh:
+        return t, (f"its sharding is on an AbstractMesh {sharding.mesh.shape_tuple}, which "
+                   "names no devices: restore under `with jax.set_mesh(mesh):` with a mesh "
+                   "of those axes, or give the target NamedSharding(mesh, spec)")
+    return jax.ShapeDtypeStruct(t.shape, t.dtype, weak_type=t.weak_type, sharding=(
+        jax.sharding.NamedSharding(mesh, sharding.spec))), None
 
 
 def mismatch(message: str, manifest: Manifest, store: Store, path: str | None = None):

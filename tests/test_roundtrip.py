@@ -15,6 +15,8 @@ from flax import nnx, struct
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import casstore
 from casstore._chunking import DTYPE_NAMES, dtype_from_name
@@ -226,6 +228,31 @@ def test_namedtuple_flax_struct_and_optax_state(repo_store):
     assert isinstance(restored["train"], TrainState)
     assert restored["train"].name == "run"
     assert_trees_equal(state, restored)
+
+
+def test_an_nnx_eval_shape_target_under_set_mesh_restores_onto_that_mesh(tmp_path):
+    """nnx.eval_shape under jax.set_mesh gives shardings on an AbstractMesh: restored under
+    set_mesh they land on its devices; elsewhere a TargetMismatchError names the key path
+    (was jax's bare ValueError from deep in the read planning)."""
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.l = nnx.Linear(16, 32, rngs=rngs, kernel_init=nnx.with_partitioning(
+                nnx.initializers.lecun_normal(), (None, "model")))
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    with jax.set_mesh(mesh):
+        model = Model(nnx.Rngs(0))
+        target = nnx.split(nnx.eval_shape(lambda: Model(nnx.Rngs(1))))[1]
+    casstore.save(tmp_path, 0, nnx.state(model))
+    assert isinstance(target["l"]["kernel"].value.sharding.mesh, jax.sharding.AbstractMesh)
+    with pytest.raises(casstore.TargetMismatchError, match="'l/kernel/value': its sharding "
+                       "is on an AbstractMesh"):
+        casstore.restore(tmp_path, 0, target=target)
+    with jax.set_mesh(mesh):
+        restored = casstore.restore(tmp_path, 0, target=target)
+    kernel = restored["l"]["kernel"].value
+    assert kernel.sharding == NamedSharding(mesh, P(None, "model"))
+    np.testing.assert_array_equal(kernel, model.l.kernel.value)
 
 
 def test_flax_nnx_state_with_rngs(repo_store):
