@@ -297,7 +297,9 @@ class BestN(PreservationPolicy):
     def should_preserve(self, checkpoints, *, context) -> list[bool]:
         if self.n is None or len(checkpoints) <= self.n:  # orbax: room for all, metrics or not
             return [True] * len(checkpoints)
-        keep = {c.step for c in self.ranked(checkpoints)[-self.n:]} if self.n else set()
+        if self.n == 0:  # orbax: none, those without metrics too
+            return [False] * len(checkpoints)
+        keep = {c.step for c in self.ranked(checkpoints)[-self.n:]}
         return [c.step in keep or (c.metrics is None and self.keep_checkpoints_without_metrics)
                 for c in checkpoints]
 

@@ -100,7 +100,7 @@ def test_best_n_with_room_for_all_keeps_all_and_with_n_0_none_as_orbax():
                      keep_checkpoints_without_metrics=False)
     assert kept(dropping, [0, 1, 2], losses) == [0, 1, 2]  # orbax: [True, True, True]
     assert kept(dropping, [0, 1, 2, 3], [*losses, {"loss": 0.5}]) == [0, 2, 3]
-    assert kept(BestN(get_metric_fn=lambda m: m["loss"], n=0), [0, 1, 2], losses) == [1]
+    assert kept(BestN(get_metric_fn=lambda m: m["loss"], n=0), [0, 1, 2], losses) == []
     assert kept(BestN(get_metric_fn=lambda m: m["loss"], n=0,
                       keep_checkpoints_without_metrics=False), [0, 1, 2], losses) == []
 
