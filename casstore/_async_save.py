@@ -272,8 +272,11 @@ class AsyncCheckpointer:
             step). StepAlreadyExistsError: the step existed; nothing was written.
         """
         pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        if pending is not None and (error := pending.exception()) is not None:
+            if getattr(error, "step", None) is None:  # raised by a later call: say which step
+                error.add_note(f"casstore: raised by the background save of step "
+                               f"{self._pending_step} (url {self.store.url!r})")
+            raise error
 
     def _join(self) -> None:
         """Blocks until the background save has ended, committed or not; an error it ended

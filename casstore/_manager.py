@@ -61,9 +61,8 @@ class CheckpointManager:
     steps whose metrics score best (``best_mode`` ``"max"`` or ``"min"``), plus the steps
     without metrics if ``keep_checkpoints_without_metrics``; without it the ``max_to_keep``
     latest; steps divisible by ``keep_period`` always. Policies are casstore's classes with
-    orbax's names (``casstore.LatestN``, ``BestN``, ``EveryNSteps``, ``FixedIntervalPolicy``,
-    ``ContinuousCheckpointingPolicy``, ``PreemptionCheckpointingPolicy``, ...), composable
-    with ``|``.
+    orbax's names (``LatestN``, ``BestN``, ``EveryNSteps``, ``FixedIntervalPolicy``, ...),
+    composable with ``|``.
 
     Preemption: :meth:`reached_preemption` tells the loop the job will be stopped (jax's sync
     point; in one process, SIGTERM, with ``PreemptionCheckpointingPolicy()`` in the save
@@ -76,10 +75,9 @@ class CheckpointManager:
     saves and deletes, so :meth:`should_save` and :meth:`latest_step` make no request; call
     :meth:`reload` when another process may have written or deleted steps of this run.
 
-    Thread-safety: NOT thread-safe (call it from one training loop). An in-flight save is
-    finished at interpreter exit; a killed one leaves no partial step. Multi-process: every
-    ``jax.distributed`` process calls ``save`` with the same steps in the same order, on one
-    repository all of them read; process 0 commits and deletes.
+    Thread-safety: NOT thread-safe (one training loop). An in-flight save is finished at
+    interpreter exit; a killed one leaves no partial step. Multi-process: every process calls
+    ``save`` with the same steps in order, on one repository; process 0 commits and deletes.
 
     Args:
       url: a path, an fsspec URL or a Store.
@@ -279,9 +277,13 @@ class CheckpointManager:
         self._details[step] = (metrics, started)
         if self.persister is not None:  # queued on process 0, noted on the others
             self.persister.submit(step)
-        deleted = self._apply_retention()
-        if self.gc_after_retention and jax.process_index() == 0:
-            self.last_gc_info = self._collect(bool(deleted)) or self.last_gc_info
+        try:
+            deleted = self._apply_retention()
+            if self.gc_after_retention and jax.process_index() == 0:
+                self.last_gc_info = self._collect(bool(deleted)) or self.last_gc_info
+        except Exception as e:  # raised by a later call: it must not read as a failed save
+            e.add_note(f"casstore: step {step} was committed; retention or GC then failed")
+            raise
 
     def wait_until_finished(self) -> None:
         """Blocks until the background save (and its retention) is done.
@@ -370,9 +372,7 @@ class CheckpointManager:
         """
         if read:
             self.reload()
-        if self.persister is not None:  # both tiers
-            return sorted({*self._steps, *self.persister.steps()})
-        return list(self._steps)
+        return sorted({*self._steps, *(self.persister.steps() if self.persister else ())})
 
     def latest_step(self) -> int | None:
         """The run's latest committed step as this manager knows it, or None; no request."""

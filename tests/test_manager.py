@@ -166,6 +166,32 @@ def test_restore_and_metadata_leave_a_failed_saves_error_to_save_and_wait():
         assert mngr.all_steps() == [0]
 
 
+def test_a_background_error_raised_by_a_later_call_names_its_step_and_what_failed():
+    """The error of step 1's background save, raised by save(2), says it is step 1's; a
+    failed retention after a commit says the step was committed (it read as a failed save)."""
+    store = FailingStore(ok_puts=10**6)
+    with casstore.CheckpointManager(store, max_to_keep=1) as mngr:
+        mngr.save(0, state(0))
+        mngr.wait_until_finished()
+        store.ok_puts = 0
+        mngr.save(1, state(1))
+        with pytest.raises(OSError, match="disk full") as info:
+            mngr.save(2, state(2))
+        assert "raised by the background save of step 1" in "\n".join(info.value.__notes__)
+        store.ok_puts = 10**6
+
+        def refuse(key):
+            raise ConnectionResetError(f"injected: delete {key}")
+
+        store._delete = refuse
+        mngr.save(3, state(3))
+        with pytest.raises(ConnectionResetError, match="injected: delete") as info:
+            mngr.wait_until_finished()
+        assert "casstore: step 3 was committed; retention or GC then failed" in info.value.__notes__
+        assert casstore.list_steps(store) == [0, 3]
+        del store._delete
+
+
 def test_close_raises_pending_error_and_stops_the_thread():
     store = FailingStore(ok_puts=0)
     before = {t.name for t in threading.enumerate()}
