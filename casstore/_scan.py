@@ -16,7 +16,9 @@ from ._errors import (
     ManifestError,
     StoreTimeoutError,
     StoreUnreachableError,
+    UnsupportedFormatError,
 )
+from ._format import READER_VERSION
 from ._layout import RUNS_PREFIX, parse_manifest_key
 from ._manifest import Manifest
 from ._pool import bounded_map
@@ -155,8 +157,12 @@ def require_intact(scan: ManifestScan, what: str) -> None:
     Args:
       what: the operation refused, for the message (e.g. ``"gc"``).
     """
+    steps = ", ".join(f"{p.run}@{p.step}" for p in scan.damaged)
+    if scan.damaged and all(p.kind == UNSUPPORTED for p in scan.damaged):  # not damage
+        raise UnsupportedFormatError(f"in {len(scan.damaged)} manifest(s) ({steps}), so "
+                                     f"{what} refused; first: {scan.damaged[0].message}",
+                                     needs=None, reader=READER_VERSION)
     if scan.damaged:
-        steps = ", ".join(f"{p.run}@{p.step}" for p in scan.damaged)
         raise ManifestError(f"{what} refused: {len(scan.damaged)} manifest(s) unreadable "
                             f"({steps}); first: {scan.damaged[0].message} (see "
                             "docs/recovery.md)")

@@ -38,11 +38,11 @@ from .store import Store, open_store
 class VerifyReport:
     """The result of :func:`verify`. Its counts add up:
     ``chunks_checked == chunks_ok + chunks_missing + chunks_corrupt + chunks_unsupported +
-    chunks_unchecked`` and ``len(problems) == manifests_damaged + chunks_missing +
-    chunks_corrupt + chunks_unsupported`` (plus one ``"not found"`` problem when the step or
-    repository asked for does not exist, one ``"unsupported"`` problem for a repository
-    whose config object is of a newer format, or one ``"config"`` problem for a config
-    object that is damaged, or missing where steps exist).
+    chunks_unchecked`` and ``len(problems) == manifests_damaged + manifests_unsupported +
+    chunks_missing + chunks_corrupt + chunks_unsupported`` (plus one ``"not found"`` problem
+    when the step or repository asked for does not exist, one ``"unsupported"`` problem for a
+    repository whose config object is of a newer format, or one ``"config"`` problem for a
+    config object that is damaged, or missing where steps exist).
 
     Attributes:
       problems: every problem found, one per damaged manifest or object.
@@ -60,7 +60,8 @@ class VerifyReport:
         upgrade casstore (``read_data`` only).
       chunks_unchecked: delta objects not read because their base is missing, or not
         rebuilt because their base is corrupt (the base is the problem).
-      manifests_damaged: manifests that did not read or validate.
+      manifests_damaged: manifests that did not read or validate (damaged).
+      manifests_unsupported: manifests of a newer format (not damage: upgrade casstore).
     """
 
     problems: tuple[Problem, ...]
@@ -74,6 +75,7 @@ class VerifyReport:
     chunks_unchecked: int = 0
     manifests_damaged: int = 0
     chunks_unsupported: int = 0
+    manifests_unsupported: int = 0
 
     @property
     def ok(self) -> bool:
@@ -148,12 +150,14 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
     n_corrupt = sum(p.kind == CORRUPT for p in found)
     n_unsupported = sum(p.kind == UNSUPPORTED for p in found)
     n_unchecked = len(blocked) + on_bad_base
+    n_newer = sum(p.kind == UNSUPPORTED for p in scan.damaged)
     return VerifyReport(tuple(problems), tuple((m.run, m.step) for m in scan.manifests),
                         len(users), bytes_read, time.perf_counter() - t0,
                         chunks_ok=len(users) - n_missing - n_corrupt - n_unsupported
                         - n_unchecked, chunks_missing=n_missing, chunks_corrupt=n_corrupt,
-                        chunks_unchecked=n_unchecked, manifests_damaged=len(scan.damaged),
-                        chunks_unsupported=n_unsupported)
+                        chunks_unchecked=n_unchecked, chunks_unsupported=n_unsupported,
+                        manifests_damaged=len(scan.damaged) - n_newer,
+                        manifests_unsupported=n_newer)
 
 
 def _config_problem(store: Store, run: str | None = None, step: int | None = None

@@ -2,6 +2,8 @@
 version is refused with UnsupportedFormatError naming it and the casstore that reads it,
 before any chunk is read, and verify reports it as unsupported, never as damage."""
 
+import re
+
 import msgpack
 import numpy as np
 import pytest
@@ -175,3 +177,35 @@ def test_gc_refuses_a_repository_with_a_step_of_a_newer_format(store):
         casstore.gc(store, grace_period_s=0)
     assert sorted(info.key for info in store.list("")) == [
         k for k in keys if k != manifest_key("default", 1)]
+
+
+def test_a_newer_manifest_is_counted_and_exits_as_newer_never_as_damage(tmp_path):
+    """verify counts it under manifests_unsupported (not manifests_damaged); gc refuses with
+    UnsupportedFormatError; the CLI's verify, ls and gc exit 14 (upgrade), not 1 (damaged),
+    and ls marks the row "newer format"."""
+    import subprocess
+    import sys
+
+    store = casstore.LocalStore(tmp_path / "repo")
+    casstore.save(store, 1, TREE)
+    casstore.save(store, 2, {"n": 1})
+    rewrite(store, manifest_key("default", 2), features=["zstd-dict"], min_reader="9.0.0")
+    report = casstore.verify(store)
+    assert (report.manifests_damaged, report.manifests_unsupported) == (0, 1)
+    assert len(report.problems) == report.manifests_unsupported
+    with pytest.raises(casstore.UnsupportedFormatError, match=r"1 manifest\(s\) \(default@2\)"):
+        casstore.gc(store)
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "casstore", *args, str(tmp_path / "repo")],
+                              capture_output=True, text=True, timeout=120)
+
+    for command in (["verify"], ["ls"], ["gc"]):
+        out = cli(*command)
+        assert out.returncode == 14, (command, out.stdout, out.stderr)
+        assert not re.search(r"[1-9]\d* damaged|(?<!not )damaged:|\bdamaged\b\s*│",
+                             out.stdout + out.stderr), (command, out.stdout, out.stderr)
+    assert "newer format" in cli("ls").stdout
+    casstore.save(store, 3, {"n": 3})
+    (tmp_path / "repo" / "runs" / "default" / "steps" / f"{3:016d}.manifest").write_bytes(b"x")
+    assert cli("verify").returncode == 1  # damage as well: 1 wins

@@ -27,6 +27,7 @@ EXIT_NO_REPOSITORY = 10
 EXIT_UNREACHABLE = 11
 EXIT_ACCESS_DENIED = 12
 EXIT_BUSY = 13
+EXIT_NEWER = 14
 EXIT_CODES = f"""\b
 Exit codes:
   {EXIT_OK}   ok
@@ -37,6 +38,8 @@ Exit codes:
   {EXIT_UNREACHABLE}  the store is unreachable or did not answer in time
   {EXIT_ACCESS_DENIED}  the store refused access (credentials, read-only)
   {EXIT_BUSY}  gc waited --lock-timeout for saves in flight and did nothing
+  {EXIT_NEWER}  a newer casstore wrote what was met (a format feature, codec or version
+      this one does not read): upgrade casstore; nothing is damaged
   130 interrupted (Ctrl-C: stops at once, releasing the save lock; a second one quits
       without waiting for that);
       141 the output's reader went away (`| head`)"""
@@ -67,6 +70,8 @@ def exit_code_of(e: BaseException) -> int:
         return EXIT_UNREACHABLE
     if isinstance(e, casstore.GcBusyError):
         return EXIT_BUSY
+    if isinstance(e, casstore.UnsupportedFormatError):
+        return EXIT_NEWER
     if isinstance(e, PermissionError) or type(e).__name__ in _NO_CREDENTIALS:
         return EXIT_ACCESS_DENIED  # AccessDeniedError, ReadOnlyStoreError, no credentials
     if isinstance(e, (casstore.ManifestError, casstore.CorruptChunkError,
@@ -79,7 +84,8 @@ _FIXES = {EXIT_UNREACHABLE: "check the endpoint (-o endpoint_url=...), that the 
                             "and the network; a slow store may need -o operation_timeout_s",
           EXIT_ACCESS_DENIED: "check the credentials (AWS_*/GOOGLE_* variables, -o key=... "
                               "-o secret=..., -o anon=true for public data)",
-          EXIT_PROBLEMS: "run 'casstore verify' and see docs/recovery.md"}
+          EXIT_PROBLEMS: "run 'casstore verify' and see docs/recovery.md",
+          EXIT_NEWER: "upgrade casstore (pip install -U casstore)"}
 
 
 def describe(e: BaseException) -> str:
@@ -346,7 +352,8 @@ def counted(store: Any) -> Any:
 
 
 def report_damage(problems: list, as_json: bool) -> None:
-    """Names each damaged object on stderr (not in --json mode) and exits 1 if any."""
+    """Names each damaged object on stderr (not in --json mode) and exits 1 if any, else 14
+    if any is of a newer format."""
     if not problems:
         return
     if not as_json:
@@ -359,4 +366,9 @@ def report_damage(problems: list, as_json: bool) -> None:
         if newer:
             click.echo(f"casstore: {len(newer)} object(s) of a newer format, not damaged: "
                        "upgrade casstore to read them; the rest is shown", err=True)
-    click.get_current_context().exit(EXIT_PROBLEMS)
+    click.get_current_context().exit(problems_exit(problems))
+
+
+def problems_exit(problems: list) -> int:
+    """1 if any of ``problems`` is damage, 14 if all are of a newer format (upgrade)."""
+    return EXIT_NEWER if all(p.kind == "unsupported" for p in problems) else EXIT_PROBLEMS

@@ -21,6 +21,7 @@ from ._app import (
     open_repo,
     pair_options,
     parse_options,
+    problems_exit,
     run_option,
     storage_options,
     where,
@@ -83,10 +84,11 @@ def verify_command(url: str, step: int | None, run: str | None, read_data: bool,
                       f"({report.chunks_ok} ok, {report.chunks_missing} missing, "
                       f"{report.chunks_corrupt} corrupt, {report.chunks_unsupported} unsupported, "
                       f"{report.chunks_unchecked} unchecked), "
-                      f"{report.manifests_damaged} damaged manifest(s); "
+                      f"{report.manifests_damaged} damaged manifest(s), "
+                      f"{report.manifests_unsupported} of a newer format; "
                       f"{human(report.bytes_read)} read in {report.seconds:.1f} s")
     if not report.ok:
-        click.get_current_context().exit(EXIT_PROBLEMS)
+        click.get_current_context().exit(problems_exit(report.problems))
 
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd]?)")
@@ -133,9 +135,9 @@ def gc_command(url: str, dry_run: bool, grace_period: float, lock_timeout: float
                       "unreferenced within the grace period; "
                       f"{info.missing_chunks} referenced but missing")
     if info.damaged_manifests and not as_json:
-        click.echo(f"casstore: damaged: {info.damaged_manifests} manifest(s) unreadable; "
-                   "chunks only they reference count as garbage above, and gc without "
-                   "--dry-run refuses to run (see verify, docs/recovery.md)", err=True)
+        click.echo(f"casstore: {info.damaged_manifests} manifest(s) unreadable (damaged, or "
+                   "of a newer format); chunks only they reference count as garbage above, "
+                   "and gc without --dry-run refuses to run (see verify)", err=True)
     if info.missing_chunks and not as_json:
         click.echo(f"casstore: damaged: {info.missing_chunks} chunk object(s) referenced but "
                    "missing (see verify, docs/recovery.md)", err=True)
@@ -287,9 +289,13 @@ def repair_command(good: str, damaged: str, dry_run: bool, read_data: bool, opti
                    "unrepairable": [problem_json(p) for p in info.unrepairable]})
     else:
         verb = "would copy back" if dry_run else "copied back"
+        newer = len({p.key for p in info.problems if p.kind == "unsupported"}
+                    & set(info.deleted_objects))  # or a damaged header: GOOD's has the data
         say(f"{len(info.problems)} problem(s); {verb} {len(info.steps)} step(s) ("
             + ", ".join(f"{r}@{s}" for r, s in info.steps) + f"), replacing "
-            f"{len(info.deleted_objects)} corrupt object(s); "
+            f"{len(info.deleted_objects) - newer} corrupt object(s)"
+            + (f" and {newer} this casstore cannot read (GOOD's copy, checked, holds the same "
+               "data)" if newer else "") + "; "
             + ("config object from GOOD; " if info.config_restored else "")
             + f"{len(info.unrepairable)} unrepairable; {'ok' if info.ok else 'not ok'}")
         for p in info.unrepairable:

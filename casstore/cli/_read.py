@@ -78,7 +78,8 @@ def ls_command(url: str, run: str | None, persistent: str | None, persistent_opt
 
     ADDED is stored bytes of chunks no earlier step references (in the order steps were
     written, across runs); SHARED is the stored bytes of its chunks that earlier steps hold.
-    A damaged manifest is a row marked "damaged" (exit 1). With --persistent URL the steps of
+    A damaged manifest is a row marked "damaged" (exit 1), one of a newer format "newer
+    format" (exit 14 if nothing is damaged). With --persistent URL the steps of
     both tiers are listed (ADDED and SHARED over both), and WHERE says where each lives: local,
     persistent or both.
 
@@ -104,14 +105,17 @@ def ls_command(url: str, run: str | None, persistent: str | None, persistent_opt
     else:
         runs = {u.run for u in rows} | {p.run for p in damaged}
         extra = ["where"] if persistent is not None else []
+        newer = sum(p.kind == "unsupported" for p in damaged)  # not damage: upgrade
         table(f"{url}{f' + {persistent}' if persistent else ''}: {len(runs)} run(s), "
               f"{len(rows) + len(damaged)} step(s)" + (
-                  f", {len(damaged)} damaged" if damaged else ""),
+                  f", {len(damaged) - newer} damaged" if len(damaged) > newer else "") + (
+                  f", {newer} of a newer format" if newer else ""),
               ["run", "step", "time", "leaves", "logical", "added", "shared", *extra],
               [[u.run, u.step, _time(u.created), u.leaves, human(u.logical_bytes),
                 human(u.added_bytes), human(u.shared_bytes)]
                + [tier[u.run, u.step] for _ in extra] for u in rows]
-              + [[p.run, p.step, "damaged", "-", "-", "-", "-"]
+              + [[p.run, p.step, "newer format" if p.kind == "unsupported" else "damaged",
+                  "-", "-", "-", "-"]
                  + [tier.get((p.run, p.step), "-") for _ in extra] for p in damaged])
     report_damage(damaged, as_json)
 
