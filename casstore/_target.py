@@ -134,11 +134,18 @@ def match_target(manifest: Manifest, flat: list, store: Store, *, paths, partial
 
 
 def _on_concrete_mesh(t: Any) -> tuple[Any, str | None]:
-    """``(t, None)``; for a target whose sharding is on an AbstractMesh (``nnx.eval_shape``
+    """``(t, None)``, or ``(t, the problem)`` for a sharding that does not split the target's
+    shape; for a target whose sharding is on an AbstractMesh (``nnx.eval_shape``
     or ``jax.eval_shape`` under ``jax.set_mesh`` gives such targets: it names no devices),
     ``t`` on the mesh ``jax.set_mesh`` made active, or ``(t, the problem)`` without one of
     those axes."""
     sharding = getattr(t, "sharding", None)
+    if isinstance(sharding, jax.sharding.Sharding) and isinstance(t, jax.ShapeDtypeStruct):
+        try:
+            sharding.shard_shape(t.shape)
+        except ValueError as e:  # jax's IndivisibleError, raised later with no key path
+            why = str(e).split("implies that ", 1)[-1].split(" (full shape", 1)[0]
+            return t, f"its sharding does not split shape {t.shape}: {why}"
     if not (isinstance(sharding, jax.sharding.NamedSharding)
             and isinstance(sharding.mesh, jax.sharding.AbstractMesh)):
         return t, None

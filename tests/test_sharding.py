@@ -62,8 +62,9 @@ def test_save_on_one_mesh_restore_on_every_sharding(shape, dtype):
     for name, sharding in shardings().items():
         target = {"x": jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding),
                   "plain": np.zeros(3)}
-        if not evenly_shardable(shape, sharding):  # jax's own refusal, as a restore error
-            with pytest.raises(ValueError, match=r"divisible|evenly"):
+        if not evenly_shardable(shape, sharding):  # jax's refusal, named for the key path
+            with pytest.raises(casstore.TargetMismatchError,
+                               match=r"'x': its sharding does not split shape"):
                 casstore.restore(store, 0, target=target)
             continue
         restored = casstore.restore(store, 0, target=target)
@@ -192,3 +193,22 @@ def test_targets_in_pinned_host_memory_are_placed_there():
         assert restored[key].sharding == live.sharding
         assert restored[key].sharding.memory_kind == "pinned_host"
         np.testing.assert_array_equal(np.asarray(restored[key]), np.asarray(live))
+
+
+def test_a_target_sharding_that_does_not_split_its_shape_names_the_key_path():
+    """A ShapeDtypeStruct takes a sharding that does not divide its shape; restore raised
+    jax's IndivisibleError from the read planning, naming no leaf. Now one
+    TargetMismatchError names it, before any chunk is read (strict=False padding too)."""
+    store = CountingStore(MemoryStore())
+    tree = {"params": {"embed": np.ones((10, 4), np.float32), "head": np.ones((8, 4), np.float32)}}
+    casstore.save(store, 0, tree)
+    x8 = NamedSharding(mesh((8,), ("x",)), P("x"))
+    for rows, strict in ((10, True), (12, False)):
+        target = {"params": {"embed": jax.ShapeDtypeStruct((rows, 4), np.float32, sharding=x8),
+                             "head": jax.ShapeDtypeStruct((8, 4), np.float32, sharding=x8)}}
+        store.keys_read.clear()
+        with pytest.raises(casstore.TargetMismatchError,
+                           match=rf"(?s)1 mismatched.*'params/embed': its sharding does not split "
+                                 rf"shape \({rows}, 4\): array axis 0 is partitioned 8 times"):
+            casstore.restore(store, 0, target=target, strict=strict)
+        assert not [k for k in store.keys_read if k.startswith(CHUNKS_PREFIX)]
