@@ -226,27 +226,32 @@ def _empty_aligned(shape: list[int], dtype: np.dtype, own_mapping: bool = False)
 
 
 def read_fitted(store: Store, manifest: Manifest, requests: dict[int, list[Index]],
-                 max_workers: int) -> dict[int, dict[Index, np.ndarray]]:
+                max_workers: int, place: Callable[[int, dict], Any] | None = None,
+                temporary: Collection[int] = ()) -> dict[int, Any]:
     """:func:`read_regions` for regions that may reach past the saved shape (``strict=False``).
 
     Each region is clipped to the saved array, the clipped part is read (so only chunks that
     overlap the kept region are fetched), and the result is zero-padded back to the region's
-    shape, as orbax pads.
+    shape, as orbax pads; each leaf is then placed as soon as its chunks are in, as
+    :func:`read_regions` places it (``place``, ``temporary`` and the result likewise).
     """
     clipped = {i: {r: _clip(r, manifest.leaves[i].shape) for r in regions}
                for i, regions in requests.items()}
-    got = read_regions(store, manifest, {i: list(dict.fromkeys(c.values()))
-                                         for i, c in clipped.items()}, max_workers)
-    out: dict[int, dict[Index, np.ndarray]] = {}
-    for i, regions in clipped.items():
-        out[i] = {}
-        for region, kept in regions.items():
-            buf = got[i][kept]
+
+    def fit(i: int, got: dict[Index, np.ndarray]) -> Any:
+        out = {}
+        for region, kept in clipped[i].items():
+            out[region] = got[kept]
             if kept != region:
-                buf = np.zeros([b - a for a, b in zip(*region)], buf.dtype)
-                buf[_slices(*kept, region[0])] = got[i][kept]
-            out[i][region] = buf
-    return out
+                out[region] = _empty_aligned([b - a for a, b in zip(*region)],
+                                             got[kept].dtype, i in temporary)
+                out[region].fill(0)  # jax's CPU client adopts an aligned buffer in place
+                out[region][_slices(*kept, region[0])] = got[kept]
+        return out if place is None else place(i, out)
+
+    return read_regions(store, manifest, {i: list(dict.fromkeys(c.values()))
+                                          for i, c in clipped.items()}, max_workers,
+                        place=fit, temporary=temporary)
 
 
 def _clip(region: Index, shape: tuple[int, ...]) -> Index:

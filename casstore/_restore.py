@@ -163,13 +163,10 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
             remember_restored(value, entry, saved_dtype(entry))
         return value
 
-    if strict:  # each leaf placed as soon as its chunks are in
-        temporary = {i for i in requests if off_host(manifest.leaves[i], targets[i])}
-        placed = read_regions(store, manifest, requests, workers, place=place_leaf,
-                              temporary=temporary)
-    else:
-        fitted = read_fitted(store, manifest, requests, workers)
-        placed = {i: place_leaf(i, regions) for i, regions in fitted.items()}
+    # each leaf placed as soon as its chunks are in
+    temporary = {i for i in requests if off_host(manifest.leaves[i], targets[i])}
+    placed = (read_regions if strict else read_fitted)(store, manifest, requests, workers,
+                                                       place=place_leaf, temporary=temporary)
     log_tiers(store, f"restore of step {manifest.step}")
     return tu.tree_unflatten(treedef, [
         t if i is None else placed[i] if i in placed else place_leaf(i, None)
