@@ -39,12 +39,18 @@ import time
 import zlib
 from collections.abc import Callable
 
-from ._delta import DeltaBases
-from ._errors import CorruptChunkError, StepAlreadyExistsError, StepNotFoundError, StoreTimeoutError
+from ._delta import DeltaBases, read_again
+from ._errors import (
+    CorruptChunkError,
+    StepAlreadyExistsError,
+    StepNotFoundError,
+    StoreTimeoutError,
+    warn_read_again,
+)
 from ._framing import check_framing
-from ._layout import chunk_key, manifest_key
+from ._layout import manifest_key
 from ._locks import Lease, save_lock
-from ._manifest import Manifest
+from ._manifest import Manifest, needed_objects
 from ._pool import bounded_map
 from ._repository import (
     Url,
@@ -345,7 +351,12 @@ class _Engine:
             try:
                 self._check(data, cid, base, raw_length)
             except CorruptChunkError:  # damaged at the source only if it fails again
-                self._check(data := self.src.get(obj), cid, base, raw_length)
+                data = self.src.get(obj)  # with verify, its base is read again too
+                if self.verify:
+                    read_again(self.src, obj, cid, base, raw_length, data=data)
+                else:
+                    check_framing(data, cid, raw_length, delta=base is not None)
+                    warn_read_again(f"chunk object {obj}", self.src.url)
             if self.stopped:
                 return
             self.dst.put(obj, data)
@@ -435,15 +446,3 @@ def share_of(key: str, count: int) -> int:
     key: about as many objects each, whoever wrote them)."""
     return zlib.crc32(key.encode()) % count
 
-
-def needed_objects(manifest: Manifest) -> dict[str, tuple[str, str | None, int, str]]:
-    """Object key -> ``(chunk id, base or None, raw bytes, key path)`` for every object a
-    restore of ``manifest`` reads: chunk objects, delta objects and their bases (format.md
-    §3.5)."""
-    needed = {}
-    for leaf in manifest.leaves:
-        for r in leaf.chunks:
-            needed[r.key] = (r.id, r.base, r.raw_bytes, leaf.path)
-            if r.base is not None:
-                needed.setdefault(chunk_key(r.base), (r.base, None, r.raw_bytes, leaf.path))
-    return needed

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
-import logging
 import threading
 from collections.abc import Iterable
 
@@ -48,11 +47,9 @@ from ._codec import (
     refuse_newer,
     shuffle,
 )
-from ._errors import CorruptChunkError
+from ._errors import CorruptChunkError, warn_read_again
 from ._layout import chunk_key
 from .store import Store
-
-log = logging.getLogger("casstore")
 
 CODEC_DELTA = 3
 # A delta is kept if it saves this fraction of the chunk stored whole: 1/8 against a compressed
@@ -387,19 +384,19 @@ class DeltaBases:
 
 
 def read_again(store: Store, key: str, cid: str, base: str | None, raw_length: int,
-               out: np.ndarray | None = None) -> memoryview:
+               out: np.ndarray | None = None, data: bytes | None = None) -> memoryview:
     """Chunk object ``key`` (a delta on ``base`` if given), which failed its checks as first
-    read, read from ``store`` once more (its base too) and decoded: a body damaged or cut
-    short on its way (a response without Content-Length that ended early) passes now, and a
-    warning says so. Returns the raw bytes (as :func:`decode_chunk`, ``out`` likewise).
+    read, read from ``store`` once more (its base too; ``data``: the object's bytes, read
+    again by the caller) and decoded: a body damaged or cut short on its way (a response
+    without Content-Length that ended early) passes now, and a warning says so. Returns the
+    raw bytes (as :func:`decode_chunk`, ``out`` likewise).
 
     Raises:
       CorruptChunkError: the stored object (or its base) is damaged: it failed again.
       FileNotFoundError: it is gone.
     """
-    data = store.get(key)
+    data = store.get(key) if data is None else data
     raw = (decode_chunk(data, cid, raw_length, out) if base is None else
            decode_delta(data, store.get(chunk_key(base)), cid, base, raw_length, out))
-    log.warning("casstore: chunk object %s at %s failed its checks as first read and passed "
-                "when read again (damaged on its way, not in storage)", key, store.url)
+    warn_read_again(f"chunk object {key}", store.url)
     return raw

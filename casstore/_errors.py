@@ -7,6 +7,16 @@ about as attributes and name them in the message.
 
 from __future__ import annotations
 
+import logging
+
+
+def warn_read_again(what: str, url: str) -> None:
+    """Logs (WARNING, logger ``casstore``) that object ``what`` at ``url`` failed its checks
+    as first read and passed when read again: damaged on its way, not in storage."""
+    logging.getLogger("casstore").warning(
+        "casstore: %s at %s failed its checks as first read and passed when read again "
+        "(damaged on its way, not in storage)", what, url)
+
 
 class CasstoreError(Exception):
     """Base class of every error casstore raises on purpose."""

@@ -17,11 +17,16 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from ._codec import decode_chunk
-from ._copy import needed_objects
 from ._delta import decode_delta, read_again
-from ._errors import CorruptChunkError, ManifestError, ObjectNotFoundError, UnsupportedFormatError
+from ._errors import (
+    CorruptChunkError,
+    ManifestError,
+    ObjectNotFoundError,
+    UnsupportedFormatError,
+    warn_read_again,
+)
 from ._layout import CONFIG_KEY, chunk_key, parse_manifest_key
-from ._manifest import ChunkRef, decode_manifest
+from ._manifest import ChunkRef, decode_manifest, needed_objects
 from ._repository import list_chunk_objects, parse_config
 from .store import ObjectInfo, Store, open_store
 
@@ -289,6 +294,8 @@ def reread_chunk(store: Store, key: str, ref: ChunkRef, out: np.ndarray | None
             log.warning("casstore: copies of %s in %s unusable: %s", key, " and ".join(
                 dict.fromkeys(c[0].url for c in (copy, base) if c is not None)), e)
             continue
+        if all(c is None or c[0] is store.primary for c in (copy, base)):
+            warn_read_again(f"chunk object {key}", store.primary.url)  # the primary's, again
         store.write_back_copy(key, *copy)
         if base is not None:
             store.write_back_copy(chunk_key(ref.base), *base)

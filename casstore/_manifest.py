@@ -141,6 +141,19 @@ class Manifest:
         return {r.key for r in refs} | {chunk_key(r.base) for r in refs if r.base is not None}
 
 
+def needed_objects(manifest: Manifest) -> dict[str, tuple[str, str | None, int, str]]:
+    """Object key -> ``(chunk id, base or None, raw bytes, key path)`` for every object a
+    restore of ``manifest`` reads (:meth:`Manifest.object_keys`, with what checks each):
+    chunk objects, delta objects and their bases (format.md §3.5)."""
+    needed = {}
+    for leaf in manifest.leaves:
+        for r in leaf.chunks:
+            needed[r.key] = (r.id, r.base, r.raw_bytes, leaf.path)
+            if r.base is not None:
+                needed.setdefault(chunk_key(r.base), (r.base, None, r.raw_bytes, leaf.path))
+    return needed
+
+
 def features_of(m: Manifest) -> list[str]:
     """The format features ``m`` uses (format.md §4.1), sorted: ``codec-5`` if it has chunks
     (this writer may store any chunk in codec 5), ``pack`` if a chunk holds more than one

@@ -44,7 +44,7 @@ class PreemptionNotice:
         self._previous: dict[int, object] = {}
         self._closed = False
         self._step: int | None = None  # the first step reached: the one to save
-        self._denied: int | None = None  # the latest step answered False
+        self._denied: int | None = None  # the last step answered False
         if not signals or jax.process_count() > 1:
             return
         if threading.current_thread() is not threading.main_thread():
@@ -61,19 +61,20 @@ class PreemptionNotice:
             previous(signum, frame)
 
     def reached(self, step: int) -> bool:
-        """True from the first step asked after a notice on (the job is going away) that is
-        later than every step already answered False: a loop that asked about a step (its
-        save decided not to save it) before the notice came saves the next one, as jax's sync
-        point agrees on a step later than those reported.
+        """True from the first step asked after a notice on (the job is going away), or from
+        the next one if this step was already answered False: a loop that asked about a step
+        (its save decided not to save it) before the notice came saves the next one, as jax's
+        sync point agrees on a step later than those reported. A loop that went back to an
+        earlier step (a rollback) is answered from there.
 
         Every process of a multi-process job must ask at every step (jax's protocol).
         """
         if self._step is None and (self.signal_received is not None
                                    or reached_sync_point(step)):
-            self._step = step if self._denied is None else max(step, self._denied + 1)
+            self._step = step + 1 if step == self._denied else step
         if self._step is not None and step >= self._step:
             return True
-        self._denied = step if self._denied is None else max(self._denied, step)
+        self._denied = step
         return False
 
     def close(self) -> None:

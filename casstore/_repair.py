@@ -17,12 +17,11 @@ import time
 
 import numpy as np
 
-from ._copy import needed_objects
 from ._delta import DeltaBases
 from ._errors import CorruptChunkError, ManifestError, UnsupportedFormatError
 from ._framing import check_framing
 from ._layout import CONFIG_KEY, chunk_key, manifest_key
-from ._manifest import decode_manifest
+from ._manifest import decode_manifest, needed_objects
 from ._pool import bounded_map
 from ._repository import (
     Url,

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import msgpack
 
-from ._errors import ManifestError, StepNotFoundError, UnsupportedFormatError
+from ._errors import ManifestError, StepNotFoundError, UnsupportedFormatError, warn_read_again
 from ._format import FEATURES, READER_VERSION, check_features, min_reader, unsupported_version
 from ._layout import (
     CHUNKS_PREFIX,
@@ -99,6 +99,7 @@ def check_config(store: Store) -> bool:
             if (again := store.get(CONFIG_KEY)) == data:
                 raise
             parse_config(again, store.url)
+            warn_read_again("the config object", store.url)
     except FileNotFoundError:
         if any(parse_manifest_key(info.key) for info in store.list(RUNS_PREFIX)):
             raise ManifestError(f"config object missing, but steps exist{_REPAIR_HINT}",
@@ -212,7 +213,9 @@ def read_decoded(store: Store, run: str, step: int, size: int | None = None
         again = read_manifest_bytes(store, run, step, size)
         if again == data:
             raise
-    return again, decode_manifest(again, run=run, step=step, url=store.url)
+    manifest = decode_manifest(again, run=run, step=step, url=store.url)
+    warn_read_again(f"manifest {manifest_key(run, step)}", store.url)
+    return again, manifest
 
 
 def read_manifest(url: Url, step: int | None = None, *, run: str = "default") -> Manifest:

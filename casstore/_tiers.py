@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import jax
 
-from ._copy import CopyInfo, copy_selected, needed_objects
+from ._copy import CopyInfo, copy_selected
 from ._errors import (
     CasstoreError,
     ManifestError,
@@ -48,6 +48,7 @@ from ._errors import (
 from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, RetentionGc
 from ._layout import manifest_key
 from ._locks import save_lock
+from ._manifest import needed_objects
 from ._multihost import Rounds, timeout_ms
 from ._persist_rounds import persist_shared, send_share
 from ._policies import (
@@ -443,8 +444,7 @@ def _located(e: BaseException, step: int | None, url: str, run: str) -> BaseExce
 
 def _drain_at_exit(ref: weakref.ref) -> None:
     """At exit: waits for local saves in flight (they queue persists), then the backlog."""
-    p = ref()
-    if p is not None and not p._closed:
+    if (p := ref()) is not None and not p._closed:
         with p._cond:
             p._cond.wait_for(lambda: not p._local_saves, p._bound())
         p.wait(p._bound())

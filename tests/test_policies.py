@@ -269,6 +269,21 @@ def test_a_notice_between_a_steps_save_and_its_reached_preemption_saves_the_next
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_a_notice_after_the_loop_went_back_to_an_earlier_step_is_reached_there():
+    """A loop that rolled back (restored step 500 after running to 1000, in one process) and
+    gets the notice at step 600 saves step 600, or 601 if it already asked about 600."""
+    from casstore._preemption import PreemptionNotice
+
+    for asked_first in (False, True):
+        notice = PreemptionNotice()
+        assert not any(notice.reached(s) for s in [*range(1001), *range(500, 600)])
+        if asked_first:
+            assert not notice.reached(600)  # save(600) decided before the notice came
+        notice.signal_received = signal.SIGTERM
+        assert [s for s in range(600, 603) if notice.reached(s)] == (
+            [601, 602] if asked_first else [600, 601, 602])
+
+
 def test_managers_closed_in_any_order_put_back_the_first_handler():
     def original(signum, frame):
         calls.append("original")

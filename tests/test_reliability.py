@@ -543,3 +543,32 @@ def test_a_body_cut_short_on_its_way_is_read_again_not_reported_as_damage(backen
     assert {p.kind for p in report.problems} == {"corrupt"}
     with pytest.raises(casstore.CorruptChunkError, match="bad chunk object"):
         casstore.copy(damaged, casstore.LocalStore(tmp_path / "copy-damaged"))
+
+
+def test_a_verifying_copy_reads_a_deltas_base_again_when_it_came_back_short(tmp_path):
+    """copy(verify=True) rebuilt the delta again on the base it held, the same short bytes,
+    and left the step out; the base is now read again too."""
+    from casstore._layout import chunk_key
+
+    src = casstore.LocalStore(tmp_path / "src")
+    a = np.random.default_rng(0).normal(0, 0.02, 1 << 20).astype(np.float32)
+    casstore.save(src, 1, {"w": a})
+    b = a.copy()
+    b[::1000] += 1e-3
+    casstore.save(src, 2, {"w": b})
+    refs = casstore.read_manifest(src, 2).leaves[0].chunks
+    base = chunk_key(next(r.base for r in refs if r.base is not None))
+    get, cut = src.get, []
+
+    def first_read_of_the_base_short(key):
+        data = get(key)
+        if key == base and not cut:
+            cut.append(key)
+            return data[:len(data) // 2]
+        return data
+
+    src.get = first_read_of_the_base_short
+    info = casstore.copy(src, tmp_path / "dst", steps=[2], verify=True)
+    assert cut == [base]
+    assert info.steps_copied == (("default", 2),)
+    np.testing.assert_array_equal(casstore.restore(tmp_path / "dst", 2)["w"], b)

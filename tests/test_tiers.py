@@ -22,8 +22,9 @@ import pytest
 from faultproxy import fault_proxy
 
 import casstore
-from casstore._copy import needed_objects, share_of
+from casstore._copy import share_of
 from casstore._layout import chunk_key, is_object_key, manifest_key
+from casstore._manifest import needed_objects
 from casstore._repository import list_chunk_objects
 from casstore.store import CountingStore, FsspecStore, LocalStore, MemoryStore
 
