@@ -264,16 +264,19 @@ def with_fallback(store: Store, fallback) -> Store:
     return FallbackStore(store, fallbacks)
 
 
-def reread_chunk(store: Store, key: str, ref: ChunkRef, out: np.ndarray | None
-                 ) -> memoryview | None:
+def reread_chunk(store: Store, key: str, ref: ChunkRef, out: np.ndarray | None,
+                 missing: bool = False) -> memoryview | None:
     """A chunk that failed its checks (or was missing) as first read, read again and decoded:
     from ``store`` itself (:func:`~casstore._delta.read_again`: bytes damaged on their way);
     for tiers, from each tier's copy, the primary's first: a whole chunk from the first copy
     that passes them; a delta chunk from the first pair of copies of the delta object and of
     its base (from any tier: either of the two may be the damaged one) that passes them.
-    None if nothing passes. ``out`` as for :func:`decode_chunk`. The copies used are written
-    back to the primary when the store says so (replacing the damaged ones)."""
+    None if nothing passes (at once for a ``missing`` object of a plain store). ``out`` as
+    for :func:`decode_chunk`. The copies used are written back to the primary when the store
+    says so (replacing the damaged ones)."""
     if not isinstance(store, FallbackStore):
+        if missing:
+            return None
         try:
             return read_again(store, key, ref.id, ref.base, ref.raw_bytes, out)
         except (CorruptChunkError, FileNotFoundError):

@@ -122,7 +122,11 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
                 raw = bases.decode(data, cid, first.base, first.raw_bytes, into)
                 confirm_chunk(store, key, first.base)  # a tier's copy: now written back
         except (FileNotFoundError, CorruptChunkError) as e:
-            raw = reread_chunk(store, key, first, into)  # tiers: a good copy elsewhere
+            try:  # read again; with tiers, a good copy elsewhere
+                raw = reread_chunk(store, key, first, into, isinstance(e, FileNotFoundError))
+            except StoreTimeoutError as t:
+                raise t.at(run=manifest.run, step=manifest.step, chunk_id=cid,
+                           key_path=manifest.leaves[blocks[0][0]].path) from t
             if raw is None:
                 raise _unusable(e, store, manifest, blocks[0][0], cid) from e
         except StoreTimeoutError as e:

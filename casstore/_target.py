@@ -155,7 +155,7 @@ def _on_concrete_mesh(t: Any) -> tuple[Any, str | None]:
                    "names no devices: restore under `with jax.set_mesh(mesh):` with a mesh "
                    "of those axes, or give the target NamedSharding(mesh, spec)")
     return jax.ShapeDtypeStruct(t.shape, t.dtype, weak_type=t.weak_type, sharding=(
-        jax.sharding.NamedSharding(mesh, sharding.spec))), None
+        jax.sharding.NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind))), None
 
 
 def mismatch(message: str, manifest: Manifest, store: Store, path: str | None = None):

@@ -572,3 +572,27 @@ def test_a_verifying_copy_reads_a_deltas_base_again_when_it_came_back_short(tmp_
     assert cut == [base]
     assert info.steps_copied == (("default", 2),)
     np.testing.assert_array_equal(casstore.restore(tmp_path / "dst", 2)["w"], b)
+
+
+def test_a_second_read_that_times_out_names_the_step_and_key_path():
+    """The chunk's first read came back short and its second read stalled: the
+    StoreTimeoutError names step, key path and chunk id, as a first read's does."""
+    class ShortThenStalled(casstore.MemoryStore):
+        reads = 0
+
+        def get(self, key):
+            data = super().get(key)
+            if key.startswith("chunks/"):
+                self.reads += 1
+                if self.reads == 1:
+                    return data[:len(data) // 2]
+                raise casstore.StoreTimeoutError("no answer within 1 s", key=key,
+                                                 url=self.url)
+            return data
+
+    store = ShortThenStalled()
+    casstore.save(store, 3, {"w": np.arange(10_000.0)})
+    with pytest.raises(casstore.StoreTimeoutError, match="no answer") as info:
+        casstore.restore(store, 3)
+    assert (info.value.step, info.value.key_path) == (3, "w")
+    assert info.value.chunk_id in casstore.read_manifest(store, 3).chunk_ids()
