@@ -48,8 +48,9 @@ class StepNotFoundError(_Located, FileNotFoundError):
     """The requested step (or any step, for ``step=None``) does not exist in the run."""
 
 
-class StepAlreadyExistsError(_Located, FileExistsError):
-    """A save found the step already committed; nothing was changed."""
+class StepAlreadyExistsError(_Located, FileExistsError, ValueError):
+    """A save found the step already committed; nothing was changed. Also a ``ValueError``,
+    which orbax raises for a step that exists, so code written for orbax catches it."""
 
 
 class CorruptChunkError(_Located, ValueError):

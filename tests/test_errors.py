@@ -56,6 +56,7 @@ def test_existing_step_is_refused_and_unchanged(saved):
     with pytest.raises(casstore.StepAlreadyExistsError) as info:
         casstore.save(store, 5, other)
     assert isinstance(info.value, FileExistsError)
+    assert isinstance(info.value, ValueError)  # what orbax raises: code for orbax catches it
     assert info.value.step == 5
     assert {i.key: store.get(i.key) for i in store.list()} == before
     np.testing.assert_array_equal(casstore.restore(store, 5)["params"]["w"],
