@@ -345,8 +345,8 @@ class CheckpointManager:
             self._details[step] = manifest_details(manifest)
         return self._details[step]
 
-    def _infos(self) -> list[PolicyCheckpointInfo]:
-        return [PolicyCheckpointInfo(s, details=self._step_details) for s in self._steps]
+    def _infos(self, steps: list[int] | None = None) -> list[PolicyCheckpointInfo]:
+        return [PolicyCheckpointInfo(s, details=self._step_details) for s in steps or self._steps]
 
     def _apply_retention(self) -> list[int]:
         """Deletes the steps the policy drops (process 0 only; every process forgets them)."""
@@ -379,8 +379,8 @@ class CheckpointManager:
         return max(self.all_steps(), default=None)  # both tiers
 
     def reload(self) -> None:
-        """Re-reads the run's steps from the store (one listing), after any save in flight: use
-        it when another process may have saved or deleted steps of this run."""
+        """Re-reads the run's steps (one listing), after any save in flight: use it when
+        another process, or ``casstore.delete``, may have saved or deleted steps of this run."""
         self.wait_until_finished()
         self._steps = list_steps(self.store, run=self.run)
         if self.persister is not None:
@@ -390,8 +390,7 @@ class CheckpointManager:
         """The committed step whose metrics rank best by the preservation policy's ``BestN``
         (``best_fn``; a NaN metric ranks worst, and of equal metrics the latest step is best);
         the latest step without one; None if no step has metrics."""
-        return best_of(self.preservation_policy, [PolicyCheckpointInfo(
-            s, details=self._step_details) for s in self.all_steps()])
+        return best_of(self.preservation_policy, self._infos(self.all_steps()))
 
     def restore(self, step: int | None = None, *, target: Any = None,
                 paths: list[str] | None = None, partial: bool = False, strict: bool = True,
@@ -412,7 +411,8 @@ class CheckpointManager:
 
     def metadata(self, step: int | None = None) -> Any:
         """The user metadata saved with ``step`` (None: :meth:`latest_step`): by this manager's
-        ``save(..., metadata=)``, or by ``casstore.save(..., metadata=)`` or ``import_orbax``.
+        ``save(..., metadata=)``, or by ``casstore.save(..., metadata=)`` or ``import_orbax``
+        (a dict of exactly the keys ``metrics`` and ``user`` reads as a manager's: its ``user``).
 
         Raises:
           StepNotFoundError: no such step.
