@@ -63,12 +63,30 @@ def parse_config(data: bytes, url: str) -> dict:
     return config
 
 
+def _read_config(store: Store) -> None:
+    """Reads and validates the config object; one that does not parse is read once more
+    (a body cut short on its way: see :func:`read_decoded`).
+
+    Raises:
+      FileNotFoundError: there is none. ManifestError: as :func:`parse_config`.
+    """
+    data = store.get(CONFIG_KEY)
+    try:
+        parse_config(data, store.url)
+    except UnsupportedFormatError:
+        raise
+    except ManifestError:  # damaged in storage only if it fails again
+        if (again := store.get(CONFIG_KEY)) == data:
+            raise
+        parse_config(again, store.url)
+        warn_read_again("the config object", store.url)
+
+
 def ensure_config(store: Store) -> None:
     """Validates the config object, creating it (create-only) if the repository is new; a new
     one lists the features this writer may use and the oldest casstore that reads them."""
     try:
-        parse_config(store.get(CONFIG_KEY), store.url)
-        return
+        return _read_config(store)
     except FileNotFoundError:
         pass
     features = sorted(FEATURES)  # what this writer may write into any step
@@ -78,7 +96,7 @@ def ensure_config(store: Store) -> None:
     try:
         store.put_if_absent(CONFIG_KEY, data)
     except FileExistsError:  # a concurrent first save won; validate what it wrote
-        parse_config(store.get(CONFIG_KEY), store.url)
+        _read_config(store)
 
 
 def check_config(store: Store) -> bool:
@@ -90,16 +108,7 @@ def check_config(store: Store) -> bool:
         a repository until its config object is put back: ``repair``).
     """
     try:
-        data = store.get(CONFIG_KEY)
-        try:
-            parse_config(data, store.url)
-        except UnsupportedFormatError:
-            raise
-        except ManifestError:  # damaged in storage only if it fails again (read_decoded)
-            if (again := store.get(CONFIG_KEY)) == data:
-                raise
-            parse_config(again, store.url)
-            warn_read_again("the config object", store.url)
+        _read_config(store)
     except FileNotFoundError:
         if any(parse_manifest_key(info.key) for info in store.list(RUNS_PREFIX)):
             raise ManifestError(f"config object missing, but steps exist{_REPAIR_HINT}",

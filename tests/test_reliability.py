@@ -543,6 +543,8 @@ def test_a_body_cut_short_on_its_way_is_read_again_not_reported_as_damage(backen
     assert {p.kind for p in report.problems} == {"corrupt"}
     with pytest.raises(casstore.CorruptChunkError, match="bad chunk object"):
         casstore.copy(damaged, casstore.LocalStore(tmp_path / "copy-damaged"))
+    casstore.save(CutShort(inner, ("config",)), 9, {"b": np.arange(3.0)})  # read it again
+    assert casstore.list_steps(inner) == [0, 1, 9]
 
 
 def test_a_verifying_copy_reads_a_deltas_base_again_when_it_came_back_short(tmp_path):

@@ -1,6 +1,7 @@
 """Every store backend passes the same contract suite (casstore.testing.StoreContract)."""
 
 import errno
+import json
 import os
 
 import numpy as np
@@ -119,7 +120,11 @@ def test_transient_errors_are_retried_and_permanent_ones_are_not(tmp_path):
                                                    ConnectionResetError("reset"),
                                                    TimeoutError("slow"),
                                                    requests.exceptions.ProxyError(),  # GCS 502
-                                                   gcsfs.retry.HttpError({"code": 408})])
+                                                   gcsfs.retry.HttpError({"code": 408}),
+                                                   # gcsfs parsing a JSON reply cut short
+                                                   json.JSONDecodeError("Expecting ':'", "{", 1),
+                                                   UnicodeDecodeError("utf-8", b"\x9e", 0, 1,
+                                                                      "invalid start byte")])
     assert store.get("a") == b"1"
     store.fs.cat_file = flaky(store.fs.cat_file, [PermissionError(13, "AccessDenied")])
     with pytest.raises(PermissionError, match="refused access") as info:

@@ -16,6 +16,7 @@ import asyncio
 import errno
 import inspect
 import itertools
+import json
 import math
 import random
 import time
@@ -78,6 +79,8 @@ def is_transient(exc: BaseException) -> bool:
         # the HTTP clients' own errors (gcsfs turns a 502 into requests' ProxyError)
         if type(e).__module__.split(".")[0] in ("aiohttp", "urllib3", "requests"):
             return True
+        if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):  # a reply cut short or
+            return True  # changed on its way (gcsfs parses its JSON replies)
     return False
 
 
