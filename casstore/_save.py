@@ -30,6 +30,7 @@ from ._chunking import (
 )
 from ._codec import DEFAULT_ZSTD_LEVEL
 from ._compression import chunk_settings
+from ._errors import StoreTimeoutError
 from ._layout import check_run, check_step, manifest_key
 from ._locks import save_lock
 from ._manifest import Manifest
@@ -202,10 +203,12 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
     del arrays  # the jobs hold what they still need
     workers = max_workers or store.max_workers
     window = inflight_window(workers, chunk_size_bytes, max_inflight_bytes)
-    # 3 to 6: encode, upload, agree, commit
-    return write(store, step, prepared, inline, jobs, run=run, zstd_level=zstd_level,
-                 shuffle=shuffle, compression=compression, max_workers=workers,
-                 window=window, delta=delta, t0=t0, agreement=agreement)
+    try:  # 3 to 6: encode, upload, agree, commit
+        return write(store, step, prepared, inline, jobs, run=run, zstd_level=zstd_level,
+                     shuffle=shuffle, compression=compression, max_workers=workers,
+                     window=window, delta=delta, t0=t0, agreement=agreement)
+    except StoreTimeoutError as e:  # the key path is known where it stalled, the step here
+        raise e.at(run=run, step=step) from e
 
 
 def write(store: Store, step: int, prepared: Prepared, inline: dict[int, bytes],

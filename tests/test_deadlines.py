@@ -112,6 +112,8 @@ def test_a_stalled_store_fails_save_restore_copy_and_gc_within_the_bound(proxied
         assert seconds < BOUND_S, (fn.__name__, seconds)
         assert store.url in str(error), error
         assert error.key, error
+        if fn is casstore.save:  # the step it was saving
+            assert (error.step, error.run) == (1, "default"), error
     proxy.set(None)
     assert casstore.list_steps(direct) == [0]
     assert casstore.verify(direct).ok
