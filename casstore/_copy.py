@@ -17,8 +17,9 @@ Integrity of each object as it passes (``verify``):
   changed in transit is seen without decoding: botocore sends a CRC32C (a CRC32 without
   awscrt) with every upload, which the store checks (it refuses the body), and checks every
   download against the checksum the store keeps; the object is sent or fetched again, then
-  the copy fails (:mod:`casstore.store._retry`). gcsfs checks neither way (GCS is reached
-  over HTTPS, whose TLS refuses a changed byte). Damage at the source is seen by every
+  the copy fails (:mod:`casstore.store._retry`). On GCS each upload's MD5 as stored is
+  compared with what was sent (gcsfs ``consistency="md5"``); downloads rely on HTTPS's TLS
+  and the checks above. Damage at the source is seen by every
   restore and ``verify`` of the destination (the chunk id is checked on every read).
 - ``verify=True`` decodes every object (a delta on its base) and checks it against its chunk
   id before it is sent: nothing damaged at the source reaches the destination.

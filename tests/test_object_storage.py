@@ -1,7 +1,9 @@
 """Object storage: commit races, cross-cloud copy, and an interrupted copy finishing on re-run."""
 
 import threading
+import uuid
 
+import fsspec
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -129,3 +131,55 @@ def test_a_save_into_a_bucket_that_does_not_exist_says_so(object_servers, name):
     with pytest.raises(casstore.ObjectNotFoundError,
                        match=rf"bucket does not exist.*no-such-bucket-{name}/repo"):
         casstore.save(store, 0, {"w": np.ones(3)})
+
+
+def test_a_byte_changed_in_an_upload_to_gcs_is_sent_again_never_committed(object_servers):
+    """gcsfs compares the MD5 GCS reports for each upload with what it sent (casstore opens
+    it with consistency="md5"): a flipped byte is sent again. Without it, fake-gcs-server
+    stored the flipped bytes and the save committed a step that did not restore."""
+    from faultproxy import fault_proxy
+
+    server = object_servers["fake-gcs"]
+    url = server.url()
+    direct = FsspecStore.from_url(url, **server.storage_options)
+    assert direct.fs.consistency == "md5"
+    casstore.save(direct, 0, {"n": 1})
+    w = np.random.default_rng(0).standard_normal(200_000).astype(np.float32)
+    with fault_proxy(server.endpoint_url) as proxy:
+        through = FsspecStore.from_url(url, **{**server.storage_options,
+                                               "endpoint_url": proxy.endpoint_url},
+                                       request_timeout_s=2, operation_timeout_s=20)
+        through.policy.backoff_s = 0.05
+        proxy.set("flip", fraction=0.3, only=b"/upload/")
+        casstore.save(through, 1, {"w": w}, chunk_size_bytes=65536)
+        assert proxy.faults["flip"] > 0
+    assert casstore.verify(direct).ok
+    np.testing.assert_array_equal(casstore.restore(direct, 1)["w"], w)
+
+
+def test_a_create_stored_with_bytes_that_failed_their_checksum_is_rewritten_or_removed(
+        tmp_path):
+    """A create-only put (a manifest) that GCS stored, then failed its MD5 check, is ours:
+    the retry rewrites it (a second create would find it and call it a conflict); if every
+    attempt fails it is removed, never left as a damaged commit."""
+    class ChecksumError(Exception):  # gcsfs.checkers raises one of this name
+        pass
+
+    store = FsspecStore(fsspec.filesystem("memory"), f"/casstore-{uuid.uuid4().hex}")
+    store.policy.backoff_s = 0.001
+    real, failures = store.fs.pipe_file, [1]
+
+    def stores_flipped_then_fails(path, data, **kwargs):
+        real(path, bytes(data)[:-1] + b"?", **kwargs)
+        if failures[0]:
+            failures[0] -= 1
+            raise ChecksumError("MD5 checksum failed")
+
+    store.fs.pipe_file = lambda path, data, **kw: (
+        stores_flipped_then_fails(path, data, **kw) if failures[0] else real(path, data, **kw))
+    store.put_if_absent("m", b"mine")
+    assert store.get("m") == b"mine"
+    failures[0] = 99
+    with pytest.raises(ChecksumError):
+        store.put_if_absent("n", b"never")
+    assert not store.exists("n")

@@ -39,6 +39,7 @@ from ._retry import (
     DEFAULT_OPERATION_TIMEOUT_S,
     DEFAULT_REQUEST_TIMEOUT_S,
     RetryPolicy,
+    is_stored_mismatch,
     one_attempt,
     one_attempt_options,
 )
@@ -316,15 +317,19 @@ class FsspecStore(Store):
             self.policy.run(key, lambda t: self._call("pipe_file", path, self._body(data),
                                                       timeout=t, **options))
             return
-        attempts = []
+        attempts, ours = [], []
 
         def create(timeout: float) -> None:
             attempts.append(1)
             t0 = time.monotonic()
+            if ours:  # an earlier attempt stored it, then failed its checksum: rewrite ours
+                return self._call("pipe_file", self._path(key), self._body(data),
+                                  timeout=timeout, **options)
             try:
                 self._call("pipe_file", self._path(key), self._body(data), mode="create",
                            timeout=timeout, **options)
             except Exception as e:  # narrowed by is_exists_error; everything else re-raises
+                ours.extend([1] if is_stored_mismatch(e) else [])
                 if not _clients.is_exists_error(e):
                     raise
                 # A retried create may find the object its own failed attempt stored.
@@ -334,7 +339,13 @@ class FsspecStore(Store):
                     return
                 raise FileExistsError(f"{self.url}/{key} exists") from e
 
-        self.policy.run(key, create)
+        try:
+            self.policy.run(key, create)
+        except BaseException:
+            if ours:  # never leave our damaged bytes where a reader takes them for a commit
+                with contextlib.suppress(Exception):
+                    self._delete(key)
+            raise
 
     def location(self) -> str:
         protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else self.fs.protocol

@@ -88,16 +88,25 @@ _CHECKSUM_CODES = {"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch"}
 CHECKSUM_ATTEMPTS = 3  # transfers of one object whose bytes fail their checksum
 
 
+def is_stored_mismatch(exc: BaseException) -> bool:
+    """True if ``exc`` says an upload was stored with other bytes than were sent: gcsfs's
+    ``ChecksumError`` (``consistency="md5"``), raised after GCS answered the upload."""
+    return any(type(e).__name__ == "ChecksumError"
+               for e in (exc, exc.__cause__, exc.__context__) if e is not None)
+
+
 def is_checksum_mismatch(exc: BaseException) -> str | None:
     """``"upload"`` if the store refused an upload whose body does not match the checksum sent
     with it (S3 ``BadDigest``: botocore sends a CRC32C or CRC32 with every ``PutObject``),
+    or an upload that GCS stored with other bytes than were sent (gcsfs's ``ChecksumError``);
     ``"download"`` if a download's body does not match the checksum the store keeps (botocore's
-    ``FlexibleChecksumError``, gcsfs's ``ChecksumError``), else None. The exception and its
-    causes are inspected."""
+    ``FlexibleChecksumError``), else None. The exception and its causes are inspected."""
     for e in (exc, exc.__cause__, exc.__context__):
         if e is None:
             continue
-        if type(e).__name__ in ("FlexibleChecksumError", "ChecksumError"):
+        if type(e).__name__ == "ChecksumError":  # gcsfs: after an upload (is_stored_mismatch)
+            return "upload"
+        if type(e).__name__ == "FlexibleChecksumError":
             return "download"
         response = getattr(e, "response", None)  # botocore ClientError
         if isinstance(response, dict) and response.get("Error", {}).get("Code") in (
@@ -143,6 +152,9 @@ def one_attempt_options(protocol: str, request_timeout_s: float, options: dict) 
         # request (ExtendedGcsFileSystem), retrying for 60 s by default, and falls back to plain
         # JSON-API access when it fails: bound that, so a refused endpoint fails in seconds.
         options.setdefault("retry_timeout", min(request_timeout_s, UNREACHABLE_S))
+        # each upload's MD5 as GCS stored it, compared with what was sent (gcsfs raises
+        # ChecksumError after the upload): a byte changed on its way is sent again
+        options.setdefault("consistency", "md5")
     # Our own instance: the settings below must not leak into a user's cached filesystem.
     options.setdefault("skip_instance_cache", True)
     return options
