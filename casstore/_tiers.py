@@ -338,9 +338,9 @@ class Persister:
         return dict(objects)
 
     def _retain(self) -> None:
-        policy = self.policy.preservation_policy
-        if policy is None:
+        if (policy := self.policy.preservation_policy) is None:
             return
+        self._remote_steps &= set(list_steps(self.persistent, run=self.run))  # others deleted
         steps = sorted(self._remote_steps)
         infos = [PolicyCheckpointInfo(step, details=self._step_details) for step in steps]
         keep = policy.should_preserve(infos, context=PreservationContext())

@@ -408,6 +408,25 @@ def test_persistent_best_n_ranks_the_metrics_saved_with_each_step(tmp_path, remo
     assert casstore.list_steps(remote) == [5, 6]
 
 
+def test_a_step_deleted_from_the_persistent_tier_behind_the_manager_is_not_counted_kept(
+        tmp_path, remote):
+    """A step this manager persisted, then someone deleted there: LatestN counted it among
+    the steps it keeps and deleted a good one (audit: [2, 3, 4], 3 deleted, 5 persisted left
+    [4, 5]); it is now forgotten at the next retention."""
+    with manager(tmp_path / "local", remote, persist_interval_steps=1,
+                 persistent_max_to_keep=3) as mngr:
+        for step in range(5):
+            mngr.save(step, tree_for(step))
+            mngr.wait_until_persisted()
+        assert casstore.list_steps(remote) == [2, 3, 4]
+        casstore.delete(remote, 3)
+        mngr.save(5, tree_for(5))
+        mngr.wait_until_persisted()
+        assert casstore.list_steps(remote) == [2, 4, 5]
+        assert 3 not in mngr.persister.steps()
+    assert_bit_exact(casstore.restore(remote, 2), 2)
+
+
 def test_a_step_persistent_retention_drops_at_once_leaves_nothing_assumed_there(tmp_path,
                                                                               remote):
     # Step 1 (the worse loss) is persisted, dropped by BestN at once and its own chunks
