@@ -17,7 +17,7 @@ import time
 from ._locks import GcBusyError, Lease, gc_lock
 from ._pool import bounded_map
 from ._repository import Url, check_config, list_chunk_objects
-from ._scan import require_intact, scan_manifests
+from ._scan import UNSUPPORTED, require_intact, scan_manifests
 from .store import Store, open_store
 
 DEFAULT_GRACE_PERIOD_S = 3600.0
@@ -44,6 +44,8 @@ class GcInfo:
       seconds: wall time.
       damaged_manifests: manifests that did not read (a dry run only: a real gc refuses).
         Chunks only they reference count as garbage in a dry run's figures.
+      newer_manifests: those of ``damaged_manifests`` that are of a newer format (not
+        damage: upgrade casstore).
       leftover_bytes: bytes of temporary files that writers killed mid-write left in a local
         directory, deleted once untouched for the grace period and at least
         ``LEFTOVER_AGE_S`` (1 hour: a younger one may be a write in flight); 0 for a dry run
@@ -61,6 +63,7 @@ class GcInfo:
     seconds: float
     damaged_manifests: int = 0
     leftover_bytes: int = 0
+    newer_manifests: int = 0
 
 
 def gc(url: Url, *, grace_period_s: float = DEFAULT_GRACE_PERIOD_S, dry_run: bool = False,
@@ -125,7 +128,8 @@ def _collect(store: Store, grace_period_s: float, lease: Lease | None,
     return GcInfo(len(scan.manifests), len(chunks), len(referenced & chunks.keys()),
                   len(garbage), sum(chunks[key].size for key in garbage), young,
                   len(referenced - chunks.keys()), dry_run, time.perf_counter() - t0,
-                  len(scan.damaged), leftovers)
+                  len(scan.damaged), leftovers,
+                  sum(p.kind == UNSUPPORTED for p in scan.damaged))
 
 
 class RetentionGc:

@@ -200,7 +200,7 @@ def test_a_newer_manifest_is_counted_and_exits_as_newer_never_as_damage(tmp_path
         return subprocess.run([sys.executable, "-m", "casstore", *args, str(tmp_path / "repo")],
                               capture_output=True, text=True, timeout=120)
 
-    for command in (["verify"], ["ls"], ["gc"]):
+    for command in (["verify"], ["ls"], ["gc"], ["gc", "--dry-run"]):
         out = cli(*command)
         assert out.returncode == 14, (command, out.stdout, out.stderr)
         assert not re.search(r"[1-9]\d* damaged|(?<!not )damaged:|\bdamaged\b\s*│",

@@ -41,8 +41,8 @@ Exit codes:
   {EXIT_NEWER}  a newer casstore wrote what was met (a format feature, codec or version
       this one does not read): upgrade casstore; nothing is damaged
   130 interrupted (Ctrl-C: stops at once, releasing the save lock; a second one quits
-      without waiting for that);
-      141 the output's reader went away (`| head`)"""
+      without waiting for that)
+  141 the output's reader went away (`| head`)"""
 # -o options that casstore itself takes (open_store), beside the filesystem's own
 CASSTORE_OPTIONS = {"read_only", "request_timeout_s", "operation_timeout_s"}
 # fsspec's AbstractFileSystem options, which every filesystem takes

@@ -12,6 +12,7 @@ import click
 import casstore
 
 from ._app import (
+    EXIT_NEWER,
     EXIT_PROBLEMS,
     check_run,
     command,
@@ -141,8 +142,10 @@ def gc_command(url: str, dry_run: bool, grace_period: float, lock_timeout: float
     if info.missing_chunks and not as_json:
         click.echo(f"casstore: damaged: {info.missing_chunks} chunk object(s) referenced but "
                    "missing (see verify, docs/recovery.md)", err=True)
-    if info.damaged_manifests or info.missing_chunks:
+    if info.damaged_manifests > info.newer_manifests or info.missing_chunks:
         click.get_current_context().exit(EXIT_PROBLEMS)
+    if info.newer_manifests:
+        click.get_current_context().exit(EXIT_NEWER)
 
 
 def list_option(text: str | None, kind: Callable[[str], Any], name: str) -> list | None:
@@ -284,6 +287,8 @@ def repair_command(good: str, damaged: str, dry_run: bool, read_data: bool, opti
     where(f"{good} -> {damaged}", None)
     info = progress("repairing", lambda: casstore.repair(source, target, dry_run=dry_run,
                                                          read_data=read_data))
+    if {p.kind for p in info.problems} == {"not found"}:  # nothing there: not a repository
+        raise no_repository(damaged)
     if as_json:
         emit_json({**rows_of([info])[0], "problems": [problem_json(p) for p in info.problems],
                    "unrepairable": [problem_json(p) for p in info.unrepairable]})

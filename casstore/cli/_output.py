@@ -62,7 +62,11 @@ def emit_json(obj: Any, *, versioned: bool = True) -> None:
             return {"base64": base64.b64encode(x).decode()}
         raise TypeError(f"cannot print {type(x).__name__} as JSON")
 
-    click.echo(json.dumps(_finite(obj), indent=2, default=default, allow_nan=False))
+    try:
+        click.echo(json.dumps(_finite(obj), indent=2, default=default, allow_nan=False))
+        sys.stdout.flush()  # a reader that went away shows here, not after click's own exit
+    except BrokenPipeError:  # `... --json | head`: exit as SIGPIPE would (141), as tables do
+        console.on_broken_pipe()
 
 
 def _finite(obj: Any) -> Any:

@@ -16,6 +16,7 @@ from ._app import (
     check_run,
     command,
     json_flag,
+    no_repository,
     open_repo,
     parse_options,
     report_damage,
@@ -48,16 +49,23 @@ def _tiers(url: str, options: dict, persistent: str | None, persistent_options: 
     """(manifests in repository order, damaged problems, (run, step) -> where) over ``url``
     and, given, the ``persistent`` tier (either but not both may be no repository yet: a
     replaced node's empty local tier, a tier nothing was persisted to)."""
-    local = casstore.scan_manifests(open_repo(url, options, create=persistent is not None))
+    local_store = open_repo(url, options, create=persistent is not None)
+    local = casstore.scan_manifests(local_store)
     if persistent is None:
         return list(local.manifests), list(local.damaged), {}
     check_options(persistent, persistent_options)
-    remote = casstore.scan_manifests(casstore.open_store(persistent, **persistent_options))
-    where_: dict = {}
+    remote_store = casstore.open_store(persistent, **persistent_options)
+    if not casstore.is_repository(local_store) and not casstore.is_repository(remote_store):
+        raise no_repository(f"{url} + {persistent}")
+    remote = casstore.scan_manifests(remote_store)
+    where_: dict = {}  # the tiers holding an intact copy; a damaged one only elsewhere
     for tier, scan in (("local", local), ("persistent", remote)):
-        for x in (*scan.manifests, *scan.damaged):
+        for x in scan.manifests:
             key = (x.run, x.step)
             where_[key] = "both" if where_.get(key, tier) != tier else tier
+    for tier, scan in (("local", local), ("persistent", remote)):
+        for x in scan.damaged:
+            where_.setdefault((x.run, x.step), tier)
     mine = {(m.run, m.step) for m in local.manifests}
     manifests = sorted([*local.manifests, *(m for m in remote.manifests
                                             if (m.run, m.step) not in mine)],
@@ -106,8 +114,10 @@ def ls_command(url: str, run: str | None, persistent: str | None, persistent_opt
         runs = {u.run for u in rows} | {p.run for p in damaged}
         extra = ["where"] if persistent is not None else []
         newer = sum(p.kind == "unsupported" for p in damaged)  # not damage: upgrade
+        intact = {(u.run, u.step) for u in rows}  # a step damaged on one tier only: one row
+        only = [p for p in damaged if (p.run, p.step) not in intact]
         table(f"{url}{f' + {persistent}' if persistent else ''}: {len(runs)} run(s), "
-              f"{len(rows) + len(damaged)} step(s)" + (
+              f"{len(rows) + len(only)} step(s)" + (
                   f", {len(damaged) - newer} damaged" if len(damaged) > newer else "") + (
                   f", {newer} of a newer format" if newer else ""),
               ["run", "step", "time", "leaves", "logical", "added", "shared", *extra],
@@ -116,7 +126,7 @@ def ls_command(url: str, run: str | None, persistent: str | None, persistent_opt
                + [tier[u.run, u.step] for _ in extra] for u in rows]
               + [[p.run, p.step, "newer format" if p.kind == "unsupported" else "damaged",
                   "-", "-", "-", "-"]
-                 + [tier.get((p.run, p.step), "-") for _ in extra] for p in damaged])
+                 + [tier.get((p.run, p.step), "-") for _ in extra] for p in only])
     report_damage(damaged, as_json)
 
 
@@ -141,8 +151,9 @@ def show_command(url: str, step: int, run: str, options: dict, as_json: bool) ->
     check_run(store, url, run)
     where(url, run, step)
     info = casstore.inspect_step(store, step, run=run)
-    for p in info.problems:
-        click.echo(f"casstore: damaged: {p} (sharing unknown)", err=True)
+    for p in info.problems:  # the previous step's manifest
+        label = "newer format" if p.kind == "unsupported" else "damaged"
+        click.echo(f"casstore: {label}: {p} (sharing unknown)", err=True)
     if as_json:
         emit_json({"run": run, "step": step, "created": info.created,
                    "previous_step": info.previous_step, "leaves": rows_of(info.leaves)})
