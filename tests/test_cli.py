@@ -574,3 +574,22 @@ def test_a_step_of_a_newer_format_is_named_as_such_not_as_damage(tmp_path):
     assert "casstore: newer format:" in result.stderr
     assert "upgrade casstore" in result.stderr
     assert "casstore: damaged" not in result.stderr
+
+
+def test_ls_persistent_lists_a_step_damaged_on_one_tier_once_and_needs_a_repository(tmp_path):
+    """A step whose manifest is damaged locally and intact on the persistent tier is one row,
+    where it is intact, and the damage is still reported (exit 1); two paths with no
+    repository exit 10 (was an empty table and 0)."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    for step in (0, 1):
+        casstore.save(local, step, {"w": np.full(3, step)})
+    casstore.copy(local, remote)
+    key = local / "runs" / "default" / "steps" / f"{1:016d}.manifest"
+    key.write_bytes(key.read_bytes()[:40])
+    listing = run_json("ls", local, "--persistent", remote, code=1)
+    assert [(s["step"], s["where"]) for s in listing["steps"]] == [(0, "both"),
+                                                                 (1, "persistent")]
+    assert [p["step"] for p in listing["problems"]] == [1]
+    result = run("ls", local, "--persistent", remote, code=1)
+    assert "2 step(s), 1 damaged" in result.stdout
+    run("ls", tmp_path / "none", "--persistent", tmp_path / "none2", code=10)
