@@ -593,3 +593,26 @@ def test_ls_persistent_lists_a_step_damaged_on_one_tier_once_and_needs_a_reposit
     result = run("ls", local, "--persistent", remote, code=1)
     assert "2 step(s), 1 damaged" in result.stdout
     run("ls", tmp_path / "none", "--persistent", tmp_path / "none2", code=10)
+
+
+def test_du_plot_folder_read_only_hint_and_repair_of_a_newer_step(tmp_path):
+    """du --plot into a folder that does not exist is refused before the work; a store
+    opened read_only=true is named as such, not blamed on credentials; repair whose only
+    problem left is a newer-format step exits 14 (upgrade), not 1 (damaged)."""
+    import msgpack
+
+    from casstore._layout import manifest_key
+    good, newer = tmp_path / "good", tmp_path / "newer"
+    for step in (0, 1):
+        casstore.save(good, step, {"w": np.full(3, step)})
+    result = run("du", good, "--plot", tmp_path / "nodir" / "u.svg", code=2)
+    assert "its folder does not exist" in result.stderr
+    result = run("copy", good, "memory://ro-target", "-O", "read_only=true", code=12)
+    assert "drop that option" in result.stderr
+    assert "credentials" not in result.stderr
+    casstore.copy(good, newer)
+    key = newer / manifest_key("default", 1)
+    doc = msgpack.unpackb(key.read_bytes())
+    doc.update(features=[*doc["features"], "future-thing"], min_reader="9.0.0")
+    key.write_bytes(msgpack.packb(doc, use_bin_type=True))
+    run("repair", good, newer, code=14)

@@ -102,6 +102,8 @@ def describe(e: BaseException) -> str:
         message += f" ({_where['at']})"
     fix = None if isinstance(e, casstore.UnsupportedFormatError) else _FIXES.get(
         exit_code_of(e))  # that one says to upgrade
+    if isinstance(e, casstore.ReadOnlyStoreError):  # opened so, not refused by the server
+        fix = "it was opened read-only (read_only=true): drop that option to write"
     return f"{message}; {fix}" if fix else message
 
 

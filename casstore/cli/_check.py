@@ -305,5 +305,5 @@ def repair_command(good: str, damaged: str, dry_run: bool, read_data: bool, opti
             + f"{len(info.unrepairable)} unrepairable; {'ok' if info.ok else 'not ok'}")
         for p in info.unrepairable:
             click.echo(f"casstore: unrepairable: {p.kind}: {p}", err=True)
-    if not info.ok:
-        click.get_current_context().exit(EXIT_PROBLEMS)
+    if not info.ok:  # 14 where all that is left is of a newer format
+        click.get_current_context().exit(problems_exit(info.unrepairable or info.problems))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 from typing import Any
 
 import click
@@ -195,6 +196,8 @@ def du_command(url: str, plot_path: str | None, options: dict, as_json: bool) ->
     """
     from ._plot import plot_usage
 
+    if plot_path and not os.path.isdir(os.path.dirname(plot_path) or "."):  # before the work
+        raise click.UsageError(f"--plot {plot_path!r}: its folder does not exist")
     store = open_repo(url, options)
     u = casstore.usage(store)
     if plot_path:
