@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import msgpack
 
@@ -63,23 +64,37 @@ def parse_config(data: bytes, url: str) -> dict:
     return config
 
 
+def _read_again(read: Callable[[], bytes], parse: Callable[[bytes], Any], what: str,
+                url: str) -> tuple[bytes, Any]:
+    """``(bytes, parse(bytes))`` of the object ``read`` reads; one that does not parse is
+    read once more, and parsed if its bytes changed (a body cut short on its way, a response
+    without Content-Length), with a warning naming ``what``.
+
+    Raises:
+      ManifestError: it does not parse (the second read's error, or the first's if the same
+        bytes came back); UnsupportedFormatError at once. FileNotFoundError: it is gone.
+    """
+    data = read()
+    try:
+        return data, parse(data)
+    except UnsupportedFormatError:
+        raise
+    except ManifestError:  # damaged in storage only if it fails again
+        if (again := read()) == data:
+            raise
+    parsed = parse(again)
+    warn_read_again(what, url)
+    return again, parsed
+
+
 def _read_config(store: Store) -> None:
-    """Reads and validates the config object; one that does not parse is read once more
-    (a body cut short on its way: see :func:`read_decoded`).
+    """Reads and validates the config object (:func:`_read_again`).
 
     Raises:
       FileNotFoundError: there is none. ManifestError: as :func:`parse_config`.
     """
-    data = store.get(CONFIG_KEY)
-    try:
-        parse_config(data, store.url)
-    except UnsupportedFormatError:
-        raise
-    except ManifestError:  # damaged in storage only if it fails again
-        if (again := store.get(CONFIG_KEY)) == data:
-            raise
-        parse_config(again, store.url)
-        warn_read_again("the config object", store.url)
+    _read_again(lambda: store.get(CONFIG_KEY), lambda data: parse_config(data, store.url),
+                "the config object", store.url)
 
 
 def ensure_config(store: Store) -> None:
@@ -213,18 +228,9 @@ def read_decoded(store: Store, run: str, step: int, size: int | None = None
         bytes came back), or is over the size limit.
       FileNotFoundError: it does not exist.
     """
-    data = read_manifest_bytes(store, run, step, size)
-    try:
-        return data, decode_manifest(data, run=run, step=step, url=store.url)
-    except UnsupportedFormatError:
-        raise
-    except ManifestError:
-        again = read_manifest_bytes(store, run, step, size)
-        if again == data:
-            raise
-    manifest = decode_manifest(again, run=run, step=step, url=store.url)
-    warn_read_again(f"manifest {manifest_key(run, step)}", store.url)
-    return again, manifest
+    return _read_again(lambda: read_manifest_bytes(store, run, step, size),
+                       lambda data: decode_manifest(data, run=run, step=step, url=store.url),
+                       f"manifest {manifest_key(run, step)}", store.url)
 
 
 def read_manifest(url: Url, step: int | None = None, *, run: str = "default") -> Manifest:
