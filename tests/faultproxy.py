@@ -64,6 +64,7 @@ class FaultProxy:
         self.rate_bytes_s = 4096
         self.max_in_flight: int | None = None
         self.only = b""
+        self.max_faults: int | None = None
         self.in_flight = 0
         self.faults: Counter = Counter()
         self.requests = 0
@@ -77,14 +78,16 @@ class FaultProxy:
         self.endpoint_url = f"http://{HOST}:{self.port}"
 
     def set(self, fault: str | None, fraction: float = 1.0, rate_bytes_s: int = 4096,
-            max_in_flight: int | None = None, only: bytes | re.Pattern = b"") -> None:
+            max_in_flight: int | None = None, only: bytes | re.Pattern = b"",
+            max_faults: int | None = None) -> None:
         """Injects ``fault`` (one of FAULTS or CORRUPTING, or None to heal) into ``fraction`` of
         requests (of those beyond ``max_in_flight`` concurrent ones, if given) whose request
-        line contains ``only`` (bytes), or matches it (a compiled bytes pattern: ``search``)."""
+        line contains ``only`` (bytes), or matches it (a compiled bytes pattern: ``search``),
+        until ``faults[fault]`` reaches ``max_faults`` (None: no end)."""
         if fault is not None and fault not in FAULTS + CORRUPTING:
             raise ValueError(f"unknown fault {fault!r}")
         self.fault, self.fraction, self.rate_bytes_s = fault, fraction, rate_bytes_s
-        self.max_in_flight, self.only = max_in_flight, only
+        self.max_in_flight, self.only, self.max_faults = max_in_flight, only, max_faults
 
     def close(self) -> None:
         async def stop():
@@ -109,6 +112,7 @@ class FaultProxy:
             line = head.split(b"\r\n", 1)[0]
             busy = busy and (self.only.search(line) is not None
                              if isinstance(self.only, re.Pattern) else self.only in line)
+            busy = busy and (self.max_faults is None or self.faults[self.fault] < self.max_faults)
             fault = self.fault if busy and self.rng.random() < self.fraction else None
             if fault:
                 self.faults[fault] += 1
