@@ -2,8 +2,9 @@
 
 This is the staging and background half of :class:`casstore.CheckpointManager` (which adds
 save decisions and retention on top) and, on its own, orbax's ``AsyncCheckpointer``: ``save``
-stages the arrays (``_staging``: numpy blocks copied, accelerator blocks dispatched to pinned
-host memory, CPU-device arrays viewed in place) and returns; hashing, compression, upload and
+stages the arrays (``_staging``: numpy blocks copied, accelerator arrays copied on their devices
+where there is room (``_device_staging``) or else their blocks dispatched to pinned host
+memory, CPU-device arrays viewed in place) and returns; hashing, compression, upload and
 the manifest commit run on one background thread; :meth:`AsyncCheckpointer.wait_until_finished`
 waits for them and raises their error.
 """
@@ -29,6 +30,7 @@ from ._chunking import (
     check_chunk_size,
 )
 from ._codec import DEFAULT_ZSTD_LEVEL
+from ._device_staging import copy_on_device
 from ._errors import CasstoreError, StoreTimeoutError
 from ._layout import check_run, check_step
 from ._locks import check_write_access
@@ -70,11 +72,15 @@ class AsyncCheckpointer:
     the values at the call. Host memory: numpy leaves are copied (their bytes once more),
     except, after a save that reused more chunks than it wrote, for blocks that hash to a
     chunk of the previous step (the manager's saves: a frozen base is hashed, not copied);
-    accelerator arrays are copied block by block to pinned host memory, except blocks saved
-    before from the same array objects whose chunks the previous step stores (their ids are
-    remembered: :func:`casstore.save`); CPU-device jax arrays are zero-copy views (jax copies
-    a buffer donated while the save runs); Python scalars, str and bytes are read at
-    ``save``. With ``max_staging_bytes`` the copies held at once never exceed that many bytes:
+    accelerator arrays are copied on their devices where each device has room for the copy
+    beside the process's peak use so far (one dispatch; their host copies are made in the
+    background, the device copy freed as they are), else block by block to pinned host memory
+    before ``save`` returns; neither for blocks saved before from the same array objects whose
+    chunks the previous step stores (their ids are remembered: :func:`casstore.save`);
+    CPU-device jax arrays are zero-copy views (jax copies a buffer donated while the save
+    runs); Python scalars, str and bytes are read at ``save``. With ``max_staging_bytes`` the
+    host copies ``save`` holds at once never exceed that many bytes (the background save's
+    host copies of device copies are bounded by its in-flight window, as a plain save's):
     ``save`` then stages what fits and waits for the background save to store chunks before
     staging more.
 
@@ -200,8 +206,11 @@ class AsyncCheckpointer:
                               for a in arrays.values()))
         # without a cap, a shard of a few chunks is copied whole: one dispatch, no slices
         whole = 0 if self.max_staging_bytes is not None else 4 * self.chunk_size_bytes
+        # accelerator arrays copied on their devices, where there is room, are the save's own:
+        # their host copies are made in the background (_device_staging)
+        arrays, later = copy_on_device(arrays)
         inline, jobs = plan_jobs(prepared, arrays, self.chunk_size_bytes,
-                                 DEFAULT_PACK_THRESHOLD_BYTES, whole)
+                                 DEFAULT_PACK_THRESHOLD_BYTES, whole, later)
         del arrays
         # Lost chunks are staged with their bytes; the writer checks again under the save lock
         # (a collection in between may lose more: such a save fails and the next stages all).

@@ -37,6 +37,8 @@ Key = tuple[tuple[int, Any, tuple, tuple, int], ...]
 _lock = threading.Lock()
 _ids: dict[Key, tuple[tuple[weakref.ref, ...], str]] = {}
 _swept_at = 1024  # the table's size after its last sweep, at least this
+_arrays: dict[int, weakref.ref] = {}  # id(array) of every array with an entry in _ids
+_originals: dict[int, weakref.ref] = {}  # id(copy) -> the array a device copy stands in for
 
 
 class Members:
@@ -66,6 +68,9 @@ def members(blocks: Sequence[tuple[Any, tuple, tuple, int]]) -> Members | None:
             leaf, getattr(leaf, "dtype", None))
         if not isinstance(array, jax.Array):
             return None
+        ref = _originals.get(id(array))
+        if ref is not None and (original := ref()) is not None:
+            array = original  # a save's device copy (_device_staging) is named as its source
         key.append((id(array), dtype, tuple(start), tuple(stop), offset))
         refs.append(weakref.ref(array))
     return Members(tuple(key), tuple(refs))
@@ -92,11 +97,28 @@ def remember(chunk: Members | None, cid: str) -> None:
         return
     with _lock:
         _ids[chunk.key] = chunk.refs, cid
+        _arrays.update((k[0], r) for k, r in zip(chunk.key, chunk.refs))
         if len(_ids) > 2 * _swept_at:
             for key in [k for k, (refs, _) in _ids.items()
                         if any(r() is None for r in refs)]:
                 del _ids[key]
+            for k in [k for k, r in _arrays.items() if r() is None]:
+                del _arrays[k]
             _swept_at = max(1024, len(_ids))
+
+
+def remembered(array: jax.Array) -> bool:
+    """True if an id is remembered for a chunk of ``array`` (a save or restore hashed it)."""
+    with _lock:
+        ref = _arrays.get(id(array))
+    return ref is not None and ref() is array
+
+
+def stand_in(copy: jax.Array, original: jax.Array) -> None:
+    """Names ``copy`` (a device copy a save made of ``original``) as ``original`` in this
+    table for as long as ``copy`` lives, so the ids hashed from it are ``original``'s."""
+    _originals[id(copy)] = weakref.ref(original)
+    weakref.finalize(copy, _originals.pop, id(copy), None)
 
 
 def size() -> int:

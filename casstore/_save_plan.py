@@ -16,7 +16,8 @@ import collections
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Iterable, Iterator
+import threading
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -74,8 +75,8 @@ class Job:
 
 
 def plan_jobs(prepared: Prepared, arrays: dict[int, Any], chunk_size_bytes: int,
-              pack_threshold_bytes: int, whole_shard_bytes: int = 0
-              ) -> tuple[dict[int, bytes], Iterator[Job]]:
+              pack_threshold_bytes: int, whole_shard_bytes: int = 0,
+              later: Collection[int] = frozenset()) -> tuple[dict[int, bytes], Iterator[Job]]:
     """This process's chunk jobs; returns ``(inline bytes by leaf index, jobs)``.
 
     Inline leaves are read now. Packs and larger leaves become a lazy stream of jobs: a pack
@@ -86,6 +87,10 @@ def plan_jobs(prepared: Prepared, arrays: dict[int, Any], chunk_size_bytes: int,
     accelerator block's host copy is started when the stream yields its job; with
     ``whole_shard_bytes`` (a staging without a cap), each accelerator shard of at most that
     many bytes is copied whole instead, many shards per call (:func:`_whole_shard_jobs`).
+    The arrays of ``later`` (leaf indices) are device copies only the save holds
+    (:mod:`casstore._device_staging`): their host copies are made when the pipeline reads the
+    jobs, not as the stream yields them (a shard of at most ``whole_shard_bytes`` copied whole
+    at its first block's read, a larger one block by block; a pack of them at its read).
     Arrays that span several processes are
     written by every process for its own ``replica_id == 0`` shards; everything else (numpy,
     fully addressable jax arrays) only by process 0.
@@ -103,10 +108,11 @@ def plan_jobs(prepared: Prepared, arrays: dict[int, Any], chunk_size_bytes: int,
     inline = _small_bytes({i: a for i, a in small.items()
                            if infos[i].nbytes <= INLINE_LIMIT_BYTES})
     packs = _pack_jobs({i: a for i, a in small.items() if i not in inline}, prepared.paths,
-                       infos, chunk_size_bytes)
+                       infos, chunk_size_bytes, later)
     large = [(i, a) for i, a in mine.items() if i not in small]
-    blocks = (_whole_shard_jobs(large, chunk_size_bytes, whole_shard_bytes) if whole_shard_bytes
-              else (job for i, a in large for job in _block_jobs(i, a, chunk_size_bytes)))
+    blocks = (_whole_shard_jobs(large, chunk_size_bytes, whole_shard_bytes, later)
+              if whole_shard_bytes else (job for i, a in large for job in _block_jobs(
+                  i, a, chunk_size_bytes, i in later)))
     return inline, _chain(packs, blocks)
 
 
@@ -136,19 +142,24 @@ def _small_bytes(small: dict[int, Any], started: dict[int, jax.Array] | None = N
             for i in small}
 
 
-def _block_jobs(i: int, array: Any, chunk_size_bytes: int) -> Iterator[Job]:
-    """One job per block of every unique shard of a large array (format.md §3.3), lazily."""
+def _block_jobs(i: int, array: Any, chunk_size_bytes: int, later: bool = False
+                ) -> Iterator[Job]:
+    """One job per block of every unique shard of a large array (format.md §3.3), lazily; with
+    ``later``, each block copied to the host when the pipeline reads it."""
     for origin, shard in unique_shards(array):
-        yield from _shard_jobs(i, array, shard, _blocks(array, origin, shard, chunk_size_bytes))
+        yield from _shard_jobs(i, array, shard, _blocks(array, origin, shard, chunk_size_bytes),
+                               later=True if later else None)
 
 
 def _whole_shard_jobs(large: list[tuple[int, Any]], chunk_size_bytes: int,
-                      whole_shard_bytes: int) -> Iterator[Job]:
+                      whole_shard_bytes: int, later: Collection[int] = frozenset()
+                      ) -> Iterator[Job]:
     """The jobs of ``large``'s blocks, each accelerator shard of at most ``whole_shard_bytes``
     copied whole (no slice per block), the copies of up to ``WHOLE_SHARDS_PER_CALL`` such
     shards started in one ``jax.device_put``: with a call per shard, staging GPT-2-XL's 1,741
     shards of new arrays blocked ``save()`` 0.85 s on an H100 machine. For a staging without a
-    cap, which holds every copy until it is stored."""
+    cap, which holds every copy until it is stored. The shards of ``later``'s arrays are copied
+    when the pipeline reads them (:func:`plan_jobs`)."""
     shards = [(i, a, origin, shard) for i, a in large for origin, shard in unique_shards(a)]
     cuts: dict[int, list] = {}  # each shard's _blocks, worked out once
 
@@ -162,7 +173,7 @@ def _whole_shard_jobs(large: list[tuple[int, Any]], chunk_size_bytes: int,
     def copied(k: int) -> bool:  # copied whole: a block's id is not remembered
         shard = shards[k][3]
         return (_on_device(shard) and shard.nbytes <= whole_shard_bytes
-                and any(cid is None for *_, cid in cuts_of(k)))
+                and shards[k][0] not in later and any(cid is None for *_, cid in cuts_of(k)))
 
     started: dict[int, jax.Array] = {}
     for k, (i, a, _, shard) in enumerate(shards):
@@ -170,7 +181,9 @@ def _whole_shard_jobs(large: list[tuple[int, Any]], chunk_size_bytes: int,
             ahead = [j for j in range(k, min(k + WHOLE_SHARDS_PER_CALL, len(shards)))
                      if copied(j)]
             started.update(zip(ahead, start_host_copies([shards[j][3] for j in ahead])))
-        yield from _shard_jobs(i, a, shard, cuts_of(k), started.pop(k, None))
+        deferred = (None if i not in later or not _on_device(shard) else HostCopy(shard)
+                    if shard.nbytes <= whole_shard_bytes else True)
+        yield from _shard_jobs(i, a, shard, cuts_of(k), started.pop(k, None), deferred)
         del cuts[k]
 
 
@@ -187,10 +200,13 @@ def _blocks(array: Any, origin: tuple, shard: Any, chunk_size_bytes: int
 
 
 def _shard_jobs(i: int, array: Any, shard: Any, cuts: Iterable[tuple],
-                whole: jax.Array | None = None) -> Iterator[Job]:
+                whole: jax.Array | None = None, later: HostCopy | bool | None = None
+                ) -> Iterator[Job]:
     """One job per block of one shard (``cuts``: its :func:`_blocks`), lazily: a block whose
     id :mod:`casstore._known_chunks` remembers comes without bytes (its ``copy`` reads them);
-    with ``whole``, the shard's host copy (started), the others read views of it."""
+    with ``whole``, the shard's host copy (started), the others read views of it; with
+    ``later`` (a device copy only the save holds), the reads copy to the host: views of the
+    shard's :class:`HostCopy`, or (True) a host copy of each block."""
     itemsize = shard.dtype.itemsize
     for start, stop, g_start, g_stop, chunk, cid in cuts:
         blocks = [(i, g_start, g_stop, 0)]
@@ -202,6 +218,10 @@ def _shard_jobs(i: int, array: Any, shard: Any, cuts: Iterable[tuple],
         elif whole is not None:
             yield Job(functools.partial(_read_copy, whole, start, stop), blocks, itemsize,
                       nbytes, holds_copy=True, members=chunk)
+        elif later is not None and not is_host_data(shard):
+            read = (functools.partial(later.read, start, stop) if isinstance(later, HostCopy)
+                    else functools.partial(_copy_block, shard, start, stop))
+            yield Job(read, blocks, itemsize, nbytes, members=chunk)
         else:
             yield job()
 
@@ -225,11 +245,37 @@ def _read_copy(copy: jax.Array, start: tuple, stop: tuple) -> memoryview:
     return block_bytes(np.asarray(copy), start, stop)
 
 
+def _copy_block(shard: jax.Array, start: tuple, stop: tuple) -> memoryview:
+    """The raw bytes of ``shard[start:stop]``, copied to the host now."""
+    return _read_copy(start_host_copy(shard, start, stop), (0,) * len(start),
+                      tuple(b - a for a, b in zip(start, stop)))
+
+
+class HostCopy:
+    """The host copy of one device shard that only the save holds, made at the first read of
+    one of its blocks (in the pipeline's threads); the device shard is let go then."""
+
+    def __init__(self, shard: jax.Array):
+        self._shard: jax.Array | None = shard
+        self._host: tuple[jax.Array, np.ndarray] | None = None
+        self._lock = threading.Lock()
+
+    def read(self, start: tuple, stop: tuple) -> memoryview:
+        """The raw bytes of ``shard[start:stop]``."""
+        with self._lock:
+            if self._host is None:
+                assert self._shard is not None
+                copy = start_host_copy(self._shard, (0,) * self._shard.ndim, self._shard.shape)
+                self._host, self._shard = (copy, np.asarray(copy)), None
+        return block_bytes(self._host[1], start, stop)
+
+
 def _pack_jobs(small: dict[int, Any], paths: list[str], infos: dict[int, ArrayInfo],
-               chunk_size_bytes: int) -> Iterator[Job]:
+               chunk_size_bytes: int, later: Collection[int] = frozenset()) -> Iterator[Job]:
     """Packs the small leaves of each parent node, in leaf order, into chunks (format.md §3.4),
     lazily: a pack's leaves are read when it is yielded, the host copies of its accelerator
-    leaves and of the next packs' (up to ``chunk_size_bytes``) started in one call.
+    leaves and of the next packs' (up to ``chunk_size_bytes``) started in one call; a pack of
+    ``later``'s leaves only (device copies the save holds) is read when the pipeline reads it.
 
     Grouping by parent keeps a changed small leaf from rewriting unrelated frozen ones.
     """
@@ -248,6 +294,10 @@ def _pack_jobs(small: dict[int, Any], paths: list[str], infos: dict[int, ArrayIn
         if cid is not None:  # the pack's copy reads it, if the repository lacks the chunk
             yield Job(None, blocks, itemsize, offset, chunk_id=cid, members=chunk,
                       copy=functools.partial(_read_pack, blocks, small, itemsize, chunk))
+            continue
+        if all(i in later for i in group):
+            yield Job(functools.partial(_read_pack_later, blocks, small, itemsize), blocks,
+                      itemsize, offset, members=chunk)
             continue
         if any(i in on_device and i not in started for i in group):
             ahead = [i for i in _ahead(packs[k:], infos, chunk_size_bytes)
@@ -285,6 +335,11 @@ def _ahead(packs: list[list[int]], infos: dict[int, ArrayInfo], limit: int) -> l
             break
         out += group
     return out
+
+
+def _read_pack_later(blocks: list, small: dict[int, Any], itemsize: int) -> memoryview:
+    """The raw bytes of a pack of device copies the save holds, copied to the host now."""
+    return _read_pack(blocks, small, itemsize, None).read()
 
 
 def _read_pack(blocks: list, small: dict[int, Any], itemsize: int, chunk: Members | None,

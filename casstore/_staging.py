@@ -9,6 +9,8 @@ its bytes live:
   unless it is hashed and found among ``stored``, the chunks of the step the save reuses
   (a frozen base, an untouched embedding; given only after a save that reused more chunks
   than it wrote): then only its chunk id is handed over;
+- a block of a device copy the save made (``_device_staging``) is the save's own: its host copy
+  is made when the background save reads it;
 - an accelerator's block was already copied to host memory by the stream (pinned memory where
   the device offers it: a DMA dispatched at once, as torch.distributed.checkpoint's
   ``async_with_pinned_mem`` staging does); a later donation of the array does not change it;

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import casstore
-from casstore import _chunking, _place
+from casstore import _chunking, _device_staging, _place
 
 pytestmark = pytest.mark.gpu
 
@@ -35,18 +35,31 @@ def test_gpu_shards_are_copied_block_by_block_and_leave_no_host_copy(tmp_path, g
     assert bool(jnp.all(restored == x))
 
 
-def test_async_save_with_pinned_staging_survives_donation(tmp_path, gpu):
-    step = jax.jit(lambda w: w * 0 - 1, donate_argnums=0)
-    w = jax.device_put(jnp.arange(4_000_000, dtype=jnp.float32), gpu)
-    expected = np.asarray(jax.device_get(w * 1))
-    with casstore.CheckpointManager(tmp_path, max_staging_bytes=4 * 2**20,
+@pytest.mark.parametrize("staging", ["device", "pinned"])
+@pytest.mark.parametrize("cap", [None, 4 * 2**20])
+def test_async_save_survives_donation(tmp_path, gpu, monkeypatch, staging, cap):
+    """Staged by a copy on the GPU (host copies made in the background), or, where the GPU has
+    no room for one, by block copies to pinned host memory before save() returns."""
+    if staging == "pinned":
+        monkeypatch.setattr(_device_staging, "_room", lambda device: 0)
+    else:
+        assert _device_staging._room(gpu) > 2**30
+    step = jax.jit(lambda t: jax.tree.map(lambda x: x * 0 - 1, t), donate_argnums=0)
+    tree = {"w": jax.device_put(jnp.arange(4_000_000, dtype=jnp.float32), gpu),
+            "b": {f"b{k}": jax.device_put(jnp.full(1000, k, jnp.float32), gpu)
+                  for k in range(4)}}
+    expected = jax.tree.map(lambda x: np.asarray(jax.device_get(x * 1)), tree)
+    with casstore.CheckpointManager(tmp_path, max_staging_bytes=cap,
                                     chunk_size_bytes=2**20) as mngr:
-        mngr.save(1, {"w": w})
-        w = step(w)  # donated right after save() returned
-        jax.block_until_ready(w)
+        mngr.save(1, tree)
+        tree = step(tree)  # donated right after save() returned
+        jax.block_until_ready(tree)
         mngr.wait_until_finished()
-        assert 0 < mngr.last_staging_peak_bytes <= 4 * 2**20
-        np.testing.assert_array_equal(mngr.restore(1)["w"], expected)
+        peak = mngr.last_staging_peak_bytes
+        assert peak == 0 if staging == "device" else 0 < peak <= (cap or 2**25)
+        restored = mngr.restore(1)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_gpu_saved_state_restores_onto_the_cpu_and_back(tmp_path, gpu):
