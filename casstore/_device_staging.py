@@ -13,25 +13,32 @@ A copy is made only where the devices have room for it: for every device, the co
 it fit under the allocator's limit less the process's peak use so far (``memory_stats()``'s
 ``bytes_limit`` and ``peak_bytes_in_use``) less a margin of 5% of the limit. The peak holds
 the training step's own temporaries once a step ran before the save, so the copy does not
-take memory the next step needs. Devices that report no memory statistics (the CPU) get no
-copy, nor do arrays that span several processes, arrays seen in a stored dtype (their cast
-is checked as the caller's thread stages them, so a cast that overflows fails ``save``), and
-arrays whose chunk ids a save or restore remembered (:mod:`casstore._known_chunks`: their
-chunks are mostly stored already). Everything else is staged as before (``_staging``).
+take memory the next step needs. A peak that a save's own copy set (none higher since) is
+replaced by the peak before that copy, so one save's copy does not keep the next from making
+one. A copy the allocator refuses anyway (fragmentation, memory that another process or
+library holds) is not made. Devices that report no memory statistics (the CPU) get no copy,
+nor do arrays that span several processes, arrays another process writes, inline-sized
+arrays, and arrays whose chunk ids a save or restore remembered (:mod:`casstore.
+_known_chunks`: their chunks are mostly stored already). Everything else is staged as before
+(``_staging``). Only asynchronous saves copy, and they store no leaf in another dtype.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
-from ._chunking import on_host
+from ._chunking import INLINE_LIMIT_BYTES, on_host
 from ._known_chunks import remembered, stand_in
 
+log = logging.getLogger("casstore")
+
 MARGIN = 0.05  # of each device's limit, left free
+# device -> (its peak right after a save's copy, the peak that save counted without it)
+_after_copy: dict[Any, tuple[int, int]] = {}
 
 
 def copy_on_device(arrays: dict[int, Any]) -> tuple[dict[int, Any], set[int]]:
@@ -46,41 +53,58 @@ def copy_on_device(arrays: dict[int, Any]) -> tuple[dict[int, Any], set[int]]:
       hashes are remembered for the caller's arrays), and the indices of the copies. The
       copies are dispatched, not waited for.
     """
-    wanted = {i: a for i, a in arrays.items() if _wanted(a)}
-    if not wanted or not _fits(wanted.values()):
+    if jax.process_index() != 0:  # it writes only arrays that span processes: not copied
+        return arrays, set()
+    unique = {id(a): a for a in arrays.values() if _wanted(a)}  # a leaf twice: one copy
+    need: dict[Any, int] = collections.Counter()
+    for a in unique.values():
+        for shard in a.addressable_shards:
+            need[shard.device] += shard.data.nbytes
+    used = {device: _used(device) for device in need}
+    if not unique or any(used[d] is None or n > _room(d, used[d]) for d, n in need.items()):
         return arrays, set()
     try:
-        copies = jax.device_put(list(wanted.values()), may_alias=False)
-    except TypeError:  # a jax without may_alias
-        copies = [jnp.copy(a) for a in wanted.values()]
-    for original, copy in zip(wanted.values(), copies):
-        stand_in(copy, original)
-    return {**arrays, **dict(zip(wanted, copies))}, set(wanted)
+        copies = dict(zip(unique, jax.device_put(list(unique.values()), may_alias=False)))
+    except (TypeError, RuntimeError) as e:  # refused (out of memory), or no may_alias
+        log.debug("casstore: no device copy for this save, staged on the host: %s", e)
+        return arrays, set()
+    for device in need:
+        _after_copy[device] = (_stats(device).get("peak_bytes_in_use", 0), used[device])
+    for key, copy in copies.items():
+        stand_in(copy, unique[key])
+    copied = {i for i, a in arrays.items() if id(a) in copies}
+    return {i: copies[id(a)] if i in copied else a for i, a in arrays.items()}, copied
 
 
 def _wanted(a: Any) -> bool:
-    """True for an accelerator array of this process alone whose chunks are not remembered."""
+    """True for an accelerator array of this process alone, larger than an inline leaf, whose
+    chunks are not remembered."""
     return (isinstance(a, jax.Array) and a.is_fully_addressable and not on_host(a)
-            and a.size > 0 and not remembered(a))
+            and a.nbytes > INLINE_LIMIT_BYTES and not remembered(a))
 
 
-def _fits(arrays: Any) -> bool:
-    """True if every device has room for the copies of ``arrays``' shards on it."""
-    need: dict[Any, int] = collections.Counter()
-    for a in arrays:
-        for shard in a.addressable_shards:
-            need[shard.device] += shard.data.nbytes
-    return all(n <= _room(device) for device, n in need.items())
-
-
-def _room(device: Any) -> int:
-    """Bytes a copy may take on ``device`` (module doc); 0 where it reports no statistics."""
+def _stats(device: Any) -> dict:
+    """``device.memory_stats()``, or {} where the backend has none."""
     try:
-        stats = device.memory_stats()
-    except (RuntimeError, NotImplementedError):  # a backend without statistics
-        return 0
-    if not stats or "bytes_limit" not in stats:
-        return 0
-    limit = stats["bytes_limit"]
-    used = max(stats.get("peak_bytes_in_use", 0), stats.get("bytes_in_use", 0))
+        return device.memory_stats() or {}
+    except (RuntimeError, NotImplementedError):
+        return {}
+
+
+def _used(device: Any) -> int | None:
+    """The process's peak use of ``device`` so far, bytes, less a save's own copy where that
+    copy set the peak (module doc); None where the device reports no limit."""
+    stats = _stats(device)
+    if "bytes_limit" not in stats:
+        return None
+    peak = stats.get("peak_bytes_in_use", 0)
+    seen = _after_copy.get(device)
+    if seen is not None and peak == seen[0]:
+        peak = seen[1]
+    return max(peak, stats.get("bytes_in_use", 0))
+
+
+def _room(device: Any, used: int) -> int:
+    """Bytes a copy may take on ``device`` where the process used ``used`` bytes at its peak."""
+    limit = _stats(device)["bytes_limit"]
     return int(limit - used - MARGIN * limit)

@@ -295,13 +295,13 @@ def _pack_jobs(small: dict[int, Any], paths: list[str], infos: dict[int, ArrayIn
             yield Job(None, blocks, itemsize, offset, chunk_id=cid, members=chunk,
                       copy=functools.partial(_read_pack, blocks, small, itemsize, chunk))
             continue
-        if all(i in later for i in group):
-            yield Job(functools.partial(_read_pack_later, blocks, small, itemsize), blocks,
-                      itemsize, offset, members=chunk)
+        if all(i in later for i in group):  # holds its own leaves only: freed once stored
+            yield Job(functools.partial(_read_pack_later, blocks, {i: small[i] for i in group},
+                                        itemsize), blocks, itemsize, offset, members=chunk)
             continue
         if any(i in on_device and i not in started for i in group):
             ahead = [i for i in _ahead(packs[k:], infos, chunk_size_bytes)
-                     if i in on_device and i not in started]
+                     if i in on_device and i not in started and (i in group or i not in later)]
             if ahead:
                 started.update(zip(ahead, start_host_copies([small[i] for i in ahead])))
         yield _read_pack(blocks, small, itemsize, chunk, started)

@@ -18,6 +18,8 @@ from casstore import _chunking, _device_staging, _known_chunks, _save_plan
 
 from conftest import GatedStore
 
+ROOMY = {"bytes_limit": 2**40, "bytes_in_use": 0, "peak_bytes_in_use": 0}
+
 
 @pytest.fixture
 def host_copies(monkeypatch):
@@ -25,7 +27,8 @@ def host_copies(monkeypatch):
     that started host copies (block copies and batched whole copies)."""
     for module in (_chunking, _save_plan, _device_staging):
         monkeypatch.setattr(module, "on_host", lambda x: False)
-    monkeypatch.setattr(_device_staging, "_room", lambda device: 2**40)
+    monkeypatch.setattr(_device_staging, "_stats", lambda device: dict(ROOMY))
+    monkeypatch.setattr(_device_staging, "_after_copy", {})
     threads = []
     block, batch = _save_plan.start_host_copy, _save_plan.start_host_copies
     monkeypatch.setattr(_save_plan, "start_host_copy", lambda *a: threads.append(
@@ -84,7 +87,7 @@ def test_the_ids_hashed_from_a_device_copy_are_remembered_for_the_callers_arrays
 
 
 def test_without_room_on_the_device_save_stages_host_copies_itself(host_copies, monkeypatch):
-    monkeypatch.setattr(_device_staging, "_room", lambda device: 0)
+    monkeypatch.setattr(_device_staging, "_stats", lambda device: {**ROOMY, "bytes_limit": 0})
     tree = state()
     store = GatedStore()
     with casstore.CheckpointManager(store, chunk_size_bytes=2**17) as mngr:
@@ -109,32 +112,85 @@ def test_numpy_leaves_are_still_copied_by_save_and_jax_leaves_on_the_device(host
     np.testing.assert_array_equal(restored["x"], np.asarray(x))
 
 
-def test_room_is_the_limit_less_the_peak_and_a_margin():
-    def device(stats):
-        return types.SimpleNamespace(memory_stats=lambda: stats)
+def test_a_copy_the_device_refuses_is_not_made_and_save_stages_on_the_host(host_copies,
+                                                                          monkeypatch):
+    tree = state()
+    real = jax.device_put
 
-    limit = 100 * 2**30
-    assert _device_staging._room(device({"bytes_limit": limit, "bytes_in_use": 10 * 2**30,
-                                         "peak_bytes_in_use": 40 * 2**30})) == 55 * 2**30
-    assert _device_staging._room(device(None)) == 0
-    assert _device_staging._room(device({"bytes_in_use": 0})) == 0
+    def refuse(*args, may_alias=None, **kwargs):
+        if may_alias is False:  # the save's copy
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+        return real(*args, may_alias=may_alias, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", refuse)
+    store = GatedStore()
+    with casstore.CheckpointManager(store, chunk_size_bytes=2**17) as mngr:
+        mngr.save(1, tree)
+        assert mngr.last_staging_peak_bytes > 0
+        store.gate.set()
+    np.testing.assert_array_equal(casstore.restore(store, 1)["big"], np.asarray(tree["big"]))
+
+
+def test_room_is_the_limit_less_the_peak_and_a_margin(monkeypatch):
+    stats = {"bytes_limit": 100 * 2**30, "bytes_in_use": 10 * 2**30,
+             "peak_bytes_in_use": 40 * 2**30}
+    monkeypatch.setattr(_device_staging, "_stats", lambda device: stats)
+    monkeypatch.setattr(_device_staging, "_after_copy", {})
+    used = _device_staging._used("gpu")
+    assert used == 40 * 2**30
+    assert _device_staging._room("gpu", used) == 55 * 2**30
+    # a peak that a save's copy set (nothing higher since) counts as the peak before it
+    _device_staging._after_copy["gpu"] = (40 * 2**30, 25 * 2**30)
+    assert _device_staging._used("gpu") == 25 * 2**30
+    stats["peak_bytes_in_use"] += 1  # a higher peak since: the step's, as far as we know
+    assert _device_staging._used("gpu") == 40 * 2**30 + 1
+    stats["bytes_in_use"] = 50 * 2**30
+    assert _device_staging._used("gpu") == 50 * 2**30
+    monkeypatch.setattr(_device_staging, "_stats", lambda device: {})  # no statistics
+    assert _device_staging._used("cpu") is None
 
     def broken():
         raise RuntimeError("UNIMPLEMENTED")
 
-    assert _device_staging._room(types.SimpleNamespace(memory_stats=broken)) == 0
+    monkeypatch.undo()
+    assert _device_staging._stats(types.SimpleNamespace(memory_stats=broken)) == {}
+    assert _device_staging._stats(types.SimpleNamespace(memory_stats=lambda: None)) == {}
 
 
 def test_a_copy_is_made_only_if_every_device_has_room_for_its_part(host_copies, monkeypatch):
     sharded = state()["sharded"]  # 256 KiB over 8 devices: 32 KiB on each
-    rooms = dict.fromkeys(jax.devices(), 2 ** 15)
-    monkeypatch.setattr(_device_staging, "_room", lambda device: rooms[device])
-    arrays, copied = _device_staging.copy_on_device({0: sharded})
-    assert copied == {0}
+    limits = dict.fromkeys(jax.devices(), int(2**15 / (1 - _device_staging.MARGIN)) + 1)
+    monkeypatch.setattr(_device_staging, "_stats", lambda device: {
+        "bytes_limit": limits[device], "bytes_in_use": 0, "peak_bytes_in_use": 0})
+    arrays, copied = _device_staging.copy_on_device({0: sharded, 1: sharded})
+    assert copied == {0, 1}
+    assert arrays[0] is arrays[1]  # one copy of an array saved as two leaves
     assert arrays[0] is not sharded
     assert arrays[0].sharding == sharded.sharding
     np.testing.assert_array_equal(np.asarray(arrays[0]), np.asarray(sharded))
-    rooms[jax.devices()[5]] = 2**15 - 1
+    limits[jax.devices()[5]] -= 2
     arrays, copied = _device_staging.copy_on_device({0: sharded})
     assert copied == set()
     assert arrays[0] is sharded
+
+
+def test_packs_of_copies_only_are_read_in_the_background_beside_a_mixed_pack(host_copies,
+                                                                            monkeypatch):
+    """A pack that holds a numpy leaf is read by save(), its device leaves copied then; the
+    packs of device copies only are not (they are read, and copied, in the background)."""
+    sizes = []
+    real = _save_plan.start_host_copies
+    monkeypatch.setattr(_save_plan, "start_host_copies", lambda xs: (
+        sizes.append((threading.current_thread().name, len(xs))), real(xs))[1])
+    tree = {"a": {"n": np.ones(1000, np.float32), "d": jnp.zeros(1000, jnp.float32)},
+            **{f"p{k:02d}": {"x": jnp.full(1000, k, jnp.float32),
+                             "y": jnp.full(1000, -k, jnp.float32)} for k in range(10)}}
+    store = GatedStore()
+    with casstore.CheckpointManager(store, chunk_size_bytes=2**17) as mngr:
+        mngr.save(1, tree)
+        caller = threading.current_thread().name
+        assert [n for name, n in sizes if name == caller] == [1]  # "d", with "n"'s pack
+        store.gate.set()
+    assert sorted(n for name, n in sizes if name != caller) == [2] * 10
+    restored = casstore.restore(store, 1)
+    assert all((restored[f"p{k:02d}"]["y"] == -k).all() for k in range(10))
