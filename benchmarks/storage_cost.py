@@ -1,21 +1,21 @@
 """casstore with deltas vs casstore without vs orbax: bytes per step when every tensor changes.
 
 Issue 15; README.md's ``storage_cost.py`` section says in full what each scenario does. Three
-systems (``harness.peers``) get the same states, step after step, each into its own local
-repository: ``delta`` (``casstore.save``), ``whole`` (``delta=False``) and ``orbax``; casstore
-with its default codecs or ``--codecs no-shuffle`` (``shuffle=False``). Scenarios:
+systems get the same states, step after step, each into its own local repository: ``delta``
+(``casstore.save``), ``whole`` (``delta=False``) and ``orbax``; casstore with its default codecs
+or ``--codecs no-shuffle`` (``shuffle=False``). Scenarios:
 
-1. finetune: all of MiniLM trained with adam (``examples/finetune_minilm.py --full``) at each
-   of ``--lrs``, a checkpoint every step for ``--steps``: bytes written per step after the first
-   as a fraction of the raw state, split by params / adam mu / nu from the manifests
-   (:func:`attribute`). Targets: all <= 0.40, params <= 0.35.
+1. finetune: all of MiniLM trained with adam (``examples/finetune_minilm.py --full``) at each of
+   ``--lrs``, a checkpoint every step for ``--steps``: bytes written per step after the first as
+   a fraction of the raw state, split by params / adam mu / nu from the manifests. Targets: all
+   <= 0.40, params <= 0.35.
 2. restore: the first learning rate's step at the end of the longest delta chain, restored cold
    (``--drop-caches``) and warm from each system, checked bit-exact. Targets: delta <= 1.25x
    whole and <= 0.8x orbax.
 3. pretrain: a GPT-2-shaped state (``--pretrain-size``) updated by ``--pretrain-steps`` adam
    steps with real gradients (every tensor changes); bytes per step and the last step's restore.
 
-Saves and restores are also reported as fractions of the machine's limit (``harness.limit``).
+Saves and restores are also fractions of the machine's limit measured in the run.
 
 Usage::
 
@@ -49,7 +49,8 @@ SYSTEMS, SCENARIOS, KINDS = ("delta", "whole", "orbax"), ("finetune", "restore",
     "params", "mu", "nu")
 CODECS = {"default": None, "no-shuffle": False}  # --codecs -> save(..., shuffle=)
 EXAMPLE = h.HERE.parent / "examples" / "finetune_minilm.py"
-TINY = {"steps": 3, "lrs": "1e-4", "batch_size": 8, "pretrain_steps": 3, "pretrain_size": "tiny"}
+DEFAULTS = {"steps": 8, "lrs": "1e-4,1e-5", "pretrain_steps": 4, "pretrain_size": "gpt2"}
+TINY = {"steps": 3, "lrs": "1e-4", "pretrain_steps": 3, "pretrain_size": "tiny"}
 TARGETS = {"all": 0.40, "params": 0.35, "restore_vs_whole": 1.25, "restore_vs_orbax": 0.8}
 GRADIENTS = "real: GPT-2 next-token cross-entropy on the bytes of examples/data/sentiment.tsv"
 
@@ -106,127 +107,109 @@ def attribute(url: str, steps: list[int]) -> list[dict]:
     return out
 
 
-class Systems:
-    """One training run's three peers under ``root``; ``save`` stores a state in each."""
-
-    def __init__(self, root: pathlib.Path, shuffle: bool | None):
-        (root / "orbax").mkdir(parents=True)
-        self.peers = {"delta": h.peers.Casstore(root / "delta", shuffle=shuffle),
-                      "whole": h.peers.Casstore(root / "whole", delta=False, shuffle=shuffle),
-                      "orbax": h.peers.Orbax(root / "orbax")}
-        self.per_step: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
-
-    def save(self, step: int, state: object) -> None:
-        for system, peer in self.peers.items():
-            fig = {"step": step}
-            h.phase(fig, "save_s", lambda p=peer: p.save(step, state))
-            self.per_step[system].append({**fig, **peer.saved(step)})
-
-    def summary(self, raw: dict[str, int]) -> dict:
-        """Per system: per-step figures (casstore's split by :func:`attribute`) and the mean
-        bytes per step after the first as fractions of ``raw``."""
-        out = {}
-        for system, per_step in self.per_step.items():
-            if system != "orbax":
-                for fig, split in zip(per_step, attribute(self.peers[system].url,
-                                                          [f["step"] for f in per_step])):
-                    fig.update(split)
-            later = per_step[1:]
-            out[system] = {"per_step": per_step, "mean_save_s": np.mean([f["save_s"]
-                                                                         for f in later]),
-                           "fraction": {k: sum(f[k if k != "all" else "written_bytes"]
-                                               for f in later) / (raw[k] * len(later))
-                                        for k in ("all", *(KINDS * (system != "orbax")))}}
-        return out
-
-    def restores(self, step: int, expected: object, args, limit: dict) -> dict:
-        """Restores ``step`` from every system ``args.repeat`` times (rotating), cold (with
-        ``--drop-caches``, else NaN) then warm, each checked bit-exact against ``expected``;
-        returns medians, delta's ratios and the limit's seconds."""
-        abstract = h.abstract_of(expected, h.device("cpu"))
-        warm = 0 if args.no_warm else min(3 * h.state_bytes(expected), 8 << 30)
-
-        def one(system: str) -> dict:
-            fig: dict = {}
-            for phase in ("cold", "warm"):
-                got = h.phase(fig, f"{phase}_s", lambda: self.peers[system].restore(
-                    step, abstract), warm=warm, drop=phase == "cold" and args.drop_caches)
-                fig["verified_leaves"] = h.verify_equal(expected, h.flatten(got), system, True)
-                del got
-                if phase == "cold" and not fig.pop("dropped_caches"):
-                    fig["cold_s"] = fig["cold_cpu_s"] = float("nan")
-            return fig
-
-        runs, med = h.interleave(SYSTEMS, args.repeat, one)
-        # Whole chunks of the step (every tensor changed): what a restore must read at least.
-        raw, stored = h.state_bytes(expected), self.per_step["whole"][step]["written_bytes"]
-        return {"step": step, "systems": med, "runs": runs, "dropped_caches": not math.isnan(
-            med["delta"]["cold_s"]), "ratios": {f"{p}_vs_{peer}": h.ratio(
-                med["delta"][f"{p}_s"], med[peer][f"{p}_s"]) for p in ("cold", "warm")
-                for peer in ("whole", "orbax")}, "limits": {
-            f"{p}_s": h.limit.restore_s(limit, raw, stored, cold=p == "cold")
-            for p in ("cold", "warm")}}
-
-    def close(self) -> None:
-        self.peers["orbax"].close()
-
-
-def training(args, root: pathlib.Path, steps: int, state: object, step_fn, limit: dict):
+def training(args, root: pathlib.Path, steps: int, state: object, step_fn, limit: dict,
+             keep: list | None = None) -> tuple[dict, dict]:
     """Saves ``steps`` states of ``state, loss, changed = step_fn(state, i)`` into the three
-    systems; returns (figures, the systems, the last state)."""
-    systems, losses, changed = Systems(root, CODECS[args.codecs]), [], []
+    systems (each state appended to ``keep`` if given); returns (figures, the peers)."""
+    shuffle = CODECS[args.codecs]
+    (root / "orbax").mkdir(parents=True)
+    peers = {"delta": h.peers.Casstore(root / "delta", shuffle=shuffle),
+             "whole": h.peers.Casstore(root / "whole", delta=False, shuffle=shuffle),
+             "orbax": h.peers.Orbax(root / "orbax")}
+    per_step, losses, changed = {s: [] for s in SYSTEMS}, [], []
     for i in range(steps):
         state, loss, n_changed = jax.block_until_ready(step_fn(state, i))
         losses.append(float(loss))
         changed.append(int(n_changed))
-        systems.save(i, state)
-    raw = raw_bytes(systems.peers["delta"].url, steps - 1)
+        for system, peer in peers.items():
+            fig = {"step": i}
+            h.phase(fig, "save_s", lambda p=peer, i=i, s=state: p.save(i, s))
+            per_step[system].append({**fig, **peer.saved(i)})
+        if keep is not None:
+            keep.append(state)
+    raw = raw_bytes(peers["delta"].url, steps - 1)
     out = {"steps": steps, "losses": losses, "changed_leaves_per_step": changed,
-           "leaves": len(jax.tree.leaves(state)), "raw_bytes": raw,
-           "systems": systems.summary(raw)}
+           "leaves": len(jax.tree.leaves(state)), "raw_bytes": raw, "systems": {}}
+    for system, figs in per_step.items():
+        if system != "orbax":
+            for fig, split in zip(figs, attribute(peers[system].url, range(steps))):
+                fig.update(split)
+        out["systems"][system] = {"per_step": figs, "mean_save_s": np.mean(
+            [f["save_s"] for f in figs[1:]]), "fraction": {
+                k: sum(f[k if k != "all" else "written_bytes"] for f in figs[1:])
+                / (raw[k] * (steps - 1)) for k in ("all", *(KINDS * (system != "orbax")))}}
     out["save_limit_s"] = h.limit.save_s(limit, raw["all"], np.mean(
-        [f["written_bytes"] for f in out["systems"]["delta"]["per_step"][1:]]))
-    return out, systems, state
+        [f["written_bytes"] for f in per_step["delta"][1:]]))
+    out["last_state"] = state
+    return out, peers
 
 
-def finetune(args, lr: float, root: pathlib.Path, limit: dict, keep: bool) -> dict:
-    """All of MiniLM trained at ``lr``; with ``keep``, then the restore scenario."""
+def restores(peers: dict, step: int, expected: object, args, limit: dict,
+             stored: int) -> dict:
+    """Restores ``step`` from every system ``args.repeat`` times (rotating), cold (with
+    ``--drop-caches``, else NaN) then warm, each checked bit-exact against ``expected``;
+    medians, delta's ratios and the limit's seconds (of ``stored`` bytes)."""
+    abstract = h.abstract_of(expected, h.device("cpu"))
+    raw = h.state_bytes(expected)
+    warm = 0 if args.no_warm else min(3 * raw, 8 << 30)
+
+    def one(system: str) -> dict:
+        fig: dict = {}
+        for p in ("cold", "warm"):
+            got = h.phase(fig, f"{p}_s", lambda: peers[system].restore(step, abstract),
+                          warm=warm, drop=p == "cold" and args.drop_caches)
+            fig["verified_leaves"] = h.verify_equal(expected, h.flatten(got), system, True)
+            del got
+            if p == "cold" and not fig.pop("dropped_caches"):
+                fig["cold_s"] = fig["cold_cpu_s"] = float("nan")
+        return fig
+
+    runs, med = h.interleave(SYSTEMS, args.repeat, one)
+    return {"step": step, "systems": med, "runs": runs,
+            "dropped_caches": not math.isnan(med["delta"]["cold_s"]),
+            "ratios": {f"{p}_vs_{o}": h.ratio(med["delta"][f"{p}_s"], med[o][f"{p}_s"])
+                       for p in ("cold", "warm") for o in ("whole", "orbax")},
+            "limits": {f"{p}_s": h.limit.restore_s(limit, raw, stored, cold=p == "cold")
+                       for p in ("cold", "warm")}}
+
+
+def finetune(args, lr: float, root: pathlib.Path, limit: dict, restore: bool) -> dict:
+    """All of MiniLM trained at ``lr``; with ``restore``, then the restore scenario."""
     ex = h.load_module("finetune_minilm", EXAMPLE)
     train, _ = ex.load_data(ex.Tokenizer.from_file(str(ex.model_dir() / "tokenizer.json")))
     params = ex.load_params(ex.model_dir(), num_labels=2, seed=0)
     labels = ex.trainable_labels(params, full=True)
     optimizer = ex.make_optimizer(labels, lr, full=True)
     train_step, rng = ex.make_train_step(labels, optimizer), np.random.default_rng(0)
-    batch_size, states = min(args.batch_size, len(train[2])), []
+    batch_size, states = min(8 if args.tiny else 32, len(train[2])), []
 
     def step_fn(state: dict, i: int) -> tuple:
         batch = rng.choice(len(train[2]), batch_size, replace=False)
-        new, loss = train_step(state, *(a[batch] for a in train))
-        if keep:
-            states.append(new)
-        return new, loss, -1  # not counted
+        return (*train_step(state, *(a[batch] for a in train)), -1)  # changes not counted
 
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0)}
-    out, systems, _ = training(args, root, args.steps, state, step_fn, limit)
+    out, peers = training(args, root, args.steps, state, step_fn, limit,
+                          states if restore else None)
     out.update(lr=lr, batch_size=batch_size)
-    del out["changed_leaves_per_step"]
-    if keep:  # the step at the end of the longest chain: most levels, oldest base, latest
+    del out["changed_leaves_per_step"], out["last_state"]
+    if restore:  # the step at the end of the longest chain: most levels, oldest base, latest
         per = out["systems"]["delta"]["per_step"]
         i = max(range(len(per)), key=lambda i: (per[i]["chain_depth"], per[i]["base_age"], i))
-        out["restore"] = systems.restores(i, states[i], args, limit)
+        out["restore"] = restores(peers, i, states[i], args, limit,
+                                  out["systems"]["whole"]["per_step"][i]["written_bytes"])
         out["restore"].update({k: per[i][k] for k in ("chain_depth", "base_age",
                                                        "delta_objects", "new_chunk_objects")})
-    systems.close()
+    peers["orbax"].close()
     return out
 
 
 def pretrain(args, root: pathlib.Path, limit: dict) -> dict:
     """``args.pretrain_steps`` adam steps on a GPT-2-shaped state, then its last step's
     restore."""
-    optimizer = optax.adam(args.pretrain_lr)
-    params, opt_state = adam_state(h.train_state(args.pretrain_size), optimizer)
+    optimizer, size = optax.adam(6e-4), args.pretrain_size
+    params, opt_state = adam_state(h.train_state(size), optimizer)
     text = np.frombuffer((EXAMPLE.parent / "data" / "sentiment.tsv").read_bytes(), np.uint8)
-    n, rng = min(65, h.SIZES[args.pretrain_size]["ctx"] + 1), np.random.default_rng(0)
+    n, rng = min(65, h.SIZES[size]["ctx"] + 1), np.random.default_rng(0)
 
     @jax.jit
     def train_step(state: dict, tokens: jax.Array) -> tuple:
@@ -241,36 +224,38 @@ def pretrain(args, root: pathlib.Path, limit: dict) -> dict:
         return train_step(state, jnp.asarray(np.stack([text[s:s + n] for s in starts])
                                              .astype(np.int32)))
 
-    state = {"params": params, "opt_state": opt_state}
-    out, systems, state = training(args, root, args.pretrain_steps, state, step_fn, limit)
-    out.update(size=args.pretrain_size, shape=h.SIZES[args.pretrain_size], lr=args.pretrain_lr,
-               gradients=GRADIENTS)
-    out["restore"] = systems.restores(args.pretrain_steps - 1, state, args, limit)
-    systems.close()
+    out, peers = training(args, root, args.pretrain_steps, {"params": params,
+                                                            "opt_state": opt_state},
+                          step_fn, limit)
+    last = args.pretrain_steps - 1
+    out.update(size=size, shape=h.SIZES[size], lr=6e-4, gradients=GRADIENTS,
+               restore=restores(peers, last, out.pop("last_state"), args, limit,
+                                out["systems"]["whole"]["per_step"][last]["written_bytes"]))
+    peers["orbax"].close()
     return out
 
 
 def run(args) -> dict:
-    """Measures the limit, then runs the scenarios of ``args.scenarios``; returns all
-    figures. Raises AssertionError if a restore was not bit-exact."""
+    """The limit, then the scenarios of ``args.scenarios``; all figures. AssertionError if a
+    restore was not bit-exact."""
     result = {"environment": h.environment("orbax-checkpoint", "optax", "zstandard"),
               "scenarios": list(args.scenarios), "repeat": args.repeat, "codecs": args.codecs,
-              "drop_caches_requested": args.drop_caches, "targets": TARGETS}
-    with h.scratch(args.dir, "limit") as root:
-        limit = result["limit"] = h.limit.measure(root, 64 << 20, drop=args.drop_caches)
+              "drop_caches_requested": args.drop_caches, "targets": TARGETS,
+              "limit": h.limit.measure(64 << 20, base_dir=args.dir, drop=args.drop_caches)}
     lrs = [float(x) for x in args.lrs.split(",")]
     if {"finetune", "restore"} & set(args.scenarios):
         result["finetune"] = []
         for i, lr in enumerate(lrs if "finetune" in args.scenarios else lrs[:1]):
             with h.scratch(args.dir, f"storage-cost-finetune-{i}") as root:
-                ft = finetune(args, lr, root, limit, i == 0 and "restore" in args.scenarios)
+                ft = finetune(args, lr, root, result["limit"],
+                              i == 0 and "restore" in args.scenarios)
             if "restore" in ft:
                 result["restore"] = ft.pop("restore")
             result["finetune"].append(ft)
             h.settle()
     if "pretrain" in args.scenarios:
         with h.scratch(args.dir, "storage-cost-pretrain") as root:
-            result["pretrain"] = pretrain(args, root, limit)
+            result["pretrain"] = pretrain(args, root, result["limit"])
     return result
 
 
@@ -279,43 +264,31 @@ def bytes_table(figures: dict, label: str, targets: bool) -> list[str]:
     the save's fraction of the machine's limit; with ``targets``, issue 15's."""
     res, raw, n = figures["systems"], figures["raw_bytes"], figures["steps"] - 1
     later = lambda s, k: sum(f.get(k, 0) for f in res[s]["per_step"][1:]) / n  # noqa: E731
-    tgt = lambda k: f"<= {TARGETS[k]}" if targets and k in TARGETS else ""  # noqa: E731
-    rows = [[f"{'adam ' if k != 'params' else ''}{k} ({h.fmt(raw[k], 'B')} raw)",
-             *(h.fmt(res[s]["fraction"].get(k, float("nan")), "x") for s in SYSTEMS), tgt(k)]
-            for k in KINDS]
-    rows += [[f"all, incl. manifest ({h.fmt(raw['all'], 'B')} raw)",
-              *(h.fmt(res[s]["fraction"]["all"], "x") for s in SYSTEMS), tgt("all")],
-             ["MB written per step", *(h.fmt(later(s, "written_bytes"), "MB") for s in SYSTEMS),
-              ""],
-             ["delta chunks per step", *(h.fmt(later(s, "delta_chunks"), "n") if s != "orbax"
-                                         else "" for s in SYSTEMS), ""],
-             ["save s per step (mean)", *(h.fmt(res[s]["mean_save_s"], "s") for s in SYSTEMS),
-              ""],
-             [f"... limit / figure (limit {figures['save_limit_s']:.3f} s)", *(h.fmt(h.ratio(
-                 figures["save_limit_s"], res[s]["mean_save_s"]), "x") for s in SYSTEMS), ""]]
-    lines = h.md_table([f"{label}: written / raw, per step after the first", *SYSTEMS, "target"],
-                       rows)
+    row = lambda label, value: [label, *(value(s) for s in SYSTEMS)]  # noqa: E731
+    rows = [row(f"{'adam ' if k != 'params' else ''}{k} ({h.fmt(raw[k], 'B')} raw)",
+                lambda s, k=k: h.fmt(res[s]["fraction"].get(k, math.nan), "x")) for k in KINDS]
+    rows += [row(f"all, incl. manifest ({h.fmt(raw['all'], 'B')} raw)",
+                 lambda s: h.fmt(res[s]["fraction"]["all"], "x")),
+             row("MB written per step", lambda s: h.fmt(later(s, "written_bytes"), "MB")),
+             row("delta chunks per step",
+                 lambda s: h.fmt(later(s, "delta_chunks"), "n") if s != "orbax" else ""),
+             row("save s per step (mean)", lambda s: h.fmt(res[s]["mean_save_s"], "s")),
+             row(f"... limit / figure (limit {figures['save_limit_s']:.3f} s)", lambda s: h.fmt(
+                 h.ratio(figures["save_limit_s"], res[s]["mean_save_s"]), "x"))]
+    lines = h.md_table([f"{label}: written / raw, per step after the first", *SYSTEMS], rows)
     d = res["delta"]["fraction"]
-    return lines + (["", *h.target_lines([("casstore with deltas: all", d["all"], TARGETS[
-        "all"]), ("casstore with deltas: params", d["params"], TARGETS["params"])])]
-        if targets else [])
+    return lines + (["", *h.target_lines([(f"casstore with deltas: {k}", d[k], TARGETS[k])
+                                          for k in ("all", "params")])] if targets else [])
 
 
 def restore_table(restore: dict, label: str) -> list[str]:
-    """Cold and warm restore seconds and CPU per system, delta's ratios, the limit."""
-    res = restore["systems"]
-    rows = [[f"{p} restore{' CPU' * cpu} (s)", *(h.fmt(res[s][f"{p}{'_cpu' * cpu}_s"], "s")
-                                                for s in SYSTEMS),
-             *(h.fmt(h.ratio(res["delta"][f"{p}{'_cpu' * cpu}_s"], res[o][f"{p}{'_cpu' * cpu}_s"]),
-                     "x") for o in ("whole", "orbax"))] for cpu in (0, 1) for p in ("cold", "warm")]
-    rows += [[f"{p} restore: limit / figure (limit {restore['limits'][f'{p}_s']:.3f} s)",
-              *(h.fmt(h.ratio(restore["limits"][f"{p}_s"], res[s][f"{p}_s"]), "x")
-                for s in SYSTEMS), "", ""] for p in ("cold", "warm")]
-    rows.append(["warm restore, read from disk",
-                 *(h.fmt(res[s]["warm_disk_read_bytes"], "B") for s in SYSTEMS), "", ""])
-    header = [f"{label}: restore of step {restore['step']}", *SYSTEMS,
-              "delta / whole", "delta / orbax"]
-    lines = [*h.md_table(header, rows), ""]
+    """Cold and warm restore seconds and CPU per system, delta's ratios, the limit, targets."""
+    figures = [(f"{p}{'_cpu' * cpu}_s", f"{p} restore{' CPU' * cpu}", "s")
+               for cpu in (0, 1) for p in ("cold", "warm")]
+    lines = [f"{label}: restore of step {restore['step']}", "", *h.figure_table(
+        restore["systems"], [*figures, ("warm_disk_read_bytes", "warm restore, read from disk",
+                                        "B")], list(SYSTEMS), limits=restore["limits"],
+        ratios=[("delta", "whole"), ("delta", "orbax")]), ""]
     r = restore["ratios"]
     lines += h.target_lines([(f"{p}: delta / {o}", r[f"{p}_vs_{o}"], TARGETS[f"restore_vs_{o}"])
                              for p in ("cold", "warm") for o in ("whole", "orbax")
@@ -352,24 +325,16 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = h.parser(__doc__, "dir", "repeat", "tiny", "drop-caches", "no-warm",
-                  repeat="restores of each system; medians are shown",
-                  tiny="3 fine-tune steps at lr 1e-4 (batch 8), 3 steps of a tiny GPT-2")
-    for flag, kw in (("--scenarios", {"default": ",".join(SCENARIOS)}),
-                     ("--steps", {"type": int, "default": 8}), ("--lrs", {"default": "1e-4,1e-5"}),
-                     ("--batch-size", {"type": int, "default": 32}),
-                     ("--pretrain-steps", {"type": int, "default": 4}),
-                     ("--pretrain-size", {"choices": ("gpt2", "small", "tiny"), "default": "gpt2"}),
-                     ("--pretrain-lr", {"type": float, "default": 6e-4}),
-                     ("--codecs", {"choices": tuple(CODECS), "default": "default"})):
-        ap.add_argument(flag, **kw)
-    args = h.parse(ap, argv)
-    for key, value in TINY.items() if args.tiny else ():
-        if ap.get_default(key) == getattr(args, key):
+    args = h.parse(__doc__, argv, "dir", "repeat", "tiny", "drop-caches", "no-warm", extra=(
+        ("--scenarios", {"type": h.subset(SCENARIOS), "default": ",".join(SCENARIOS)}),
+        ("--steps", {"type": int}), ("--lrs", {}), ("--pretrain-steps", {"type": int}),
+        ("--pretrain-size", {"choices": ("gpt2", "small", "tiny")}),
+        ("--codecs", {"choices": tuple(CODECS), "default": "default"})))
+    for key, value in (TINY if args.tiny else DEFAULTS).items():
+        if getattr(args, key) is None:
             setattr(args, key, value)
-    args.scenarios = tuple(s for s in SCENARIOS if s in args.scenarios.split(","))
-    if not args.scenarios or args.steps < 2 or args.pretrain_steps < 2:
-        ap.error("need one of " + ",".join(SCENARIOS) + " and --steps, --pretrain-steps >= 2")
+    if args.steps < 2 or args.pretrain_steps < 2:
+        raise SystemExit("storage_cost.py: --steps and --pretrain-steps must be >= 2")
     return h.report(run(args), table, args)
 
 

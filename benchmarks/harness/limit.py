@@ -1,59 +1,30 @@
 """The machine's limit, measured in the same run as the figures it judges (issue 33 item 1).
 
-Per run, on a sample of N(0, 0.02) float32 values (the train states' params) cut into objects
-of 16 MiB: the store's write (local disk: one file per object, each fsynced, then the
-directory) from ``2 x workers`` threads (at least 4) and read (after dropping the page cache
-where permitted, else warm) from as many and from twice as many threads, the faster of the two
-(a disk reads faster with more requests in flight, and casstore's restores read from
-``4 x workers`` threads on local disk), and on one thread each: a page-cache copy
-(``np.copyto``), a first touch of new memory (``np.ones``: the page faults and zeroing a
-restore pays for the arrays it returns), the xxh3-128 chunk id (``casstore._codec.chunk_id``),
-and casstore's codec encode and decode with its hash check (``encode_chunk(...,
-element_size=4)``: the byte planes of codec 5; ``decode_chunk`` into a destination). Each
-per-core rate is the best of 3 and is multiplied by the workers,
-``len(os.sched_getaffinity(0))``.
-
-A state of ``R`` raw bytes that casstore stores in ``S`` bytes cannot be saved in less than
-
-    save_s = min(max(R (1/hash + 1/encode) / workers, S / write),   # encoded, as casstore does
-                 max(R / hash / workers, R / write))                  # or stored raw
-
-nor restored in less than
-
-    restore_s = max((S / copy + R / touch + R / decode) / workers, S / read)
-
-or, where ``read`` is a local disk's read from a warm page cache,
-
-    restore_s = max((S / copy + R / touch + R / decode) / workers, S / read + R / decode / workers)
-
-where ``decode`` is the hash alone for a state stored raw (``S >= R``: codec 0 has nothing to
-decode, and its chunks are read straight into their destination), and ``read`` counts unless
-the restore found the page cache warm and the limit's read did not (a cold read is no bound on
-a warm one; a warm read is one on a cold one). A read from the disk overlaps the decoding; a
-read from a warm page cache is the kernel copying on the same cores that decode, so the two add
-up (README.md, "A warm restore's limit: the read and the hash add up").
-
-A figure's fraction of the limit is ``limit_s / figure_s``: 1.0 runs at the machine's limit.
+On a sample of N(0, 0.02) float32 values (the train states' params) cut into objects of up to
+16 MiB: the store's write (local disk: a file per object, each fsynced, then the directory) and
+read (after dropping the page cache where asked and permitted, else warm), and on one thread
+each (best of 3, times the workers): a page-cache copy, a first touch of new memory, the
+xxh3-128 chunk id, and casstore's codec 5 encode and decode with its hash check.
+:func:`save_s` and :func:`restore_s` give the fastest save and restore these rates allow;
+benchmarks/README.md, "The machine's limit", explains the formulas. A figure's fraction of the
+limit is ``limit_s / figure_s``: 1.0 runs at the machine's limit.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import os
-import pathlib
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 
 from casstore._codec import chunk_id, decode_chunk, encode_chunk
 
-from .report import fmt
-from .storage import fsync_path
-from .timing import drop_caches
-
-OBJECT_BYTES = 16 << 20
-Sink = tuple[Callable[[dict[str, bytes]], None], Callable[[list[str]], None]]
+from .storage import fsync_path, scratch
+from .timing import drop_caches, interleave
 
 
 def workers() -> int:
@@ -61,7 +32,7 @@ def workers() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
-def _best_rate(nbytes: int, fn: Callable[[], object], tries: int = 3) -> float:
+def _rate(nbytes: int, fn: Callable[[], object], tries: int = 3) -> float:
     """Bytes per second of ``fn`` processing ``nbytes``: the best of ``tries`` runs."""
     best = float("inf")
     for _ in range(tries):
@@ -71,118 +42,108 @@ def _best_rate(nbytes: int, fn: Callable[[], object], tries: int = 3) -> float:
     return nbytes / max(best, 1e-9)
 
 
-def disk_sink(root: pathlib.Path, threads: int) -> Sink:
-    """``(put_many, get_many)`` of files under ``root``: each written and fsynced, then the
-    directory fsynced; read back with ``readinto`` from ``threads`` threads."""
-    root.mkdir(parents=True, exist_ok=True)
-
-    def put(item: tuple[str, bytes]) -> None:
-        with open(root / item[0], "wb") as f:
-            f.write(item[1])
-            f.flush()
-            os.fsync(f.fileno())
-
-    def get(key: str) -> None:
-        path = root / key
-        with open(path, "rb") as f:
-            f.readinto(bytearray(path.stat().st_size))
-
-    def put_many(objects: dict[str, bytes]) -> None:
-        with cf.ThreadPoolExecutor(threads) as pool:
-            list(pool.map(put, objects.items()))
-        fsync_path(root)
-
-    def get_many(keys: list[str]) -> None:
-        with cf.ThreadPoolExecutor(threads) as pool:
-            list(pool.map(get, keys))
-
-    return put_many, get_many
+def _pool(threads: int, fn: Callable[[Any], object], items: Iterable) -> None:
+    with cf.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(fn, items))
 
 
-def measure(root: pathlib.Path, nbytes: int = 256 << 20, *, drop: bool = False,
-            sink: Sink | None = None, store: str = "local disk") -> dict:
-    """Measures the limit's rates (bytes per second; per core ones times the workers) on
-    ``nbytes`` (rounded down to whole objects of at most 16 MiB, at least 4 of them) written
-    under ``root`` (removed by the caller), or through ``sink`` (e.g. an S3 bucket's
-    ``fs.pipe`` / ``fs.cat``, read twice). Returns a dict of the rates, ``workers``,
-    ``threads``, ``read_threads`` (of the faster read), ``read_cold`` (the page cache was
-    dropped before the read), ``encoded_fraction`` (encoded / raw bytes of the sample) and
-    ``store``."""
+def measure(nbytes: int, *, base_dir: str | None = None, drop: bool = False, fs: Any = None,
+            prefix: str = "") -> dict:
+    """The limit's rates (bytes per second) on ``min(nbytes, 256 MiB)`` (at least 4 objects):
+    the store is local disk under ``base_dir`` (a scratch directory in it; default /tmp), read
+    from ``2 x workers`` (at least 4) and twice as many threads, the faster; or, given an S3
+    filesystem ``fs``, objects under ``prefix`` (removed afterwards) put with one ``fs.pipe``
+    and read twice with one ``fs.cat``. Also ``workers``, ``threads``, ``read_threads``,
+    ``read_cold`` (the page cache was dropped before the read), ``encoded_fraction`` (encoded /
+    raw bytes of the sample) and ``store``."""
     n_workers, threads = workers(), max(4, 2 * workers())
-    size = max(64 << 10, min(OBJECT_BYTES, nbytes // 4)) // 4 * 4
+    nbytes = min(nbytes, 256 << 20)
+    size = max(64 << 10, min(16 << 20, nbytes // 4)) // 4 * 4
     count = max(4, nbytes // size)
-    raw = np.empty(count * size // 4, np.float32)
-    np.random.default_rng(0).standard_normal(dtype=np.float32, out=raw)
+    raw = np.random.default_rng(0).standard_normal(count * size // 4, dtype=np.float32)
     raw *= np.float32(0.02)
-    flat = raw.view(np.uint8)
+    flat, total = raw.view(np.uint8), count * size
     blocks = [memoryview(flat[i * size:(i + 1) * size]) for i in range(count)]
-    total, out = count * size, np.empty_like(flat)
-    rates = {"copy": _best_rate(total, lambda: np.copyto(out, flat)),
-             "touch": _best_rate(total, lambda: np.ones(total, np.uint8)),
-             "hash": _best_rate(total, lambda: [chunk_id(b) for b in blocks])}
-    encoded: list = []
-    rates["encode"] = _best_rate(total, lambda: encoded.__setitem__(
-        slice(None), [encode_chunk(b, element_size=4) for b in blocks]))
+    out = np.empty_like(flat)
+    encoded = [encode_chunk(b, element_size=4) for b in blocks]
     ids = [chunk_id(b) for b in blocks]
-    rates["decode"] = _best_rate(total, lambda: [
-        decode_chunk(e, i, size, out=out[k * size:(k + 1) * size])
-        for k, (e, i) in enumerate(zip(encoded, ids))])
-    limit = {f"{k}_bps": v * n_workers for k, v in rates.items()}
-    put_many, get_many = sink or disk_sink(root / "limit", threads)
+    lim = {f"{k}_bps": v * n_workers for k, v in {
+        "copy": _rate(total, lambda: np.copyto(out, flat)),
+        "touch": _rate(total, lambda: np.ones(total, np.uint8)),
+        "hash": _rate(total, lambda: [chunk_id(b) for b in blocks]),
+        "encode": _rate(total, lambda: [encode_chunk(b, element_size=4) for b in blocks]),
+        "decode": _rate(total, lambda: [decode_chunk(e, i, size, out=out[k * size:(k + 1) * size])
+                                        for k, (e, i) in enumerate(zip(encoded, ids))])}.items()}
     objects = {f"limit-{k:04d}": bytes(b) for k, b in enumerate(blocks)}
-    limit["write_bps"] = _best_rate(total, lambda: put_many(objects), tries=1)
-    reads = []
-    for n in (threads, 2 * threads):
-        cold = drop_caches() if drop else False
-        get = get_many if sink else disk_sink(root / "limit", n)[1]
-        reads.append(_best_rate(total, lambda g=get: g(list(objects)), tries=1))
-    limit["read_bps"] = max(reads)
-    limit.update(workers=n_workers, threads=threads, read_threads=(threads, 2 * threads)[
-                     reads.index(max(reads))], sample_bytes=total, object_bytes=size,
-                 read_cold=cold, store=store,
-                 encoded_fraction=sum(len(e) for e in encoded) / total)
-    return limit
+    with contextlib.ExitStack() as stack:
+        if fs is None:
+            root = stack.enter_context(scratch(base_dir, "limit"))
+
+            def put(item: tuple[str, bytes]) -> None:
+                with open(root / item[0], "wb") as f:
+                    f.write(item[1])
+                    f.flush()
+                    os.fsync(f.fileno())
+
+            def get(key: str) -> None:
+                with open(root / key, "rb") as f:
+                    f.readinto(bytearray(os.fstat(f.fileno()).st_size))
+
+            put_many = lambda: (_pool(threads, put, objects.items()), fsync_path(root))  # noqa: E731
+            get_many = lambda n: _pool(n, get, objects)  # noqa: E731
+        else:
+            stack.callback(fs.rm, prefix, recursive=True)
+            put_many = lambda: fs.pipe({f"{prefix}/{k}": v for k, v in objects.items()})  # noqa: E731
+            get_many = lambda n: fs.cat([f"{prefix}/{k}" for k in objects])  # noqa: E731
+        lim["write_bps"] = _rate(total, put_many, tries=1)
+        reads = {}
+        for n in (threads, 2 * threads):
+            cold = drop_caches() if drop else False
+            reads[n] = _rate(total, lambda n=n: get_many(n), tries=1)
+    lim["read_threads"] = max(reads, key=reads.get)
+    lim.update(read_bps=reads[lim["read_threads"]], workers=n_workers, threads=threads,
+               sample_bytes=total, object_bytes=size, read_cold=cold,
+               store="S3" if fs is not None else "local disk",
+               encoded_fraction=sum(len(e) for e in encoded) / total)
+    return lim
 
 
-def save_s(limit: dict, raw: float, stored: float) -> float:
-    """The fastest save of ``raw`` bytes stored as ``stored`` bytes (seconds; module doc)."""
-    encoded = max(raw * (1 / limit["hash_bps"] + 1 / limit["encode_bps"]),
-                  stored / limit["write_bps"])
-    return min(encoded, max(raw / limit["hash_bps"], raw / limit["write_bps"]))
+def save_s(lim: dict, raw: float, stored: float) -> float:
+    """The fastest save (seconds) of ``raw`` bytes stored as ``stored`` bytes: the CPU work of
+    hashing and encoding overlapped with writing what it stores, or hashing and writing raw."""
+    encoded = max(raw * (1 / lim["hash_bps"] + 1 / lim["encode_bps"]), stored / lim["write_bps"])
+    return min(encoded, max(raw / lim["hash_bps"], raw / lim["write_bps"]))
 
 
-def restore_s(limit: dict, raw: float, stored: float, cold: bool = False) -> float:
-    """The fastest restore of ``stored`` bytes into ``raw`` bytes (seconds; module doc);
-    ``cold``: the page cache was dropped before the restore (an object store's reads: True)."""
-    decode = limit["hash_bps"] if stored >= raw else limit["decode_bps"]
-    cpu = stored / limit["copy_bps"] + raw / limit["touch_bps"] + raw / decode
-    if limit["store"] == "local disk" and not limit["read_cold"]:  # from the page cache: CPU
-        return max(cpu, stored / limit["read_bps"] + raw / decode)  # on the decoding cores
-    counted = cold or not limit["read_cold"]
-    return max(cpu, stored / limit["read_bps"] if counted else 0.0)
+def restore_s(lim: dict, raw: float, stored: float, cold: bool = False) -> float:
+    """The fastest restore (seconds) of ``stored`` bytes into ``raw`` bytes: copying, first
+    touch and decoding (the hash alone for a state stored raw) overlapped with the read, which
+    counts unless the restore was warm (``cold`` False) and the limit's read was not; a read
+    from a warm page cache is CPU work on the decoding cores, so the decoding adds to it."""
+    decode = lim["hash_bps"] if stored >= raw else lim["decode_bps"]
+    cpu = stored / lim["copy_bps"] + raw / lim["touch_bps"] + raw / decode
+    if lim["store"] == "local disk" and not lim["read_cold"]:
+        return max(cpu, stored / lim["read_bps"] + raw / decode)
+    return max(cpu, stored / lim["read_bps"] if cold or not lim["read_cold"] else 0.0)
 
 
 def medians(limits: Iterable[dict]) -> dict:
     """The median of each rate over several runs' limits (other fields from the last)."""
     limits = list(limits)
-    out = dict(limits[-1])
-    for key in out:
-        if key.endswith("_bps"):
-            out[key] = float(np.median([lim[key] for lim in limits]))
-    return out
+    return {**limits[-1], **{k: float(np.median([lim[k] for lim in limits]))
+                             for k in limits[-1] if k.endswith("_bps")}}
 
 
-def rows(limit: dict) -> list[list[str]]:
-    """Markdown table rows ``[what, MB/s]`` of a limit."""
-    per_core = f"1 thread x {limit['workers']} workers"
-    read = ("" if limit["store"] != "local disk" else ", page cache dropped"
-            if limit["read_cold"] else ", warm page cache")
-    return [[f"{limit['store']} write{', fsync' if limit['store'] == 'local disk' else ''} "
-             f"({limit['threads']} threads)", fmt(limit["write_bps"], "MB")],
-            [f"{limit['store']} read{read} ({limit.get('read_threads', limit['threads'])} "
-             "threads)", fmt(limit["read_bps"], "MB")],
-            *([f"{name} ({per_core})", fmt(limit[f"{key}_bps"], "MB")] for key, name in (
-                ("copy", "page-cache copy"), ("touch", "first touch of new memory"),
-                ("hash", "xxh3-128 hash"),
-                ("encode", "codec encode (codec 5)"), ("decode", "codec decode + hash check"))),
-            ["codec 5's encoded / raw bytes of the sample", f"{limit['encoded_fraction']:.3f}"]]
+def interleaved(systems: tuple[str, ...], repeat: int, run_one: Callable[[str], dict],
+                measure_one: Callable[[], dict]) -> tuple[dict, dict, dict]:
+    """:func:`harness.timing.interleave`, with ``measure_one()`` (the limit) run once per
+    repeat, before ``systems[0]``'s run; returns (runs, medians, the limits' :func:`medians`)."""
+    limits = []
+
+    def one(system: str) -> dict:
+        if system == systems[0]:
+            limits.append(measure_one())
+        return run_one(system)
+
+    runs, res = interleave(systems, repeat, one)
+    return runs, res, medians(limits)

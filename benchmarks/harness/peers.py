@@ -1,7 +1,7 @@
 """The systems a benchmark compares, behind one interface: casstore (``save`` / ``restore``, or
 its ``CheckpointManager`` for asynchronous saves), orbax-checkpoint (``StandardCheckpointer``),
 safetensors (one file per step, fsynced) and plain s3fs (one object per leaf); and the probes
-of an S3 phase (requests by operation, a local server's CPU time)."""
+of an S3 phase (requests by operation, a local server's CPU time, casstore's store calls)."""
 
 from __future__ import annotations
 
@@ -24,16 +24,13 @@ SAVE_INFO = ("written_bytes", "new_chunks", "reused_chunks", "delta_chunks",
              "delta_saved_bytes", "manifest_bytes")
 
 
-class Peer:
-    """A system saving steps of a state under ``root`` and restoring them.
-
-    ``prepare(states)`` (untimed) gives what ``save(step, state)`` takes; ``save`` returns once
-    the step is durable; ``saved(step)`` (untimed) gives its figures, at least
-    ``written_bytes``; ``restore(step, target)`` gives the state, ready (a pytree, or a flat
-    ``{name: array}`` where ``flat``), jax arrays where ``gives_jax``. ``save_async`` and
-    ``wait`` split ``save`` in two for systems that save in the background. ``dedups``: a
-    save stores only what the steps before it lack.
-    """
+class Peer(contextlib.AbstractContextManager):
+    """A system saving steps of a state under ``root`` and restoring them. ``prepare(states)``
+    (untimed) gives what ``save(step, state)`` takes; ``save`` returns once the step is durable
+    (``save_async`` then ``wait`` where the system saves in the background); ``saved(step)``
+    gives its figures, at least ``written_bytes``; ``restore(step, target)`` the state, ready:
+    a pytree, or ``{name: array}`` where ``flat``, jax arrays where ``gives_jax``. ``dedups``:
+    a save stores only what earlier steps lack."""
 
     gives_jax, flat, dedups = True, False, False
 
@@ -47,29 +44,22 @@ class Peer:
         self.save_async(step, state)
         self.wait()
 
-    def save_async(self, step: int, state: Any) -> None:
-        raise NotImplementedError
-
     def wait(self) -> None:
         pass
 
-    def stored_bytes(self) -> int:
-        """Bytes of everything this system stored so far."""
+    def stored_bytes(self) -> int:  # of everything stored so far
         return du(self.root)[1]
 
     def close(self) -> None:
         pass
-
-    def __enter__(self) -> Peer:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
 class Casstore(Peer):
-    """``casstore.save(url, step, state, **save_options)`` and ``casstore.restore(url, step,
-    target=target)``; ``url`` is a path or a Store (then ``stored_bytes`` lists it)."""
+    """``casstore.save(url, step, state, **save_options)``, ``casstore.restore(url, step,
+    target=target)``; ``url`` a path or a Store."""
 
     dedups = True
 
@@ -121,10 +111,9 @@ class CasstoreManager(Casstore):
 
 
 class Orbax(Peer):
-    """``ocp.StandardCheckpointer`` (an ``AsyncCheckpointer`` of a ``StandardCheckpointHandler``
-    in orbax 0.12; it fsyncs its files): ``save(root / step, state)``, durable after
-    ``wait_until_finished()``; ``restore(root / step, target)``. Rewrites the whole state every
-    step, so a step's written bytes are its directory's size."""
+    """``ocp.StandardCheckpointer`` (an ``AsyncCheckpointer``; it fsyncs its files), a step per
+    directory ``root / step``, durable after ``wait_until_finished()``. It rewrites the whole
+    state every step: a step's written bytes are its directory's size."""
 
     def __init__(self, root: pathlib.Path):
         import orbax.checkpoint as ocp
@@ -152,9 +141,8 @@ class Orbax(Peer):
 
 
 class Safetensors(Peer):
-    """``safetensors.numpy.save_file`` of the flattened state (host copies made by
-    ``prepare``) to ``root / f"{step}.safetensors"``, fsynced with its directory; restore is
-    ``load_file`` (numpy, flat)."""
+    """``safetensors.numpy.save_file`` of the flattened state's host copies to ``root /
+    f"{step}.safetensors"``, fsynced with its directory; restore is ``load_file`` (flat)."""
 
     gives_jax, flat = False, True
 
@@ -178,9 +166,9 @@ class Safetensors(Peer):
 
 
 class S3fs(Peer):
-    """What a user without casstore does: every leaf as one object ``root/step/name``, a step
-    uploaded in one ``fs.pipe({path: array.tobytes()})`` and read with one ``fs.cat([...])``
-    and ``np.frombuffer`` into the target's shapes (numpy, flat)."""
+    """What a user without casstore does: every leaf an object ``root/step/name``, a step
+    uploaded with one ``fs.pipe({path: array.tobytes()})``, read with one ``fs.cat([...])`` and
+    ``np.frombuffer`` into the target's shapes (flat)."""
 
     gives_jax, flat = False, True
 
@@ -212,12 +200,11 @@ class S3fs(Peer):
 
 
 class RequestCounter:
-    """Probe: the S3 API calls an s3fs filesystem's client makes in a phase, by operation
-    (``{name}_request_ops``) and in all (``{name}_requests``); a retried call counts once.
-    Registers a botocore ``before-call.s3`` handler on ``fs``'s aiobotocore client."""
+    """Probe: the S3 API calls of an s3fs filesystem's client in a phase, by operation
+    (``{name}_request_ops``) and in all (``{name}_requests``); a retried call counts once."""
 
     def __init__(self, fs: Any):
-        fs.connect()  # creates the client (s3fs: fs.s3)
+        fs.connect()  # creates the aiobotocore client, fs.s3
         self.counts: collections.Counter[str] = collections.Counter()
         fs.s3.meta.events.register("before-call.s3", self._count)
 
@@ -233,9 +220,9 @@ class RequestCounter:
 
 
 class ServerCpu:
-    """Probe: CPU time (user + system) of this process's children in a phase: the servers it
-    started (``{name}_server_cpu_s``; NaN without children, ``--endpoint``) and the programs
-    that ran and exited meanwhile, such as rclone (``{name}_program_cpu_s``)."""
+    """Probe: CPU seconds of this process's children in a phase: the servers it started
+    (``{name}_server_cpu_s``; NaN with none, as with ``--endpoint``) and the programs that ran
+    and exited meanwhile, such as rclone (``{name}_program_cpu_s``)."""
 
     @staticmethod
     def _cpu_s() -> tuple[float, float]:
@@ -243,8 +230,7 @@ class ServerCpu:
         total = 0.0 if children else float("nan")
         for child in children:
             with contextlib.suppress(psutil.Error):
-                cpu = child.cpu_times()
-                total += cpu.user + cpu.system
+                total += sum(child.cpu_times()[:2])
         exited = resource.getrusage(resource.RUSAGE_CHILDREN)
         return total, exited.ru_utime + exited.ru_stime
 

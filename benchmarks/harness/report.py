@@ -27,21 +27,19 @@ def environment(*dists: str) -> dict:
     for dist in ("casstore", "jax", "jaxlib", "numpy", *dists):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             versions[dist] = importlib.metadata.version(dist)
-    sha = None
+    src, sha = os.path.dirname(casstore.__file__), None
     with contextlib.suppress(OSError, subprocess.CalledProcessError):
-        src = pathlib.Path(casstore.__file__).parent
         sha = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=src, check=True,
                              capture_output=True, text=True).stdout.strip() or None
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "cpus": os.cpu_count(), "memory_bytes": psutil.virtual_memory().total,
             "platform": platform.platform(), "python": platform.python_version(),
-            "casstore_path": os.path.dirname(casstore.__file__), "casstore_git": sha,
-            "versions": versions, "load_before": os.getloadavg()}
+            "casstore_path": src, "casstore_git": sha, "versions": versions,
+            "load_before": os.getloadavg()}
 
 
 def machine_note(result: dict) -> str:
-    """Where and when it ran: cores, memory, load average (1 min) before and after, date and
-    casstore's commit, from ``result["environment"]`` (``load_after`` set by :func:`report`)."""
+    """Cores, memory, load average (1 min) before and after, date and casstore's commit."""
     env = result["environment"]
     return (f"{env['cpus']} cores, {env['memory_bytes'] / 2**30:.0f} GiB; load average "
             f"{env['load_before'][0]:.2f} before, {env.get('load_after', [math.nan])[0]:.2f} "
@@ -75,37 +73,46 @@ def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def figure_table(res: dict[str, dict], figures: list[tuple[str, str, str]], cols: list[str],
-                 ref: str | None = None, limits: dict[str, float] | None = None) -> list[str]:
+                 ref: str | None = None, limits: dict[str, float] | None = None,
+                 ratios: list[tuple[str, str]] | None = None) -> list[str]:
     """A markdown table of ``figures`` ``(key, label, unit)``: a column per system of ``cols``
-    (``res[system][key]``), then each other system's ratio to ``ref``'s figure, then, for the
-    keys of ``limits`` (figure key -> the machine's limit in seconds), the limit and each
-    system's fraction of it (limit / figure; 1.0 is at the limit)."""
-    ref = ref if ref in res else None
-    ours = [s for s in cols if s != ref] if ref else []
-    limits = limits or {}
-    rows = []
+    (``res[system][key]``), the ``ratios`` ``(a, b)`` (default: each other system to ``ref``),
+    then, for the keys of ``limits`` (the machine's limit in seconds), the limit and each
+    system's limit / figure."""
+    if ratios is None:
+        ratios = [(s, ref) for s in cols if s != ref] if ref in res else []
+    limits, rows = limits or {}, []
     for key, label, unit in figures:
         vals = [res[s].get(key, math.nan) for s in cols]
         rows.append([f"{label}{f' ({unit})' if unit not in ('B', 'MB') else ''}",
                      *(fmt(v, unit) for v in vals),
-                     *(fmt(ratio(res[s].get(key, math.nan), res[ref].get(key, math.nan)), "x")
-                       for s in ours)])
+                     *(fmt(ratio(res[a].get(key, math.nan), res[b].get(key, math.nan)), "x")
+                       for a, b in ratios)])
         if limits:
             lim = limits.get(key)
             rows[-1] += ([fmt(lim, "s"), *(fmt(ratio(lim, v), "x") for v in vals)]
                          if lim is not None else [""] * (1 + len(cols)))
-    header = ["figure", *cols, *(f"{s} / {ref}" for s in ours)]
+    header = ["figure", *cols, *(f"{a} / {b}" for a, b in ratios)]
     if limits:
         header += ["machine's limit (s)", *(f"{s}: limit / figure" for s in cols)]
     return md_table(header, rows)
 
 
-def limit_lines(limit: dict, title: str = "The machine's limit, measured in this run") -> list:
-    """The limit's rates as a markdown table (``limit.rows``) under ``title``."""
-    from .limit import rows
-
+def limit_lines(lim: dict, title: str = "The machine's limit, measured in this run") -> list:
+    """The limit's rates (``harness.limit.measure``) as a markdown table under ``title``."""
+    store, per_core = lim["store"], f"1 thread x {lim['workers']} workers"
+    read = ("" if store != "local disk" else ", page cache dropped" if lim["read_cold"]
+            else ", warm page cache")
+    rows = [[f"{store} write{', fsync' if store == 'local disk' else ''} ({lim['threads']} "
+             "threads)", fmt(lim["write_bps"], "MB")],
+            [f"{store} read{read} ({lim['read_threads']} threads)", fmt(lim["read_bps"], "MB")],
+            *([f"{name} ({per_core})", fmt(lim[f"{key}_bps"], "MB")] for key, name in (
+                ("copy", "page-cache copy"), ("touch", "first touch of new memory"),
+                ("hash", "xxh3-128 hash"), ("encode", "codec encode (codec 5)"),
+                ("decode", "codec decode + hash check"))),
+            ["codec 5's encoded / raw bytes of the sample", f"{lim['encoded_fraction']:.3f}"]]
     return ["", f"{title} (benchmarks/harness/limit.py; MB/s):", "",
-            *md_table(["rate", "MB/s"], rows(limit))]
+            *md_table(["rate", "MB/s"], rows)]
 
 
 def target_lines(targets: list[tuple[str, float, float]]) -> list[str]:
@@ -115,80 +122,79 @@ def target_lines(targets: list[tuple[str, float, float]]) -> list[str]:
             for text, value, limit in targets]
 
 
+def subset(known: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
+    """An argparse type: the names of ``known`` in a comma-separated list, in ``known``'s order;
+    an error if there are none."""
+    def parse(text: str) -> tuple[str, ...]:
+        if not (names := tuple(k for k in known if k in text.split(","))):
+            raise argparse.ArgumentTypeError("need one of " + ",".join(known))
+        return names
+
+    return parse
+
+
 OPTIONS = {  # the command-line options benchmarks share: name -> argparse keywords
-    "dir": {"default": None,
-                "help": "where to write (a fresh temp dir inside it; default: under /tmp)"},
-    "repeat": {"type": int, "default": 1, "help": "runs per system; medians are shown"},
+    "dir": {"help": "where to write (a fresh temp dir inside it; default: under /tmp)"},
+    "repeat": {"type": int, "default": 1, "help": "runs; medians are shown"},
     "tiny": {"action": "store_true", "help": "a tiny state, the smoke test's setting"},
     "drop-caches": {"action": "store_true",
-                        "help": "drop the OS page cache before each timed phase (needs root)"},
-    "no-warm": {"action": "store_true",
-                    "help": "do not warm memory before each timed phase (timing.settle)"},
+                    "help": "drop the OS page cache before timed phases (needs root)"},
+    "no-warm": {"action": "store_true", "help": "do not warm memory before timed phases"},
     "device": {"choices": ("default", "cpu"), "default": "default",
-                   "help": "where the state lives: jax's default device (an accelerator when "
-                        "there is one) or the CPU"},
-    "endpoint": {"default": None,
-                     "help": "an existing S3 server's URL (default: start SeaweedFS on loopback)"},
-    "key": {"default": None, "help": "with --endpoint: access key (default anonymous)"},
-    "secret": {"default": None, "help": "with --endpoint: secret key"},
-    "json": {"default": None, "help": "also write all figures as JSON here"},
-    "plot": {"default": None, "help": "also plot the ratios and fractions of the limit here (PNG)"},
+               "help": "where the state lives: jax's default device, or the CPU"},
+    "endpoint": {"help": "an existing S3 server's URL (default: SeaweedFS on loopback)"},
+    "key": {"help": "with --endpoint: access key (default anonymous)"},
+    "secret": {"help": "with --endpoint: secret key"},
+    "json": {"help": "also write all figures as JSON here"},
+    "plot": {"help": "also plot the ratios and fractions of the limit here (PNG)"},
 }
 
 
-def parser(doc: str, *names: str, **helps: str) -> argparse.ArgumentParser:
-    """An argument parser with the shared options ``names`` (keys of :data:`OPTIONS`) and
-    ``--json``; ``helps`` replace help texts, keyed by dest (``drop_caches``)."""
+def parse(doc: str, argv: list[str] | None, *names: str,
+          extra: tuple[tuple[str, dict], ...] = ()) -> argparse.Namespace:
+    """Parses ``argv`` with the shared options ``names`` (of :data:`OPTIONS`), ``--json`` and
+    ``extra`` ``(flag, argparse keywords)``; a usage error if ``--repeat`` is below 1."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     for name in (*names, "json"):
-        spec = dict(OPTIONS[name])
-        spec["help"] = helps.get(name.replace("-", "_"), spec["help"])
-        ap.add_argument(f"--{name}", **spec)
-    return ap
-
-
-def parse(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
-    """Parses ``argv``; exits with a usage error if ``--repeat`` is below 1."""
+        ap.add_argument(f"--{name}", **OPTIONS[name])
+    for flag, kw in extra:
+        ap.add_argument(flag, **kw)
     args = ap.parse_args(argv)
     if getattr(args, "repeat", 1) < 1:
         ap.error("--repeat must be >= 1")
     return args
 
 
-def plot(bars: dict[str, float], path: str, title: str) -> None:
-    """A horizontal bar chart of ``bars`` (label -> ratio), a line at 1.0, saved as ``path``."""
+def plot(result: dict, path: str, ours: str, ref: str, where: str = "results") -> None:
+    """Bars of ``ours``'s ratio to ``ref`` and its limit / figure for each figure of
+    ``result["limits"]`` (``result[where][system][key]``), a line at 1.0, saved as ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    a, b = result[where][ours], result[where][ref]
+    bars = {**{f"{k} / {ref}": ratio(a[k], b[k]) for k in result["limits"]},
+            **{f"limit / {k}": ratio(v, a[k]) for k, v in result["limits"].items()}}
     fig, ax = plt.subplots(figsize=(8, 0.4 * len(bars) + 1.2))
     ax.barh(list(bars), [0 if math.isnan(v) else v for v in bars.values()])
     ax.axvline(1.0, color="black", linewidth=0.8)
     ax.invert_yaxis()
-    ax.set_title(title)
+    ax.set_title(pathlib.Path(path).stem)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def bars(result: dict, ours: str, ref: str, where: str = "results") -> dict[str, float]:
-    """For each figure of ``result["limits"]``: system ``ours``'s ratio to ``ref``'s and its
-    fraction of the limit (``result[where][system][key]``), the bars of ``--plot``."""
-    a, b = result[where][ours], result[where][ref]
-    return {**{f"{k} / {ref}": ratio(a[k], b[k]) for k in result["limits"]},
-            **{f"limit / {k}": ratio(v, a[k]) for k, v in result["limits"].items()}}
-
-
 def report(result: dict, table: Callable[[dict], str], args: argparse.Namespace,
-           vs: tuple[str, ...] | None = None) -> dict:
-    """Sets ``result["environment"]["load_after"]``, prints ``table(result)``, writes ``result``
-    as JSON to ``args.json`` and, given ``vs`` (:func:`bars`' ours, ref and optionally where),
-    the bars as a plot to ``args.plot`` (an option of :func:`parser`); returns ``result``."""
+           vs: tuple[str, ...] = ()) -> dict:
+    """Prints ``table(result)`` (after setting the load average after the run), writes
+    ``result`` as JSON to ``args.json`` and, given ``vs`` (:func:`plot`'s ours, ref and
+    optionally where), a plot to ``args.plot``; returns ``result``."""
     result["environment"]["load_after"] = os.getloadavg()
     print(table(result))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
     if getattr(args, "plot", None) and vs and set(vs[:2]) <= set(result[(*vs, "results")[2]]):
-        plot(bars(result, *vs), args.plot, pathlib.Path(args.plot).stem)
+        plot(result, args.plot, *vs)
     return result

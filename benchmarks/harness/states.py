@@ -1,10 +1,9 @@
 """The states every benchmark saves, and the checks of what comes back.
 
-States are GPT-2-shaped train states (HF ``GPT2LMHeadModel`` names): params plus adam ``mu``
-and ``nu`` of the same shapes and an int32 ``count``. The small sizes are made with numpy (the
-figures in README.md were measured on exactly these values); ``gpt2-xl`` (1.56B float32 params,
-18.7 GB with adam, 1741 leaves) is made with ``jax.random`` on the chosen device, in seconds on
-an accelerator and without a host copy.
+GPT-2-shaped train states (HF ``GPT2LMHeadModel`` names): params, adam ``mu`` and ``nu`` of the
+same shapes and an int32 ``count``. The small sizes are made with numpy (README.md's figures
+were measured on exactly these values); ``gpt2-xl`` (1.56B float32 params, 18.7 GB with adam,
+1741 leaves) with ``jax.random`` on the device, in seconds and without a host copy.
 """
 
 from __future__ import annotations
@@ -22,8 +21,7 @@ import zstandard
 SIZES = {  # GPT-2 shapes: vocabulary, context, width, blocks
     "gpt2-xl": {"vocab": 50257, "ctx": 1024, "width": 1600, "blocks": 48},
     "gpt2": {"vocab": 50257, "ctx": 1024, "width": 768, "blocks": 12},
-    # 0.27 GB, for slow machines
-    "small": {"vocab": 50257, "ctx": 1024, "width": 256, "blocks": 12},
+    "small": {"vocab": 50257, "ctx": 1024, "width": 256, "blocks": 12},  # 0.27 GB
     "tiny": {"vocab": 1000, "ctx": 64, "width": 64, "blocks": 3},
 }
 JAX_SIZES = ("gpt2-xl",)  # made with jax.random on the device, not with numpy
@@ -33,98 +31,79 @@ KINDS = ("params", "mu", "nu")
 
 def _gpt2_tree(make: Callable[[tuple[int, ...]], Any], vocab: int, ctx: int, width: int,
                blocks: int) -> dict:
-    """GPT-2 parameter shapes (HF ``GPT2LMHeadModel`` naming); ``make(shape)`` fills leaves."""
-
+    """GPT-2's parameters, each leaf ``make(shape)``."""
     def ln() -> dict:
         return {"g": make((width,)), "b": make((width,))}
 
+    def dense(n_in: int, n_out: int) -> dict:
+        return {"w": make((n_in, n_out)), "b": make((n_out,))}
+
     def block() -> dict:
-        return {"ln_1": ln(),
-                "attn": {"c_attn": {"w": make((width, 3 * width)), "b": make((3 * width,))},
-                         "c_proj": {"w": make((width, width)), "b": make((width,))}},
-                "ln_2": ln(),
-                "mlp": {"c_fc": {"w": make((width, 4 * width)), "b": make((4 * width,))},
-                        "c_proj": {"w": make((4 * width, width)), "b": make((width,))}}}
+        return {"ln_1": ln(), "attn": {"c_attn": dense(width, 3 * width),
+                                       "c_proj": dense(width, width)},
+                "ln_2": ln(), "mlp": {"c_fc": dense(width, 4 * width),
+                                      "c_proj": dense(4 * width, width)}}
 
     return {"wte": make((vocab, width)), "wpe": make((ctx, width)),
             "h": [block() for _ in range(blocks)], "ln_f": ln()}
 
 
-def _numpy_filler(rng: np.random.Generator, kind: str) -> Callable[[tuple[int, ...]], np.ndarray]:
-    """Random float32 leaves, generated in place: params and mu N(0, 0.02), nu |N(0, 1e-3)|."""
-
-    def make(shape: tuple[int, ...]) -> np.ndarray:
-        out = np.empty(shape, np.float32)
-        rng.standard_normal(dtype=np.float32, out=out)
-        if kind == "nu":
-            np.abs(out, out=out)
-            out *= np.float32(1e-3)
-        else:
-            out *= np.float32(0.02)
-        return out
-
-    return make
-
-
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _jax_leaf(key: jax.Array, shape: tuple[int, ...], nu: bool) -> jax.Array:
-    """One float32 leaf: N(0, 0.02), or |N(0, 1e-3)| for ``nu``. Compiled once per shape."""
     x = jax.random.normal(key, shape, jnp.float32)
     return jnp.abs(x) * jnp.float32(1e-3) if nu else x * jnp.float32(0.02)
 
 
-def _jax_filler(seed: int, kind: str, device: jax.Device) -> Callable[[tuple[int, ...]], Any]:
-    """As :func:`_numpy_filler`, made by ``jax.random`` on ``device`` (one key per leaf)."""
-    key = jax.random.fold_in(jax.random.key(seed), KINDS.index(kind))
-    counter = itertools.count()
-
-    def make(shape: tuple[int, ...]) -> jax.Array:
-        with jax.default_device(device):
-            return _jax_leaf(jax.random.fold_in(key, next(counter)), shape, kind == "nu")
-
-    return make
-
-
 def _fillers(seed: int, device: jax.Device | None) -> Callable[[str], Callable]:
-    """``kind -> make(shape)``: numpy leaves, or jax leaves on ``device`` if it is given."""
-    if device is not None:
-        return lambda kind: _jax_filler(seed, kind, device)
-    rng = np.random.default_rng(seed)  # one stream for all kinds, in order: params, mu, nu
-    return lambda kind: _numpy_filler(rng, kind)
+    """``kind -> make(shape)``: random float32 leaves, params and mu N(0, 0.02), nu
+    |N(0, 1e-3)|; made with numpy (one stream for all kinds, in order), or with ``jax.random``
+    on ``device`` if it is given (one key per leaf)."""
+    rng = np.random.default_rng(seed)
+
+    def numpy_leaf(kind: str, shape: tuple[int, ...]) -> np.ndarray:
+        out = rng.standard_normal(shape, dtype=np.float32)
+        if kind == "nu":
+            np.abs(out, out=out)
+        out *= np.float32(1e-3 if kind == "nu" else 0.02)
+        return out
+
+    def jax_filler(kind: str) -> Callable:
+        key = jax.random.fold_in(jax.random.key(seed), KINDS.index(kind))
+        counter = itertools.count()
+
+        def make(shape: tuple[int, ...]) -> jax.Array:
+            with jax.default_device(device):
+                return _jax_leaf(jax.random.fold_in(key, next(counter)), shape, kind == "nu")
+
+        return make
+
+    return jax_filler if device is not None else lambda kind: functools.partial(numpy_leaf, kind)
 
 
 def train_state(size: str, seed: int = 0, device: jax.Device | None = None) -> dict:
-    """Params, adam mu and nu (random, like a state mid-training) and the step count.
-
-    Sizes in :data:`JAX_SIZES` are made on ``device`` (default: jax's default device) with
-    ``jax.random``; the others with numpy, whatever ``device`` says.
-    """
+    """Params, adam mu and nu (random, as mid-training) and the step count; sizes of
+    :data:`JAX_SIZES` are made on ``device`` (default: jax's default device), others with
+    numpy."""
+    device = (device or jax.devices()[0]) if size in JAX_SIZES else None
+    fill = _fillers(seed, device)
     shape = SIZES[size]
-    if size in JAX_SIZES:
-        device = device or jax.devices()[0]
-    fill = _fillers(seed, device if size in JAX_SIZES else None)
     return {"params": _gpt2_tree(fill("params"), **shape),
-            "opt_state": {"count": np.int32(1000),
-                          "mu": _gpt2_tree(fill("mu"), **shape),
+            "opt_state": {"count": np.int32(1000), "mu": _gpt2_tree(fill("mu"), **shape),
                           "nu": _gpt2_tree(fill("nu"), **shape)}}
 
 
 def changed_state(state: dict, seed: int = 1) -> dict:
-    """``state`` with new random values in the last blocks and ln_f (params, mu, nu) and count + 1.
-
-    Unchanged leaves are the same objects as in ``state``; ``state`` is not modified. New leaves
-    are made like ``state``'s: with jax on its device if it holds jax arrays, else with numpy.
-    """
+    """``state`` (not modified) with new values in the last blocks and ``ln_f`` of params, mu
+    and nu, made as ``state``'s were, and count + 1; other leaves are ``state``'s objects."""
     wpe = state["params"]["wpe"]
     fill = _fillers(seed, next(iter(wpe.devices())) if isinstance(wpe, jax.Array) else None)
     blocks = len(state["params"]["h"])
-    changed = range(max(0, blocks - CHANGED_BLOCKS), blocks)
 
     def renew(tree: dict, kind: str) -> dict:
         make = fill(kind)
         fresh = lambda x: make(x.shape)  # noqa: E731
         out = dict(tree, h=list(tree["h"]), ln_f=jax.tree.map(fresh, tree["ln_f"]))
-        for i in changed:
+        for i in range(max(0, blocks - CHANGED_BLOCKS), blocks):
             out["h"][i] = jax.tree.map(fresh, tree["h"][i])
         return out
 
@@ -140,16 +119,13 @@ def state_bytes(tree: Any) -> int:
 
 
 def device(name: str) -> jax.Device:
-    """``"default"``: jax's default device (an accelerator when there is one); ``"cpu"``."""
+    """``"default"``: jax's default device (an accelerator where there is one); ``"cpu"``."""
     return jax.devices("cpu")[0] if name == "cpu" else jax.devices()[0]
 
 
 def to_jax(states: list[Any], dev: jax.Device, copy: bool = False) -> list[Any]:
-    """The states as jax arrays on ``dev``; a leaf shared by several states is put once.
-
-    With ``copy``, every leaf gets a fresh buffer even if it already is on ``dev`` (the caller
-    may delete or donate it).
-    """
+    """The states as jax arrays on ``dev``, a leaf shared by several states put once; with
+    ``copy``, each in a fresh buffer (the caller may delete or donate it)."""
     cache: dict[int, jax.Array] = {}
 
     def put(x: Any) -> jax.Array:
@@ -168,19 +144,16 @@ def abstract_of(tree: Any, dev: jax.Device) -> Any:
 
 
 def host_array(x: Any) -> np.ndarray:
-    """A host copy of a leaf. For a jax array, of a temporary device copy: ``np.asarray`` would
-    cache its host copy on the array itself and keep it for the array's lifetime."""
+    """A host copy of a leaf; of a jax array, through a temporary device copy (``np.asarray``
+    would cache its host copy on the array for the array's lifetime)."""
     return np.asarray(x.copy() if isinstance(x, jax.Array) else x)
 
 
-def flat_name(path: tuple) -> str:
-    """A key path as ``params/h/0/attn/c_attn/w`` (the safetensors tensor name)."""
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
 def flatten(tree: Any) -> dict[str, Any]:
-    """``{flat_name(key path): leaf}`` for every leaf of ``tree``."""
-    return {flat_name(p): v for p, v in jax.tree_util.tree_leaves_with_path(tree)}
+    """``{"params/h/0/attn/c_attn/w": leaf}`` for every leaf: the key paths as safetensors
+    tensor names."""
+    return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): v
+            for path, v in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def _on_accelerator(x: Any) -> bool:
@@ -188,8 +161,8 @@ def _on_accelerator(x: Any) -> bool:
 
 
 def same_bytes(a: Any, b: Any) -> bool:
-    """True if ``a`` and ``b`` have the same dtype, shape and bytes. Arrays on an accelerator are
-    compared there (the other side is put on its device), without a host copy."""
+    """True if ``a`` and ``b`` have the same dtype, shape and bytes; compared on the
+    accelerator where either is there, without a host copy."""
     if a is b:
         return True
     if np.dtype(a.dtype) != np.dtype(b.dtype) or np.shape(a) != np.shape(b):
@@ -214,21 +187,18 @@ def changed_zstd_bytes(old: dict, new: dict) -> tuple[int, int, int]:
     return count, raw, packed
 
 
-def verify_equal(expected: dict, restored: dict[str, Any], system: str, want_jax: bool) -> int:
-    """Raises AssertionError unless every leaf of ``restored`` (flat) matches bit for bit;
-    returns the number of leaves checked."""
+def verify_equal(expected: Any, restored: dict[str, Any], system: str, want_jax: bool) -> int:
+    """Raises AssertionError unless every leaf of ``restored`` (flat) matches ``expected``'s
+    bit for bit (and is a jax array, with ``want_jax``); returns the number of leaves."""
     want = flatten(expected)
-    if set(want) != set(restored):
-        raise AssertionError(f"{system}: restored keys differ: "
-                             f"{sorted(set(want) ^ set(restored))[:5]}")
+    check(set(want) == set(restored), f"{system}: restored keys differ: "
+          f"{sorted(set(want) ^ set(restored))[:5]}")
     for name, e in want.items():
         got = restored[name]
-        if want_jax and not isinstance(got, jax.Array):
-            raise AssertionError(f"{system}: {name} restored as {type(got).__name__}")
-        if not same_bytes(e, got):
-            raise AssertionError(f"{system}: {name} differs from the saved state")
+        check(not want_jax or isinstance(got, jax.Array),
+              f"{system}: {name} restored as {type(got).__name__}")
+        check(same_bytes(e, got), f"{system}: {name} differs from the saved state")
     return len(want)
-
 
 
 def check(condition: bool, detail: Any) -> None:

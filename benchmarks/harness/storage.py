@@ -1,4 +1,4 @@
-"""Where benchmarks write: scratch directories, sizes on disk, fsync, and an S3 server."""
+"""Where benchmarks write: scratch directories, sizes on disk, fsync, an S3 server, rclone."""
 
 from __future__ import annotations
 
@@ -7,30 +7,29 @@ import importlib.util
 import os
 import pathlib
 import shutil
+import subprocess
 import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 HERE = pathlib.Path(__file__).resolve().parents[1]  # benchmarks/
 
 
-def load_module(name: str, path: pathlib.Path):
-    """Imports the file at ``path`` as module ``name`` once (``tests/servers.py``, an example)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+def load_module(name: str, path: pathlib.Path) -> Any:
+    """Imports the file at ``path`` as module ``name``, once (``tests/servers.py``, an
+    example)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
 
 
 def du(path: pathlib.Path) -> tuple[int, int]:
-    """(files, bytes) under ``path`` (or of the file)."""
-    if path.is_file():
-        return 1, path.stat().st_size
-    files = [p for p in path.rglob("*") if p.is_file()]
+    """(files, bytes) under ``path``, or of the file."""
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
     return len(files), sum(p.stat().st_size for p in files)
 
 
@@ -55,49 +54,44 @@ def scratch(base_dir: str | None, name: str) -> Iterator[pathlib.Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_servers():
-    """``tests/servers.py``: the SeaweedFS launcher the test suite uses."""
-    return load_module("casstore_test_servers", HERE.parent / "tests" / "servers.py")
-
-
 @contextlib.contextmanager
-def s3_server(endpoint: str | None, key: str | None, secret: str | None,
-              base_dir: str | None) -> Iterator[dict]:
-    """Storage options of an S3 server: ``endpoint``, or a fresh SeaweedFS on loopback.
-
-    Raises:
-      ValueError: ``base_dir`` is too long a path for SeaweedFS's unix sockets.
-    """
-    if endpoint:
-        yield ({"endpoint_url": endpoint, "key": key, "secret": secret} if key
-               else {"endpoint_url": endpoint, "anon": True})
+def s3_server(args: Any) -> Iterator[dict]:
+    """Storage options of an S3 server: ``args.endpoint`` (with ``args.key`` and
+    ``args.secret``, else anonymous), or a fresh SeaweedFS on loopback (``tests/servers.py``)
+    keeping its data under ``args.dir``. Raises ValueError where ``args.dir`` is too long a
+    path for SeaweedFS's unix sockets."""
+    if args.endpoint:
+        yield ({"endpoint_url": args.endpoint, "key": args.key, "secret": args.secret}
+               if args.key else {"endpoint_url": args.endpoint, "anon": True})
         return
-    with scratch(base_dir, "s3") as tmp:
+    servers = load_module("casstore_test_servers", HERE.parent / "tests" / "servers.py")
+    with scratch(args.dir, "s3") as tmp:
         if len(str(tmp / "weed-0" / "filer.sock")) > 100:  # sun_path holds 108 bytes
-            raise ValueError(f"--dir {base_dir!r} is too long a path for SeaweedFS's sockets")
-        with test_servers().seaweedfs_server(tmp) as server:
+            raise ValueError(f"--dir {args.dir!r} is too long a path for SeaweedFS's sockets")
+        with servers.seaweedfs_server(tmp) as server:
             yield server.storage_options
 
 
-def new_bucket(options: dict) -> str:
-    """Creates a bucket and writes one small object into it; returns the bucket's name.
-
-    SeaweedFS allocates a new bucket's volumes at its first write (0.3-1 s): that write happens
-    here, untimed, so no timed phase pays for it.
-    """
+def s3_fs(options: dict, **kw: Any) -> Any:
+    """A new s3fs filesystem (not fsspec's cached instance) of storage ``options``."""
     import fsspec
 
-    bucket = f"casstore-bench-{uuid.uuid4().hex[:12]}"
-    fs = fsspec.filesystem("s3", skip_instance_cache=True, **options)
+    return fsspec.filesystem("s3", skip_instance_cache=True, **options, **kw)
+
+
+def new_bucket(options: dict) -> str:
+    """Creates a bucket and writes one small object into it (SeaweedFS allocates a bucket's
+    volumes at its first write, 0.3-1 s, which no timed phase should pay for); returns its
+    name."""
+    bucket, fs = f"casstore-bench-{uuid.uuid4().hex[:12]}", s3_fs(options)
     fs.mkdir(bucket)
     fs.pipe_file(f"{bucket}/warm-up", b"x")
     return bucket
 
 
 def rclone_env(name: str, options: dict) -> dict[str, str]:
-    """``RCLONE_CONFIG_<NAME>_*`` variables that define rclone remote ``name`` as the S3 server
-    of storage ``options`` (``endpoint_url``, and ``key``/``secret`` or anonymous): no config
-    file."""
+    """``RCLONE_CONFIG_<NAME>_*`` variables defining rclone remote ``name`` as the S3 server of
+    storage ``options`` (``endpoint_url``; ``key`` and ``secret``, or anonymous)."""
     var = f"RCLONE_CONFIG_{name.upper()}_"
     env = {f"{var}TYPE": "s3", f"{var}PROVIDER": "Other", f"{var}ENV_AUTH": "false",
            f"{var}ENDPOINT": options["endpoint_url"], f"{var}FORCE_PATH_STYLE": "true",
@@ -108,20 +102,12 @@ def rclone_env(name: str, options: dict) -> dict[str, str]:
     return env
 
 
-def rclone_copy(src: str, dst: str, env: dict[str, str], transfers: int = 16,
-                program: str = "rclone") -> None:
-    """``rclone copy --transfers N SRC DST`` with the remotes of ``env`` (:func:`rclone_env`).
-
-    ``AWS_CA_BUNDLE`` is not passed on: rclone's S3 backend fails to start with it (its HTTP
-    transport takes no custom bundle), and the loopback servers speak plain HTTP.
-
-    Raises:
-      RuntimeError: rclone failed (the message ends with its stderr).
-    """
-    import subprocess
-
+def rclone_copy(src: str, dst: str, env: dict[str, str], program: str = "rclone") -> None:
+    """``rclone copy --transfers 16 SRC DST`` with the remotes of ``env`` (:func:`rclone_env`),
+    without ``AWS_CA_BUNDLE`` (rclone's S3 backend refuses to start with it; the loopback
+    servers speak plain HTTP). Raises RuntimeError, ending with rclone's stderr, if it fails."""
     env = {**{k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}, **env}
-    proc = subprocess.run([program, "copy", "--transfers", str(transfers), src, dst], env=env,
+    proc = subprocess.run([program, "copy", "--transfers", "16", src, dst], env=env,
                           capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"rclone copy {src} {dst} failed ({proc.returncode}): "
