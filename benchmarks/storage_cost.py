@@ -1,21 +1,15 @@
 """casstore with deltas vs casstore without vs orbax: bytes per step when every tensor changes.
 
-Issue 15; README.md's ``storage_cost.py`` section says in full what each scenario does. Three
-systems get the same states, step after step, each into its own local repository: ``delta``
-(``casstore.save``), ``whole`` (``delta=False``) and ``orbax``; casstore with its default codecs
-or ``--codecs no-shuffle`` (``shuffle=False``). Scenarios:
-
-1. finetune: all of MiniLM trained with adam (``examples/finetune_minilm.py --full``) at each of
-   ``--lrs``, a checkpoint every step for ``--steps``: bytes written per step after the first as
-   a fraction of the raw state, split by params / adam mu / nu from the manifests. Targets: all
-   <= 0.40, params <= 0.35.
-2. restore: the first learning rate's step at the end of the longest delta chain, restored cold
-   (``--drop-caches``) and warm from each system, checked bit-exact. Targets: delta <= 1.25x
-   whole and <= 0.8x orbax.
-3. pretrain: a GPT-2-shaped state (``--pretrain-size``) updated by ``--pretrain-steps`` adam
-   steps with real gradients (every tensor changes); bytes per step and the last step's restore.
-
-Saves and restores are also fractions of the machine's limit measured in the run.
+Issue 15. Three systems get the same states, step after step, each into its own local
+repository: ``delta`` (``casstore.save``), ``whole`` (``delta=False``) and ``orbax``; casstore
+with its default codecs or ``--codecs no-shuffle`` (``shuffle=False``). Scenarios: 1. finetune:
+all of MiniLM trained with adam (``examples/finetune_minilm.py --full``) at each of ``--lrs``
+for ``--steps``, bytes written per step after the first as a fraction of the raw state, split
+by params / adam mu / nu; 2. restore: the first learning rate's step at the end of the longest
+delta chain, restored cold and warm, checked bit-exact; 3. pretrain: a GPT-2-shaped state
+updated by adam with real gradients, bytes per step and the last step's restore. Saves and
+restores are also fractions of the machine's limit. README.md's ``storage_cost.py`` section
+says what each scenario does and its targets.
 
 Usage::
 

@@ -100,9 +100,6 @@ class CasstoreManager(Casstore):
         self.mngr.wait_until_finished()
         self.info = self.mngr.last_save_info
 
-    def reported_blocking_s(self) -> float:
-        return self.mngr.last_save_blocking_s
-
     def restore(self, step: int, target: Any) -> Any:
         return jax.block_until_ready(self.mngr.restore(step, target=target))
 
@@ -129,9 +126,6 @@ class Orbax(Peer):
 
     def saved(self, step: int) -> dict:
         return {"written_bytes": du(self.root / str(step))[1]}
-
-    def reported_blocking_s(self) -> float:
-        return float("nan")
 
     def restore(self, step: int, target: Any) -> Any:
         return jax.block_until_ready(self.ckptr.restore(self.root / str(step), target))
