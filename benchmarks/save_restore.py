@@ -94,12 +94,12 @@ def run(args) -> dict:
     runs, res, lim = h.limit.interleaved(args.systems, args.repeat, one, lambda: h.limit.measure(
         logical, base_dir=args.dir, drop=args.drop_caches))
     dropped = all(r["dropped_caches"] for rs in runs.values() for r in rs)
-    ours = next((res[s] for s in SYSTEMS[:3] if s in res), {})  # casstore's stored bytes
-    limits = {f"{k}_s": h.limit.save_s(lim, r, ours.get(f"{k}_written_bytes", r * lim[
-        "encoded_fraction"])) for k, r in (("first_save", logical), ("changed_save", changed_raw))}
+    ours = next((res[s] for s in SYSTEMS[:3] if s in res), {})  # the bytes casstore stores
+    stored = lambda k, raw: ours.get(f"{k}_written_bytes", raw * lim["encoded_fraction"])  # noqa
+    limits = {f"{k}_s": h.limit.save_s(lim, r, stored(k, r))
+              for k, r in (("first_save", logical), ("changed_save", changed_raw))}
     limits["restore_s"] = h.limit.restore_s(lim, logical, ours.get("first_save_written_bytes",
-                                                                   logical),
-                                            cold=dropped and lim["read_cold"])
+                                            logical), cold=dropped and lim["read_cold"])
     return {"environment": h.environment("orbax-checkpoint", "safetensors", "zstandard",
                                          "xxhash", "tensorstore"),
             "size": size, "shape": h.SIZES[size], "device": str(dev), "logical_bytes": logical,
