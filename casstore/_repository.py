@@ -257,7 +257,7 @@ def read_manifest(url: Url, step: int | None = None, *, run: str = "default") ->
     try:
         return read_decoded(store, run, step)[1]
     except FileNotFoundError:
-        raise StepNotFoundError("no such step", url=store.url, run=run, step=step) from None
+        raise no_such_step(store, run, step) from None
 
 
 def delete(url: Url, step: int, *, run: str = "default") -> None:
@@ -272,8 +272,22 @@ def delete(url: Url, step: int, *, run: str = "default") -> None:
     store, step = open_store(url), check_step(step)
     key = manifest_key(run, step)
     if not store.exists(key):
-        raise StepNotFoundError("no such step", url=store.url, run=run, step=step)
+        raise no_such_step(store, run, step)
     store.delete(key)
+
+
+def no_such_step(store: Store, run: str, step: int) -> StepNotFoundError:
+    """The error for a step the run lacks, naming the steps it has (the first and last three
+    of more than eight), where a listing answers."""
+    try:
+        steps = list_steps(store, run=run)
+    except (ManifestError, OSError):
+        return StepNotFoundError("no such step", url=store.url, run=run, step=step)
+    shown = ", ".join(map(str, steps)) if len(steps) <= 8 else (
+        f"{', '.join(map(str, steps[:3]))}, ..., {', '.join(map(str, steps[-3:]))} "
+        f"({len(steps)} steps)")
+    has = f"the run's steps are {shown}" if steps else "the run has no committed step"
+    return StepNotFoundError(f"no such step; {has}", url=store.url, run=run, step=step)
 
 
 def deleted(store: Store, step: int, run: str) -> bool:

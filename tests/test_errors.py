@@ -406,3 +406,21 @@ def test_an_unreachable_store_fails_within_seconds_naming_it(endpoint):
     assert isinstance(info.value, ConnectionError)
     assert info.value.url == "s3://bucket/repo"
     assert endpoint.split("//")[1] in str(info.value)
+
+
+def test_a_missing_step_is_named_with_the_steps_the_run_has():
+    store = MemoryStore()
+    for step in (1, 2, 5):
+        casstore.save(store, step, {"a": np.ones(3)})
+    for call in (lambda: casstore.restore(store, 3), lambda: casstore.read_manifest(store, 3),
+                 lambda: casstore.delete(store, 3)):
+        with pytest.raises(casstore.StepNotFoundError,
+                           match=r"^no such step; the run's steps are 1, 2, 5 \(.*step 3\)$"):
+            call()
+    for step in range(6, 20):
+        casstore.save(store, step, {"a": np.ones(3)})
+    with pytest.raises(casstore.StepNotFoundError,
+                       match=r"steps are 1, 2, 5, \.\.\., 17, 18, 19 \(17 steps\)"):
+        casstore.restore(store, 3)
+    with pytest.raises(casstore.StepNotFoundError, match="the run has no committed step"):
+        casstore.restore(store, 3, run="other")
