@@ -53,6 +53,8 @@ class RepairInfo:
       seconds: wall time.
       config_restored: the damaged copy's config object (damaged, or missing where steps
         exist) was replaced by the good copy's (or, for a dry run, would be).
+      why: ``(run, step)`` -> why the good copy cannot give that step back, one line, for each
+        step an unrepairable problem names.
     """
 
     problems: tuple[Problem, ...]
@@ -63,6 +65,7 @@ class RepairInfo:
     dry_run: bool
     seconds: float
     config_restored: bool = False
+    why: dict[tuple[str, int], str] = dataclasses.field(default_factory=dict)
 
 
 def repair(good_url: Url, damaged_url: Url, *, dry_run: bool = False,
@@ -107,15 +110,17 @@ def repair(good_url: Url, damaged_url: Url, *, dry_run: bool = False,
     unrepairable = tuple(p for p in report.problems if p not in fixable)
     objects = tuple(sorted(plan.corrupt & plan.sent))
     steps = tuple(sorted(plan.mended))
+    why = {rs: plan.why.get(rs, "of a format newer than this casstore")
+           for p in unrepairable for rs in p.needed_by}
     if dry_run or not fixable:
         return RepairInfo(report.problems, objects, steps, unrepairable,
-                          report.ok, dry_run, time.perf_counter() - t0, config is not None)
+                          report.ok, dry_run, time.perf_counter() - t0, config is not None, why)
     if config is not None:  # first: the steps' manifests are validated against it
         damaged.put(CONFIG_KEY, config)
     plan.write()
     after = verify(damaged, read_data=read_data)
     return RepairInfo(report.problems, objects, steps, unrepairable, after.ok, False,
-                      time.perf_counter() - t0, config is not None)
+                      time.perf_counter() - t0, config is not None, why)
 
 
 class _Plan:
@@ -126,6 +131,7 @@ class _Plan:
       sent: object keys to write from the good copy (each read and checked there).
       corrupt: object keys the damaged copy holds corrupt.
       broken: steps whose manifest is damaged in the damaged copy (written from the good).
+      why: ``(run, step)`` -> why the good copy cannot give the step back.
     """
 
     def __init__(self, good: Store, damaged: Store, problems: tuple[Problem, ...],
@@ -137,7 +143,7 @@ class _Plan:
                         for rs in p.needed_by})
         present = {info.key for info in list_chunk_objects(damaged)} if steps else set()
         self.info: dict[str, tuple] = {}
-        self.mended, needs = {}, {}
+        self.mended, needs, self.why = {}, {}, {}
         for run, step in steps:
             found = self._good_manifest(run, step)
             if found is not None:
@@ -153,6 +159,9 @@ class _Plan:
         wanted = {rs: {k for k in needs[rs] if k not in present or k in self.corrupt | unsure}
                   for rs in needs}
         bad = _failing(good, set().union(*wanted.values()), self.info)
+        for rs in self.mended:
+            if lost := len(wanted[rs] & bad):
+                self.why[rs] = f"{lost} object(s) it needs are missing or corrupt in GOOD too"
         self.mended = {rs: m for rs, m in self.mended.items() if not wanted[rs] & bad}
         self.sent = set().union(*(wanted[rs] for rs in self.mended))
 
@@ -163,12 +172,24 @@ class _Plan:
         damaged one that is not the good one cut short or with a few bytes changed)."""
         try:
             data = read_manifest_bytes(self.good, run, step)
+        except FileNotFoundError:
+            self.why[run, step] = "GOOD lacks the step"
+            return None
+        try:
             needed = needed_objects(decode_manifest(data, run=run, step=step,
                                                     url=self.good.url))
+        except ManifestError as e:
+            self.why[run, step] = f"its manifest in GOOD is damaged or newer: {e}"
+            return None
+        try:
             theirs = read_manifest_bytes(self.damaged, run, step)
-        except (FileNotFoundError, ManifestError):
+        except FileNotFoundError:
+            self.why[run, step] = "its manifest went missing here during the repair"
             return None
         same = _damaged_copy(theirs, data) if (run, step) in self.broken else theirs == data
+        if not same:
+            self.why[run, step] = ("GOOD holds another step of this number (its manifest "
+                                   "differs: another history of the run)")
         return (data, needed) if same else None
 
     def write(self) -> None:

@@ -467,7 +467,12 @@ def test_repair_command_fixes_missing_corrupt_and_manifest_damage(delta_repo, tm
      ).write_bytes(b"junk")
     info = casstore.repair(str(good), delta_repo)
     assert [(p.kind, p.step) for p in info.unrepairable] == [("manifest", 5)]
+    assert info.why == {("default", 5): "GOOD lacks the step"}
     assert not info.ok
+    said = run("repair", good, delta_repo, code=1)
+    assert "casstore: unrepairable: default@5: GOOD lacks the step" in said.stderr
+    assert run_json("repair", good, delta_repo, code=1)["why"] == [
+        {"run": "default", "step": 5, "why": "GOOD lacks the step"}]
     assert info.steps == ()
     assert 5 in casstore.list_steps(delta_repo)
 
@@ -667,6 +672,9 @@ def test_repair_leaves_alone_what_the_good_copy_holds_damaged_too(delta_repo, tm
         assert info.steps == ()
         assert {(p.kind, p.chunk_id) for p in info.unrepairable} == {
             ("missing", lost.id), ("missing", fixable.id)}
+        assert set(info.why) == {("default", s) for s in range(6)}
+        assert set(info.why.values()) == {
+            "1 object(s) it needs are missing or corrupt in GOOD too"}
         assert not info.ok
     assert {s: (pathlib.Path(delta_repo) / manifest_key("default", s)).read_bytes()
             for s in range(6)} == manifests  # nothing deleted
@@ -705,6 +713,7 @@ def test_repair_mends_what_it_can_and_deletes_no_step(tmp_path):
         assert info.steps == (("b", 0),)
         assert info.deleted_objects == (corrupt,)
         assert [(p.kind, p.run, p.step) for p in info.unrepairable] == [("manifest", "a", 0)]
+        assert info.why == {("a", 0): "1 object(s) it needs are missing or corrupt in GOOD too"}
         assert not info.ok
     assert (damaged / manifest_key("a", 0)).read_bytes() == a_manifest
     assert casstore.restore(str(damaged), 0, run="b")["x"].tobytes() == trees["b"][
@@ -725,6 +734,8 @@ def test_repair_refuses_a_good_copy_whose_step_is_another_step(tmp_path):
     (damaged / w.chunks[0].key).unlink()
     info = casstore.repair(str(good), str(damaged))
     assert (info.steps, [p.kind for p in info.unrepairable], info.ok) == ((), ["missing"], False)
+    assert info.why == {("default", 0): "GOOD holds another step of this number (its manifest "
+                                        "differs: another history of the run)"}
     assert casstore.restore(str(damaged), 0, paths=["b"])["b"].tobytes() == mine["b"].tobytes()
     assert not (damaged / w.chunks[0].key).exists()  # none of the other step's objects
     # A damaged manifest that is not the good one cut short: the other step is not put there

@@ -291,7 +291,9 @@ def repair_command(good: str, damaged: str, dry_run: bool, read_data: bool, opti
         raise no_repository(damaged)
     if as_json:
         emit_json({**rows_of([info])[0], "problems": [problem_json(p) for p in info.problems],
-                   "unrepairable": [problem_json(p) for p in info.unrepairable]})
+                   "unrepairable": [problem_json(p) for p in info.unrepairable],
+                   "why": [{"run": r, "step": s, "why": w}
+                           for (r, s), w in sorted(info.why.items())]})
     else:
         verb = "would copy back" if dry_run else "copied back"
         newer = len({p.key for p in info.problems if p.kind == "unsupported"}
@@ -305,5 +307,7 @@ def repair_command(good: str, damaged: str, dry_run: bool, read_data: bool, opti
             + f"{len(info.unrepairable)} unrepairable; {'ok' if info.ok else 'not ok'}")
         for p in info.unrepairable:
             click.echo(f"casstore: unrepairable: {p.kind}: {p}", err=True)
+        for (run, step), why in sorted(info.why.items()):
+            click.echo(f"casstore: unrepairable: {run}@{step}: {why}", err=True)
     if not info.ok:  # 14 where all that is left is of a newer format
         click.get_current_context().exit(problems_exit(info.unrepairable or info.problems))
