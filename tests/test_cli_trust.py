@@ -568,6 +568,9 @@ def test_a_damaged_or_missing_config_object_is_reported_and_repaired(delta_repo,
     one_run = run_json("verify", delta_repo, "--run", "default", code=1)
     assert ([p["kind"] for p in one_run["problems"]], one_run["steps_checked"]) == (
         ["config"], report["steps_checked"])
+    missing = run_json("verify", delta_repo, "9", code=1)  # both said, not a usage error
+    assert [(p["kind"], p["step"]) for p in missing["problems"]] == [("config", None),
+                                                                     ("not found", 9)]
     plan = run_json("repair", good, delta_repo, "--dry-run", code=1)
     assert (plan["config_restored"], plan["steps"], plan["unrepairable"]) == (True, [], [])
     assert config.read_bytes() == b"\x00junk"  # a dry run changes nothing

@@ -70,7 +70,7 @@ def verify_command(url: str, step: int | None, run: str | None, read_data: bool,
     kinds = {p.kind for p in report.problems}
     if "not found" in kinds and "config" not in kinds and not sound:
         raise no_repository(url)  # no config object and no step: no repository (exit 10)
-    if step is not None and any(p.kind == "not found" for p in report.problems):
+    if step is not None and "config" not in kinds and "not found" in kinds:
         steps = casstore.list_steps(store, run=run)  # a typo is no damage: exit 2, not 1
         raise click.UsageError(f"step {step} of run {run!r} does not exist in {url!r} (steps: "
                                f"{', '.join(map(str, steps[-10:])) or 'none'})")
