@@ -309,8 +309,7 @@ def _same_step(dst: Store, run: str, step: int, there: bytes, ours: bytes) -> No
         raise StepAlreadyExistsError(
             "the destination has another step of this number (its manifest differs from the "
             "source's: another history of the run, a newer casstore's format, or a damaged "
-            "manifest); it is left as it is; to copy the other steps, select them with "
-            "steps= (the CLI's --steps)", url=dst.url, run=run, step=step)
+            "manifest); it is left as it is", url=dst.url, run=run, step=step)
 
 
 class _Engine:

@@ -787,3 +787,15 @@ def test_repair_replaces_a_chunk_whose_header_reads_as_a_newer_format(delta_repo
     info = casstore.repair(str(good), delta_repo)
     assert (info.deleted_objects, info.unrepairable, info.ok) == ((ref.key,), (), True)
     assert victim.read_bytes() == (good / ref.key).read_bytes()
+
+
+def test_copy_refusing_a_step_the_destination_holds_otherwise_names_steps(tmp_path):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    for step in (1, 2):
+        casstore.save(src, step, {"a": np.full(3, step)})
+    casstore.save(dst, 1, {"a": np.zeros(3)})
+    refused = run("copy", src, dst, code=2)
+    assert "another step of this number" in refused.stderr
+    assert refused.stderr.rstrip().endswith("to copy the other steps, name them with --steps")
+    run("copy", src, dst, "--steps", "2")
+    assert casstore.list_steps(dst) == [1, 2]

@@ -48,8 +48,7 @@ def test_a_different_step_of_the_same_number_at_the_destination_is_refused(tmp_p
     other = {"base": trees[0]["base"] + 1, "head": trees[0]["head"]}
     casstore.save(dst, 1, other, chunk_size_bytes=64_000, delta=False)
     before = {i.key for i in list_chunk_objects(dst)}
-    with pytest.raises(casstore.StepAlreadyExistsError,
-                       match=r"another step.*select them with steps=.*--steps.*step 1"):
+    with pytest.raises(casstore.StepAlreadyExistsError, match=r"another step.*step 1"):
         casstore.copy(src, dst)
     assert {i.key for i in list_chunk_objects(dst)} == before  # no chunk sent
     assert casstore.list_steps(dst) == [1]

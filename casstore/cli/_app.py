@@ -100,8 +100,9 @@ def describe(e: BaseException) -> str:
         message = f"{type(e).__name__}: {message}"
     if _where["at"] and getattr(e, "url", None) is None:  # casstore errors name their place
         message += f" ({_where['at']})"
-    fix = None if isinstance(e, casstore.UnsupportedFormatError) else _FIXES.get(
-        exit_code_of(e))  # that one says to upgrade
+    fix = getattr(e, "cli_fix", None) or (  # a command's own advice (copy's --steps)
+        None if isinstance(e, casstore.UnsupportedFormatError) else _FIXES.get(
+            exit_code_of(e)))  # that one says to upgrade
     if isinstance(e, casstore.ReadOnlyStoreError):  # opened so, not refused by the server
         fix = "it was opened read-only (read_only=true): drop that option to write"
     return f"{message}; {fix}" if fix else message

@@ -210,8 +210,12 @@ def copy_command(src: str, dst: str, steps: str | None, runs: str | None, verify
     target = counted(open_repo(dst, dst_options, create=True))
     where(f"{src} -> {dst}", None)
     meter = StoreMeter(lambda: target.bytes_written) if hasattr(target, "bytes_written") else None
-    info = progress("copying", lambda: casstore.copy(source, target, steps=step_list,
-                                                     runs=run_list, verify=verify), meter)
+    try:
+        info = progress("copying", lambda: casstore.copy(source, target, steps=step_list,
+                                                         runs=run_list, verify=verify), meter)
+    except casstore.StepAlreadyExistsError as e:
+        e.cli_fix = "to copy the other steps, name them with --steps"
+        raise
     if as_json:
         emit_json(rows_of([info])[0])
         return
