@@ -110,8 +110,9 @@ def repair(good_url: Url, damaged_url: Url, *, dry_run: bool = False,
     unrepairable = tuple(p for p in report.problems if p not in fixable)
     objects = tuple(sorted(plan.corrupt & plan.sent))
     steps = tuple(sorted(plan.mended))
-    why = {rs: plan.why.get(rs, "of a format newer than this casstore")
-           for p in unrepairable for rs in p.needed_by}
+    why = {rs: plan.why.get(rs, "of a format newer than this casstore" if p.kind == UNSUPPORTED
+                            else "GOOD cannot give it back")
+           for p in unrepairable for rs in p.needed_by if rs not in plan.mended}
     if dry_run or not fixable:
         return RepairInfo(report.problems, objects, steps, unrepairable,
                           report.ok, dry_run, time.perf_counter() - t0, config is not None, why)
@@ -172,25 +173,28 @@ class _Plan:
         damaged one that is not the good one cut short or with a few bytes changed)."""
         try:
             data = read_manifest_bytes(self.good, run, step)
+            needed = needed_objects(decode_manifest(data, run=run, step=step,
+                                                    url=self.good.url))
         except FileNotFoundError:
             self.why[run, step] = "GOOD lacks the step"
             return None
-        try:
-            needed = needed_objects(decode_manifest(data, run=run, step=step,
-                                                    url=self.good.url))
-        except ManifestError as e:
-            self.why[run, step] = f"its manifest in GOOD is damaged or newer: {e}"
+        except ManifestError as e:  # damaged, over the size limit, or newer
+            self.why[run, step] = f"its manifest in GOOD does not read: {e}"
             return None
         try:
             theirs = read_manifest_bytes(self.damaged, run, step)
-        except FileNotFoundError:
-            self.why[run, step] = "its manifest went missing here during the repair"
+        except (FileNotFoundError, ManifestError) as e:  # gone since, or over the size limit
+            self.why[run, step] = f"its manifest here cannot be compared with GOOD's: {e}"
             return None
-        same = _damaged_copy(theirs, data) if (run, step) in self.broken else theirs == data
-        if not same:
+        if (run, step) not in self.broken and theirs != data:
             self.why[run, step] = ("GOOD holds another step of this number (its manifest "
                                    "differs: another history of the run)")
-        return (data, needed) if same else None
+        elif (run, step) in self.broken and not _damaged_copy(theirs, data):
+            self.why[run, step] = ("its manifest here is too damaged to tell whether GOOD's "
+                                   "step is the same (docs/recovery.md: replace it by hand)")
+        else:
+            return data, needed
+        return None
 
     def write(self) -> None:
         """The checked objects (framing checked again as they pass), then the manifests of

@@ -799,3 +799,38 @@ def test_copy_refusing_a_step_the_destination_holds_otherwise_names_steps(tmp_pa
     assert refused.stderr.rstrip().endswith("to copy the other steps, name them with --steps")
     run("copy", src, dst, "--steps", "2")
     assert casstore.list_steps(dst) == [1, 2]
+
+
+def test_repair_reports_a_manifest_over_the_size_limit_and_mends_the_other_steps(tmp_path):
+    """A manifest past the size limit (a sparse file: never read) in GOOD, or in the damaged
+    copy, leaves its step unrepairable with the reason; the other steps are still mended."""
+    from casstore._manifest import MAX_MANIFEST_BYTES
+
+    for where in ("good", "damaged"):
+        damaged, good = tmp_path / where / "damaged", tmp_path / where / "good"
+        for step in range(3):
+            w = np.arange(50_000, dtype=np.float32) * (step + 1)
+            casstore.save(str(damaged), step, {"w": w}, delta=False)
+        casstore.copy(str(damaged), str(good))
+        lost = [casstore.read_manifest(str(damaged), s).leaves[0].chunks[0].key for s in (0, 2)]
+        for key in lost:
+            (damaged / key).unlink()
+        os.truncate((good if where == "good" else damaged) / manifest_key("default", 2),
+                    MAX_MANIFEST_BYTES + 1)
+        info = casstore.repair(str(good), str(damaged))
+        assert info.steps == (("default", 0),), where
+        assert (damaged / lost[0]).exists()
+        assert list(info.why) == [("default", 2)]
+        assert "exceeds the size limit" in info.why["default", 2]
+
+
+def test_repair_says_a_manifest_too_damaged_to_compare_is_not_called_another_history(tmp_path):
+    damaged, good = tmp_path / "damaged", tmp_path / "good"
+    for step in range(2):
+        casstore.save(str(damaged), step, {"w": np.full(1000, step, np.float32)})
+    casstore.copy(str(damaged), str(good))
+    (damaged / manifest_key("default", 1)).write_bytes(b"")
+    info = casstore.repair(str(good), str(damaged))
+    assert info.why == {("default", 1): "its manifest here is too damaged to tell whether "
+                                        "GOOD's step is the same (docs/recovery.md: replace it "
+                                        "by hand)"}
