@@ -108,8 +108,9 @@ def repair(good_url: Url, damaged_url: Url, *, dry_run: bool = False,
                or (p.kind == MANIFEST and set(p.needed_by) <= plan.mended.keys())
                or (p.kind == CONFIG and config is not None)]
     unrepairable = tuple(p for p in report.problems if p not in fixable)
-    objects = tuple(sorted(plan.corrupt & plan.sent))
-    steps = tuple(sorted(plan.mended))
+    # nothing fixable: nothing is written, not even the steps that could be taken back
+    objects = tuple(sorted(plan.corrupt & plan.sent)) if fixable else ()
+    steps = tuple(sorted(plan.mended)) if fixable else ()
     why = {rs: plan.why.get(rs, "of a format newer than this casstore" if p.kind == UNSUPPORTED
                             else "GOOD cannot give it back")
            for p in unrepairable for rs in p.needed_by if rs not in plan.mended}

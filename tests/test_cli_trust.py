@@ -834,3 +834,26 @@ def test_repair_says_a_manifest_too_damaged_to_compare_is_not_called_another_his
     assert info.why == {("default", 1): "its manifest here is too damaged to tell whether "
                                         "GOOD's step is the same (docs/recovery.md: replace it "
                                         "by hand)"}
+
+
+def test_a_repair_that_can_fix_nothing_says_it_copied_nothing_back(tmp_path):
+    """Step 1's manifest gives a chunk shared with step 0 another raw length (one problem both
+    steps need); GOOD lacks step 0, so nothing is fixable: nothing is written, and the report
+    says so (it said step 1 was copied back)."""
+    damaged, good = tmp_path / "damaged", tmp_path / "good"
+    shared = np.ones(100_000, np.float32)
+    for step in (0, 1):
+        casstore.save(str(damaged), step, {"b": shared, "s": np.arange(100_000) + step})
+    casstore.copy(str(damaged), str(good))
+    casstore.delete(str(good), 0)
+    key = damaged / manifest_key("default", 1)
+    doc = msgpack.unpackb(key.read_bytes())
+    first = {r.id for leaf in casstore.read_manifest(str(damaged), 0).leaves
+             for r in leaf.chunks}
+    ref = next(c for leaf in doc["leaves"] for c in leaf["chunks"] if c["id"] in first)
+    ref["raw_bytes"] += 4
+    key.write_bytes(before := msgpack.packb(doc, use_bin_type=True))
+    info = casstore.repair(str(good), str(damaged))
+    assert (info.steps, info.deleted_objects, info.ok) == ((), (), False)
+    assert "copied back 0 step(s)" in run("repair", good, damaged, code=1).stdout
+    assert key.read_bytes() == before
