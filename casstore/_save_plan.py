@@ -220,7 +220,7 @@ def _shard_jobs(i: int, array: Any, shard: Any, cuts: Iterable[tuple],
                       nbytes, holds_copy=True, members=chunk)
         elif later is not None and not is_host_data(shard):
             read = (functools.partial(later.read, start, stop) if isinstance(later, HostCopy)
-                    else functools.partial(_copy_block, shard, start, stop))
+                    else functools.partial(_read_now, job))
             yield Job(read, blocks, itemsize, nbytes, members=chunk)
         else:
             yield job()
@@ -245,10 +245,9 @@ def _read_copy(copy: jax.Array, start: tuple, stop: tuple) -> memoryview:
     return block_bytes(np.asarray(copy), start, stop)
 
 
-def _copy_block(shard: jax.Array, start: tuple, stop: tuple) -> memoryview:
-    """The raw bytes of ``shard[start:stop]``, copied to the host now."""
-    return _read_copy(start_host_copy(shard, start, stop), (0,) * len(start),
-                      tuple(b - a for a, b in zip(start, stop)))
+def _read_now(make: Callable[[], Job]) -> memoryview:
+    """The raw bytes of the job ``make`` gives (its host copy made now, in the pipeline)."""
+    return make().read()
 
 
 class HostCopy:
@@ -296,8 +295,9 @@ def _pack_jobs(small: dict[int, Any], paths: list[str], infos: dict[int, ArrayIn
                       copy=functools.partial(_read_pack, blocks, small, itemsize, chunk))
             continue
         if all(i in later for i in group):  # holds its own leaves only: freed once stored
-            yield Job(functools.partial(_read_pack_later, blocks, {i: small[i] for i in group},
-                                        itemsize), blocks, itemsize, offset, members=chunk)
+            own = {i: small[i] for i in group}
+            yield Job(functools.partial(_read_now, functools.partial(
+                _read_pack, blocks, own, itemsize, None)), blocks, itemsize, offset, members=chunk)
             continue
         if any(i in on_device and i not in started for i in group):
             ahead = [i for i in _ahead(packs[k:], infos, chunk_size_bytes)
@@ -335,11 +335,6 @@ def _ahead(packs: list[list[int]], infos: dict[int, ArrayInfo], limit: int) -> l
             break
         out += group
     return out
-
-
-def _read_pack_later(blocks: list, small: dict[int, Any], itemsize: int) -> memoryview:
-    """The raw bytes of a pack of device copies the save holds, copied to the host now."""
-    return _read_pack(blocks, small, itemsize, None).read()
 
 
 def _read_pack(blocks: list, small: dict[int, Any], itemsize: int, chunk: Members | None,
