@@ -61,8 +61,7 @@ def delete_arrays(state: object) -> None:
 
 def bench_async(system: str, root: pathlib.Path, np_states: list, proof_state: object,
                 dev: jax.Device, drop: bool) -> dict:
-    """``system``'s asynchronous saves of ``np_states`` on ``dev``, checked, and the proof
-    step."""
+    """``system``'s asynchronous saves of ``np_states`` and the proof step, checked."""
     saves, abstract = [], h.abstract_of(proof_state, dev)
     with PEERS[system](root) as ckpt:
         for step, np_state in enumerate(np_states, start=1):
@@ -83,7 +82,7 @@ def bench_async(system: str, root: pathlib.Path, np_states: list, proof_state: o
                           "written_bytes": ckpt.saved(step)["written_bytes"],
                           "rss_extra_bytes": rss.extra})
         for step, np_state in enumerate(np_states, start=1):
-            h.verify_equal(np_state, h.flatten(ckpt.restore(step, abstract)), system, True)
+            h.verify_equal(np_state, ckpt.restore(step, abstract), system, True)
         # The proof step: the update donates the saved arrays, so XLA writes into their
         # buffers whenever nothing else holds them; then garbage reuses any freed memory.
         delete_arrays(_plus_one_donated(h.to_jax([proof_state], dev, copy=True)[0]))
@@ -96,7 +95,7 @@ def bench_async(system: str, root: pathlib.Path, np_states: list, proof_state: o
         garbage = h.to_jax([jax.tree.map(np.zeros_like, proof_state)], dev, copy=True)[0]
         delete_arrays(updated)
         ckpt.wait()
-        h.verify_equal(proof_state, h.flatten(ckpt.restore(len(np_states) + 1, abstract)),
+        h.verify_equal(proof_state, ckpt.restore(len(np_states) + 1, abstract),
                        f"{system} proof step", True)
         delete_arrays(garbage)
     return {"saves": saves, "verified_steps": len(np_states), "proof_verified": True,
@@ -161,7 +160,7 @@ def bench_gc(root: pathlib.Path, size: str, drop: bool) -> dict:
     h.check(again.deleted_chunks == 0 and report.ok, (again, report.problems))
     h.check(sorted(s for _, s in report.steps_checked) == keep, report.steps_checked)
     for step in keep:
-        h.verify_equal(states[step], h.flatten(casstore.restore(repo, step)), "gc", False)
+        h.verify_equal(states[step], casstore.restore(repo, step), "gc")
     figures = lambda info: {k: getattr(info, k) for k, _ in GC_FIGURES}  # noqa: E731
     return {"steps": len(states), "kept_steps": keep, "deleted_steps": len(doomed),
             "state_bytes": h.state_bytes(states[0]), "build_s": build_s,

@@ -55,8 +55,7 @@ def fill(put_many, count: int, seed: int) -> dict:
 
 
 def http_put_many(endpoint: str, root: str, items: dict[str, bytes]) -> None:
-    """PUTs ``{key: data}`` to ``endpoint/root/key`` (anonymous S3) from 16 threads, half the
-    CPU of s3fs per object; OSError unless HTTP 200."""
+    """PUTs ``items`` under ``endpoint/root`` (anonymous S3) from 16 threads, as s3fs would."""
     url, local = urllib.parse.urlsplit(endpoint), threading.local()
 
     def put(key: str) -> None:
@@ -74,8 +73,7 @@ def http_put_many(endpoint: str, root: str, items: dict[str, bytes]) -> None:
 
 @contextlib.contextmanager
 def opener(kind: str, args):
-    """``(new, filler, limit)``: a fresh repository of ``kind``, a fast ``put_many`` into a
-    store, the machine's limit there."""
+    """``(new repository, fast put_many of a store, the limit)`` on store ``kind``."""
     size = 4 * TINY["large"][0] * TINY["large"][1] if args.tiny else 64 << 20
     if kind == "local":
         with h.scratch(args.dir, "repo-size") as root:

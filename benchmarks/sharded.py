@@ -82,8 +82,7 @@ def single_shard_bytes(root: pathlib.Path, saved: jax.Array) -> dict:
 
 
 def bench(system: str, root: pathlib.Path, made: tuple, warm: int, drop: bool) -> dict:
-    """Saves step 1, restores it onto both meshes, each leaf checked bit-exact and for its
-    sharding."""
+    """Saves step 1 and restores it onto both meshes, checked bit-exact and for sharding."""
     source, state, same, other = made
     out: dict = {}
     phase = functools.partial(h.phase, out, warm=warm)

@@ -149,7 +149,7 @@ def restores(peers: dict, step: int, expected: object, args, limit: dict, stored
         for p in ("cold", "warm"):
             got = h.phase(fig, f"{p}_s", lambda: peers[system].restore(step, abstract),
                           warm=warm, drop=p == "cold" and args.drop_caches)
-            fig["verified_leaves"] = h.verify_equal(expected, h.flatten(got), system, True)
+            fig["verified_leaves"] = h.verify_equal(expected, got, system, True)
             del got
             if p == "cold" and not fig.pop("dropped_caches"):
                 fig["cold_s"] = fig["cold_cpu_s"] = float("nan")
@@ -185,8 +185,7 @@ def finetune(args, lr: float, root: pathlib.Path, limit: dict, restore: bool) ->
 
 
 def pretrain(args, root: pathlib.Path, limit: dict) -> dict:
-    """``args.pretrain_steps`` adam steps on a GPT-2-shaped state, then its last step's
-    restore."""
+    """``args.pretrain_steps`` adam steps on a GPT-2 state, then the last step's restore."""
     optimizer, size = optax.adam(6e-4), "tiny" if args.tiny else "gpt2"
     params, opt_state = adam_state(h.train_state(size), optimizer)
     text = np.frombuffer((EXAMPLE.parent / "data" / "sentiment.tsv").read_bytes(), np.uint8)

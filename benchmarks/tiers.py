@@ -53,8 +53,7 @@ def check(got: dict, want: dict, what: str) -> None:
 
 
 def tiers(root: pathlib.Path, persistent, cfg, out: dict) -> pathlib.Path:
-    """Figures 1-4 (orders alternate with the repeat); returns the local repository of every
-    step, saved without persistence."""
+    """Figures 1-4; returns the local repository of every step, saved without persisting."""
     for on in h.rotated((False, True), cfg.r):
         tag = "on" if on else "off"
         mngr = casstore.CheckpointManager(root / tag, persistent=persistent if on else None,

@@ -41,9 +41,8 @@ def _pool(threads: int, fn: Callable[[Any], object], items: Iterable) -> None:
 
 def measure(nbytes: int, *, base_dir: str | None = None, drop: bool = False, fs: Any = None,
             prefix: str = "") -> dict:
-    """The limit's rates (bytes per second, ``*_bps``) and how they were measured, on a sample
-    of ``min(nbytes, 256 MiB)``: the store is local disk under ``base_dir``, or S3 filesystem
-    ``fs`` under ``prefix`` (removed afterwards)."""
+    """The rates (``*_bps``) on up to ``nbytes``: on local disk under ``base_dir``, or on S3
+    filesystem ``fs`` under ``prefix``."""
     n_workers, threads = workers(), max(4, 2 * workers())
     nbytes = min(nbytes, 256 << 20)
     size = max(64 << 10, min(16 << 20, nbytes // 4)) // 4 * 4
@@ -103,8 +102,7 @@ def save_s(lim: dict, raw: float, stored: float) -> float:
 
 
 def restore_s(lim: dict, raw: float, stored: float, cold: bool = False) -> float:
-    """The fastest restore (seconds) of ``stored`` bytes into ``raw`` bytes; ``cold``: the
-    restore's page cache was dropped."""
+    """The fastest restore (seconds) of ``stored`` bytes into ``raw``, ``cold`` or warm."""
     decode = lim["hash_bps"] if stored >= raw else lim["decode_bps"]
     cpu = stored / lim["copy_bps"] + raw / lim["touch_bps"] + raw / decode
     if lim["store"] == "local disk" and not lim["read_cold"]:
@@ -121,7 +119,6 @@ def medians(limits: Iterable[dict]) -> dict:
 
 def interleaved(systems: tuple[str, ...], repeat: int, run_one: Callable[[str], dict],
                 measure_one: Callable[[], dict]) -> tuple[dict, dict, dict]:
-    """:func:`harness.timing.interleave` with the limit measured once per repeat; returns (runs,
-    medians, the limits' :func:`medians`)."""
+    """:func:`harness.timing.interleave`, the limit once per repeat: (runs, medians, limit)."""
     runs, res, limits = interleave(systems, repeat, run_one, measure_one)
     return runs, res, medians(limits)

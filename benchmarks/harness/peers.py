@@ -23,10 +23,8 @@ SAVE_INFO = ("written_bytes", "new_chunks", "reused_chunks", "delta_chunks",
 
 
 class Peer(contextlib.AbstractContextManager):
-    """A system saving steps under ``root``: ``prepare(states)`` (untimed) gives what ``save``
-    takes; ``save`` returns once the step is durable (or ``save_async``, then ``wait``);
-    ``saved(step)`` its figures; ``restore(step, target)`` the state, ready: ``{name: array}``
-    where ``flat``, jax arrays where ``gives_jax``. ``dedups``: saves only what is new."""
+    """A system saving durable steps under ``root`` and restoring them (README.md says how);
+    ``flat``: restores ``{name: array}``; ``gives_jax``: jax arrays; ``dedups``."""
 
     gives_jax, flat, dedups = True, False, False
 
@@ -54,8 +52,7 @@ class Peer(contextlib.AbstractContextManager):
 
 
 class Casstore(Peer):
-    """``casstore.save(url, step, state, **save_options)`` and ``restore``; ``url`` a path or a
-    Store."""
+    """``casstore.save(url, step, state, **save_options)`` and ``restore``."""
 
     dedups = True
 
@@ -104,8 +101,7 @@ class CasstoreManager(Casstore):
 
 
 class Orbax(Peer):
-    """``ocp.StandardCheckpointer``, a step per directory ``root / step`` (it rewrites the
-    whole state each step: its written bytes are the directory's size)."""
+    """``ocp.StandardCheckpointer``, a step per directory ``root / step``."""
 
     def __init__(self, root: pathlib.Path):
         import orbax.checkpoint as ocp
@@ -130,8 +126,7 @@ class Orbax(Peer):
 
 
 class Safetensors(Peer):
-    """``safetensors.numpy.save_file`` of the flat state's host copies to ``root /
-    f"{step}.safetensors"``, fsynced with its directory; restore is ``load_file``."""
+    """A fsynced ``safetensors`` file per step of the flat state's host copies."""
 
     gives_jax, flat = False, True
 
@@ -155,8 +150,7 @@ class Safetensors(Peer):
 
 
 class S3fs(Peer):
-    """An object ``root/step/name`` per leaf: a step is one ``fs.pipe``, a restore one
-    ``fs.cat`` and ``np.frombuffer`` into the target's shapes."""
+    """An object ``root/step/name`` per leaf: one ``fs.pipe`` a step, one ``fs.cat`` a restore."""
 
     gives_jax, flat = False, True
 
@@ -188,8 +182,7 @@ class S3fs(Peer):
 
 
 class RequestCounter:
-    """Probe: an s3fs filesystem's S3 calls in a phase, by operation (``{name}_request_ops``)
-    and in all (``{name}_requests``); a retried call counts once."""
+    """Probe: S3 calls of an s3fs filesystem, by operation and in all; retries count once."""
 
     def __init__(self, fs: Any):
         fs.connect()  # creates the aiobotocore client, fs.s3
@@ -208,8 +201,8 @@ class RequestCounter:
 
 
 class ServerCpu:
-    """Probe: CPU seconds of the servers this process started (``{name}_server_cpu_s``; NaN
-    with none) and of its programs that exited meanwhile, as rclone (``{name}_program_cpu_s``)."""
+    """Probe: CPU seconds of the servers this process started (NaN with none) and of the
+    programs that exited meanwhile (rclone)."""
 
     @staticmethod
     def _cpu_s() -> tuple[float, float]:

@@ -76,9 +76,8 @@ def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
 def figure_table(res: dict[str, dict], figures: list[tuple[str, str, str]], cols: list[str],
                  ref: str | None = None, limits: dict[str, float] | None = None,
                  ratios: list[tuple[str, str]] | None = None) -> list[str]:
-    """A row per ``(key, label, unit)`` of ``figures``, a column per system of ``cols``
-    (``res[system][key]``), the ``ratios`` (default: each system to ``ref``), then, for keys
-    of ``limits`` (seconds), the limit and each system's limit / figure."""
+    """A row per ``(key, label, unit)``, a column per system, ratios (default: to ``ref``),
+    then for keys of ``limits`` the limit (s) and each system's limit / figure."""
     if ratios is None:
         ratios = [(s, ref) for s in cols if s != ref] if ref in res else []
     limits, rows = limits or {}, []
@@ -116,16 +115,14 @@ def limit_lines(lim: dict, title: str = "The machine's limit, measured in this r
 
 
 def target_lines(targets: list[tuple[str, float, float]], na: str = "n/a") -> list[str]:
-    """``- target: text: value (met|NOT met)`` per ``(text, value, limit)``; met if value <=
-    limit, ``na`` if value is NaN."""
+    """``- target: text: value (met|NOT met)`` per ``(text, value, limit)``, met if <= limit."""
     return [f"- target: {text}: {na}" if math.isnan(value) else
             f"- target: {text}: {value:.3g} ({'met' if value <= limit else 'NOT met'})"
             for text, value, limit in targets]
 
 
 def subset(known: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
-    """An argparse type: the names of ``known`` in a comma-separated list, in ``known``'s
-    order; an error if there are none."""
+    """An argparse type: the names of ``known`` in a comma-separated list."""
     def parse(text: str) -> tuple[str, ...]:
         if not (names := tuple(k for k in known if k in text.split(","))):
             raise argparse.ArgumentTypeError("need one of " + ",".join(known))
@@ -152,8 +149,7 @@ OPTIONS = {  # the command-line options benchmarks share: name -> argparse keywo
 
 def parse(doc: str, argv: list[str] | None, *names: str,
           extra: tuple[tuple[str, dict], ...] = ()) -> argparse.Namespace:
-    """``argv`` parsed with the shared options ``names``, ``--json`` and ``extra`` ``(flag,
-    argparse keywords)``; ``args.environment`` is :func:`environment` at the start."""
+    """``argv`` parsed with the shared options ``names``, ``--json`` and ``extra`` flags."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     for name in names:
         ap.add_argument(f"--{name}", **OPTIONS[name])
@@ -167,8 +163,7 @@ def parse(doc: str, argv: list[str] | None, *names: str,
 
 
 def plot(result: dict, path: str, ours: str, ref: str, where: str = "results") -> None:
-    """Bars of ``ours``'s ratio to ``ref`` and its limit / figure for each key of
-    ``result["limits"]`` (figures in ``result[where]``), saved as ``path``."""
+    """Bars of ``ours``'s ratios to ``ref`` and fractions of ``result["limits"]``, as PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -189,9 +184,8 @@ def plot(result: dict, path: str, ours: str, ref: str, where: str = "results") -
 
 def report(result: dict, table: Callable[[dict], list[str]], args: argparse.Namespace,
            vs: tuple[str, ...] = ()) -> dict:
-    """Adds the environment to ``result``, prints ``table(result)`` and the machine's note,
-    writes JSON to ``args.json`` and, given ``vs`` (:func:`plot`'s ours, ref[, where]), a plot
-    to ``args.plot``; returns ``result``."""
+    """Prints ``table(result)`` and the machine, writes ``--json`` and ``--plot`` (of ``vs``,
+    :func:`plot`'s arguments); returns ``result``."""
     result["environment"] = {**args.environment, "load_after": os.getloadavg()}
     print("\n".join([*table(result), f"- {machine_note(result)}"]))
     if args.json:

@@ -51,8 +51,7 @@ def _jax_leaf(key: jax.Array, shape: tuple[int, ...], nu: bool) -> jax.Array:
 
 
 def _fillers(seed: int, device: jax.Device | None) -> Callable[[str], Callable]:
-    """``kind -> make(shape)``: float32 params and mu N(0, 0.02), nu |N(0, 1e-3)|; numpy (one
-    stream, in order), or ``jax.random`` on ``device`` if given (a key per leaf)."""
+    """``kind -> make(shape)``: params and mu N(0, 0.02), nu |N(0, 1e-3)|, on ``device``."""
     rng = np.random.default_rng(seed)
 
     def numpy_leaf(kind: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -86,8 +85,7 @@ def train_state(size: str, seed: int = 0, device: jax.Device | None = None) -> d
 
 
 def changed_state(state: dict, seed: int = 1) -> dict:
-    """A copy of ``state`` with new last blocks and ``ln_f`` and count + 1; its other leaves
-    are ``state``'s objects."""
+    """``state`` with new last blocks, ``ln_f`` and count; other leaves are the same objects."""
     wpe = state["params"]["wpe"]
     fill = _fillers(seed, next(iter(wpe.devices())) if isinstance(wpe, jax.Array) else None)
     blocks = len(state["params"]["h"])
@@ -136,8 +134,7 @@ def abstract_of(tree: Any, dev: jax.Device) -> Any:
 
 
 def host_array(x: Any) -> np.ndarray:
-    """A host copy of a leaf, of a jax array through a temporary device copy (``np.asarray``
-    would cache it on the array)."""
+    """A host copy of a leaf (``np.asarray`` of a jax array would cache one on it)."""
     return np.asarray(x.copy() if isinstance(x, jax.Array) else x)
 
 
@@ -177,10 +174,10 @@ def changed_zstd_bytes(old: dict, new: dict) -> tuple[int, int, int]:
     return count, raw, packed
 
 
-def verify_equal(expected: Any, restored: dict[str, Any], system: str, want_jax: bool) -> int:
-    """AssertionError unless ``restored`` (flat) is ``expected`` bit for bit (and jax arrays
-    with ``want_jax``); returns the number of leaves."""
-    want = flatten(expected)
+def verify_equal(expected: Any, restored: Any, system: str, want_jax: bool = False) -> int:
+    """The leaves checked; AssertionError unless ``restored`` (a tree, or flat) is ``expected``
+    bit for bit (and jax arrays with ``want_jax``)."""
+    want, restored = flatten(expected), flatten(restored)
     check(set(want) == set(restored), f"{system}: restored keys differ: "
           f"{sorted(set(want) ^ set(restored))[:5]}")
     for name, e in want.items():

@@ -55,9 +55,7 @@ def scratch(base_dir: str | None, name: str) -> Iterator[pathlib.Path]:
 
 @contextlib.contextmanager
 def s3_server(args: Any) -> Iterator[dict]:
-    """Storage options of ``args.endpoint`` (``args.key``, ``args.secret``, else anonymous),
-    or of a fresh SeaweedFS on loopback (``tests/servers.py``) with its data under
-    ``args.dir``."""
+    """Storage options of ``args.endpoint``, or of a fresh SeaweedFS under ``args.dir``."""
     if args.endpoint:
         yield ({"endpoint_url": args.endpoint, "key": args.key, "secret": args.secret}
                if args.key else {"endpoint_url": args.endpoint, "anon": True})
@@ -78,8 +76,7 @@ def s3_fs(options: dict, **kw: Any) -> Any:
 
 
 def new_bucket(options: dict) -> str:
-    """A new bucket's name, with an object written (SeaweedFS's first write to a bucket takes
-    0.3-1 s, which no timed phase should pay for)."""
+    """A new bucket, written to once (SeaweedFS's first write takes 0.3-1 s)."""
     bucket, fs = f"casstore-bench-{uuid.uuid4().hex[:12]}", s3_fs(options)
     fs.mkdir(bucket)
     fs.pipe_file(f"{bucket}/warm-up", b"x")
@@ -87,8 +84,7 @@ def new_bucket(options: dict) -> str:
 
 
 def rclone_env(name: str, options: dict) -> dict[str, str]:
-    """``RCLONE_CONFIG_<NAME>_*`` variables: rclone remote ``name`` on the S3 server of
-    storage ``options``."""
+    """``RCLONE_CONFIG_<NAME>_*``: rclone remote ``name`` on storage ``options``."""
     var = f"RCLONE_CONFIG_{name.upper()}_"
     env = {f"{var}TYPE": "s3", f"{var}PROVIDER": "Other", f"{var}ENV_AUTH": "false",
            f"{var}ENDPOINT": options["endpoint_url"], f"{var}FORCE_PATH_STYLE": "true",
@@ -100,8 +96,7 @@ def rclone_env(name: str, options: dict) -> dict[str, str]:
 
 
 def rclone_copy(src: str, dst: str, env: dict[str, str], program: str = "rclone") -> None:
-    """``rclone copy --transfers 16 SRC DST`` with the remotes of ``env``, without
-    ``AWS_CA_BUNDLE`` (rclone refuses to start with it); RuntimeError if it fails."""
+    """``rclone copy --transfers 16 SRC DST``, without ``AWS_CA_BUNDLE`` (rclone refuses it)."""
     env = {**{k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}, **env}
     proc = subprocess.run([program, "copy", "--transfers", "16", src, dst], env=env,
                           capture_output=True, text=True)

@@ -29,8 +29,7 @@ def _write(path: str, text: str) -> bool:
 
 
 class PeakRss:
-    """Peak RSS minus RSS on entry, as ``extra``: sampled every 2 ms, plus the kernel's VmHWM
-    (reset on entry where permitted)."""
+    """Peak RSS minus RSS on entry, as ``extra``: sampled every 2 ms, and the kernel's VmHWM."""
 
     def __enter__(self) -> PeakRss:
         self.proc, self.hwm = psutil.Process(), _write("/proc/self/clear_refs", "5")
@@ -92,8 +91,7 @@ def drop_caches() -> bool:
 
 
 def settle(warm_bytes: int = 0, drop: bool = False) -> bool:
-    """Collects garbage, trims the heap, syncs, drops the page cache with ``drop``, touches
-    and frees ``warm_bytes`` (README.md: why); returns whether the cache was dropped."""
+    """Before a phase (README.md: why); returns whether the page cache was dropped."""
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -106,10 +104,8 @@ def settle(warm_bytes: int = 0, drop: bool = False) -> bool:
 
 def phase(out: dict, key: str, fn: Callable[[], Any], *, warm: int = 0, drop: bool = False,
           rss: str | None = None, probes: Iterable[Any] = ()) -> Any:
-    """Runs ``fn`` after :func:`settle`; returns its result. With ``name`` = ``key`` less
-    ``_s``: ``out[key]`` wall s, ``out[name_cpu_s]``, ``out[name_disk_read_bytes]``,
-    ``out[rss]`` peak extra RSS if ``rss``, each probe's ``stop(out, name)``;
-    ``out["dropped_caches"]`` stays True while every drop was asked for and done."""
+    """``fn()`` after :func:`settle`, timed into ``out[key]`` and ``out[key less _s + _cpu_s,
+    _disk_read_bytes]``, peak extra RSS into ``out[rss]``, and the ``probes``'."""
     dropped = settle(warm, drop)
     out["dropped_caches"] = out.get("dropped_caches", True) and dropped
     name, proc, probes = key.removesuffix("_s"), psutil.Process(), list(probes)
@@ -130,9 +126,8 @@ def phase(out: dict, key: str, fn: Callable[[], Any], *, warm: int = 0, drop: bo
 
 def interleave(systems: tuple[str, ...], repeat: int, run_one: Callable[[str], dict],
                before: Callable[[], Any] | None = None) -> tuple[dict, dict, list]:
-    """``run_one(system)`` for every system, ``repeat`` times in a rotating order, settling
-    after each; ``before()`` (say, the limit) once per repeat before ``systems[0]``'s run.
-    Returns (runs per system, their :func:`medians`, ``before``'s results)."""
+    """``run_one(system)`` for every system, ``repeat`` times in rotating order, ``before()``
+    once per repeat; returns (runs per system, their :func:`medians`, ``before()``'s)."""
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     extra = []
     for r in range(repeat):
