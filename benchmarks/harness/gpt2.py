@@ -10,7 +10,8 @@ from .states import check
 
 
 def adam_state(state: dict, optimizer: optax.GradientTransformation) -> tuple[dict, tuple]:
-    """``(params, opt_state)`` of a ``train_state`` as jax arrays in ``optax.adam``'s state."""
+    """``(params, opt_state)`` of a ``train_state`` as jax arrays, its adam ``mu``, ``nu`` and
+    ``count`` in ``optax.adam``'s state; AssertionError if it does not fit ``optimizer``'s."""
     params, opt = jax.tree.map(jnp.asarray, state["params"]), state["opt_state"]
     opt_state = (optax.ScaleByAdamState(count=jnp.asarray(opt["count"]),
                                         mu=jax.tree.map(jnp.asarray, opt["mu"]),
@@ -23,7 +24,8 @@ def adam_state(state: dict, optimizer: optax.GradientTransformation) -> tuple[di
 
 
 def gpt2_loss(params: dict, tokens: jax.Array) -> jax.Array:
-    """GPT-2's mean next-token cross-entropy on int32 ``tokens`` ``(batch, n)``."""
+    """Mean next-token cross-entropy of GPT-2 (pre-LayerNorm blocks, tanh GELU, tied output
+    embedding) with ``params`` in the harness's HF names, on int32 ``tokens`` ``(batch, n)``."""
     def ln(x: jax.Array, p: dict) -> jax.Array:
         mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
         return (x - mean) / jnp.sqrt(var + 1e-5) * p["g"] + p["b"]

@@ -1,6 +1,14 @@
-"""The machine's limit, measured in the same run as the figures it judges (issue 33 item 1):
-the rates of a store's write and read and of the CPU work, and the fastest save and restore
-they allow (benchmarks/README.md, "The machine's limit")."""
+"""The machine's limit, measured in the same run as the figures it judges (issue 33 item 1).
+
+On a sample of N(0, 0.02) float32 values (the train states' params) cut into objects of up to
+16 MiB: the store's write (local disk: a file per object, each fsynced, then the directory) and
+read (after dropping the page cache where asked and permitted, else warm), and on one thread
+each (best of 3, times the workers): a page-cache copy, a first touch of new memory, the
+xxh3-128 chunk id, and casstore's codec 5 encode and decode with its hash check.
+:func:`save_s` and :func:`restore_s` give the fastest save and restore these rates allow;
+benchmarks/README.md, "The machine's limit", explains the formulas. A figure's fraction of the
+limit is ``limit_s / figure_s``: 1.0 runs at the machine's limit.
+"""
 
 from __future__ import annotations
 
@@ -41,8 +49,13 @@ def _pool(threads: int, fn: Callable[[Any], object], items: Iterable) -> None:
 
 def measure(nbytes: int, *, base_dir: str | None = None, drop: bool = False, fs: Any = None,
             prefix: str = "") -> dict:
-    """The rates (``*_bps``) on up to ``nbytes``: on local disk under ``base_dir``, or on S3
-    filesystem ``fs`` under ``prefix``."""
+    """The limit's rates (bytes per second) on ``min(nbytes, 256 MiB)`` (at least 4 objects):
+    the store is local disk under ``base_dir`` (a scratch directory in it; default /tmp), read
+    from ``2 x workers`` (at least 4) and twice as many threads, the faster; or, given an S3
+    filesystem ``fs``, objects under ``prefix`` (removed afterwards) put with one ``fs.pipe``
+    and read twice with one ``fs.cat``. Also ``workers``, ``threads``, ``read_threads``,
+    ``read_cold`` (the page cache was dropped before the read), ``encoded_fraction`` (encoded /
+    raw bytes of the sample) and ``store``."""
     n_workers, threads = workers(), max(4, 2 * workers())
     nbytes = min(nbytes, 256 << 20)
     size = max(64 << 10, min(16 << 20, nbytes // 4)) // 4 * 4
@@ -96,13 +109,17 @@ def measure(nbytes: int, *, base_dir: str | None = None, drop: bool = False, fs:
 
 
 def save_s(lim: dict, raw: float, stored: float) -> float:
-    """The fastest save (seconds) of ``raw`` bytes stored as ``stored`` bytes."""
+    """The fastest save (seconds) of ``raw`` bytes stored as ``stored`` bytes: the CPU work of
+    hashing and encoding overlapped with writing what it stores, or hashing and writing raw."""
     encoded = max(raw * (1 / lim["hash_bps"] + 1 / lim["encode_bps"]), stored / lim["write_bps"])
     return min(encoded, max(raw / lim["hash_bps"], raw / lim["write_bps"]))
 
 
 def restore_s(lim: dict, raw: float, stored: float, cold: bool = False) -> float:
-    """The fastest restore (seconds) of ``stored`` bytes into ``raw``, ``cold`` or warm."""
+    """The fastest restore (seconds) of ``stored`` bytes into ``raw`` bytes: copying, first
+    touch and decoding (the hash alone for a state stored raw) overlapped with the read, which
+    counts unless the restore was warm (``cold`` False) and the limit's read was not; a read
+    from a warm page cache is CPU work on the decoding cores, so the decoding adds to it."""
     decode = lim["hash_bps"] if stored >= raw else lim["decode_bps"]
     cpu = stored / lim["copy_bps"] + raw / lim["touch_bps"] + raw / decode
     if lim["store"] == "local disk" and not lim["read_cold"]:

@@ -1,5 +1,7 @@
-"""The systems a benchmark compares, behind one interface (casstore, its CheckpointManager,
-orbax, safetensors, plain s3fs), and the probes of a phase (:func:`harness.timing.phase`)."""
+"""The systems a benchmark compares, behind one interface: casstore (``save`` / ``restore``, or
+its ``CheckpointManager`` for asynchronous saves), orbax-checkpoint (``StandardCheckpointer``),
+safetensors (one file per step, fsynced) and plain s3fs (one object per leaf); and the probes
+of an S3 phase (requests by operation, a local server's CPU time, casstore's store calls)."""
 
 from __future__ import annotations
 
@@ -23,8 +25,12 @@ SAVE_INFO = ("written_bytes", "new_chunks", "reused_chunks", "delta_chunks",
 
 
 class Peer(contextlib.AbstractContextManager):
-    """A system saving durable steps under ``root`` and restoring them (README.md says how);
-    ``flat``: restores ``{name: array}``; ``gives_jax``: jax arrays; ``dedups``."""
+    """A system saving steps of a state under ``root`` and restoring them. ``prepare(states)``
+    (untimed) gives what ``save(step, state)`` takes; ``save`` returns once the step is durable
+    (``save_async`` then ``wait`` where the system saves in the background); ``saved(step)``
+    gives its figures, at least ``written_bytes``; ``restore(step, target)`` the state, ready:
+    a pytree, or ``{name: array}`` where ``flat``, jax arrays where ``gives_jax``. ``dedups``:
+    a save stores only what earlier steps lack."""
 
     gives_jax, flat, dedups = True, False, False
 
@@ -52,7 +58,8 @@ class Peer(contextlib.AbstractContextManager):
 
 
 class Casstore(Peer):
-    """``casstore.save(url, step, state, **save_options)`` and ``restore``."""
+    """``casstore.save(url, step, state, **save_options)``, ``casstore.restore(url, step,
+    target=target)``; ``url`` a path or a Store."""
 
     dedups = True
 
@@ -101,7 +108,9 @@ class CasstoreManager(Casstore):
 
 
 class Orbax(Peer):
-    """``ocp.StandardCheckpointer``, a step per directory ``root / step``."""
+    """``ocp.StandardCheckpointer`` (an ``AsyncCheckpointer``; it fsyncs its files), a step per
+    directory ``root / step``, durable after ``wait_until_finished()``. It rewrites the whole
+    state every step: a step's written bytes are its directory's size."""
 
     def __init__(self, root: pathlib.Path):
         import orbax.checkpoint as ocp
@@ -126,7 +135,8 @@ class Orbax(Peer):
 
 
 class Safetensors(Peer):
-    """A fsynced ``safetensors`` file per step of the flat state's host copies."""
+    """``safetensors.numpy.save_file`` of the flattened state's host copies to ``root /
+    f"{step}.safetensors"``, fsynced with its directory; restore is ``load_file`` (flat)."""
 
     gives_jax, flat = False, True
 
@@ -150,7 +160,9 @@ class Safetensors(Peer):
 
 
 class S3fs(Peer):
-    """An object ``root/step/name`` per leaf: one ``fs.pipe`` a step, one ``fs.cat`` a restore."""
+    """What a user without casstore does: every leaf an object ``root/step/name``, a step
+    uploaded with one ``fs.pipe({path: array.tobytes()})``, read with one ``fs.cat([...])`` and
+    ``np.frombuffer`` into the target's shapes (flat)."""
 
     gives_jax, flat = False, True
 
@@ -182,7 +194,8 @@ class S3fs(Peer):
 
 
 class RequestCounter:
-    """Probe: S3 calls of an s3fs filesystem, by operation and in all; retries count once."""
+    """Probe: the S3 API calls of an s3fs filesystem's client in a phase, by operation
+    (``{name}_request_ops``) and in all (``{name}_requests``); a retried call counts once."""
 
     def __init__(self, fs: Any):
         fs.connect()  # creates the aiobotocore client, fs.s3
@@ -201,8 +214,9 @@ class RequestCounter:
 
 
 class ServerCpu:
-    """Probe: CPU seconds of the servers this process started (NaN with none) and of the
-    programs that exited meanwhile (rclone)."""
+    """Probe: CPU seconds of this process's children in a phase: the servers it started
+    (``{name}_server_cpu_s``; NaN with none, as with ``--endpoint``) and the programs that ran
+    and exited meanwhile, such as rclone (``{name}_program_cpu_s``)."""
 
     @staticmethod
     def _cpu_s() -> tuple[float, float]:
@@ -224,7 +238,7 @@ class ServerCpu:
 
 
 class StoreOps:
-    """Probe: a CountingStore's calls in a phase (``{name}_store_ops``)."""
+    """Probe: casstore's store calls in a phase (``{name}_store_ops``) from a CountingStore."""
 
     def __init__(self, store: Any):
         self.store = store

@@ -41,7 +41,7 @@ def environment() -> dict:
 
 
 def machine_note(result: dict) -> str:
-    """Cores, memory, load average before and after, date and casstore's commit."""
+    """Cores, memory, load average (1 min) before and after, date and casstore's commit."""
     env = result["environment"]
     return (f"{env['cpus']} cores, {env['memory_bytes'] / 2**30:.0f} GiB; load average "
             f"{env['load_before'][0]:.2f} before, {env.get('load_after', [math.nan])[0]:.2f} "
@@ -50,7 +50,8 @@ def machine_note(result: dict) -> str:
 
 
 def fmt(value: float, unit: str) -> str:
-    """A table cell: ``s`` seconds, ``x`` a ratio, ``B`` bytes, ``MB`` MB, ``n`` a count."""
+    """A figure for a table: ``s`` seconds, ``x`` a ratio, ``B`` bytes (B / kB / MB), ``MB``
+    bytes in MB (of a rate: MB/s), ``n`` a count; NaN as ``n/a``."""
     if not isinstance(value, (int, float)) or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
     if unit in ("s", "x"):
@@ -68,7 +69,7 @@ def ratio(a: float, b: float) -> float:
 
 
 def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
-    """Lines of a markdown table, the first column left-aligned."""
+    """Lines of a markdown table: the first column left-aligned, the others right-aligned."""
     return (["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
             + ["| " + " | ".join(row) + " |" for row in rows])
 
@@ -76,8 +77,10 @@ def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
 def figure_table(res: dict[str, dict], figures: list[tuple[str, str, str]], cols: list[str],
                  ref: str | None = None, limits: dict[str, float] | None = None,
                  ratios: list[tuple[str, str]] | None = None) -> list[str]:
-    """A row per ``(key, label, unit)``, a column per system, ratios (default: to ``ref``),
-    then for keys of ``limits`` the limit (s) and each system's limit / figure."""
+    """A markdown table of ``figures`` ``(key, label, unit)``: a column per system of ``cols``
+    (``res[system][key]``), the ``ratios`` ``(a, b)`` (default: each other system to ``ref``),
+    then, for the keys of ``limits`` (the machine's limit in seconds), the limit and each
+    system's limit / figure."""
     if ratios is None:
         ratios = [(s, ref) for s in cols if s != ref] if ref in res else []
     limits, rows = limits or {}, []
@@ -122,7 +125,8 @@ def target_lines(targets: list[tuple[str, float, float]], na: str = "n/a") -> li
 
 
 def subset(known: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
-    """An argparse type: the names of ``known`` in a comma-separated list."""
+    """An argparse type: the names of ``known`` in a comma-separated list, in ``known``'s order;
+    an error if there are none."""
     def parse(text: str) -> tuple[str, ...]:
         if not (names := tuple(k for k in known if k in text.split(","))):
             raise argparse.ArgumentTypeError("need one of " + ",".join(known))
@@ -163,7 +167,8 @@ def parse(doc: str, argv: list[str] | None, *names: str,
 
 
 def plot(result: dict, path: str, ours: str, ref: str, where: str = "results") -> None:
-    """Bars of ``ours``'s ratios to ``ref`` and fractions of ``result["limits"]``, as PNG."""
+    """Bars of ``ours``'s ratio to ``ref`` and its limit / figure for each figure of
+    ``result["limits"]`` (``result[where][system][key]``), a line at 1.0, saved as ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")

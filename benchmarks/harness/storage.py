@@ -18,7 +18,8 @@ HERE = pathlib.Path(__file__).resolve().parents[1]  # benchmarks/
 
 
 def load_module(name: str, path: pathlib.Path) -> Any:
-    """Imports the file at ``path`` as module ``name``, once."""
+    """Imports the file at ``path`` as module ``name``, once (``tests/servers.py``, an
+    example)."""
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, path)
         sys.modules[name] = importlib.util.module_from_spec(spec)
@@ -55,7 +56,10 @@ def scratch(base_dir: str | None, name: str) -> Iterator[pathlib.Path]:
 
 @contextlib.contextmanager
 def s3_server(args: Any) -> Iterator[dict]:
-    """Storage options of ``args.endpoint``, or of a fresh SeaweedFS under ``args.dir``."""
+    """Storage options of an S3 server: ``args.endpoint`` (with ``args.key`` and
+    ``args.secret``, else anonymous), or a fresh SeaweedFS on loopback (``tests/servers.py``)
+    keeping its data under ``args.dir``. Raises ValueError where ``args.dir`` is too long a
+    path for SeaweedFS's unix sockets."""
     if args.endpoint:
         yield ({"endpoint_url": args.endpoint, "key": args.key, "secret": args.secret}
                if args.key else {"endpoint_url": args.endpoint, "anon": True})
@@ -76,7 +80,9 @@ def s3_fs(options: dict, **kw: Any) -> Any:
 
 
 def new_bucket(options: dict) -> str:
-    """A new bucket, written to once (SeaweedFS's first write takes 0.3-1 s)."""
+    """Creates a bucket and writes one small object into it (SeaweedFS allocates a bucket's
+    volumes at its first write, 0.3-1 s, which no timed phase should pay for); returns its
+    name."""
     bucket, fs = f"casstore-bench-{uuid.uuid4().hex[:12]}", s3_fs(options)
     fs.mkdir(bucket)
     fs.pipe_file(f"{bucket}/warm-up", b"x")
@@ -84,7 +90,8 @@ def new_bucket(options: dict) -> str:
 
 
 def rclone_env(name: str, options: dict) -> dict[str, str]:
-    """``RCLONE_CONFIG_<NAME>_*``: rclone remote ``name`` on storage ``options``."""
+    """``RCLONE_CONFIG_<NAME>_*`` variables defining rclone remote ``name`` as the S3 server of
+    storage ``options`` (``endpoint_url``; ``key`` and ``secret``, or anonymous)."""
     var = f"RCLONE_CONFIG_{name.upper()}_"
     env = {f"{var}TYPE": "s3", f"{var}PROVIDER": "Other", f"{var}ENV_AUTH": "false",
            f"{var}ENDPOINT": options["endpoint_url"], f"{var}FORCE_PATH_STYLE": "true",
@@ -96,7 +103,9 @@ def rclone_env(name: str, options: dict) -> dict[str, str]:
 
 
 def rclone_copy(src: str, dst: str, env: dict[str, str], program: str = "rclone") -> None:
-    """``rclone copy --transfers 16 SRC DST``, without ``AWS_CA_BUNDLE`` (rclone refuses it)."""
+    """``rclone copy --transfers 16 SRC DST`` with the remotes of ``env`` (:func:`rclone_env`),
+    without ``AWS_CA_BUNDLE`` (rclone's S3 backend refuses to start with it; the loopback
+    servers speak plain HTTP). Raises RuntimeError, ending with rclone's stderr, if it fails."""
     env = {**{k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}, **env}
     proc = subprocess.run([program, "copy", "--transfers", "16", src, dst], env=env,
                           capture_output=True, text=True)

@@ -1,5 +1,6 @@
-"""How a benchmark times a phase (wall, CPU, disk reads, peak extra RSS) after settling, and
-runs systems interleaved across repeats."""
+"""How a benchmark times a phase: wall and CPU time, bytes read from disk and peak extra RSS,
+after settling (page cache dropped, memory warmed); systems interleaved across repeats, and
+medians of their figures."""
 
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ def _write(path: str, text: str) -> bool:
 
 
 class PeakRss:
-    """Peak RSS minus RSS on entry, as ``extra``: sampled every 2 ms, and the kernel's VmHWM."""
+    """Peak RSS of this process minus its RSS on entry, as ``extra`` (bytes): a thread samples
+    RSS every 2 ms, and the kernel's VmHWM (reset on entry where permitted) catches the peaks
+    between samples."""
 
     def __enter__(self) -> PeakRss:
         self.proc, self.hwm = psutil.Process(), _write("/proc/self/clear_refs", "5")
@@ -61,7 +64,7 @@ def seconds(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 def medians(runs: list[dict]) -> dict:
-    """Per key of ``runs[0]``: the median of a number over ``runs``, else the last value."""
+    """Per key of ``runs[0]``: the median over ``runs`` of a number, else the last run's value."""
     def median(values: list) -> Any:
         numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
         return statistics.median(values) if numbers else values[-1]
@@ -70,7 +73,7 @@ def medians(runs: list[dict]) -> dict:
 
 
 def rotated(items: tuple, r: int) -> tuple:
-    """``items`` rotated by ``r``: their order in repeat ``r``."""
+    """``items`` rotated by ``r``: the order of systems in repeat ``r``."""
     return items[r % len(items):] + items[:r % len(items)]
 
 
@@ -78,7 +81,8 @@ _drop_refused = False
 
 
 def drop_caches() -> bool:
-    """Drops the OS page cache; True if it did (needs root; a note on stderr once if not)."""
+    """Drops the OS page cache; True if it did. It needs root: where refused, a note says so
+    once on stderr, and the phases read with a warm cache."""
     global _drop_refused
     os.sync()
     if _write("/proc/sys/vm/drop_caches", "3\n"):
@@ -91,7 +95,9 @@ def drop_caches() -> bool:
 
 
 def settle(warm_bytes: int = 0, drop: bool = False) -> bool:
-    """Before a phase (README.md: why); returns whether the page cache was dropped."""
+    """Before a phase: collect garbage, give freed heap back, write back dirty pages, drop the
+    page cache with ``drop``, touch and free ``warm_bytes`` of memory (README.md: why); returns
+    whether the cache was dropped."""
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -104,8 +110,13 @@ def settle(warm_bytes: int = 0, drop: bool = False) -> bool:
 
 def phase(out: dict, key: str, fn: Callable[[], Any], *, warm: int = 0, drop: bool = False,
           rss: str | None = None, probes: Iterable[Any] = ()) -> Any:
-    """``fn()`` after :func:`settle`, timed into ``out[key]`` and ``out[key less _s + _cpu_s,
-    _disk_read_bytes]``, peak extra RSS into ``out[rss]``, and the ``probes``'."""
+    """Runs ``fn`` after :func:`settle` (``warm``, ``drop``); returns its result. Figures, with
+    ``name`` = ``key`` less ``_s``: ``out[key]`` wall seconds, ``out[name_cpu_s]`` this
+    process's CPU seconds (user + system), ``out[name_disk_read_bytes]`` bytes it read from
+    storage devices (``/proc/self/io``: page-cache hits do not count), ``out[rss]`` the peak
+    extra RSS (bytes) where ``rss`` is given, and each probe's (``start()`` before ``fn``,
+    ``stop(out, name)`` after). ``out["dropped_caches"]`` stays True while every drop was
+    asked for and done."""
     dropped = settle(warm, drop)
     out["dropped_caches"] = out.get("dropped_caches", True) and dropped
     name, proc, probes = key.removesuffix("_s"), psutil.Process(), list(probes)
