@@ -200,9 +200,12 @@ def test_manager_surfaces_a_stalled_background_save_and_recovers(object_servers)
 
 # A script a user stops with Ctrl-C: it prints the time at which the call raised it.
 INTERRUPTED = r"""
-import json, sys, time
+import json, signal, sys, time
 import numpy as np
 import casstore
+# Ctrl-C as in a terminal, even where this test runs in a background job (whose children
+# inherit SIGINT ignored, POSIX "Signal Handling" in the shell's chapter).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 op, url, options, local = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
 store = casstore.open_store(url, **options)
 try:
