@@ -12,34 +12,18 @@ over the store's read throughput. :func:`choose` compares the encodings on those
 * ``"speed"``: the encoding whose save plus one restore is fastest.
 * ``"bytes"``: byte planes on every store (for users who pay for the bytes stored).
 
-Ties go to the fewer bytes. Each estimate uses what this process measured last, else a figure
-measured on the 2-core machine:
-
-* an encoding's rate per core: the last save that encoded 64 MiB or more with it
-  (:func:`measured_encode`, wall time, so a core shared with other work counts as slower),
-  else :data:`ENCODINGS`' figures; decoding rates are always those figures;
-* the store's write throughput: a ``write_bytes_per_s`` set on the store object, else the last
-  save that put 64 MiB or more to the same medium (:func:`measured_write`: a local directory's
-  filesystem device, another store's location), else the store class's ``write_bytes_per_s``;
-* its read throughput: the store's ``read_bytes_per_s``.
+Ties go to the fewer bytes. The throughputs are the store's ``write_bytes_per_s`` and
+``read_bytes_per_s`` and the figures of :data:`ENCODINGS`, measured on the 2-core machine.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
-from collections.abc import Hashable
 from typing import Any
 
 from ._pool import usable_cores
 
 COMPRESSIONS = ("auto", "speed", "bytes")
-# A save that puts fewer bytes than this measures nothing: its puts are few and short, and a
-# request's fixed cost would pass for the store's throughput.
-MIN_MEASURED_BYTES = 64 << 20
-_measured: dict[Hashable, float] = {}  # write bytes per second, by Store.throughput_key()
-_encode_measured: dict[str, float] = {}  # raw bytes per second a core encodes, by Encoding.name
-logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -85,13 +69,6 @@ def restore_seconds(encoding: Encoding, raw_bytes: float, cores: int, read_bytes
                encoding.ratio * raw_bytes / read_bytes_per_s)
 
 
-def encodings() -> tuple[Encoding, ...]:
-    """:data:`ENCODINGS`, each with the encoding rate per core that :func:`measured_encode`
-    last remembered for it in this process, if any."""
-    return tuple(dataclasses.replace(e, encode_per_core=_encode_measured[e.name])
-                 if e.name in _encode_measured else e for e in ENCODINGS)
-
-
 def choose(compression: str, write_bytes_per_s: float, read_bytes_per_s: float,
            cores: int | None = None) -> Encoding:
     """The encoding a save uses under ``compression`` (see the module docstring).
@@ -102,7 +79,7 @@ def choose(compression: str, write_bytes_per_s: float, read_bytes_per_s: float,
       cores: the cores that encode (default :func:`~casstore._pool.usable_cores`).
 
     Returns:
-      One of :func:`encodings` (:data:`PLANES` or :data:`RAW` until a rate was measured).
+      :data:`PLANES` or :data:`RAW`.
 
     Raises:
       ValueError: ``compression`` is not one of ``COMPRESSIONS``.
@@ -110,7 +87,7 @@ def choose(compression: str, write_bytes_per_s: float, read_bytes_per_s: float,
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {COMPRESSIONS}, not {compression!r}")
     if compression == "bytes":
-        return encodings()[0]
+        return PLANES
     cores = cores or usable_cores()
 
     def cost(e: Encoding) -> tuple[float, float]:
@@ -119,7 +96,7 @@ def choose(compression: str, write_bytes_per_s: float, read_bytes_per_s: float,
             seconds += restore_seconds(e, 1.0, cores, read_bytes_per_s)
         return seconds, e.ratio
 
-    return min(encodings(), key=cost)
+    return min(ENCODINGS, key=cost)
 
 
 def chunk_settings(store: Any, shuffle: bool | None, compression: str | None,
@@ -129,66 +106,15 @@ def chunk_settings(store: Any, shuffle: bool | None, compression: str | None,
     An explicit ``shuffle`` (True: byte planes wherever they save 1/8; False: only where they
     save 1/4) wins, and so does a store whose ``shuffle`` is set False; otherwise
     :func:`choose` decides, with ``compression`` (default the store's ``compression``), the
-    store's throughputs (:func:`write_bytes_per_s`, ``read_bytes_per_s``) and
-    ``min(workers, usable cores)`` encoding cores.
+    store's throughputs and ``min(workers, usable cores)`` encoding cores.
 
     Raises:
       ValueError: an unknown ``compression``.
     """
     if shuffle is None and not store.shuffle:
         shuffle = False
-    chosen = choose(compression or store.compression, write_bytes_per_s(store),
+    chosen = choose(compression or store.compression, store.write_bytes_per_s,
                     store.read_bytes_per_s, max(1, min(workers, usable_cores())))
     if shuffle is not None:
         return shuffle, True
     return True, chosen.compress
-
-
-def measured_write(store: Any, nbytes: int, put_seconds: float, threads: int) -> None:
-    """Remembers the write throughput a save measured on ``store``, for later saves to the
-    same medium in this process (:func:`write_bytes_per_s`).
-
-    The estimate is ``nbytes / put_seconds * threads``: one put's rate times the uploading
-    threads. Where the store bounds the save, every thread is busy and that is what the store
-    took; where the encoding does, puts run alone and faster, so the estimate errs high and the
-    next save stores raw chunks, whose puts then measure the store as it is.
-
-    Args:
-      store: the store the save wrote to.
-      nbytes: bytes of the objects the save put; under :data:`MIN_MEASURED_BYTES` nothing is
-        remembered.
-      put_seconds: the seconds those puts took, summed over the threads.
-      threads: the threads that put them (the save's upload pool).
-    """
-    if nbytes < MIN_MEASURED_BYTES or put_seconds <= 0:
-        return
-    rate = nbytes / put_seconds * threads
-    _measured[store.throughput_key()] = rate
-    logger.debug("%s: a save wrote %d bytes at %.0f MB/s", store.url, nbytes, rate / 1e6)
-
-
-def write_bytes_per_s(store: Any) -> float:
-    """The write throughput, bytes per second, that :func:`choose` counts on for ``store``: a
-    ``write_bytes_per_s`` set on the store object, else the one :func:`measured_write` last
-    remembered for its medium, else the store class's figure."""
-    if "write_bytes_per_s" in getattr(store, "__dict__", {}):
-        return store.write_bytes_per_s
-    return _measured.get(store.throughput_key(), store.write_bytes_per_s)
-
-
-def measured_encode(name: str | None, nbytes: int, seconds: float, threads: int) -> None:
-    """Remembers the rate per core at which a save encoded whole chunks, for later saves'
-    :func:`choose`: ``nbytes / seconds * threads / min(threads, usable cores)``. The seconds
-    are wall time in the encoder, so a core shared with other work counts as slower.
-
-    Args:
-      name: the :class:`Encoding` the save used (None: settings of neither, such as
-        ``shuffle=False`` or another zstd level: nothing is remembered).
-      nbytes: raw bytes of the chunks encoded; under :data:`MIN_MEASURED_BYTES` nothing is
-        remembered.
-      seconds: the encoders' wall seconds, summed over the threads.
-      threads: the threads that encoded.
-    """
-    if name is None or nbytes < MIN_MEASURED_BYTES or seconds <= 0:
-        return
-    _encode_measured[name] = nbytes / seconds * threads / min(threads, usable_cores())

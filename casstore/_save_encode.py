@@ -14,12 +14,11 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import threading
-import time
 
 import numpy as np
 
 from ._buffers import BufferPool
-from ._codec import DEFAULT_ZSTD_LEVEL, chunk_id, decode_chunk, encode_chunk, raw_object
+from ._codec import chunk_id, decode_chunk, encode_chunk, raw_object
 from ._delta import RestoreBudget, encode_delta
 from ._errors import CasstoreError, CorruptChunkError, ManifestError, StepNotFoundError
 from ._layout import chunk_key, delta_key
@@ -85,7 +84,6 @@ class ChunkWriter:
         self.inflight: dict[str, cf.Future] = {}
         self.lock = threading.Lock()
         self.new = self.reused = self.written = self.deltas = self.delta_saved = 0
-        self.encoded_bytes, self.encode_seconds = 0, 0.0  # whole chunks: raw bytes, wall time
         self.budget = RestoreBudget()
         # encode buffers back from stored objects, where the store keeps no view of them
         self.buffers = BufferPool() if store.put_copies else None
@@ -142,14 +140,6 @@ class ChunkWriter:
         future.set_result((size, base))
         return cid, size, base, upload
 
-    @property
-    def encoding(self) -> str | None:
-        """The :class:`~casstore._compression.Encoding` whose whole chunks this writer
-        encodes (``"planes"``, ``"raw"``), or None for settings of neither."""
-        if not self.compress:
-            return "raw"
-        return "planes" if self.shuffle and self.zstd_level == DEFAULT_ZSTD_LEVEL else None
-
     def is_stored(self, cid: str) -> bool:
         """True if the repository is known to store chunk ``cid`` (``previous`` names it, or
         this save stored or found it)."""
@@ -178,14 +168,9 @@ class ChunkWriter:
                     self.deltas += 1
                     self.delta_saved += encoded[1]
                 return len(encoded[0]), base, (delta_key(cid, base), encoded[0])
-        t0 = time.perf_counter()
         data = (encode_chunk(raw, level=self.zstd_level, element_size=element_size,
                              shuffle=self.shuffle, pool=self.buffers) if self.compress
                 else raw_object(raw, self.buffers))
-        seconds = time.perf_counter() - t0
-        with self.lock:
-            self.encoded_bytes += len(raw)
-            self.encode_seconds += seconds
         self.budget.add_whole(len(data))
         return len(data), None, (key, data)
 

@@ -12,11 +12,8 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import contextlib
-import threading
-import time
 from collections.abc import Iterable, Iterator
 
-from ._compression import measured_encode, measured_write
 from ._errors import StoreTimeoutError
 from ._known_chunks import remember
 from ._manifest import ChunkRef
@@ -53,10 +50,8 @@ def store_chunks(jobs: Iterable[Job], writer: ChunkWriter, max_workers: int, win
     later chunks overlaps the writes of earlier ones instead of waiting behind them (on a
     2-core VM's disk: 4.0 s instead of 5.4 s for a byte-plane save of the GPT-2-small state).
     A job holds its place in ``window`` until its upload is done, so the raw and encoded bytes
-    in flight stay bounded as before. The puts and the encodings measure the store's write
-    throughput and the encoding's rate for the next save's codec (:mod:`casstore._compression`).
+    in flight stay bounded as before.
     """
-    put_bytes, put_seconds, put_lock = 0, 0.0, threading.Lock()
 
     def encode(job: Job) -> list[tuple[int, ChunkRef]] | cf.Future:
         i, start, stop, offset = job.blocks[0]
@@ -79,14 +74,8 @@ def store_chunks(jobs: Iterable[Job], writer: ChunkWriter, max_workers: int, win
                                                           paths[i], upload, refs)
 
     def put(path: str, upload: tuple[str, bytes], refs: list) -> list[tuple[int, ChunkRef]]:
-        nonlocal put_bytes, put_seconds
-        t0 = time.perf_counter()
         with _naming(path):
             writer.store.put(*upload)
-        seconds = time.perf_counter() - t0
-        with put_lock:
-            put_bytes += memoryview(upload[1]).nbytes
-            put_seconds += seconds
         writer.stored(upload[1])
         return refs
 
@@ -100,8 +89,6 @@ def store_chunks(jobs: Iterable[Job], writer: ChunkWriter, max_workers: int, win
         uploads.shutdown(wait=not isinstance(e, KeyboardInterrupt), cancel_futures=True)
         raise
     uploads.shutdown()
-    measured_write(writer.store, put_bytes, put_seconds, max_workers)
-    measured_encode(writer.encoding, writer.encoded_bytes, writer.encode_seconds, max_workers)
     refs: dict[int, list[ChunkRef]] = collections.defaultdict(list)
     for pairs in done:
         for i, ref in pairs:

@@ -16,7 +16,6 @@ import fsspec
 import pytest
 import servers
 
-from casstore import _compression
 from casstore.store import FsspecStore, LocalStore, MemoryStore
 
 LOCAL_BACKENDS = ["memory", "local", "fsspec-memory"]
@@ -32,17 +31,6 @@ def make_store(kind: str, tmp_path):
         return LocalStore(tmp_path / "repo")
     # fsspec's memory filesystem is process-global: give every test its own root.
     return FsspecStore(fsspec.filesystem("memory"), f"/casstore-test-{uuid.uuid4().hex}")
-
-
-@pytest.fixture(autouse=True)
-def _forget_measured_write_rates():
-    """Each test starts with no store write throughput or encoding rate measured by an earlier
-    test's saves (casstore._compression), so its codec choice does not depend on test order."""
-    for measured in (_compression._measured, _compression._encode_measured):
-        measured.clear()
-    yield
-    for measured in (_compression._measured, _compression._encode_measured):
-        measured.clear()
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ import abc
 import concurrent.futures as cf
 import dataclasses
 import re
-from collections.abc import Hashable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -86,10 +86,8 @@ class Store(abc.ABC):
         codec's per core, whichever of byte planes and raw chunks makes the save faster.
       write_bytes_per_s, read_bytes_per_s: the throughput ``compression`` counts on for this
         store, bytes per second (class attributes: 100 MB/s, an object store over the
-        network, unless a backend measured better). The write figure gives way to the one
-        the last save of 64 MiB or more to the same medium (:meth:`throughput_key`) measured
-        in this process; one set on an instance (from ``benchmarks/harness/limit.py``'s
-        figures for a store of known speed) wins over both.
+        network, unless a backend measured better; set them on an instance from
+        ``benchmarks/harness/limit.py``'s figures for a store of known speed).
       put_copies: whether ``put`` has written or copied the bytes when it returns and keeps
         no reference to them (a class attribute), so a save may reuse the buffer of an
         object it stored for the next one. False unless a backend says so.
@@ -237,12 +235,6 @@ class Store(abc.ABC):
         directory's real path: symlinks, ``file://`` and ``local://`` resolved; else the URL),
         ending in ``/``."""
         return self.url.rstrip("/") + "/"
-
-    def throughput_key(self) -> Hashable:
-        """What a write throughput measured on this store is remembered under, for saves to
-        other stores with the same key (``casstore._compression.measured_write``): here
-        :meth:`location`; a local directory: its filesystem's device."""
-        return self.location()
 
     def server_side_copy(self, src: Store, key: str, size: int | None = None) -> int | None:
         """Copies object ``key`` of ``src`` to the same key here without its bytes passing

@@ -68,13 +68,6 @@ class LocalStore(Store):
     def location(self) -> str:
         return os.path.realpath(self.root).rstrip("/") + "/"
 
-    def throughput_key(self) -> tuple[str, int]:
-        """``("device", st_dev)`` of the root, or of its nearest existing parent."""
-        path = self.root
-        while not os.path.exists(path) and os.path.dirname(path) != path:
-            path = os.path.dirname(path)
-        return "device", os.stat(path).st_dev
-
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"))
 
