@@ -8,7 +8,9 @@ numpy's ``.npz`` (``numpy.savez``, read with ``allow_pickle=False``).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import pathlib
 import re
 from typing import Any
@@ -80,11 +82,23 @@ def file_array(path: str, value: Any, fmt: str) -> np.ndarray:
 
 
 def write_tensors(out: str, arrays: dict[str, np.ndarray], fmt: str, metadata: dict) -> None:
-    """Writes ``arrays`` by name; ``metadata`` goes to the safetensors header as JSON."""
+    """Writes ``arrays`` by name; ``metadata`` goes to the safetensors header as JSON. The file
+    gets the mode any new file gets (``0o666`` less the umask), as ``np.savez``'s does:
+    safetensors renames a temporary file of mode ``0o600`` into place."""
     if fmt == "safetensors":
         _safetensors().numpy.save_file(arrays, out, metadata={"casstore": json.dumps(metadata)})
+        os.chmod(out, 0o666 & ~_umask())
     else:
         np.savez(out, **arrays)
+
+
+def _umask() -> int:
+    """The process's umask: from ``/proc/self/status`` (Linux), else set and put back."""
+    with contextlib.suppress(OSError, StopIteration, ValueError), open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def read_tensors(path: str) -> dict[str, np.ndarray]:

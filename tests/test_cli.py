@@ -7,6 +7,7 @@ import os
 import pathlib
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 
@@ -335,6 +336,17 @@ def test_export_safetensors_reads_back_bit_exact(repo, tmp_path):
     assert sorted(loaded) == ["frozen", "w"]
     np.testing.assert_array_equal(loaded["w"], want["w"])
     assert loaded["w"].tobytes() == want["w"].tobytes()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_an_exported_file_gets_the_mode_the_umask_gives_any_new_file(repo, tmp_path, umask):
+    previous = os.umask(umask)
+    try:
+        for name in ("w.safetensors", "w.npz"):
+            run("export", repo, 1, tmp_path / name, "--paths", "w")
+            assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o666 & ~umask, name
+    finally:
+        os.umask(previous)
 
 
 def test_export_npz_and_dtypes_it_cannot_hold(repo, tmp_path):
