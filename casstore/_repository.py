@@ -176,8 +176,11 @@ def list_runs(url: Url) -> list[str]:
       ManifestError: the repository's config object is damaged or of an unknown version.
     """
     store = open_store(url)
-    if not check_config(store):
-        return []
+    return run_names(store) if check_config(store) else []
+
+
+def run_names(store: Store) -> list[str]:
+    """:func:`list_runs` without the config object's check (for verify's report)."""
     return sorted({p[0] for info in store.list(RUNS_PREFIX)
                    if (p := parse_manifest_key(info.key)) is not None})
 

@@ -19,7 +19,7 @@ from ._errors import CasstoreError, CorruptChunkError, ManifestError, Unsupporte
 from ._layout import CONFIG_KEY, chunk_key, manifest_key
 from ._manifest import ChunkRef, Manifest
 from ._pool import bounded_map
-from ._repository import Url, check_config, list_chunk_objects
+from ._repository import Url, check_config, list_chunk_objects, run_names
 from ._scan import (
     CONFIG,
     CORRUPT,
@@ -40,7 +40,7 @@ class VerifyReport:
     ``chunks_checked == chunks_ok + chunks_missing + chunks_corrupt + chunks_unsupported +
     chunks_unchecked`` and ``len(problems) == manifests_damaged + manifests_unsupported +
     chunks_missing + chunks_corrupt + chunks_unsupported`` (plus one ``"not found"`` problem
-    when the step or repository asked for does not exist, one ``"unsupported"`` problem for a
+    when the step, run or repository asked for does not exist, one ``"unsupported"`` problem for a
     repository whose config object is of a newer format, or one ``"config"`` problem for a
     config object that is damaged, or missing where steps exist).
 
@@ -129,6 +129,10 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
     problems = [*([config] if config else []), *scan.damaged]
     if step is not None and not scan.listed:
         problems.append(Problem(run, step, None, None, "no such step", NOT_FOUND))
+    elif run is not None and not scan.listed:
+        runs = ", ".join(map(repr, run_names(store))) or "none"
+        problems.append(Problem(run, None, None, None, f"run has no steps (runs: {runs})",
+                                NOT_FOUND))
     users = _users(scan.manifests)
     # a live repository: a step committed after the listing, or deleted (and collected)
     # after its manifest was read, is no damage: both are looked up again before reporting

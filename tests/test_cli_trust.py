@@ -571,6 +571,10 @@ def test_a_damaged_or_missing_config_object_is_reported_and_repaired(delta_repo,
     missing = run_json("verify", delta_repo, "9", code=1)  # both said, not a usage error
     assert [(p["kind"], p["step"]) for p in missing["problems"]] == [("config", None),
                                                                      ("not found", 9)]
+    typo = run_json("verify", delta_repo, "--run", "defualt", code=1)  # both said here too
+    assert [(p["kind"], p["run"]) for p in typo["problems"]] == [("config", None),
+                                                                 ("not found", "defualt")]
+    assert "run has no steps (runs: 'default')" in typo["problems"][1]["message"]
     plan = run_json("repair", good, delta_repo, "--dry-run", code=1)
     assert (plan["config_restored"], plan["steps"], plan["unrepairable"]) == (True, [], [])
     assert config.read_bytes() == b"\x00junk"  # a dry run changes nothing

@@ -205,6 +205,16 @@ def test_gc_counts_add_up_with_a_missing_chunk_and_a_damaged_manifest(tmp_path):
         dry, seconds=mock.ANY)  # nothing was deleted
 
 
+def test_verify_of_a_run_without_steps_is_a_not_found_problem_naming_the_runs(tmp_path):
+    casstore.save(tmp_path / "r", 1, {"w": np.arange(4.0)})
+    casstore.save(tmp_path / "r", 1, {"w": np.arange(4.0)}, run="eval")
+    report = casstore.verify(tmp_path / "r", run="evl")
+    assert not report.ok
+    assert [(p.kind, p.run, p.step) for p in report.problems] == [("not found", "evl", None)]
+    assert "run has no steps (runs: 'default', 'eval')" in str(report.problems[0])
+    assert casstore.verify(tmp_path / "r", run="eval").ok
+
+
 def test_verify_reports_a_garbage_manifest(tmp_path):
     store = MemoryStore()
     casstore.save(store, 1, {"x": np.arange(10)})
