@@ -122,10 +122,12 @@ def test_an_existing_step_and_bad_arguments_are_refused():
     with casstore.AsyncCheckpointer(store) as ckptr:
         with pytest.raises(ValueError, match="invalid step"):
             ckptr.save(-1, {"w": np.ones(3)})
-        with pytest.raises(casstore.UnsupportedLeafError):
+        with pytest.raises(casstore.UnsupportedLeafError,
+                           match=r"cannot store a leaf.*\(key path 'w'\)"):
             ckptr.save(6, {"w": object()})
         ckptr.save(5, {"w": np.zeros(3)})
-        with pytest.raises(casstore.StepAlreadyExistsError):
+        with pytest.raises(casstore.StepAlreadyExistsError,
+                           match=r"step already exists.*step 5\)"):
             ckptr.wait_until_finished()
     assert casstore.restore(store, 5)["w"].tolist() == [1.0, 1.0, 1.0]
     with pytest.raises(ValueError, match="smaller than one chunk"):

@@ -287,7 +287,7 @@ def test_a_request_the_busy_event_loop_cannot_end_still_times_out():
     store = FsspecStore(BlockedLoop(skip_instance_cache=True), "root", retries=0,
                         request_timeout_s=0.2, operation_timeout_s=0.4)
     t0 = time.monotonic()
-    with pytest.raises(FSTimeoutError):
+    with pytest.raises(FSTimeoutError, match=rf"while accessing {re.escape(store.url)}/k$"):
         store.stat("k")
     assert time.monotonic() - t0 < 3.5  # 0.2 s + 1 s of grace, not the loop's 4 s
     time.sleep(4.0)  # let the loop come free before the next test uses it

@@ -38,14 +38,15 @@ def test_missing_step_and_empty_repository(saved, tmp_path):
     assert info.value.step == 6
     assert "step 6" in str(info.value)
     assert store.url in str(info.value)
-    with pytest.raises(casstore.StepNotFoundError):
+    with pytest.raises(casstore.StepNotFoundError, match=r"no committed step.*run 'other'"):
         casstore.restore(store, run="other")
     empty = LocalStore(tmp_path / "empty")
-    with pytest.raises(casstore.StepNotFoundError):
+    with pytest.raises(casstore.StepNotFoundError,
+                       match=rf"no casstore repository here \(url '{re.escape(empty.url)}'"):
         casstore.restore(empty)
     assert casstore.list_steps(empty) == []
     assert casstore.latest_step(empty) is None
-    with pytest.raises(casstore.StepNotFoundError):
+    with pytest.raises(casstore.StepNotFoundError, match=r"no such step.*step 4\)"):
         casstore.delete(store, 4)
 
 
@@ -76,7 +77,8 @@ def test_concurrent_commit_loser_gets_step_already_exists(saved):
         original_put(key, value)
 
     store.put_if_absent = racing_put
-    with pytest.raises(casstore.StepAlreadyExistsError):
+    with pytest.raises(casstore.StepAlreadyExistsError,
+                       match=r"committed by a concurrent save.*step 5\)"):
         casstore.save(store, 5, {"x": np.ones(3)})
     del store.put_if_absent
     assert store.get(manifest_key("default", 5)) == data
@@ -237,7 +239,8 @@ def test_unknown_repository_version_is_refused(saved):
     store.put("config", msgpack.packb(config))
     with pytest.raises(casstore.ManifestError, match="version"):
         casstore.list_steps(store)
-    with pytest.raises(casstore.ManifestError):
+    with pytest.raises(casstore.ManifestError,
+                       match=rf"repository version 2.*url '{re.escape(store.url)}'"):
         casstore.save(store, 9, {"x": np.ones(2)})
 
 
@@ -258,7 +261,8 @@ def test_mismatched_targets(saved):
         casstore.restore(store, 5, target=subtree)
     restored = casstore.restore(store, 5, target=subtree, partial=True)
     np.testing.assert_array_equal(restored["params"]["w"], tree["params"]["w"])
-    with pytest.raises(casstore.TargetMismatchError):
+    with pytest.raises(casstore.TargetMismatchError,
+                       match=r"no leaf matches the requested path.*key path 'nope'"):
         casstore.restore(store, 5, paths=["nope"])
 
 
@@ -352,9 +356,11 @@ def test_read_only_store_restores_and_refuses_to_save(tmp_path):
     casstore.save(tmp_path / "r", 1, {"x": np.arange(5)})
     ro = LocalStore(tmp_path / "r", read_only=True)
     np.testing.assert_array_equal(casstore.restore(ro, 1)["x"], np.arange(5))
-    with pytest.raises(casstore.ReadOnlyStoreError):
+    with pytest.raises(casstore.ReadOnlyStoreError,
+                       match=rf"store is read-only.*url '{re.escape(ro.url)}'"):
         casstore.save(ro, 2, {"x": np.arange(5)})
-    with pytest.raises(casstore.ReadOnlyStoreError):
+    with pytest.raises(casstore.ReadOnlyStoreError,
+                       match=rf"read-only; cannot write '{re.escape(manifest_key('default', 1))}'"):
         casstore.delete(ro, 1)
     assert casstore.list_steps(ro) == [1]
 

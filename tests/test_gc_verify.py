@@ -54,7 +54,8 @@ def test_gc_counts_every_run_and_refuses_on_a_bad_manifest(tmp_path):
     casstore.save(store, 0, {"x": np.arange(5000) + 1}, run="b")
     assert casstore.gc(store, grace_period_s=0).deleted_chunks == 0
     store.put("runs/b/steps/0000000000000001.manifest", b"garbage")
-    with pytest.raises(casstore.ManifestError):
+    with pytest.raises(casstore.ManifestError,
+                       match=r"gc refused: 1 manifest\(s\) unreadable \(b@1\)"):
         casstore.gc(store, grace_period_s=0)
     assert len(list(store.list("chunks/"))) == 2
 

@@ -124,7 +124,7 @@ def test_single_item_is_found_and_missing_checkpoints_are_named(tmp_path):
         casstore.import_orbax(tmp_path / "orbax" / "7", url, 8, item="nope")
     with pytest.raises(FileNotFoundError, match="is not an orbax checkpoint"):
         casstore.import_orbax(tmp_path, url, 8)
-    with pytest.raises(casstore.StepAlreadyExistsError):
+    with pytest.raises(casstore.StepAlreadyExistsError, match=r"step already exists.*step 7\)"):
         casstore.import_orbax(tmp_path / "orbax" / "7", url, 7)
 
 

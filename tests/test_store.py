@@ -3,6 +3,7 @@
 import errno
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -132,7 +133,7 @@ def test_transient_errors_are_retried_and_permanent_ones_are_not(tmp_path):
     assert store.url in "".join(getattr(info.value, "__notes__", [store.url]))
     store.policy.retries = 2
     store.fs.cat_file = flaky(store.fs.cat_file, [TimeoutError()] * 3)
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError, match=rf"while accessing {re.escape(store.url)}/a$"):
         store.get("a")
 
 
@@ -209,7 +210,8 @@ def test_a_directory_or_a_device_in_place_of_a_local_object_is_no_object(tmp_pat
         for read in (store.get, lambda k: store.get_into(k, None)):
             with pytest.raises(casstore.ObjectNotFoundError, match="no such object"):
                 read("runs/default/steps/0000000000000000.manifest")
-        with pytest.raises(casstore.CasstoreError):
+        with pytest.raises(casstore.CasstoreError,
+                           match=rf"no such step.*url '{re.escape(store.url)}'.*step 0\)"):
             casstore.restore(store, 0)
 
 

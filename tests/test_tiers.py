@@ -23,7 +23,7 @@ from faultproxy import fault_proxy
 
 import casstore
 from casstore._copy import share_of
-from casstore._layout import chunk_key, is_object_key, manifest_key
+from casstore._layout import chunk_id_of_key, chunk_key, is_object_key, manifest_key
 from casstore._manifest import needed_objects
 from casstore._repository import list_chunk_objects
 from casstore.store import CountingStore, FsspecStore, LocalStore, MemoryStore
@@ -185,7 +185,8 @@ def test_write_back_writes_nothing_a_fallback_holds_damaged(tmp_path, remote):
     data[len(data) // 2] ^= 0x10
     remote.put(key, bytes(data))
     tiered = casstore.FallbackStore(local, [remote], write_back=True)
-    with pytest.raises(casstore.CorruptChunkError):
+    with pytest.raises(casstore.CorruptChunkError,
+                       match=rf"unusable chunk.*step 1.*chunk id '{chunk_id_of_key(key)}'"):
         casstore.restore(tiered, 1)
     assert not local.exists(key)
     assert tiered._held == {}  # forgotten, not kept
@@ -625,7 +626,8 @@ def test_a_tier_unreachable_at_start_is_listed_before_the_next_persist(tmp_path,
         mngr = manager(tmp_path / "b", remote, persist_interval_steps=5)
         proxy.set(None)
         assert mngr.all_steps() == [3]  # unknown yet
-        with pytest.raises((casstore.PersistError, casstore.StoreTimeoutError)):
+        with pytest.raises((casstore.PersistError, casstore.StoreTimeoutError),
+                           match=rf"url '{re.escape(remote.url)}', run 'default'"):
             mngr.save(4, tree_for(4), force=True)  # the listing's error, on the next save
         mngr.save(5, {**tree_for(5), "head": tree_for(5)["head"] + 1}, force=True)
         with pytest.raises(casstore.PersistError, match="another step of this number"):
@@ -876,7 +878,8 @@ def test_a_damaged_local_manifest_of_a_persisted_step_is_read_from_the_persisten
         assert mngr.wait_until_persisted()
     path = pathlib.Path(local.root) / manifest_key("default", 0)
     path.write_bytes(path.read_bytes()[:50])
-    with pytest.raises(casstore.ManifestError):
+    with pytest.raises(casstore.ManifestError,
+                       match=rf"not msgpack.*url '{re.escape(local.url)}'.*step 0\)"):
         casstore.restore(local, 0)
     assert_bit_exact(casstore.restore(local, 0, fallback=remote), 0)
     with manager(local, remote) as mngr:
@@ -888,7 +891,8 @@ def test_a_fallback_store_is_a_read_only_view(tmp_path):
     a fallback holds and leave the primary a step it cannot restore: refused."""
     local, remote = LocalStore(tmp_path / "local"), LocalStore(tmp_path / "remote")
     casstore.save(remote, 0, tree_for(0))
-    with pytest.raises(casstore.ReadOnlyStoreError):
+    with pytest.raises(casstore.ReadOnlyStoreError,
+                       match=rf"read-only.*url '{re.escape(local.url)}'"):
         casstore.save(casstore.FallbackStore(local, [remote]), 1, tree_for(0))
     assert casstore.list_steps(local) == []
 
