@@ -184,7 +184,7 @@ class AsyncCheckpointer:
         step = check_step(step)
         self.wait_until_finished()
         if not self._writable:  # fail here, not at the next call, without write access
-            check_write_access(self.store)
+            check_write_access(self.store, self.run, step)
             self._writable = True
         prepared, arrays = prepare(tree, metadata)
         # Blocks whose chunk the previous step stores are handed over as ids: blocks of jax

@@ -36,6 +36,7 @@ class _Located(CasstoreError):
                  chunk_id: str | None = None, url: str | None = None, run: str | None = None):
         self.step, self.key_path, self.chunk_id, self.url, self.run = (
             step, key_path, chunk_id, url, run)
+        self.message = message  # without the place, for an error that wraps this one
         where = _where(url=url, run=run, step=step, key_path=key_path, chunk_id=chunk_id)
         super().__init__(message + where)
 

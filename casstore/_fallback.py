@@ -88,6 +88,8 @@ class FallbackStore(Store):
         self.write_back = write_back
         self.url = self.primary.url
         self.read_only = True  # a view: see the class docstring
+        self.read_only_reason = ("store is read-only: a FallbackStore is a read view of its "
+                                 "tiers; save to its primary")
         self.max_workers = self.primary.max_workers
         self.shuffle = self.primary.shuffle
         self.bytes_read = {t.url: 0 for t in [self.primary, *self.fallbacks]}

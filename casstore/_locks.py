@@ -124,15 +124,25 @@ class Lease:
             self._thread.join()
 
 
-def check_write_access(store: Store) -> None:
+def check_write_access(store: Store, run: str, step: int) -> None:
     """Puts and deletes a save lock, so that missing write access shows now, before anything
-    else is written (a CheckpointManager's first save, which then runs in the background).
+    else is written (a CheckpointManager's first save of ``run``'s ``step``, which then runs
+    in the background).
 
     Raises:
-      PermissionError: the store is read-only (ReadOnlyStoreError) or the server refused the
-        write (AccessDeniedError); nothing was stored.
+      PermissionError: the store is read-only (ReadOnlyStoreError, naming the run and step) or
+        the server refused the write (AccessDeniedError); nothing was stored.
     """
+    refuse_read_only(store, run, step)
     store.delete(_put_lock(store, "save"))
+
+
+def refuse_read_only(store: Store, run: str, step: int) -> None:
+    """Raises ReadOnlyStoreError naming ``run`` and ``step`` if ``store`` is read-only, before
+    a save writes anything (its first write would be a lock, which names neither)."""
+    if store.read_only:
+        raise ReadOnlyStoreError(f"{store.read_only_reason}; nothing was saved", url=store.url,
+                                 run=run, step=step)
 
 
 def _held_by(store: Store, keys: list[str]) -> str:

@@ -235,7 +235,8 @@ def decode_manifest(data: bytes, *, run: str, step: int, url: str) -> Manifest:
         raw = msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True,
                               max_bin_len=MAX_MANIFEST_BYTES, max_str_len=MAX_MANIFEST_BYTES)
     except Exception as e:  # msgpack raises many types on garbage; all mean "not a manifest"
-        raise ManifestError(f"not msgpack: {e}", run=run, step=step, url=url) from e
+        raise ManifestError(f"invalid manifest: not msgpack: {e}", run=run, step=step,
+                            url=url) from e
     check(isinstance(raw, dict), "top level is not a map")
     check(raw.get("format") == FORMAT, f"format is {raw.get('format')!r}, not {FORMAT!r}")
     where = {"run": run, "step": step, "url": url}

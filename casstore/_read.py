@@ -22,7 +22,7 @@ from ._chunking import Index
 from ._codec import HEADER, verify_raw
 from ._delta import DeltaBases
 from ._errors import CorruptChunkError, MissingChunkError, StoreTimeoutError
-from ._fallback import confirm_chunk, reread_chunk
+from ._fallback import FallbackStore, confirm_chunk, reread_chunk
 from ._manifest import ChunkRef, LeafEntry, Manifest
 from ._place import ALIGN, normalize, saved_dtype
 from ._pool import bounded_map
@@ -152,12 +152,16 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
 def _unusable(e: Exception, store: Store, manifest: Manifest, leaf: int,
               cid: str) -> MissingChunkError | CorruptChunkError:
     """The error for a chunk no tier has a good copy of: missing (the object or its delta
-    base does not exist) or corrupt, located at its step, key path and chunk id."""
+    base does not exist) or corrupt, located at its step, key path and chunk id; through
+    tiers, naming every tier (the error's ``url`` is the primary's)."""
     missing = isinstance(e, FileNotFoundError)
     error = MissingChunkError if missing else CorruptChunkError
-    return error(f"{'chunk object missing' if missing else 'unusable chunk'}: {e}",
-                 url=store.url, run=manifest.run, step=manifest.step,
-                 key_path=manifest.leaves[leaf].path, chunk_id=cid)
+    tiers = ([store.primary, *store.fallbacks] if isinstance(store, FallbackStore) else [])
+    where = f"; no tier has a usable copy ({', '.join(t.url for t in tiers)})" if tiers else ""
+    same_place = getattr(e, "url", None) is None and getattr(e, "chunk_id", None) == cid
+    return error(f"{'chunk object missing' if missing else 'unusable chunk'}: "
+                 f"{e.message if same_place else e}{where}", url=store.url, run=manifest.run,
+                 step=manifest.step, key_path=manifest.leaves[leaf].path, chunk_id=cid)
 
 
 def _read_in_place(store: Store, key: str, ref: ChunkRef, into: np.ndarray) -> bool:

@@ -32,7 +32,7 @@ from ._codec import DEFAULT_ZSTD_LEVEL
 from ._compression import chunk_settings
 from ._errors import StoreTimeoutError
 from ._layout import check_run, check_step, manifest_key
-from ._locks import save_lock
+from ._locks import refuse_read_only, save_lock
 from ._manifest import Manifest
 from ._multihost import SaveAgreement
 from ._repository import Url, ensure_config, list_runs
@@ -237,6 +237,7 @@ def write(store: Store, step: int, prepared: Prepared, inline: dict[int, bytes],
     agreement = agreement or SaveAgreement()
     agreement.describe(run, step, prepared.node, prepared.paths, prepared.arrays)
     with agreement.early():
+        refuse_read_only(store, run, step)
         shuffle, compress = chunk_settings(store, shuffle, compression, max_workers)
         created = time.time()
         check_absent(store, run, step)

@@ -357,7 +357,8 @@ def test_read_only_store_restores_and_refuses_to_save(tmp_path):
     ro = LocalStore(tmp_path / "r", read_only=True)
     np.testing.assert_array_equal(casstore.restore(ro, 1)["x"], np.arange(5))
     with pytest.raises(casstore.ReadOnlyStoreError,
-                       match=rf"store is read-only.*url '{re.escape(ro.url)}'"):
+                       match=rf"store is read-only; nothing was saved \(url '{re.escape(ro.url)}'"
+                       r", run 'default', step 2\)"):
         casstore.save(ro, 2, {"x": np.arange(5)})
     with pytest.raises(casstore.ReadOnlyStoreError,
                        match=rf"read-only; cannot write '{re.escape(manifest_key('default', 1))}'"):

@@ -185,9 +185,12 @@ def test_write_back_writes_nothing_a_fallback_holds_damaged(tmp_path, remote):
     data[len(data) // 2] ^= 0x10
     remote.put(key, bytes(data))
     tiered = casstore.FallbackStore(local, [remote], write_back=True)
+    tiers = re.escape(f"no tier has a usable copy ({local.url}, {remote.url})")
     with pytest.raises(casstore.CorruptChunkError,
-                       match=rf"unusable chunk.*step 1.*chunk id '{chunk_id_of_key(key)}'"):
+                       match=rf"unusable chunk: .*; {tiers} .*step 1.*chunk id "
+                       rf"'{chunk_id_of_key(key)}'\)$") as e:
         casstore.restore(tiered, 1)
+    assert str(e.value).count(chunk_id_of_key(key)) == 1  # once, in the place
     assert not local.exists(key)
     assert tiered._held == {}  # forgotten, not kept
 
@@ -879,7 +882,8 @@ def test_a_damaged_local_manifest_of_a_persisted_step_is_read_from_the_persisten
     path = pathlib.Path(local.root) / manifest_key("default", 0)
     path.write_bytes(path.read_bytes()[:50])
     with pytest.raises(casstore.ManifestError,
-                       match=rf"not msgpack.*url '{re.escape(local.url)}'.*step 0\)"):
+                       match=rf"invalid manifest: not msgpack.*url '{re.escape(local.url)}'"
+                       r".*step 0\)"):
         casstore.restore(local, 0)
     assert_bit_exact(casstore.restore(local, 0, fallback=remote), 0)
     with manager(local, remote) as mngr:
@@ -892,7 +896,9 @@ def test_a_fallback_store_is_a_read_only_view(tmp_path):
     local, remote = LocalStore(tmp_path / "local"), LocalStore(tmp_path / "remote")
     casstore.save(remote, 0, tree_for(0))
     with pytest.raises(casstore.ReadOnlyStoreError,
-                       match=rf"read-only.*url '{re.escape(local.url)}'"):
+                       match=r"a FallbackStore is a read view of its tiers; save to its primary;"
+                       rf" nothing was saved \(url '{re.escape(local.url)}', run 'default', "
+                       r"step 1\)"):
         casstore.save(casstore.FallbackStore(local, [remote]), 1, tree_for(0))
     assert casstore.list_steps(local) == []
 

@@ -59,6 +59,7 @@ class Store(abc.ABC):
     Attributes:
       url: where the store lives (a path or URL without credentials).
       read_only: if true, every write raises :class:`~casstore.ReadOnlyStoreError`.
+      read_only_reason: what that error says first (why the store refuses writes).
       max_workers: the concurrency of bulk operations and of saves and restores: unless set
         on the instance, ``workers_per_core`` threads per core this process may use
         (``os.sched_getaffinity``, read at each access, so a process pinned after import
@@ -99,6 +100,7 @@ class Store(abc.ABC):
 
     url: str
     read_only: bool = False
+    read_only_reason: str = "store is read-only"
     shuffle: bool = True
     put_copies: bool = False
     cheap_stat: bool = False
@@ -285,7 +287,8 @@ class Store(abc.ABC):
 
     def _check_writable(self, key: str) -> None:
         if self.read_only:
-            raise ReadOnlyStoreError(f"store is read-only; cannot write {key!r}", url=self.url)
+            raise ReadOnlyStoreError(f"{self.read_only_reason}; cannot write {key!r}",
+                                     url=self.url)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r}{', read_only=True' if self.read_only else ''})"
