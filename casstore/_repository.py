@@ -281,11 +281,15 @@ def delete(url: Url, step: int, *, run: str = "default") -> None:
 
 def no_such_step(store: Store, run: str, step: int) -> StepNotFoundError:
     """The error for a step the run lacks, naming the steps it has (the first and last three
-    of more than eight), where a listing answers."""
+    of more than eight), where a listing answers; for a step the listing has, that its
+    manifest did not read as an object."""
     try:
         steps = list_steps(store, run=run)
     except (ManifestError, OSError):
         return StepNotFoundError("no such step", url=store.url, run=run, step=step)
+    if step in steps:  # listed, yet no object was read: not a regular file, or came meanwhile
+        return StepNotFoundError("its manifest is listed but is no object that reads (not a "
+                                 "regular file?)", url=store.url, run=run, step=step)
     shown = ", ".join(map(str, steps)) if len(steps) <= 8 else (
         f"{', '.join(map(str, steps[:3]))}, ..., {', '.join(map(str, steps[-3:]))} "
         f"({len(steps)} steps)")

@@ -200,18 +200,22 @@ def test_restores_read_from_4_threads_a_core_on_local_disk_unless_told(tmp_path,
 
 def test_a_directory_or_a_device_in_place_of_a_local_object_is_no_object(tmp_path):
     """A directory leaked IsADirectoryError; a symlink to /dev/zero was read until memory ran
-    out. Both are 'no such object', for a chunk and for a manifest alike."""
+    out. Both are 'no such object', for a chunk and for a manifest alike; a restore says the
+    step does not exist, or, for the symlink, which the listing has, that its manifest is
+    listed but does not read."""
     store = LocalStore(tmp_path / "r")
     casstore.save(store, 0, {"w": np.arange(100_000.0)})
     manifest = tmp_path / "r" / "runs" / "default" / "steps" / "0000000000000000.manifest"
-    for replace in (lambda p: p.mkdir(), lambda p: p.symlink_to("/dev/zero")):
+    for replace, says in ((lambda p: p.mkdir(), "no such step; the run has no committed step"),
+                          (lambda p: p.symlink_to("/dev/zero"), "its manifest is listed but "
+                           "is no object that reads")):
         manifest.unlink() if manifest.is_file() or manifest.is_symlink() else manifest.rmdir()
         replace(manifest)
         for read in (store.get, lambda k: store.get_into(k, None)):
             with pytest.raises(casstore.ObjectNotFoundError, match="no such object"):
                 read("runs/default/steps/0000000000000000.manifest")
-        with pytest.raises(casstore.CasstoreError,
-                           match=rf"no such step.*url '{re.escape(store.url)}'.*step 0\)"):
+        with pytest.raises(casstore.StepNotFoundError,
+                           match=rf"{says}.*url '{re.escape(store.url)}'.*step 0\)"):
             casstore.restore(store, 0)
 
 
