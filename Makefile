@@ -5,7 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist): one per core, at most 2 (what the suite is checked with: 5:56
-# quiet on the 2-core machine, 9:20 beside two CPU-bound processes, 2026-11-27). TEST_WORKERS=0:
+# quiet on the 2-core machine, 9:20 beside two CPU-bound processes, an earlier 2026-11-27 run;
+# 11:25 with nothing else heavy running and 12:37 in CI, later that day). TEST_WORKERS=0:
 # one process.
 TEST_WORKERS ?= auto
 
