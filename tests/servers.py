@@ -31,9 +31,12 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
+
+import psutil
 
 # gcsfs picks its filesystem class when first imported (nothing above imports it); without this
 # every call against an emulator stalls 30-80 s on gRPC handshakes and bucket-type probing.
@@ -126,26 +129,40 @@ def _tail(log: pathlib.Path, n: int = 4000) -> str:
 
 
 def _wait_ready(url: str, timeout_s: float, alive: Callable[[], bool],
-                any_status: bool = False) -> None:
-    """Polls ``url`` until it answers 200 (any HTTP status with ``any_status``); raises
+                any_status: bool = False, ours: Callable[[], bool] = lambda: True) -> None:
+    """Polls ``url`` until it answers 200 (any HTTP status with ``any_status``) and ``ours()``
+    (the answer came from the server started, not from another listener); raises
     ``ServerError(exited=True)`` as soon as ``alive()`` turns false."""
-    deadline = time.monotonic() + timeout_s
+    deadline, other = time.monotonic() + timeout_s, ""
     while True:
         if not alive():
-            raise ServerError(f"server for {url} exited during startup", exited=True)
+            raise ServerError(f"server for {url} exited during startup{other}", exited=True)
         try:
             with _NO_PROXY.open(url, timeout=0.5) as response:
-                if response.status == 200:
-                    return
+                answered = response.status == 200
         except urllib.error.HTTPError as e:
-            if any_status:
-                return
+            answered = any_status
             e.close()
         except OSError:
-            pass
+            answered = False
+        if answered and ours():
+            return
+        if answered:
+            other = " (another process answered on its port)"
         if time.monotonic() > deadline:
-            raise ServerError(f"{url} not ready after {timeout_s} s")
+            raise ServerError(f"{url} not ready after {timeout_s} s{other}")
         time.sleep(0.05)
+
+
+def _listens(pid: int, port: int) -> bool:
+    """True if process ``pid`` or one of its children listens on TCP ``port``."""
+    try:
+        proc = psutil.Process(pid)
+        return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                   for p in (proc, *proc.children(recursive=True))
+                   for c in p.net_connections("tcp"))
+    except psutil.Error:
+        return False
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -164,15 +181,19 @@ def _spawn(cmd: list[str], log: pathlib.Path, probe_url: str, timeout_s: float,
            any_status: bool = False) -> subprocess.Popen:
     """Starts ``cmd`` with its output in ``log``; returns once ``probe_url`` answers (200, or
     any HTTP status with ``any_status``) and the child is still alive 0.1 s later and
-    ``min_alive_s`` after its start. On failure stops it and raises with the log tail."""
-    t0 = time.monotonic()
+    ``min_alive_s`` after its start. An answer counts only once the child (or a child of it)
+    listens on the probe's port: another server on that port cannot pass for it, however
+    late a loaded machine lets the child find the port taken and exit. On failure stops it
+    and raises with the log tail."""
+    t0, port = time.monotonic(), urllib.parse.urlsplit(probe_url).port
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=env)
     try:
-        _wait_ready(probe_url, timeout_s, lambda: proc.poll() is None, any_status)
+        _wait_ready(probe_url, timeout_s, lambda: proc.poll() is None, any_status,
+                    ours=lambda: _listens(proc.pid, port))
         time.sleep(max(0.1, t0 + min_alive_s - time.monotonic()))
-        if proc.poll() is not None:  # another listener on the port answered the probe
+        if proc.poll() is not None:
             raise ServerError(f"{probe_url} answered, but the server exited", exited=True)
     except ServerError as e:
         _stop(proc)
