@@ -211,16 +211,20 @@ def _scalar(value: Any, kind: type, entry: LeafEntry, fail: Fail) -> Any:
 def to_device(host: np.ndarray, device: Any) -> jax.Array:
     """``host`` on ``device`` (None: the default device), without a copy where jax allows.
 
-    jax's CPU client can adopt a 64-byte-aligned C-contiguous buffer of a DLPack dtype in
-    place, on the first CPU device; :func:`casstore._read.read_regions` allocates such
-    buffers, and nothing else keeps a reference to them. Anything else is copied by
-    ``jax.device_put``.
+    jax's CPU client adopts a 64-byte-aligned C-contiguous buffer in place
+    (``jax.device_put(..., may_alias=True)``); :func:`casstore._read.read_regions` allocates
+    such buffers, and nothing else keeps a reference to them. Anything else is copied.
+    Not ``jax.dlpack.from_dlpack``: it adopts too, but the numpy array it holds is released
+    by numpy's DLPack deleter, which takes the GIL on whichever XLA thread drops the buffer
+    last; when that is a computation finishing while the interpreter exits, the thread is
+    ended inside C++ and the process aborts ("terminate called without an active
+    exception", seen on recipe_flax_linen.py under load). ``device_put`` hands its reference
+    to jax, which releases it when Python next holds the GIL.
     """
     target = device or _default_device()
-    if (target == jax.local_devices(backend="cpu")[0] and host.ctypes.data % ALIGN == 0
-            and host.flags.c_contiguous and host.dtype.type.__module__ == "numpy"
-            and host.dtype.kind in "biufc" and host.dtype.byteorder in "=|<"):
-        return jax.dlpack.from_dlpack(host, copy=False)
+    if (target.platform == "cpu" and host.ctypes.data % ALIGN == 0 and host.flags.c_contiguous
+            and host.dtype.byteorder in "=|<"):
+        return jax.device_put(host, target, may_alias=True)
     return jax.device_put(host, target)
 
 
