@@ -7,7 +7,8 @@ PYTEST_ARGS ?=
 # Test processes (pytest-xdist): one per core, at most 2 (what the suite is checked with: 5:56
 # quiet on the 2-core machine, 9:20 beside two CPU-bound processes, an earlier 2026-11-27 run;
 # 11:25 with nothing else heavy running and 12:37 in CI, later that day). TEST_WORKERS=0:
-# one process.
+# one process. --dist worksteal: an idle process takes queued tests from a busy one, so the
+# suite does not end on one process's backlog of long tests.
 TEST_WORKERS ?= auto
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -25,7 +26,7 @@ example: venv
 	$(PY) examples/finetune_minilm.py --url ./checkpoints
 
 test: venv
-	$(PY) -m pytest -n $(TEST_WORKERS) --maxprocesses=2 $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --maxprocesses=2 --dist worksteal $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .
