@@ -20,7 +20,7 @@ from ._errors import ManifestError
 from ._manifest import LeafEntry
 from ._target import is_numpy_class, returns_numpy, target_shape
 
-ALIGN = 64  # bytes: jax's CPU client adopts buffers aligned so (DLPack import)
+ALIGN = 64  # bytes: jax's CPU client adopts buffers aligned so (jax.device_put with may_alias)
 Fail = Callable[[str, str], Exception]  # (message, key path) -> the error to raise
 
 
