@@ -6,7 +6,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gcsfs is imported
 # jax's persistent compilation cache, for the test processes and the processes they start:
-# the examples and benchmarks compile the same train steps in several tests (a quarter of
+# the examples and benchmarks compile the same train steps in several tests (a third of
 # those tests' time on the second run; the cache is keyed by jax's version, flags and devices).
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(os.path.dirname(os.path.dirname(__file__)), ".cache", "jax"))
