@@ -206,6 +206,29 @@ def test_diff_by_chunk_ids_reads_no_chunk_data(repo, tmp_path):
     assert "1 added" in run("diff", repo, 1, 2).stdout
 
 
+def test_latest_names_the_newest_step_of_the_run_in_every_step_argument(repo, tmp_path):
+    assert run_json("show", repo, "latest")["step"] == 2
+    assert run_json("show", repo, "latest", "--run", "b")["step"] == 0
+    assert json.loads(run("cat", repo, "latest").stdout)["step"] == 2
+    diff = run_json("diff", repo, 1, "latest")
+    assert (diff["b"], diff["counts"]["added"]) == ({"run": "default", "step": 2}, 1)
+    assert run_json("diff", repo, "latest", 0, "--run-b", "b")["a"] == {"run": "default",
+                                                                        "step": 2}
+    assert run_json("verify", repo, "latest")["steps_checked"] == [["default", 2]]
+    out = tmp_path / "latest.npz"
+    run("export", repo, "latest", out, "--exclude", "bf")
+    assert np.load(out)["extra"].shape == (64, 512)  # only step 2 has it
+    bad = run("show", repo, "newest", code=2)
+    assert "'newest' is neither a step number nor 'latest'" in bad.stderr
+    empty = tmp_path / "empty"
+    casstore.save(str(empty), 0, {"w": np.ones(2)}, run="other")
+    assert "run 'default' has no steps" in run("show", empty, "latest", code=2).stderr
+    # Nothing changed: the summary line, and no empty table under it.
+    same = run("diff", repo, "latest", 2).stdout
+    assert same.splitlines() == ["default@2 -> default@2: 0 changed, 0 added, 0 removed, "
+                                 "5 unchanged; 0 bytes differ"]
+
+
 def test_cat_prints_the_manifest(repo):
     out = json.loads(run("cat", repo, 2).stdout)
     m = casstore.read_manifest(repo, 2)

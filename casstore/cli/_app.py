@@ -247,6 +247,38 @@ def run_option(f: Any) -> Any:
     return click.option("--run", default="default", show_default=True, help="Run name.")(f)
 
 
+class StepParam(click.ParamType):
+    """A STEP argument: a step number, or ``latest`` (the run's newest committed step, as
+    restic's ``latest`` snapshot); :func:`step_of` resolves it once the repository is open."""
+
+    name = "step"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int | str:
+        if isinstance(value, int) or value == "latest":
+            return value
+        try:
+            return int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a step number nor 'latest'", param, ctx)
+
+
+STEP = StepParam()
+
+
+def step_of(store: Any, url: str, run: str, step: int | str) -> int:
+    """``step``, or the newest committed step of ``run`` for ``latest``.
+
+    Raises:
+      click.UsageError: ``latest`` of a run with no committed step.
+    """
+    if step != "latest":
+        return int(step)
+    found = casstore.latest_step(store, run=run)
+    if found is None:
+        raise click.UsageError(f"run {run!r} has no committed step in {url!r}: no 'latest'")
+    return found
+
+
 def is_local(url: str) -> bool:
     return "://" not in url or url.startswith("file://")
 

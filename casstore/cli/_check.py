@@ -14,6 +14,7 @@ import casstore
 from ._app import (
     EXIT_NEWER,
     EXIT_PROBLEMS,
+    STEP,
     check_run,
     command,
     counted,
@@ -24,6 +25,7 @@ from ._app import (
     parse_options,
     problems_exit,
     run_option,
+    step_of,
     storage_options,
     where,
 )
@@ -33,15 +35,15 @@ from ._read import problem_json
 
 @command("verify")
 @click.argument("url")
-@click.argument("step", type=int, required=False)
+@click.argument("step", type=STEP, required=False)
 @click.option("--run", default=None,
               help="Only this run (default: all runs; with STEP, run 'default').")
 @click.option("--read-data/--no-read-data", default=True, show_default=True,
               help="Read and check every chunk, or only that it exists.")
 @storage_options
 @json_flag
-def verify_command(url: str, step: int | None, run: str | None, read_data: bool, options: dict,
-                   as_json: bool) -> None:
+def verify_command(url: str, step: int | str | None, run: str | None, read_data: bool,
+                   options: dict, as_json: bool) -> None:
     """Checks that checkpoints restore: manifests valid, chunks present and intact.
 
     Each damaged manifest or object is one problem, with the steps that need it: "missing"
@@ -54,6 +56,7 @@ def verify_command(url: str, step: int | None, run: str | None, read_data: bool,
     Examples:
       casstore verify ./ckpt
       casstore verify ./ckpt 100 --no-read-data
+      casstore verify ./ckpt latest --run eval
     """
     store = open_repo(url, options, damaged=True)
     run = "default" if step is not None and run is None else run
@@ -63,6 +66,8 @@ def verify_command(url: str, step: int | None, run: str | None, read_data: bool,
         sound = False
     if sound:
         check_run(store, url, run)
+    if step is not None:
+        step = step_of(store, url, run, step)
     where(url, run, step)
     meter = Meter()
     report = progress("verifying", lambda: casstore.verify(

@@ -7,12 +7,14 @@ import click
 import casstore
 
 from ._app import (
+    STEP,
     check_run,
     command,
     counted,
     json_flag,
     open_repo,
     run_option,
+    step_of,
     storage_options,
     where,
 )
@@ -21,7 +23,7 @@ from ._output import StoreMeter, emit_json, human, progress, say
 
 @command("export")
 @click.argument("url")
-@click.argument("step", type=int)
+@click.argument("step", type=STEP)
 @click.argument("out", type=click.Path(dir_okay=False))
 @run_option
 @click.option("--paths", multiple=True, help="Key-path prefix to export (repeatable).")
@@ -32,7 +34,7 @@ from ._output import StoreMeter, emit_json, human, progress, say
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
 @storage_options
 @json_flag
-def export_command(url: str, step: int, out: str, run: str, paths: tuple[str, ...],
+def export_command(url: str, step: int | str, out: str, run: str, paths: tuple[str, ...],
                    exclude: tuple[str, ...], dtype: str | None, force: bool, options: dict,
                    as_json: bool) -> None:
     """Writes STEP to a .safetensors or .npz file, one tensor per key path.
@@ -44,7 +46,7 @@ def export_command(url: str, step: int, out: str, run: str, paths: tuple[str, ..
     \b
     Examples:
       casstore export ./ckpt 100 params.safetensors --paths params
-      casstore export ./ckpt 100 all.npz --dtype float32 --exclude opt_state
+      casstore export ./ckpt latest all.npz --dtype float32 --exclude opt_state
     """
     try:
         casstore.check_export_path(out, force=force)
@@ -52,6 +54,7 @@ def export_command(url: str, step: int, out: str, run: str, paths: tuple[str, ..
         raise click.UsageError(str(e)) from None
     store = counted(open_repo(url, options))
     check_run(store, url, run)
+    step = step_of(store, url, run, step)
     where(url, run, step)
     meter = StoreMeter(lambda: store.bytes_read) if hasattr(store, "bytes_read") else None
     info = progress("reading", lambda: casstore.export_tensors(

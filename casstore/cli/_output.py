@@ -91,9 +91,12 @@ def error_line(message: str, code: int, kind: str, *, as_json: bool) -> None:
 
 
 def table(title: str | None, columns: list[str], rows: list[list[Any]]) -> None:
-    """Prints a table; on a pipe or file each row stays one whole line."""
+    """Prints a table; on a pipe or file each row stays one whole line. No rows: the title
+    alone (it gives the counts), not an empty frame."""
     if title:
         console.print(title, soft_wrap=True)
+    if not rows:
+        return
     t = Table()
     for name in columns:
         t.add_column(name, justify="left" if name in ("run", "key path", "status", "dtype",

@@ -13,6 +13,7 @@ import click
 import casstore
 
 from ._app import (
+    STEP,
     check_options,
     check_run,
     command,
@@ -22,6 +23,7 @@ from ._app import (
     parse_options,
     report_damage,
     run_option,
+    step_of,
     storage_options,
     where,
 )
@@ -133,11 +135,11 @@ def ls_command(url: str, run: str | None, persistent: str | None, persistent_opt
 
 @command("show")
 @click.argument("url")
-@click.argument("step", type=int)
+@click.argument("step", type=STEP)
 @run_option
 @storage_options
 @json_flag
-def show_command(url: str, step: int, run: str, options: dict, as_json: bool) -> None:
+def show_command(url: str, step: int | str, run: str, options: dict, as_json: bool) -> None:
     """Shows the leaves of STEP: shape, dtype, sharding, chunks, bytes, sharing.
 
     SHARED says whether the leaf's chunks are the same as in the run's previous step
@@ -146,10 +148,11 @@ def show_command(url: str, step: int, run: str, options: dict, as_json: bool) ->
     \b
     Examples:
       casstore show ./ckpt 100
-      casstore show ./ckpt 100 --run eval --json
+      casstore show ./ckpt latest --run eval --json
     """
     store = open_repo(url, options)
     check_run(store, url, run)
+    step = step_of(store, url, run, step)
     where(url, run, step)
     info = casstore.inspect_step(store, step, run=run)
     for p in info.problems:  # the previous step's manifest
@@ -228,15 +231,15 @@ def du_command(url: str, plot_path: str | None, options: dict, as_json: bool) ->
 
 @command("diff")
 @click.argument("url")
-@click.argument("step_a", type=int)
-@click.argument("step_b", type=int)
+@click.argument("step_a", type=STEP)
+@click.argument("step_b", type=STEP)
 @run_option
 @click.option("--run-b", default=None, help="Run of STEP_B (default: --run).")
 @click.option("--all", "show_all", is_flag=True, help="List unchanged key paths too.")
 @storage_options
 @json_flag
-def diff_command(url: str, step_a: int, step_b: int, run: str, run_b: str | None, show_all: bool,
-                 options: dict, as_json: bool) -> None:
+def diff_command(url: str, step_a: int | str, step_b: int | str, run: str, run_b: str | None,
+                 show_all: bool, options: dict, as_json: bool) -> None:
     """Key paths changed, added and removed from STEP_A to STEP_B, by chunk ids.
 
     No chunk data is read. CHANGED is the logical bytes of B's blocks stored in chunks A does
@@ -245,13 +248,14 @@ def diff_command(url: str, step_a: int, step_b: int, run: str, run_b: str | None
 
     \b
     Examples:
-      casstore diff ./ckpt 100 200
+      casstore diff ./ckpt 100 latest
       casstore diff ./ckpt 100 100 --run a --run-b b --json
     """
     store = open_repo(url, options)
     run_b = run_b or run
     check_run(store, url, run)
     check_run(store, url, run_b)
+    step_a, step_b = step_of(store, url, run, step_a), step_of(store, url, run_b, step_b)
     where(url, run, step_a)
     diffs = casstore.diff_steps(store, step_a, step_b, run=run, run_b=run_b)
     counts = {s: sum(d.status == s for d in diffs)
@@ -272,10 +276,10 @@ def diff_command(url: str, step_a: int, step_b: int, run: str, run_b: str | None
 
 @command("cat")
 @click.argument("url")
-@click.argument("step", type=int)
+@click.argument("step", type=STEP)
 @run_option
 @storage_options
-def cat_command(url: str, step: int, run: str, options: dict) -> None:
+def cat_command(url: str, step: int | str, run: str, options: dict) -> None:
     """Prints the decoded manifest of STEP as JSON (format.md §4; bytes as base64).
 
     Its output is the manifest itself, so it carries no schema_version (format.md
@@ -284,9 +288,11 @@ def cat_command(url: str, step: int, run: str, options: dict) -> None:
     \b
     Examples:
       casstore cat ./ckpt 100 | jq '.leaves[0]'
+      casstore cat ./ckpt latest | jq '.leaves | length'
     """
     store = open_repo(url, options)
     check_run(store, url, run)
+    step = step_of(store, url, run, step)
     where(url, run, step)
     manifest = casstore.read_manifest(store, step, run=run)
     emit_json(casstore.manifest_as_dict(manifest), versioned=False)
