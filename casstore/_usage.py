@@ -16,25 +16,8 @@ import dataclasses
 from ._layout import RUNS_PREFIX, chunk_key
 from ._manifest import Manifest
 from ._repository import Url, list_chunk_objects
-from ._scan import Problem, require_intact, scan_manifests
+from ._scan import Problem, scan_manifests
 from .store import open_store
-
-
-def load_manifests(url: Url, *, runs: list[str] | None = None,
-                   max_workers: int | None = None) -> list[Manifest]:
-    """Reads every committed manifest of ``runs`` (None: all runs) in repository order.
-
-    For a repository that may be damaged, :func:`~casstore.scan_manifests` reads the rest.
-
-    Returns:
-      Manifests sorted by ``(created, run, step)``: the order their steps were written.
-
-    Raises:
-      ManifestError: a manifest or the config object is invalid (names every bad manifest).
-    """
-    scan = scan_manifests(url, runs=runs, max_workers=max_workers)
-    require_intact(scan, "reading every manifest")
-    return list(scan.manifests)
 
 
 def object_sizes(manifests: list[Manifest], store: Url | None = None) -> dict[str, int]:
