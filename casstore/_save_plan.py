@@ -309,11 +309,13 @@ def _pack_jobs(small: dict[int, Any], paths: list[str], infos: dict[int, ArrayIn
 
 def _packs(small: dict[int, Any], paths: list[str], infos: dict[int, ArrayInfo],
            chunk_size_bytes: int) -> Iterator[list[int]]:
-    """The leaf indices of each pack: small leaves grouped by parent node, in leaf order, at
-    most ``chunk_size_bytes`` a pack."""
+    """The leaf indices of each pack: small leaves grouped by parent node (:func:`_group`), in
+    leaf order, at most ``chunk_size_bytes`` a pack."""
+    below = collections.Counter(path[:k] for path in paths for k, c in enumerate(path)
+                                if c == "/")  # leaves under each inner node, by its key path
     groups: dict[str, list[int]] = collections.defaultdict(list)
     for i in small:
-        groups[paths[i].rpartition("/")[0]].append(i)
+        groups[_group(paths[i], below)].append(i)
     for group in groups.values():
         batch: list[int] = []
         size = 0
@@ -324,6 +326,17 @@ def _packs(small: dict[int, Any], paths: list[str], infos: dict[int, ArrayInfo],
             batch.append(i)
             size += infos[i].nbytes
         yield batch
+
+
+def _group(path: str, below: collections.Counter) -> str:
+    """The key path of the node whose small leaves a leaf at ``path`` is packed with
+    (format.md §3.4): its parent, where a node holding this leaf alone counts as the leaf, so
+    flax nnx's ``.../bias/value`` packs with its module's other leaves as linen's
+    ``.../bias`` does, and ``{"layer_0": {"w": ...}, "layer_1": ...}`` packs as one group."""
+    node = path
+    while "/" in node and below[parent := node.rpartition("/")[0]] == 1:
+        node = parent
+    return node.rpartition("/")[0]
 
 
 def _ahead(packs: list[list[int]], infos: dict[int, ArrayInfo], limit: int) -> list[int]:

@@ -115,6 +115,42 @@ def test_small_leaves_are_packed_not_one_object_each():
     assert casstore.save(store, 1, tree).new_chunks == 0
 
 
+def nnx_like(head_bias: float) -> dict:
+    """Leaves as flax nnx's state gives them: each Variable a node holding one leaf
+    (``.../bias/value``); two frozen layers' small leaves and a trained head."""
+    var = lambda x: {"value": x}  # noqa: E731
+    layer = lambda i: {"ln": {"scale": var(np.full(128, i, np.float32)),  # noqa: E731
+                              "bias": var(np.full(128, -i, np.float32))},
+                       "dense": {"kernel": var(np.full((128, 256), i, np.float32)),
+                                 "bias": var(np.full(256, i + 0.5, np.float32))}}
+    return {"layers": {"0": layer(1), "1": layer(2)},
+            "head": {"bias": var(np.full(10 * 4, head_bias, np.float32))}}
+
+
+def test_a_node_holding_one_leaf_packs_as_that_leaf():
+    """A node holding one leaf (nnx's ``bias/value``, or ``layer_i/w``) is packed with its
+    parent's other small leaves, not one object each (it was: 10,000 leaves
+    ``layer_i/w`` of 1 KiB took 15.6 s to save on local disk, one pack 3.0 s); a changed small
+    leaf still rewrites only its own module's pack."""
+    store = CountingStore(MemoryStore())
+    casstore.save(store, 0, nnx_like(0.0), delta=False)
+    packs = {leaf.path: leaf.chunks[0].id for leaf in casstore.read_manifest(store, 0).leaves
+             if leaf.chunks and leaf.chunks[0].offset is not None and "kernel" not in leaf.path}
+    for i in ("0", "1"):  # ln's scale and bias share a pack; the dense bias is its module's
+        assert packs[f"layers/{i}/ln/scale/value"] == packs[f"layers/{i}/ln/bias/value"]
+        assert packs[f"layers/{i}/dense/bias/value"] != packs[f"layers/{i}/ln/bias/value"]
+    assert len(set(packs.values())) == 5  # 2 ln, 2 dense biases, the head
+    store.reset()
+    assert casstore.save(store, 1, nnx_like(1.0), delta=False).new_chunks == 1  # the head's
+    assert len(chunk_writes(store)) == 1
+
+    flat = CountingStore(MemoryStore())
+    tree = {f"layer_{i}": {"w": np.full(256, i, np.float32)} for i in range(300)}
+    assert casstore.save(flat, 0, tree).new_chunks == 1
+    restored = casstore.restore(flat, 0)
+    assert all(np.array_equal(restored[k]["w"], v["w"]) for k, v in tree.items())
+
+
 def test_restore_of_a_subtree_reads_only_its_chunks():
     store = CountingStore(MemoryStore())
     state = train_state(1)
