@@ -37,6 +37,7 @@ DTYPE_NAMES = (
 Index = tuple[tuple[int, ...], tuple[int, ...]]  # (start, stop) per dimension
 
 
+@functools.cache  # a few names, asked once per leaf of every manifest read
 def dtype_from_name(name: str) -> np.dtype | None:
     """The numpy dtype for a format.md §4.5 name, or None if unknown here or not allowed."""
     if name not in DTYPE_NAMES:

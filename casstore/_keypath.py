@@ -23,6 +23,7 @@ MAX_DEPTH = 256
 _INDEX = r"\[-?\d+\]|\[=-?\d+\]"
 _NAME = r"(?:[^~/\[]|~[0-3])+"
 _ELEMENT = re.compile(rf"{_INDEX}|~3|{_NAME}")
+_PATH = re.compile(rf"(?:{_ELEMENT.pattern})(?:/(?:{_ELEMENT.pattern}))*")  # one match a path
 
 
 def _has_surrogate(text: str) -> bool:
@@ -78,7 +79,7 @@ def is_valid_path(path: object) -> bool:
     if not isinstance(path, str) or "\0" in path or _has_surrogate(path) or len(
             path.encode()) > 4096:
         return False
-    return path == "" or all(_ELEMENT.fullmatch(e) for e in path.split("/"))
+    return path == "" or _PATH.fullmatch(path) is not None
 
 
 def matches(path: str, prefixes: list[str] | None) -> bool:

@@ -361,11 +361,11 @@ def _decode_ref(r: Any, ndim: int, itemsize: int, check: _Check) -> ChunkRef:
     base = r.get("base")
     check(base is None or (check.version == DELTA_VERSION and is_chunk_id(base) and base != cid
                            and offset == 0), f"bad delta base {base!r} of chunk {cid}")
-    ref = ChunkRef(cid, tuple(start), tuple(stop), offset, raw_bytes, stored, base)
-    check(all(d > 0 for d in ref.shape), f"empty or inverted block in chunk {cid}")
-    check(offset + math.prod(ref.shape) * itemsize <= raw_bytes,
+    block = [b - a for a, b in zip(start, stop)]
+    check(all(d > 0 for d in block), f"empty or inverted block in chunk {cid}")
+    check(offset + math.prod(block) * itemsize <= raw_bytes,
           f"block of chunk {cid} extends past its raw bytes")
-    return ref
+    return ChunkRef(cid, tuple(start), tuple(stop), offset, raw_bytes, stored, base)
 
 
 def _check_tiling(shape: tuple[int, ...], refs: tuple[ChunkRef, ...], check: _Check) -> None:
@@ -374,11 +374,12 @@ def _check_tiling(shape: tuple[int, ...], refs: tuple[ChunkRef, ...], check: _Ch
         check(not refs, "chunks given for an empty array")
         return
     check(bool(refs), "array without chunks")
-    check(all(all(b <= d for b, d in zip(r.stop, shape)) for r in refs), "block out of bounds")
     if len(refs) == 1:  # most leaves: one block, which must be the whole array
         check(refs[0].stop == shape and not any(refs[0].start),
-              "chunk blocks overlap or leave gaps")
+              "chunk blocks overlap or leave gaps" if all(
+                  b <= d for b, d in zip(refs[0].stop, shape)) else "block out of bounds")
         return
+    check(all(all(b <= d for b, d in zip(r.stop, shape)) for r in refs), "block out of bounds")
     edges = [sorted({0, d, *(r.start[i] for r in refs), *(r.stop[i] for r in refs)})
              for i, d in enumerate(shape)]
     cells = math.prod(len(e) - 1 for e in edges)
