@@ -265,8 +265,9 @@ def seaweedfs_server(tmpdir: pathlib.Path, attempts: int = 3, ports: dict | None
         cmd = [str(binary), f"-logdir={data / 'logs'}", "mini", f"-dir={data}", f"-ip={HOST}",
                f"-ip.bind={HOST}", *(f"-{c}.port={p}" for c, p in chosen.items()),
                "-master.telemetry=false", "-webdav=false", "-admin.ui=false",
-               "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.localSocket={data}/s3.sock",
-               f"-filer.localSocket={data}/filer.sock", "-idleTimeout=2", *auth]
+               "-s3.port.iceberg=0", "-s3.port.lance=0", "-volume.preStopSeconds=0",
+               f"-s3.localSocket={data}/s3.sock", f"-filer.localSocket={data}/filer.sock",
+               "-idleTimeout=2", *auth]
         try:
             # A taken port makes weed exit within ~0.2 s, maybe after another listener on
             # the S3 port answered the probe: it must still be alive 0.6 s after its start.
