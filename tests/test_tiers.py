@@ -556,8 +556,10 @@ def test_local_retention_never_deletes_a_step_whose_persist_is_pending(tmp_path,
 def test_the_example_persists_every_nth_step_and_prints_the_bytes(tmp_path):
     example = pathlib.Path(__file__).parents[1] / "examples" / "finetune_minilm.py"
     local, remote = tmp_path / "local", tmp_path / "remote"
+    # Batches of 8, as test_example.py runs it: what each step persists does not depend on it.
     out = subprocess.run([sys.executable, str(example), "--url", str(local), "--steps", "3",
-                          "--persistent", str(remote), "--persist-interval", "2"],
+                          "--persistent", str(remote), "--persist-interval", "2",
+                          "--batch-size", "8"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = re.findall(r"^\s*(\d+)\s+[\d.]+\s+[\d.]+\s+([\d.]+)\s.*x\s+[\d.]+(?:\s+([\d.]+))?$",
