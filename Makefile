@@ -4,12 +4,13 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
-# Test processes (pytest-xdist): one per core, at most 2 (what the suite is checked with: 5:56
-# quiet on the 2-core machine, 9:20 beside two CPU-bound processes, an earlier 2026-11-27 run;
-# 11:25 with nothing else heavy running and 12:37 in CI, later that day). TEST_WORKERS=0:
-# one process. --dist worksteal: an idle process takes queued tests from a busy one, so the
-# suite does not end on one process's backlog of long tests.
-TEST_WORKERS ?= auto
+# Test processes (pytest-xdist): one more than the cores, at most 3 (what the suite is checked
+# with). Many tests wait on servers and child processes, so a third process on 2 cores helps a
+# little: 7:23 with three and 7:43 with two, back to back (2-core machine, 2026-11-28, quiet);
+# 11:42 with three beside two CPU-bound processes. TEST_WORKERS=0: one process.
+# --dist worksteal: an idle process takes queued tests from a busy one, so the suite does not
+# end on one process's backlog of long tests.
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; n = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count(); print(min(3, n + 1))")
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +27,7 @@ example: venv
 	$(PY) examples/finetune_minilm.py --url ./checkpoints
 
 test: venv
-	$(PY) -m pytest -n $(TEST_WORKERS) --maxprocesses=2 --dist worksteal $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .
