@@ -165,7 +165,7 @@ def parse(doc: str, argv: list[str] | None, *names: str,
     args = ap.parse_args(argv)
     if getattr(args, "repeat", 1) < 1:
         ap.error("--repeat must be >= 1")
-    timing.SMOKE["on"] = getattr(args, "tiny", False)
+    timing.SMOKE = getattr(args, "tiny", False)
     args.environment = environment()
     return args
 

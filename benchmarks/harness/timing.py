@@ -94,7 +94,7 @@ def drop_caches() -> bool:
     return False
 
 
-SMOKE = {"on": False}  # --tiny (report.parse): a smoke run, whose figures are not read
+SMOKE = False  # --tiny (report.parse): a smoke run, whose figures are not read
 
 
 def settle(warm_bytes: int = 0, drop: bool = False) -> bool:
@@ -102,13 +102,13 @@ def settle(warm_bytes: int = 0, drop: bool = False) -> bool:
     page cache with ``drop``, touch and free ``warm_bytes`` of memory (README.md: why); returns
     whether the cache was dropped. A smoke run (``--tiny``) only drops the cache: in a test
     process beside other tests, collecting and syncing took more of its time than its phases."""
-    if not SMOKE["on"]:
+    if not SMOKE:
         gc.collect()
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         os.sync()
     dropped = drop_caches() if drop else False
-    if warm_bytes and not SMOKE["on"]:
+    if warm_bytes and not SMOKE:
         np.ones(warm_bytes, np.uint8)  # touched, then freed
     return dropped
 
