@@ -102,13 +102,14 @@ def settle(warm_bytes: int = 0, drop: bool = False) -> bool:
     page cache with ``drop``, touch and free ``warm_bytes`` of memory (README.md: why); returns
     whether the cache was dropped. A smoke run (``--tiny``) only drops the cache: in a test
     process beside other tests, collecting and syncing took more of its time than its phases."""
-    if not SMOKE:
-        gc.collect()
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        os.sync()
+    if SMOKE:
+        return drop_caches() if drop else False
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    os.sync()
     dropped = drop_caches() if drop else False
-    if warm_bytes and not SMOKE:
+    if warm_bytes:
         np.ones(warm_bytes, np.uint8)  # touched, then freed
     return dropped
 
