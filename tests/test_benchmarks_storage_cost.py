@@ -84,10 +84,10 @@ def test_storage_cost_benchmark_reports_every_scenario_and_deltas_pay(tmp_path, 
 
     # --codecs no-shuffle stores raw chunks where the default stores byte planes: adam's
     # moments of dense layers save under a quarter in byte planes, for whole chunks and deltas.
-    raw = bench.main(["--tiny", "--no-warm", "--steps", "2", "--scenarios", "finetune", "--codecs",
-                      "no-shuffle", "--dir", str(tmp_path / "work")])
-    assert raw["codecs"] == "no-shuffle"
-    raw, planes = raw["finetune"][0]["systems"], ft["systems"]
+    no_shuffle = bench.main(["--tiny", "--no-warm", "--steps", "2", "--scenarios", "finetune",
+                             "--codecs", "no-shuffle", "--dir", str(tmp_path / "work")])
+    assert no_shuffle["codecs"] == "no-shuffle"
+    raw, planes = no_shuffle["finetune"][0]["systems"], ft["systems"]
     for system in ("whole", "delta"):
         for kind in ("mu", "nu"):
             assert planes[system]["fraction"][kind] < 0.95 * raw[system]["fraction"][kind]
