@@ -290,6 +290,10 @@ def test_a_stalled_persistent_tier_never_blocks_save_and_its_error_names_step_an
         assert error.step not in casstore.list_steps(FsspecStore.from_url(
             url, **server.storage_options))  # no partial step
         proxy.set(None)
+        # Healed: the recovery gets deadlines of its own (its requests still time out at
+        # 0.5 s, and are retried). Under a cold-cache suite on 3 workers, every connect to
+        # the proxy once timed out for the whole 2 s.
+        remote.policy.operation_timeout_s = remote.policy.request_timeout_s = 30.0
         with contextlib.suppress(casstore.PersistError, casstore.StoreTimeoutError):
             mngr.wait_until_persisted()  # a persist begun during the stall may fail too
         last = mngr.latest_step()
