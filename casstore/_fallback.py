@@ -102,6 +102,10 @@ class FallbackStore(Store):
         """The primary's: a restore through the tiers reads mostly from it."""
         return self.primary.read_workers
 
+    def read_threads(self, encoded: bool = False) -> int:
+        """The primary's (see :attr:`read_workers`)."""
+        return self.primary.read_threads(encoded)
+
     def _count(self, tier: Store, nbytes: int, recovered: bool = False) -> None:
         with self._lock:
             self.bytes_read[tier.url] += nbytes

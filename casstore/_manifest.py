@@ -134,6 +134,15 @@ class Manifest:
         """Every chunk id the manifest references (bases of delta chunks not included)."""
         return {ref.id for leaf in self.leaves for ref in leaf.chunks}
 
+    def encoded(self) -> bool:
+        """Whether most raw bytes of the step's distinct chunks are stored encoded: as deltas,
+        or in objects smaller than their raw bytes (byte planes, zstd). A restore of such a
+        step decodes on the CPU what it reads (:meth:`~casstore.store.Store.read_threads`)."""
+        refs = {ref.key: ref for leaf in self.leaves for ref in leaf.chunks}.values()
+        encoded = sum(r.raw_bytes for r in refs if r.base is not None
+                      or r.stored_bytes < r.raw_bytes)
+        return 2 * encoded > sum(r.raw_bytes for r in refs)
+
     def object_keys(self) -> set[str]:
         """The key of every object a restore of this step reads: each chunk's object, and the
         chunk object of each delta chunk's base (format.md §3.5). GC keeps exactly these."""

@@ -90,7 +90,8 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
       fill_missing: with a target, return target leaves that the checkpoint lacks (after
         ``transforms``) unchanged instead of failing: orbax's ``use_fallback``. Only concrete
         target leaves (jax or numpy arrays, Python scalars) can be filled.
-      max_workers: threads fetching and decoding chunks (default the store's ``read_workers``).
+      max_workers: threads fetching and decoding chunks (default the store's
+        ``read_threads``: fewer for a step of encoded chunks on local disk).
       fallback: None, or a URL / Store (or a list of them, tried in order) holding copies of
         the repository (the persistent tier, ``docs/tiers.md``): a manifest or chunk object
         missing from ``url``, or a chunk failing its checks there, is read from the first
@@ -128,7 +129,7 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
     """
     store = with_fallback(open_store(url), fallback)
     manifest = read_manifest(store, step, run=run)
-    workers = max_workers or store.read_workers
+    workers = max_workers or store.read_threads(manifest.encoded())
     if sharding is not None:
         target = _saved_sharding_target(manifest, paths, store, sharding, target)
     if target is None:

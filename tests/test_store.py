@@ -198,6 +198,39 @@ def test_restores_read_from_4_threads_a_core_on_local_disk_unless_told(tmp_path,
     assert store.read_workers == 3
 
 
+def test_a_step_of_encoded_chunks_is_read_by_at_most_max_workers_threads(tmp_path, monkeypatch):
+    from casstore import FallbackStore, _restore
+    from casstore._pool import usable_cores
+
+    cores = usable_cores()
+    store = LocalStore(tmp_path / "repo")
+    assert store.read_threads(False) == store.read_workers == min(16, 4 * cores)
+    assert store.read_threads(True) == min(16, 2 * cores) == min(store.read_workers,
+                                                                 store.max_workers)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert (store.read_threads(False), store.read_threads(True)) == (16, 16)
+    monkeypatch.undo()
+    fsspec_store = casstore.open_store("memory://threads")
+    assert fsspec_store.read_threads(True) == fsspec_store.read_threads(False)  # waits on I/O
+    assert FallbackStore(store, [MemoryStore()]).read_threads(True) == store.read_threads(True)
+
+    rng = np.random.default_rng(0)
+    weights = (rng.standard_normal((512, 1024)) * 0.02).astype(np.float32)
+    casstore.save(store, 1, {"w": weights}, compression="bytes", chunk_size_bytes=2**19)
+    casstore.save(store, 2, {"w": rng.integers(0, 2**32, weights.shape, np.uint32)},
+                  chunk_size_bytes=2**19)  # random bits: stored raw
+    assert casstore.read_manifest(store, 1).encoded()
+    assert not casstore.read_manifest(store, 2).encoded()
+    threads = []
+    read_regions = _restore.read_regions
+    monkeypatch.setattr(_restore, "read_regions", lambda *a: threads.append(a[-1])
+                        or read_regions(*a))
+    assert casstore.restore(store, 1)["w"].tobytes() == weights.tobytes()
+    casstore.restore(store, 2)
+    casstore.restore(store, 1, max_workers=3)
+    assert threads == [store.read_threads(True), store.read_workers, 3]
+
+
 def test_a_directory_or_a_device_in_place_of_a_local_object_is_no_object(tmp_path):
     """A directory leaked IsADirectoryError; a symlink to /dev/zero was read until memory ran
     out. Both are 'no such object', for a chunk and for a manifest alike; a restore says the

@@ -76,7 +76,8 @@ class Store(abc.ABC):
         ``workers_per_core``) per usable core, at most ``max_read_workers_cap`` (a class
         attribute; None: ``max_workers_cap``). 4 a core, at most 16, for local disk: a raw
         chunk is read straight into its destination (no buffer, no copy), so its threads
-        mostly wait on the disk, which reads faster with more requests in flight.
+        mostly wait on the disk, which reads faster with more requests in flight; a step of
+        encoded chunks is read by at most ``max_workers`` (:meth:`read_threads`).
       shuffle: whether saves may use the byte-plane codec (codec 5, format.md §3.2) for
         barely compressible floats: trained float32 chunks are stored about 18% smaller
         (0.82 of raw, where plain zstd keeps 0.92) where ``compression`` picks byte planes.
@@ -122,6 +123,19 @@ class Store(abc.ABC):
         """Threads of a restore's chunk reads (see the class docstring)."""
         return self._workers(self.read_workers_per_core or self.workers_per_core,
                              self.max_read_workers_cap)
+
+    def read_threads(self, encoded: bool = False) -> int:
+        """Threads of a restore's chunk reads: :attr:`read_workers`, or for a step whose chunks
+        are mostly encoded (:meth:`~casstore._manifest.Manifest.encoded`) at most
+        :attr:`max_workers`. A reader of an encoded chunk decodes it on the CPU and holds the
+        object and its decoded planes (about 32 MiB for a 16 MiB chunk of byte planes), so
+        readers beyond the CPU's add memory, not speed. On the 2-core machine (GPT-2-small's
+        1.49 GB state stored as byte planes, into numpy, fresh processes, 6 rounds), 4 readers
+        took a median 1.98 s warm and 2.49 s cold with 1550-1568 MiB of extra RSS, and 8
+        readers (4 a core, a local disk's ``read_workers``) 2.16 s and 2.64 s with 1675-1692
+        MiB. Raw chunks are read straight into their leaves: their readers wait on the disk,
+        and more of them keep it busy."""
+        return min(self.read_workers, self.max_workers) if encoded else self.read_workers
 
     def _workers(self, per_core: int, cap: int | None = None) -> int:
         """``max_workers`` as set on the instance, else ``per_core`` threads a usable core, at
