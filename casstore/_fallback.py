@@ -103,8 +103,9 @@ class FallbackStore(Store):
         return self.primary.read_workers
 
     def read_threads(self, encoded: bool = False) -> int:
-        """The primary's (see :attr:`read_workers`)."""
-        return self.primary.read_threads(encoded)
+        """:attr:`read_workers`, encoded chunks or not: those a restore takes from another
+        tier come over the network, where its readers wait."""
+        return self.read_workers
 
     def _count(self, tier: Store, nbytes: int, recovered: bool = False) -> None:
         with self._lock:

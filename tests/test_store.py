@@ -212,7 +212,7 @@ def test_a_step_of_encoded_chunks_is_read_by_at_most_max_workers_threads(tmp_pat
     monkeypatch.undo()
     fsspec_store = casstore.open_store("memory://threads")
     assert fsspec_store.read_threads(True) == fsspec_store.read_threads(False)  # waits on I/O
-    assert FallbackStore(store, [MemoryStore()]).read_threads(True) == store.read_threads(True)
+    assert FallbackStore(store, [MemoryStore()]).read_threads(True) == store.read_workers
 
     rng = np.random.default_rng(0)
     weights = (rng.standard_normal((512, 1024)) * 0.02).astype(np.float32)
