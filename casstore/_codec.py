@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import re
 import struct
-import threading
 
 import numpy as np
 import xxhash
 import zstandard
 
-from ._buffers import BufferPool
+from ._buffers import BufferPool, thread_scratch
 from ._errors import CorruptChunkError, UnsupportedFormatError
 from ._format import READER_VERSION
 from ._shuffle import interleave, move_sign, shuffle, unmove_sign, unshuffle
+from ._zstd import check_frame, compressor, plane_compressor, unzstd
 
 MAGIC = b"CAS1"
 VERSION = 1
@@ -46,7 +46,6 @@ PLANES_ONLY_IF_SAVING = 1 / 4  # without ``shuffle``: codec 5 only where it save
 SAMPLE_BYTES = 64 * 1024
 PLANE_SAMPLE_BYTES = 16 * 1024  # codecs 4, 5 judge each byte plane on two samples this size
 _CHUNK_ID = re.compile(r"[0-9a-f]{32}")
-_local = threading.local()
 
 
 def chunk_id(raw: memoryview | bytes) -> str:
@@ -64,20 +63,6 @@ def chunk_id(raw: memoryview | bytes) -> str:
 def is_chunk_id(text: object) -> bool:
     """True if ``text`` is a well-formed chunk id (32 lowercase hex digits)."""
     return isinstance(text, str) and _CHUNK_ID.fullmatch(text) is not None
-
-
-def _compressor(level: int) -> zstandard.ZstdCompressor:
-    """A per-thread compressor: zstandard contexts must not be shared between threads."""
-    cache = _local.__dict__.setdefault("compressors", {})
-    if level not in cache:
-        cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
-    return cache[level]
-
-
-def _decompressor() -> zstandard.ZstdDecompressor:
-    if not hasattr(_local, "decompressor"):
-        _local.decompressor = zstandard.ZstdDecompressor()
-    return _local.decompressor
 
 
 def _candidates(element_size: int) -> tuple[int, ...]:
@@ -98,23 +83,6 @@ def buffer_planes(buffer: np.ndarray, k: int) -> np.ndarray:
     return buffer[HEADER.size + 4 * k:].reshape(k, -1)
 
 
-def _plane_compressor(level: int) -> zstandard.ZstdCompressor:
-    """A per-thread compressor for byte planes.
-
-    At level 1 and below its matcher takes only 7-byte matches from a 64-entry table: the
-    exponent plane of floats (a few bits of entropy a byte) is full of short repeats that
-    zstd's fast matcher takes as matches costing more than the literals they replace, while
-    the Huffman literal coder is near the entropy. On the exponent plane of N(0, 0.02) float32
-    that keeps 0.34 of the plane at 490 MB/s, where level 1 keeps 0.37 at 180 MB/s."""
-    cache = _local.__dict__.setdefault("plane_compressors", {})
-    if level not in cache:
-        narrow = {"min_match": 7, "hash_log": 6} if level <= 1 else {}
-        params = zstandard.ZstdCompressionParameters.from_level(
-            level, window_log=17, write_content_size=True, **narrow)
-        cache[level] = zstandard.ZstdCompressor(compression_params=params)
-    return cache[level]
-
-
 def _worth_compressing(plane: np.ndarray, level: int, saving: float) -> bool:
     """Whether zstd saves at least the fraction ``saving`` of a byte plane: judged whole up to
     64 KiB, else on two samples of 16 KiB (the start and the middle)."""
@@ -122,7 +90,7 @@ def _worth_compressing(plane: np.ndarray, level: int, saving: float) -> bool:
     if n <= 4 * PLANE_SAMPLE_BYTES:
         return True  # the caller compresses it whole and keeps what saves
     middle = n // 2
-    size = sum(len(_plane_compressor(level).compress(s)) for s in (
+    size = sum(len(plane_compressor(level).compress(s)) for s in (
         plane[:PLANE_SAMPLE_BYTES], plane[middle:middle + PLANE_SAMPLE_BYTES]))
     return size <= 2 * PLANE_SAMPLE_BYTES * (1 - saving)
 
@@ -149,10 +117,10 @@ def encode_planes(buffer: np.ndarray, k: int, level: int,
     lengths = []
     saving = MIN_PLANE_SAVING if codec == CODEC_EXPONENT_PLANES else MIN_SAVING
     for j, plane in enumerate(planes):
-        frame = (_plane_compressor(level).compress(plane)
+        frame = (plane_compressor(level).compress(plane)
                  if _worth_compressing(plane, level, saving) else None)
         if frame is not None and len(frame) <= n * (1 - saving):
-            _check_frame(frame, plane)
+            check_frame(frame, plane)
             stored = np.frombuffer(frame, np.uint8)
         else:
             stored = plane
@@ -177,20 +145,16 @@ def planes_object(planes: np.ndarray, level: int, codec: int = CODEC_PLANES) -> 
     return encode_planes(buffer, k, level, codec)
 
 
-def _check_frame(frame: bytes, plane: np.ndarray) -> None:
-    decoded = _decompressor().decompress(frame, max_output_size=len(plane))
-    if xxhash.xxh3_128_digest(decoded) != xxhash.xxh3_128_digest(plane):
-        raise CorruptChunkError("zstd output does not decode back to its input")
-
-
 def planes_of(payload: memoryview, element_size: int, raw_length: int,
-              expected_id: str, codec: int = CODEC_PLANES, unmove: bool = True
-              ) -> list[np.ndarray]:
+              expected_id: str, codec: int = CODEC_PLANES, unmove: bool = True,
+              scratch: bool = False) -> list[np.ndarray]:
     """The ``element_size`` byte planes of a codec-4, codec-5 or delta payload (format.md §3.2,
     §3.5), after checking its plane table; a plane stored as is is a view of ``payload``, not a
     copy. For codec 5
     the sign bit is moved back (:func:`unmove_sign`), so the planes are ``shuffle``'s, unless
-    ``unmove`` is False (for :func:`interleave`'s ``moved``, which does it block by block)."""
+    ``unmove`` is False (for :func:`interleave`'s ``moved``, which does it block by block).
+    With ``scratch`` the zstd planes are decoded into this thread's :func:`_scratch`, so they
+    are valid only until the thread's next call here; else into new arrays."""
     k, n = element_size, raw_length // element_size
     table = 4 * k
     if len(payload) < table:
@@ -200,13 +164,19 @@ def planes_of(payload: memoryview, element_size: int, raw_length: int,
     if max(lengths) > n or sum(lengths) != len(payload) - table:
         raise CorruptChunkError(f"plane lengths {list(lengths)} do not fit {n}-byte "
                                 f"planes in a {len(payload)}-byte payload", chunk_id=expected_id)
+    room = thread_scratch(n * sum(length != n for length in lengths)) if scratch else None
     planes = []
-    position = table
+    position, used = table, 0
     for length in lengths:
         stored = payload[position:position + length]
         position += length
-        planes.append(np.frombuffer(stored if length == n else _unzstd(stored, n, expected_id),
-                                    np.uint8))
+        if length == n:
+            planes.append(np.frombuffer(stored, np.uint8))
+        elif room is None:
+            planes.append(np.frombuffer(unzstd(stored, n, expected_id), np.uint8))
+        else:
+            planes.append(unzstd(stored, n, expected_id, room[used:used + n]))
+            used += n
     if codec == CODEC_EXPONENT_PLANES and unmove:
         planes[-1], planes[-2] = unmove_sign(planes[-1], planes[-2])
     return planes
@@ -230,8 +200,8 @@ def _encode(raw: memoryview | np.ndarray, codec: int, level: int, element_size: 
     shuffled = codec == CODEC_SHUFFLE_ZSTD
     parts = [HEADER.pack(MAGIC, VERSION, codec, element_size if shuffled else 0, n)]
     if not shuffled:
-        return parts[0] + _compressor(level).compress(raw)
-    stream = _compressor(level).compressobj(size=n)
+        return parts[0] + compressor(level).compress(raw)
+    stream = compressor(level).compressobj(size=n)
     for plane in shuffle(raw, element_size):
         parts += [stream.compress(plane), stream.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)]
     parts.append(stream.flush())
@@ -319,7 +289,7 @@ def encode_chunk(raw: memoryview, *, level: int = DEFAULT_ZSTD_LEVEL, element_si
     if best is None:
         return raw_object(raw, pool)
     if best[5] == CODEC_ZSTD:
-        _check_frame(memoryview(best)[HEADER.size:], np.frombuffer(raw, np.uint8))
+        check_frame(memoryview(best)[HEADER.size:], np.frombuffer(raw, np.uint8))
     return best
 
 
@@ -401,8 +371,9 @@ def decode_chunk(data: bytes | memoryview, expected_id: str, raw_length: int,
       expected_id: the chunk id the manifest gives.
       raw_length: the raw byte count the manifest gives.
       out: a contiguous uint8 array of ``raw_length`` bytes to decode into (a restore's
-        destination: byte planes are interleaved straight into it, other codecs copied), or
-        None. Its contents are undefined if this raises.
+        destination: a zstd frame is decoded and byte planes are interleaved straight into
+        it, raw and shuffled bytes copied), or None. Its contents are undefined if this
+        raises.
 
     Returns:
       The raw bytes, ``raw_length`` long: a view of ``out`` if given, else of ``data`` for a
@@ -418,33 +389,21 @@ def decode_chunk(data: bytes | memoryview, expected_id: str, raw_length: int,
     if codec == CODEC_RAW:
         raw = payload
     elif codec == CODEC_ZSTD:
-        raw = memoryview(_unzstd(payload, raw_length, expected_id))
+        raw = memoryview(unzstd(payload, raw_length, expected_id, out))
     elif codec == CODEC_SHUFFLE_ZSTD:
-        raw = memoryview(unshuffle(_unzstd(payload, raw_length, expected_id), element_size))
+        raw = memoryview(unshuffle(unzstd(payload, raw_length, expected_id), element_size))
     elif codec in PLANE_CODECS:
         raw = memoryview(interleave(
-            planes_of(payload, element_size, raw_length, expected_id, codec, unmove=False),
-            out=out, moved=codec == CODEC_EXPONENT_PLANES))
+            planes_of(payload, element_size, raw_length, expected_id, codec, unmove=False,
+                      scratch=True), out=out, moved=codec == CODEC_EXPONENT_PLANES))
     else:  # codec 3: a delta object, read only by _delta.decode_delta
         raise CorruptChunkError(f"codec {codec} is a delta object", chunk_id=expected_id)
     if len(raw) != raw_length:
         raise CorruptChunkError(f"chunk decodes to {len(raw)} bytes, expected {raw_length}",
                                 chunk_id=expected_id)
-    if out is not None and codec not in PLANE_CODECS:
+    if out is not None and codec in (CODEC_RAW, CODEC_SHUFFLE_ZSTD):
         out[...] = np.frombuffer(raw, np.uint8)
         raw = memoryview(out)
     if chunk_id(raw) != expected_id:
         raise CorruptChunkError("chunk bytes do not match their chunk id", chunk_id=expected_id)
     return raw
-
-
-def _unzstd(payload: memoryview, raw_length: int, expected_id: str) -> bytes:
-    """Decompresses one zstd frame whose declared content size must equal ``raw_length``."""
-    try:
-        declared = zstandard.frame_content_size(payload)
-        if declared != raw_length:
-            raise CorruptChunkError(f"zstd frame declares {declared} bytes, expected "
-                                    f"{raw_length}", chunk_id=expected_id)
-        return _decompressor().decompress(payload, max_output_size=raw_length)
-    except zstandard.ZstdError as e:
-        raise CorruptChunkError(f"zstd frame does not decode: {e}", chunk_id=expected_id) from e

@@ -33,9 +33,7 @@ from ._codec import (
     PLANE_CODECS,
     SAMPLE_BYTES,
     VERSION,
-    _compressor,
     _min_saving,
-    _unzstd,
     buffer_planes,
     chunk_id,
     decode_chunk,
@@ -49,6 +47,7 @@ from ._codec import (
 )
 from ._errors import CorruptChunkError, warn_read_again
 from ._layout import chunk_key
+from ._zstd import compressor, unzstd
 from .store import Store
 
 CODEC_DELTA = 3
@@ -148,7 +147,7 @@ def base_bytes(data: bytes | memoryview, base_id: str, raw_length: int,
             if codec in PLANE_CODECS and size == k:
                 return planes_of(payload, k, raw_length, base_id, codec)
             if codec == CODEC_SHUFFLE_ZSTD and size == k:
-                return list(np.frombuffer(_unzstd(payload, raw_length, base_id),
+                return list(np.frombuffer(unzstd(payload, raw_length, base_id),
                                           np.uint8).reshape(k, -1))
             if codec == CODEC_RAW and size == 0 and len(payload) == raw_length:
                 return np.frombuffer(payload, np.uint8)
@@ -187,7 +186,7 @@ def _whole_size(raw_sample: np.ndarray, planes_sample: np.ndarray, level: int,
     n = raw_sample.size
     if shuffle is None:
         return n
-    sizes = [(CODEC_ZSTD, len(_compressor(level).compress(raw_sample)))]
+    sizes = [(CODEC_ZSTD, len(compressor(level).compress(raw_sample)))]
     if planes_sample.shape[0] > 1:
         sizes.append((CODEC_EXPONENT_PLANES,
                       _planes_size(planes_sample, level, CODEC_EXPONENT_PLANES)))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import math
-import mmap
 import threading
 from collections.abc import Callable, Collection
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._buffers import mapped
 from ._chunking import Index
 from ._codec import HEADER, verify_raw
 from ._delta import DeltaBases
@@ -214,20 +214,16 @@ def _copy_block(raw: memoryview, ref: ChunkRef, entry: LeafEntry, regions: dict,
 def _empty_aligned(shape: list[int], dtype: np.dtype, own_mapping: bool = False) -> np.ndarray:
     """An uninitialised C-contiguous array whose data starts on a 64-byte boundary.
 
-    With ``own_mapping``, from :data:`MMAP_BYTES` on, the array has an anonymous memory mapping
-    of its own (page-aligned, huge pages advised), which goes back to the OS as soon as the
-    array is freed: for buffers dropped once their leaf is on its devices. From malloc, a freed
-    buffer of up to 32 MiB stays in the arena of the thread that freed it (glibc's dynamic mmap
-    threshold), and a restore placing leaves on a GPU from 33 threads kept about that much per
-    thread: restoring GPT-2-XL's state onto an H100 took 2.97 GB of extra RSS, 1.85 GB with
-    buffers returned at once (and 6% longer: each buffer's pages are faulted in anew).
+    With ``own_mapping``, from :data:`MMAP_BYTES` on, the array is :func:`~casstore._buffers.
+    mapped`, so it goes back to the OS as soon as it is freed: for buffers dropped once their
+    leaf is on its devices. From malloc, a restore placing leaves on a GPU from 33 threads
+    kept up to 32 MiB per thread: restoring GPT-2-XL's state onto an H100 took 2.97 GB of extra
+    RSS, 1.85 GB with buffers returned at once (and 6% longer: each buffer's pages are faulted
+    in anew).
     """
     n = math.prod(shape) * dtype.itemsize
     if own_mapping and n >= MMAP_BYTES:
-        mapping = mmap.mmap(-1, n)
-        if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux: fewer page faults on first touch
-            mapping.madvise(mmap.MADV_HUGEPAGE)
-        return np.frombuffer(mapping, np.uint8).view(dtype).reshape(shape)
+        return mapped(n).view(dtype).reshape(shape)
     raw = np.empty(n + ALIGN, np.uint8)
     offset = -raw.ctypes.data % ALIGN
     return raw[offset:offset + n].view(dtype).reshape(shape)

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import numpy as np
 
-# Elements per block of the plane scatter: a 16 MiB chunk of float32 is one block. Each numpy
+# Elements per block of the plane scatter: 4 blocks for a 16 MiB float32 chunk. Each numpy
 # call releases and retakes the GIL, and with many decoding threads retaking it is what a
 # restore waited on: with 64 Ki-element blocks (~1300 calls per chunk) a warm restore of
-# GPT-2-XL on 16 cores took 15.9 s for 53 s of CPU time, with whole planes 4.8 s. One thread
-# decodes as fast either way (8.9 ms per chunk, 9.7 with 64 Ki blocks).
-_UNPLANE_BLOCK = 4 * 1024 * 1024
-# Bytes per block of codec 5's sign move: a 16 MiB float32 chunk's plane is one block, for the
-# same reason (an encode takes 14.1 ms per chunk with 256 KiB blocks or whole planes alike);
-# larger planes go in blocks, so the temporaries stay at a few plane-sized arrays of a chunk.
-_SIGN_BLOCK = 4 * 1024 * 1024
+# GPT-2-XL on 16 cores took 15.9 s for 53 s of CPU time, with whole planes 4.8 s. With these
+# blocks (~60 calls per chunk) it took 5.06-5.26 s for 54-57 s of CPU on an H200's 16 cores,
+# whole planes 4.81-5.16 s for 58-62 s, and its peak RSS was 150 MB lower: codec 5's sign is
+# moved back in temporaries of a block, not of a plane. On 2 cores two threads decoded a chunk
+# in 8.1-8.7 ms, with whole planes in 11.0-11.1 ms.
+_UNPLANE_BLOCK = 1024 * 1024
+# Bytes per block of codec 5's sign move, for the same reason: its temporaries are a few
+# blocks, not a few planes (an encode takes 14.1 ms per chunk with 256 KiB blocks or whole
+# planes alike).
+_SIGN_BLOCK = 1024 * 1024
 
 
 def shuffle(raw: memoryview | bytes | np.ndarray, element_size: int,

@@ -1,9 +1,11 @@
 """Measures the peak extra host memory of one save or restore of a 2 GiB state; launched by
 test_memory.py in a fresh process. RSS is sampled every 5 ms during the operation; the figure
-is its peak minus the RSS just before the operation.
+is its peak minus the RSS just before the operation, once jax's backend has started (a save of
+numpy leaves starts it too, for ``jax.process_count``).
 
 Usage: memory_worker.py save-numpy|save-jax|save-accelerator-path|restore-jax URL [LEAVES]
-Prints one JSON line: {"state_bytes", "extra_peak_bytes", "inflight_bytes", "workers"}.
+Prints one JSON line: {"state_bytes", "extra_peak_bytes", "inflight_bytes", "workers"}, and for a
+restore "readers" (its reader threads) and "check".
 """
 
 import contextlib
@@ -20,6 +22,7 @@ import numpy as np
 import casstore
 from casstore import _chunking
 from casstore._chunking import DEFAULT_CHUNK_SIZE_BYTES
+from casstore._repository import read_manifest
 from casstore._save_upload import default_inflight_bytes
 
 LEAVES = int(sys.argv[3]) if len(sys.argv) > 3 else 8  # of 256 MiB: 2 GiB by default
@@ -62,6 +65,7 @@ def state(kind: str) -> dict:
 
 if __name__ == "__main__":
     kind, url = sys.argv[1], sys.argv[2]
+    jax.devices()  # jax's runtime is not the operation's: 308 MB on a 16-core machine's CPU
     store = casstore.open_store(url)
     inflight = default_inflight_bytes(store.max_workers, DEFAULT_CHUNK_SIZE_BYTES)
     if kind == "restore-jax":
@@ -71,6 +75,7 @@ if __name__ == "__main__":
             restored = casstore.restore(store, 0, target=target)
             jax.block_until_ready(restored)
         result["check"] = float(restored[f"w{LEAVES - 1}"][-1])
+        result["readers"] = store.read_threads(read_manifest(store, 0).encoded())
     else:
         if kind == "save-accelerator-path":  # what a GPU takes: block copies to pinned memory
             _chunking.on_host = lambda x: False

@@ -335,9 +335,54 @@ PLANES_N, PLANES_LENGTHS = _planes_of(PLANES_DATA)
     (lambda d: d[:HEADER.size + 20] + bytes([d[HEADER.size + 20] ^ 1]) + d[HEADER.size + 21:],
      "chunk id"),  # a flipped byte in a raw plane
 ])
-def test_decode_rejects_malformed_byte_plane_payloads(damage, message):
+@pytest.mark.parametrize("into", [False, True], ids=["new", "into-destination"])
+def test_decode_rejects_malformed_byte_plane_payloads(damage, message, into):
+    # into: as a restore decodes, the zstd planes into the thread's scratch buffer, the chunk
+    # into its destination
+    out = np.empty(len(PLANES_RAW), np.uint8) if into else None
     with pytest.raises(CorruptChunkError, match=message):
-        decode_chunk(damage(PLANES_DATA), chunk_id(PLANES_RAW), len(PLANES_RAW))
+        decode_chunk(damage(PLANES_DATA), chunk_id(PLANES_RAW), len(PLANES_RAW), out)
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    (lambda d: d[:-7], "decodes to|zstd"),  # the frame cut short
+    (lambda d: d[:HEADER.size + 40] + bytes([d[HEADER.size + 40] ^ 0x55]) + d[HEADER.size + 41:],
+     "zstd|chunk id"),
+    (lambda d: d, None),
+])
+def test_a_zstd_chunk_decoded_into_its_destination_is_checked_as_one_decoded_anew(damage,
+                                                                                   message):
+    raw = memoryview(np.tile(np.arange(1000, dtype=np.uint16), 300).view(np.uint8))
+    data = bytes(encode_chunk(raw))
+    assert HEADER.unpack_from(data)[2] == CODEC_ZSTD
+    out = np.zeros(len(raw), np.uint8)
+    if message is None:
+        decoded = decode_chunk(damage(data), chunk_id(raw), len(raw), out)
+        assert np.shares_memory(np.frombuffer(decoded, np.uint8), out)  # no copy made
+        assert out.tobytes() == raw.tobytes()
+        return
+    for into in (None, out):
+        with pytest.raises(CorruptChunkError, match=message):
+            decode_chunk(damage(data), chunk_id(raw), len(raw), into)
+
+
+def test_the_planes_of_one_thread_decode_again_and_again_into_the_same_scratch(monkeypatch):
+    # the zstd planes of chunk after chunk reuse one buffer (no allocation per chunk), and a
+    # larger chunk after a smaller one gets a larger buffer, not a short write
+    from casstore import _buffers
+
+    monkeypatch.setattr(_buffers._local, "scratch", None, raising=False)  # as a new thread has
+    small, large = (memoryview(_trained_like(n).view(np.uint8)) for n in (1000, 8000))
+    scratches = []
+    for raw in (small, small, large, small):
+        out = np.empty(len(raw), np.uint8)
+        decode_chunk(_planes_object(raw), chunk_id(raw), len(raw), out)
+        assert out.tobytes() == raw.tobytes()
+        scratches.append(_buffers._local.scratch)
+    assert scratches[0] is scratches[1]
+    assert scratches[2] is not scratches[1]
+    assert scratches[2].size > scratches[1].size
+    assert scratches[3] is scratches[2]
 
 
 def test_a_zstd_plane_that_declares_another_size_is_rejected_before_decoding():

@@ -67,20 +67,31 @@ def test_the_accelerator_path_save_uses_memory_that_does_not_grow_with_the_state
     # CPU device: sliced on the device (host memory here; GPU memory on a GPU), its pinned host
     # copy, and its encoding; jax's compiled slices and pinned pool add a fixed amount.
     # On a CPU device jax's pinned allocations share glibc's heap with everything else, and the
-    # peak varies from run to run (seen: 395-540 MiB at 1 GiB, 490-700 MiB at 2 GiB). A copy
-    # of the state would add the whole added gigabyte; a bounded window adds far less.
+    # peak varies from run to run (seen on 2 cores: 395-540 MiB at 1 GiB, 490-700 MiB at
+    # 2 GiB; on 16 cores, whose window is 6 times larger, 2.07 GB at 2 GiB). A copy of the
+    # state would add the whole added gigabyte; a bounded window adds far less.
     small = measure("save-accelerator-path", str(tmp_path / "a"), leaves=4)  # 1 GiB
     large = measure("save-accelerator-path", str(tmp_path / "b"), leaves=8)  # 2 GiB
     added = large["state_bytes"] - small["state_bytes"]
     assert large["extra_peak_bytes"] - small["extra_peak_bytes"] < added / 2, (small, large)
-    assert large["extra_peak_bytes"] < large["state_bytes"] / 2, large
+    # 896 MiB on 2 cores (128 MiB in flight), 2.8 GiB on 16 or more (768 MiB)
+    assert large["extra_peak_bytes"] < 3 * large["inflight_bytes"] + 512 * 2**20, large
 
 
-def test_restoring_2_gib_into_jax_arrays_stays_under_1_1x_the_state(saved_2gib):
+def restore_bound(m: dict) -> int:
+    """What a restore into jax arrays may add: the arrays (adopted by jax, not copied), two
+    chunks per reader thread (its object buffer and its decode scratch, kept from chunk to
+    chunk), and 64 MiB for threads and heap. 2,240 MiB for a 2 GiB state with 4 readers (2
+    cores): under 1.1x the state. The readers are at most 16 on local disk, however many
+    cores."""
+    return m["state_bytes"] + 2 * m["readers"] * DEFAULT_CHUNK_SIZE_BYTES + 64 * 2**20
+
+
+def test_restoring_2_gib_into_jax_arrays_stays_within_the_state_and_its_readers(saved_2gib):
     url, _ = saved_2gib
     m = measure("restore-jax", url)
     assert m["check"] == saved_2gib[1]["check"]  # the last element of the last leaf restored
-    assert m["extra_peak_bytes"] <= 1.1 * m["state_bytes"], m
+    assert m["extra_peak_bytes"] <= restore_bound(m), m
 
 
 @pytest.mark.parametrize("pad", [0, 1], ids=["strict", "strict-False-padded"])

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from .._buffers import mapped
 from .._errors import ObjectNotFoundError
 from ._base import ObjectInfo, Store
 
@@ -88,7 +89,7 @@ class LocalStore(Store):
             with open(self._path(key), "rb", buffering=0) as f:
                 size = _regular(f, self._path(key)).st_size
                 if buffer is None or buffer.size < size:
-                    buffer = np.empty(size, np.uint8)
+                    buffer = mapped(size)
                 view = memoryview(buffer)[:size]
                 got = f.readinto(view)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
