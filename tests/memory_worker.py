@@ -3,9 +3,11 @@ test_memory.py in a fresh process. RSS is sampled every 5 ms during the operatio
 is its peak minus the RSS just before the operation, once jax's backend has started (a save of
 numpy leaves starts it too, for ``jax.process_count``).
 
-Usage: memory_worker.py save-numpy|save-jax|save-accelerator-path|restore-jax URL [LEAVES]
+Usage: memory_worker.py save-numpy|save-numpy-planes|save-jax|save-accelerator-path|restore-jax
+       URL [LEAVES]
 Prints one JSON line: {"state_bytes", "extra_peak_bytes", "inflight_bytes", "workers"}, and for a
-restore "readers" (its reader threads) and "check".
+restore "encoded" (whether the step's chunks are mostly encoded), "readers" (its reader threads)
+and "check".
 """
 
 import contextlib
@@ -58,7 +60,7 @@ def peak_extra_rss(out: dict):
 def state(kind: str) -> dict:
     rng = np.random.default_rng(0)
     tree = {f"w{i}": rng.random(LEAF_ELEMENTS, dtype=np.float32) for i in range(LEAVES)}
-    if kind != "save-numpy":
+    if not kind.startswith("save-numpy"):
         tree = {k: jax.device_put(v) for k, v in tree.items()}  # host copies are dropped
     return jax.block_until_ready(tree)
 
@@ -75,13 +77,14 @@ if __name__ == "__main__":
             restored = casstore.restore(store, 0, target=target)
             jax.block_until_ready(restored)
         result["check"] = float(restored[f"w{LEAVES - 1}"][-1])
-        result["readers"] = store.read_threads(read_manifest(store, 0).encoded())
+        result["encoded"] = read_manifest(store, 0).encoded()
+        result["readers"] = store.read_threads(result["encoded"])
     else:
         if kind == "save-accelerator-path":  # what a GPU takes: block copies to pinned memory
             _chunking.on_host = lambda x: False
         tree = state(kind)
-        with peak_extra_rss(result := {}):
-            casstore.save(store, 0, tree)
+        with peak_extra_rss(result := {}):  # -planes: byte planes whatever the machine
+            casstore.save(store, 0, tree, compression="bytes" if kind.endswith("planes") else None)
         result["check"] = float(np.asarray(tree[f"w{LEAVES - 1}"])[-1])
     print(json.dumps({"state_bytes": LEAVES * LEAF_ELEMENTS * 4, "inflight_bytes": inflight,
                       "workers": store.max_workers, **result}))
