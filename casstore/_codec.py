@@ -153,8 +153,9 @@ def planes_of(payload: memoryview, element_size: int, raw_length: int,
     copy. For codec 5
     the sign bit is moved back (:func:`unmove_sign`), so the planes are ``shuffle``'s, unless
     ``unmove`` is False (for :func:`interleave`'s ``moved``, which does it block by block).
-    With ``scratch`` the zstd planes are decoded into this thread's :func:`_scratch`, so they
-    are valid only until the thread's next call here; else into new arrays."""
+    With ``scratch`` the zstd planes are decoded into this thread's scratch buffer
+    (:func:`~casstore._buffers.thread_scratch`), so they are valid only until the thread's next
+    call here; else into new arrays."""
     k, n = element_size, raw_length // element_size
     table = 4 * k
     if len(payload) < table:
