@@ -33,6 +33,7 @@ import jax
 
 from ._chunking import INLINE_LIMIT_BYTES, on_host
 from ._known_chunks import remembered, stand_in
+from ._multihost import processes
 
 log = logging.getLogger("casstore")
 
@@ -53,7 +54,7 @@ def copy_on_device(arrays: dict[int, Any]) -> tuple[dict[int, Any], set[int]]:
       hashes are remembered for the caller's arrays), and the indices of the copies. The
       copies are dispatched, not waited for.
     """
-    if jax.process_index() != 0:  # it writes only arrays that span processes: not copied
+    if processes()[1] != 0:  # it writes only arrays that span processes: not copied
         return arrays, set()
     unique = {id(a): a for a in arrays.values() if _wanted(a)}  # a leaf twice: one copy
     need: dict[Any, int] = collections.Counter()

@@ -14,8 +14,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import jax
-
 from ._async_save import AsyncCheckpointer
 from ._chunking import DEFAULT_CHUNK_SIZE_BYTES
 from ._codec import DEFAULT_ZSTD_LEVEL
@@ -23,7 +21,7 @@ from ._errors import StepNotFoundError
 from ._fallback import FallbackStore
 from ._gc import DEFAULT_GRACE_PERIOD_S, RetentionGc
 from ._layout import check_step
-from ._multihost import SaveAgreement
+from ._multihost import SaveAgreement, processes
 from ._policies import (
     DecisionContext,
     PolicyCheckpointInfo,
@@ -279,7 +277,7 @@ class CheckpointManager:
             self.persister.submit(step)
         try:
             deleted = self._apply_retention()
-            if self.gc_after_retention and jax.process_index() == 0:
+            if self.gc_after_retention and processes()[1] == 0:
                 self.last_gc_info = self._collect(bool(deleted)) or self.last_gc_info
         except Exception as e:  # raised by a later call: it must not read as a failed save
             e.add_note(f"casstore: step {step} was committed; retention or GC then failed")
@@ -356,7 +354,7 @@ class CheckpointManager:
         doomed = [info.step for info, kept in zip(infos, keep, strict=True)
                   if not kept and info.step not in pending]
         for step in doomed:
-            if jax.process_index() == 0:
+            if processes()[1] == 0:
                 deleted(self.store, step, self.run)  # already gone: the same outcome
             self._details.pop(step, None)
         self._steps = [s for s in self._steps if s not in doomed]
@@ -433,7 +431,7 @@ class CheckpointManager:
         self.wait_until_finished()
         found = step in self.all_steps()
         found = (self.persister is not None and self.persister.delete(step)) or found
-        found = (jax.process_index() == 0 and deleted(self.store, step, self.run)) or found
+        found = (processes()[1] == 0 and deleted(self.store, step, self.run)) or found
         self._details.pop(step, None)
         self._steps = [s for s in self._steps if s != step]
         if not found:

@@ -46,6 +46,24 @@ def timeout_ms() -> int:
     return int(float(os.environ.get("CASSTORE_MULTIHOST_TIMEOUT_S", "600")) * 1000)
 
 
+def processes() -> tuple[int, int]:
+    """This process's ``(jax.process_count(), jax.process_index())``, without starting jax's
+    backends where nothing has.
+
+    A process that has not started them and has not called ``jax.distributed.initialize``
+    holds no jax array, so it is one process of one: ``(1, 0)``. Asking jax there would start
+    every backend, on a GPU machine the GPU's client, which by jax's default preallocates 75% of
+    the GPU's memory, in a process that only saves numpy leaves (a data loader, an evaluation
+    on the CPU). A process of a TPU pod whose processes never call ``jax.distributed`` is
+    counted alike until it starts its backend (its first jax array or device query), as every
+    process of a training job does before it saves.
+    """
+    from jax._src import distributed, xla_bridge  # no public way to ask without starting them
+    if distributed.global_state.client is None and not xla_bridge.backends_are_initialized():
+        return 1, 0
+    return jax.process_count(), jax.process_index()
+
+
 def kv_client():
     """The ``jax.distributed`` coordinator's key-value store client.
 
@@ -68,8 +86,7 @@ class SaveAgreement:
     """
 
     def __init__(self):
-        self.count = jax.process_count()
-        self.index = jax.process_index()
+        self.count, self.index = processes()
         self.tag = f"casstore/save/{next(_save_counter)}" if self.count > 1 else ""
         self._posted = False  # this process posted its refs (or its error)
         self._published = False  # process 0 posted the outcome
@@ -301,7 +318,7 @@ class Rounds:
     """
 
     def __init__(self, run: str):
-        self.count, self.index = jax.process_count(), jax.process_index()
+        self.count, self.index = processes()
         self.is_leader = self.index == 0
         self.tag = f"casstore/persist/{next(_managers)}/{run}"
         self.k = 0

@@ -17,8 +17,9 @@ import signal
 from collections.abc import Callable, Container, Sequence
 from typing import Any
 
-import jax
 import numpy as np
+
+from ._multihost import processes
 
 
 class PolicyCheckpointInfo:
@@ -156,7 +157,7 @@ class ContinuousCheckpointingPolicy(SaveDecisionPolicy):
             not previous_steps or self.minimum_interval_secs is None
             or (step.time - previous_steps[-1].time).total_seconds()
             >= self.minimum_interval_secs)
-        if jax.process_count() > 1:
+        if processes()[0] > 1:
             from jax.experimental import multihost_utils
             due = bool(multihost_utils.broadcast_one_to_all(np.int32(due)))
         return due

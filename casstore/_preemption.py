@@ -12,7 +12,7 @@ import signal
 import threading
 from collections.abc import Sequence
 
-import jax
+from ._multihost import processes
 
 
 def reached_sync_point(step: int) -> bool:
@@ -45,7 +45,7 @@ class PreemptionNotice:
         self._closed = False
         self._step: int | None = None  # the first step reached: the one to save
         self._denied: int | None = None  # the last step answered False
-        if not signals or jax.process_count() > 1:
+        if not signals or processes()[0] > 1:
             return
         if threading.current_thread() is not threading.main_thread():
             raise ValueError("a preemption policy with signals= needs the manager to be made "

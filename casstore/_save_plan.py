@@ -34,6 +34,7 @@ from ._chunking import (
     unique_shards,
 )
 from ._known_chunks import Members, known, members
+from ._multihost import processes
 from ._save_leaves import ArrayInfo, Prepared
 
 # Shards whose host copies one jax.device_put call starts (async staging without a cap).
@@ -95,7 +96,7 @@ def plan_jobs(prepared: Prepared, arrays: dict[int, Any], chunk_size_bytes: int,
     written by every process for its own ``replica_id == 0`` shards; everything else (numpy,
     fully addressable jax arrays) only by process 0.
     """
-    primary = jax.process_index() == 0
+    primary = processes()[1] == 0
     infos = prepared.arrays
     for i, info in infos.items():  # grid() cuts on whole elements
         if info.dtype.itemsize > chunk_size_bytes:

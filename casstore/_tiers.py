@@ -35,8 +35,6 @@ import time
 import weakref
 from collections.abc import Callable
 
-import jax
-
 from ._copy import CopyInfo, copy_selected
 from ._errors import (
     CasstoreError,
@@ -49,7 +47,7 @@ from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, RetentionGc
 from ._layout import manifest_key
 from ._locks import save_lock
 from ._manifest import needed_objects
-from ._multihost import Rounds, timeout_ms
+from ._multihost import Rounds, processes, timeout_ms
 from ._persist_rounds import persist_shared, send_share
 from ._policies import (
     PolicyCheckpointInfo,
@@ -136,7 +134,7 @@ class Persister:
         self._expected, self._through = None, -1.0
         self._closed = self._configured = False
         self._cond = threading.Condition()
-        self.rounds = Rounds(run) if jax.process_count() > 1 else None
+        self.rounds = Rounds(run) if processes()[0] > 1 else None
         follower = self.rounds is not None and not self.rounds.is_leader
         self._thread = threading.Thread(target=self._follow if follower else self._loop,
                                         name="casstore-persist", daemon=True)
@@ -228,7 +226,7 @@ class Persister:
                 self._cond.notify_all()
             self._cond.wait_for(lambda: self._running != step)
         # first: if it raises (the tier unreachable), the step stays known to be there
-        found = jax.process_index() == 0 and deleted(self.persistent, step, self.run)
+        found = processes()[1] == 0 and deleted(self.persistent, step, self.run)
         with self._cond:
             self._remote_steps.discard(step)
             self._details.pop(step, None)

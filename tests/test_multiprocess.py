@@ -141,3 +141,33 @@ def test_an_array_on_another_processs_devices_only_is_saved(tmp_path):
                                   np.arange(4 * 6, dtype=np.float32).reshape(4, 6) + 4)
     np.testing.assert_array_equal(restored["state"]["w"], np.arange(
         64 * 48, dtype=np.float32).reshape(64, 48) * 4)
+
+
+NUMPY_ONLY = """
+import sys
+import numpy as np
+import casstore
+from jax._src import xla_bridge
+root, tree = sys.argv[1], {"w": np.arange(12.0).reshape(3, 4), "n": np.int64(2**40)}
+casstore.save(root + "/plain", 1, tree)
+assert casstore.restore(root + "/plain", 1)["n"] == 2**40
+with casstore.CheckpointManager(root + "/local", persistent=root + "/persistent",
+                                persist_interval_steps=1, max_to_keep=1) as mngr:
+    mngr.save(1, tree)
+    mngr.wait_until_finished()
+    np.testing.assert_array_equal(mngr.restore(1)["w"], tree["w"])
+print("started" if xla_bridge.backends_are_initialized() else "none started")
+"""
+
+
+def test_a_process_of_numpy_leaves_starts_none_of_jaxs_backends(tmp_path):
+    """A save asks how many processes the job has; where nothing has started jax's backends,
+    asking jax would start them all (on a GPU machine, preallocating most of the GPU's memory
+    for a process that saves numpy leaves), so a process without jax.distributed and without
+    started backends counts as one."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    out = subprocess.run([sys.executable, "-c", NUMPY_ONLY, str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["none", "started"], out.stdout
+    assert casstore.list_steps(tmp_path / "persistent") == [1]
