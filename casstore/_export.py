@@ -87,7 +87,7 @@ def export_tensors(url: Url, step: int | None, out: str | os.PathLike, *, run: s
         :func:`check_export_path`. StepNotFoundError, ManifestError, CorruptChunkError,
         MissingChunkError: as :func:`~casstore.restore`. UnsupportedLeafError: a leaf of a
         dtype the format cannot hold (names it and suggests ``dtype``), or whose values
-        overflow ``dtype``.
+        overflow ``dtype``. TypeError: ``paths`` or ``exclude`` is one string, not a list.
     """
     from ._keypath import matches
     from ._restore import restore
@@ -97,8 +97,8 @@ def export_tensors(url: Url, step: int | None, out: str | os.PathLike, *, run: s
     as_dtype = _float_dtype(dtype)
     store = open_store(url)
     manifest = read_manifest(store, step, run=run)
-    chosen = [leaf for leaf in manifest.leaves if matches(leaf.path, list(paths) if paths else None)
-              and not (exclude and matches(leaf.path, list(exclude)))]
+    chosen = [leaf for leaf in manifest.leaves if matches(leaf.path, paths or None)
+              and not (exclude and matches(leaf.path, exclude))]
     skipped = tuple((leaf.path, f"a {leaf.scalar_type} leaf") for leaf in chosen
                     if leaf.kind == "scalar" and leaf.scalar_type in ("str", "bytes"))
     wanted = [leaf.path for leaf in chosen if leaf.path not in dict(skipped)]

@@ -9,6 +9,7 @@ storage form of a jax key path.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -82,10 +83,18 @@ def is_valid_path(path: object) -> bool:
     return path == "" or _PATH.fullmatch(path) is not None
 
 
-def matches(path: str, prefixes: list[str] | None) -> bool:
-    """True if ``path`` equals a prefix or lies below one (``prefix + "/"``); None matches all."""
+def matches(path: str, prefixes: Sequence[str] | None) -> bool:
+    """True if ``path`` equals a prefix or lies below one (``prefix + "/"``); None matches all.
+
+    Raises:
+      TypeError: ``prefixes`` is a string (``paths="params"``), which would match by its
+        letters; the message says to pass ``["params"]``.
+    """
     if prefixes is None:
         return True
+    if isinstance(prefixes, str):
+        raise TypeError(f"key-path prefixes are a list of strings: pass [{prefixes!r}], not "
+                        f"the string {prefixes!r}")
     return any(p == "" or path == p or path.startswith(p + "/") for p in prefixes)
 
 

@@ -198,7 +198,13 @@ def _unrepresentable(host: np.ndarray, dtype: np.dtype) -> str | None:
 
 
 def _scalar(value: Any, kind: type, entry: LeafEntry, fail: Fail) -> Any:
-    """``value`` as a Python scalar of ``kind`` (the target leaf's type)."""
+    """``value`` as a Python scalar of ``kind`` (the target leaf's type); a complex value into
+    a real type only without an imaginary part, as for array targets (:func:`cast`)."""
+    if isinstance(value, complex) and not issubclass(kind, complex):
+        if value.imag != 0:
+            raise fail(f"the saved value {value!r} has an imaginary part, which a "
+                       f"{kind.__name__} cannot hold", entry.path)
+        value = value.real
     if kind is bool and value not in (0, 1):
         raise fail(f"the saved value {value!r} is not a bool (0 or 1)", entry.path)
     try:

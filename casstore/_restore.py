@@ -126,6 +126,7 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
         here cannot host a saved mesh (names the key path, the saved mesh and the devices).
       ValueError: ``transforms`` or ``fill_missing`` without a target; ``sharding`` neither
         None nor ``"saved"``, or given with a target.
+      TypeError: ``paths`` is one string, not a list of them.
     """
     store = with_fallback(open_store(url), fallback)
     manifest = read_manifest(store, step, run=run)

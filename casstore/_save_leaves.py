@@ -63,8 +63,6 @@ class Prepared:
         return sum(a.nbytes for a in self.arrays.values())
 
 
-
-
 def prepare(tree: Any, metadata: Any = None) -> tuple[Prepared, dict[int, Any]]:
     """Flattens and checks ``tree`` before anything is written.
 
@@ -77,6 +75,7 @@ def prepare(tree: Any, metadata: Any = None) -> tuple[Prepared, dict[int, Any]]:
       ValueError: ``metadata`` that msgpack cannot encode, or over 1 MiB encoded.
     """
     node, leaves = flatten(tree)
+    _check_unique([path for path, _ in leaves])
     metadata = snapshot(metadata)
     scalars: dict[int, LeafEntry] = {}
     values: dict[int, Any] = {}
@@ -88,6 +87,18 @@ def prepare(tree: Any, metadata: Any = None) -> tuple[Prepared, dict[int, Any]]:
             scalars[i] = _scalar_entry(path, value)
     return Prepared(node, [p for p, _ in leaves], scalars, infos, metadata), values
 
+
+def _check_unique(paths: list[str]) -> None:
+    """Raises UnsupportedLeafError naming the first key path two leaves share (a pytree node
+    whose flatten gives two children one key): a manifest maps each key path to one leaf
+    (format.md §4.4)."""
+    seen: set[str] = set()
+    for path in paths:
+        if path in seen:
+            raise UnsupportedLeafError("two leaves have this key path (a pytree node gives two "
+                                       "children the same key); each leaf needs its own",
+                                       key_path=path)
+        seen.add(path)
 
 
 def _sharding_info(x: Any) -> dict | None:

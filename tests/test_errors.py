@@ -431,3 +431,49 @@ def test_a_missing_step_is_named_with_the_steps_the_run_has():
         casstore.restore(store, 3)
     with pytest.raises(casstore.StepNotFoundError, match="the run has no committed step"):
         casstore.restore(store, 3, run="other")
+
+
+class _SameKeyTwice:
+    """A pytree node whose flatten gives both children the key ``z``."""
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+
+jax.tree_util.register_pytree_with_keys(
+    _SameKeyTwice,
+    lambda n: (((jax.tree_util.GetAttrKey("z"), n.a), (jax.tree_util.GetAttrKey("z"), n.b)),
+               None),
+    lambda _, children: _SameKeyTwice(*children),
+    flatten_func=lambda n: ((n.a, n.b), None))
+
+
+def test_two_leaves_on_one_key_path_are_refused_before_any_write(tmp_path):
+    store = LocalStore(tmp_path / "repo")
+    tree = {"n": _SameKeyTwice(np.ones(100_000), np.zeros(300_000))}
+    with pytest.raises(casstore.UnsupportedLeafError, match="two leaves have this key path") as e:
+        casstore.save(store, 0, tree)
+    assert e.value.key_path == "n/z"
+    assert [p for p in (tmp_path / "repo").rglob("*") if p.is_file() and "chunks" in p.parts] == []
+    assert casstore.list_steps(store) == []
+
+
+def test_a_complex_value_without_an_imaginary_part_restores_into_a_python_scalar(tmp_path):
+    casstore.save(tmp_path, 0, {"c": 1 + 0j, "zc": np.array(2 + 0j, np.complex64),
+                                "i": 3 - 1j})
+    got = casstore.restore(tmp_path, target={"c": 0.0, "zc": 0, "i": 0j})
+    assert got == {"c": 1.0, "zc": 2, "i": 3 - 1j}
+    assert type(got["c"]) is float
+    assert type(got["zc"]) is int
+    with pytest.raises(casstore.TargetMismatchError, match="imaginary part") as e:
+        casstore.restore(tmp_path, target={"i": 0.0}, partial=True)
+    assert e.value.key_path == "i"
+
+
+def test_key_path_prefixes_given_as_one_string_are_refused(tmp_path):
+    casstore.save(tmp_path, 0, {"params": {"w": np.ones(3)}, "opt": np.zeros(2)})
+    with pytest.raises(TypeError, match=re.escape("pass ['params'], not the string 'params'")):
+        casstore.restore(tmp_path, paths="params")
+    with pytest.raises(TypeError, match=re.escape("pass ['opt']")):
+        casstore.export_tensors(tmp_path, 0, tmp_path / "out.npz", exclude="opt")
+    assert list(casstore.restore(tmp_path, paths=["params"])) == ["params"]
