@@ -187,3 +187,30 @@ def test_a_create_stored_with_bytes_that_failed_their_checksum_is_rewritten_or_r
     with pytest.raises(ChecksumError, match=rf"while accessing {re.escape(store.url)}/n$"):
         store.put_if_absent("n", b"never")
     assert not store.exists("n")
+
+
+def test_a_plain_http_endpoint_loads_no_ca_bundle_and_https_keeps_verification(
+        object_servers, monkeypatch):
+    """aiobotocore loads the CA bundle into an SSL context for each client it makes (30-66 ms of
+    CPU), which a client of an http:// endpoint never uses: it is not loaded there, and a
+    store of an https:// endpoint keeps botocore's verification."""
+    import ssl
+    loads = []
+    original = ssl.SSLContext.load_verify_locations
+    monkeypatch.setattr(ssl.SSLContext, "load_verify_locations",
+                        lambda self, *a, **k: (loads.append(a), original(self, *a, **k))[1])
+    server = object_servers["seaweedfs"]
+    assert server.storage_options["endpoint_url"].startswith("http://")
+    url = server.url()  # the fixture makes the bucket with a client of its own
+    loads.clear()
+    store = FsspecStore.from_url(url, **server.storage_options)
+    casstore.save(store, 1, {"w": np.arange(6.0)})
+    np.testing.assert_array_equal(casstore.restore(store, 1)["w"], np.arange(6.0))
+    assert loads == []
+    assert store.fs.client_kwargs["verify"] is False
+    secure = FsspecStore.from_url("s3://bucket/repo", endpoint_url="https://s3.example.invalid",
+                                  key="k", secret="s")
+    assert "verify" not in secure.fs.client_kwargs
+    mine = FsspecStore.from_url("s3://bucket/repo", endpoint_url="http://127.0.0.1:1",
+                                client_kwargs={"verify": "/my/ca.pem"}, key="k", secret="s")
+    assert mine.fs.client_kwargs["verify"] == "/my/ca.pem"

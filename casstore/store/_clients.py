@@ -38,6 +38,18 @@ def put_options(fs: fsspec.AbstractFileSystem) -> dict:
     return {"ChecksumAlgorithm": "CRC32C"} if calculation == "when_supported" else {}
 
 
+def no_tls_setup(options: dict) -> None:
+    """Sets ``client_kwargs["verify"] = False`` in s3fs ``options`` whose endpoint is plain
+    ``http://`` and that say nothing of ``verify``: such a client makes no TLS connection, yet
+    aiobotocore loads the CA bundle into an SSL context for each client it makes, 30-66 ms of
+    CPU on the 2-core machine (a copy between two S3 stores makes two; every CLI command one).
+    An ``https://`` endpoint, or none (AWS), keeps botocore's verification."""
+    client = dict(options.get("client_kwargs") or {})
+    endpoint = options.get("endpoint_url") or client.get("endpoint_url") or ""
+    if endpoint.lower().startswith("http://") and "verify" not in client:
+        options["client_kwargs"] = {**client, "verify": False}
+
+
 def is_exists_error(exc: BaseException) -> bool:
     """True if ``exc`` says a create-only write found the object present.
 

@@ -183,6 +183,7 @@ class FsspecStore(Store):
             # the adaptive limit, _retry) while stalled chunk requests hold them all.
             storage_options["config_kwargs"].setdefault("max_pool_connections",
                                                         cls.max_workers_cap + 16)
+            _clients.no_tls_setup(storage_options)
             if "profile" not in storage_options:  # a profile is a session's own setting
                 storage_options.setdefault("session", _clients.shared_aio_session())
         fs, root = fsspec.core.url_to_fs(url, **storage_options)
