@@ -54,9 +54,9 @@ def processes() -> tuple[int, int]:
     holds no jax array, so it is one process of one: ``(1, 0)``. Asking jax there would start
     every backend, on a GPU machine the GPU's client, which by jax's default preallocates 75% of
     the GPU's memory, in a process that only saves numpy leaves (a data loader, an evaluation
-    on the CPU). A process of a TPU pod whose processes never call ``jax.distributed`` is
-    counted alike until it starts its backend (its first jax array or device query), as every
-    process of a training job does before it saves.
+    on the CPU). A multi-process save needs ``jax.distributed`` anyway (its key-value store:
+    :func:`kv_client`), so a job of several processes without it (a TPU pod whose processes
+    never call it) is refused once its backend has started, as before.
     """
     from jax._src import distributed, xla_bridge  # no public way to ask without starting them
     if distributed.global_state.client is None and not xla_bridge.backends_are_initialized():
