@@ -73,10 +73,12 @@ def file_array(path: str, value: Any, fmt: str) -> np.ndarray:
     allowed = SAFETENSORS_DTYPES if fmt == "safetensors" else NPZ_DTYPES
     if array.dtype.name not in allowed:
         other = ".safetensors" if fmt == "npz" else ".npz"
-        fixes = (f"cast it (--dtype float32), leave it out (--exclude) or use {other}"
-                 if "float" in array.dtype.name  # --dtype casts floating-point leaves only
-                 else f"leave it out (--exclude) or use {other}")
-        raise UnsupportedLeafError(f"{fmt} files cannot hold dtype {array.dtype.name}: {fixes}",
+        fixes = ["cast it (--dtype float32)"] if "float" in array.dtype.name else []
+        fixes.append("leave it out (--exclude)")  # --dtype casts floating-point leaves only
+        if array.dtype.name in (NPZ_DTYPES if fmt == "safetensors" else SAFETENSORS_DTYPES):
+            fixes.append(f"use {other}")  # only where the other format holds it
+        advice = " or ".join([", ".join(fixes[:-1]), fixes[-1]] if len(fixes) > 1 else fixes)
+        raise UnsupportedLeafError(f"{fmt} files cannot hold dtype {array.dtype.name}: {advice}",
                                    key_path=path)
     return array
 

@@ -435,6 +435,11 @@ def test_export_refuses_an_unknown_dtype_and_values_it_would_overflow(tmp_path):
     casstore.save(url, 1, {"c": np.ones(2, np.complex128)})  # --dtype would not cast it
     result = run("export", url, 1, tmp_path / "c.safetensors", code=2)
     assert "cannot hold dtype complex128: leave it out (--exclude) or use .npz" in result.stderr
+    casstore.save(url, 2, {"i4": np.arange(4, dtype=ml_dtypes.int4)})  # neither format holds it
+    for suffix in (".safetensors", ".npz"):
+        result = run("export", url, 2, tmp_path / f"i4{suffix}", code=2)
+        assert "cannot hold dtype int4: leave it out (--exclude) (key path 'i4')" in (
+            result.stderr)
 
 
 def test_import_safetensors_and_npz_restore_bit_exact(repo, tmp_path):
