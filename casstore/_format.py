@@ -50,9 +50,12 @@ def check_features(fields: dict, **where: Any) -> None:
       where: ``url``, ``run``, ``step`` for the error.
 
     Raises:
-      UnsupportedFormatError: a feature this reader does not know, or ``min_reader`` above
-        :data:`READER_VERSION`; names it and the version that reads it.
-      ManifestError: the fields are of the wrong type or form (damage, not a newer format).
+      UnsupportedFormatError: a feature this reader does not know, with a ``min_reader``
+        above :data:`READER_VERSION`, or such a ``min_reader``; names it and the version that
+        reads it.
+      ManifestError: the fields are of the wrong type or form, or a feature this reader does
+        not know comes without a ``min_reader`` above its own (damage, not a newer format:
+        a newer writer's feature always names a newer release).
     """
     features, needs = fields.get("features", []), fields.get("min_reader")
     if not (isinstance(features, list) and len(features) <= MAX_FEATURES
@@ -61,6 +64,11 @@ def check_features(fields: dict, **where: Any) -> None:
     if needs is not None and not (isinstance(needs, str) and _VERSION.fullmatch(needs)):
         raise ManifestError(f"invalid format: bad min_reader {needs!r}", **where)
     unknown = [f for f in features if f not in FEATURES]
+    if unknown and (needs is None or version_tuple(needs) <= version_tuple(READER_VERSION)):
+        # a newer writer's feature comes with a min_reader above this release: this is damage
+        raise ManifestError(f"invalid format: unknown feature {unknown[0]!r}, which "
+                            f"min_reader {needs} says this casstore ({READER_VERSION}) reads: "
+                            "damaged", **where)
     if unknown:
         raise UnsupportedFormatError(f"feature {unknown[0]!r}", needs=needs,
                                      reader=READER_VERSION, **where)

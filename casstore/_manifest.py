@@ -14,6 +14,7 @@ from typing import Any
 
 import msgpack
 import numpy as np
+import xxhash
 
 from ._chunking import INLINE_LIMIT_BYTES, dtype_from_name
 from ._codec import MAX_RAW_LENGTH, is_chunk_id
@@ -34,6 +35,8 @@ MAX_CREATED = 253402300800  # seconds: 10000-01-01, past what datetime can show
 MAX_SCALAR_BYTES = 2**20
 MAX_GRID_CELLS = 4_000_000
 SCALAR_TYPES = ("bool", "int", "float", "complex", "str", "bytes")
+DIGEST_BYTES = 16  # the manifest's xxh3-128 digest, its last field (format.md §4.1)
+DIGEST_HEADER = b"\xc4\x10"  # msgpack bin 8 of 16 bytes
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -176,14 +179,38 @@ def features_of(m: Manifest) -> list[str]:
 
 
 def encode_manifest(m: Manifest) -> bytes:
-    """msgpack bytes of ``m`` in format.md §4.1 field order, with the features it uses."""
+    """msgpack bytes of ``m`` in format.md §4.1 field order, with the features it uses, ending
+    in its ``digest``: the xxh3-128 of every byte before it."""
     features = features_of(m)
-    return msgpack.packb({
+    return pack_with_digest({
         "format": FORMAT, "version": DELTA_VERSION if "delta" in features else VERSION,
         "features": features, "min_reader": min_reader(features), "run": m.run,
         "step": m.step, "created": m.created, "metadata": m.metadata, "tree": m.tree,
-        "leaves": [_encode_leaf(leaf) for leaf in m.leaves],
-    }, use_bin_type=True)
+        "leaves": [_encode_leaf(leaf) for leaf in m.leaves]})
+
+
+def pack_with_digest(fields: dict) -> bytes:
+    """msgpack bytes of ``fields`` (without a ``digest``) followed by the field ``digest``:
+    the xxh3-128 of every byte before its value (format.md §4.1)."""
+    data = msgpack.packb({**fields, "digest": bytes(DIGEST_BYTES)},
+                         use_bin_type=True)[:-DIGEST_BYTES]
+    return data + xxhash.xxh3_128_digest(data)
+
+
+def _check_digest(raw: dict, data: bytes, check: _Check) -> None:
+    """Checks the ``digest`` of a manifest that has one (written since 2026-11-28, format.md
+    §4.1): the last field, 16 bytes, equal to the xxh3-128 of the bytes before them. Inline
+    arrays and scalars live in the manifest, where no chunk id covers them: a flipped bit there
+    would otherwise restore as another value."""
+    if "digest" not in raw:
+        return
+    digest = raw["digest"]
+    check(next(reversed(raw)) == "digest" and isinstance(digest, bytes)
+          and len(digest) == DIGEST_BYTES
+          and bytes(memoryview(data)[-DIGEST_BYTES - 2:]) == DIGEST_HEADER + digest,
+          "bad digest field")
+    check(xxhash.xxh3_128_digest(memoryview(data)[:-DIGEST_BYTES]) == digest,
+          "its bytes do not match its digest (damaged)")
 
 
 def _encode_leaf(leaf: LeafEntry) -> dict:
@@ -247,6 +274,7 @@ def decode_manifest(data: bytes, *, run: str, step: int, url: str) -> Manifest:
         raise ManifestError(f"invalid manifest: not msgpack: {e}", run=run, step=step,
                             url=url) from e
     check(isinstance(raw, dict), "top level is not a map")
+    _check_digest(raw, data, check)  # first: damage is named as such, not as a newer format
     check(raw.get("format") == FORMAT, f"format is {raw.get('format')!r}, not {FORMAT!r}")
     where = {"run": run, "step": step, "url": url}
     unsupported_version("version", raw.get("version"), max(VERSION, DELTA_VERSION), **where)

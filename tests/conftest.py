@@ -19,9 +19,11 @@ import threading
 import uuid
 
 import fsspec
+import msgpack
 import pytest
 import servers
 
+from casstore._manifest import pack_with_digest
 from casstore.store import FsspecStore, LocalStore, MemoryStore
 
 LOCAL_BACKENDS = ["memory", "local", "fsspec-memory"]
@@ -116,3 +118,12 @@ def load_benchmark(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def repack(doc: dict) -> bytes:
+    """msgpack bytes of a decoded manifest or config ``doc`` after a test changed it: a
+    manifest's ``digest`` (format.md §4.1) is computed again, as a writer of those fields
+    would have, so what the test changed reaches the checks behind the digest."""
+    if "digest" not in doc:
+        return msgpack.packb(doc, use_bin_type=True)
+    return pack_with_digest({k: v for k, v in doc.items() if k != "digest"})

@@ -25,6 +25,8 @@ from casstore import cli
 from casstore.cli import _output  # noqa: F401  (cli._output, for the console)
 from casstore.store import FsspecStore
 
+from conftest import repack
+
 CHUNK = 256 * 1024  # small chunks: the frozen leaf spans 4 of them
 
 
@@ -609,7 +611,7 @@ def test_a_step_of_a_newer_format_is_named_as_such_not_as_damage(tmp_path):
     key = tmp_path / "repo" / manifest_key("default", 1)
     doc = msgpack.unpackb(key.read_bytes())
     doc.update(features=[*doc["features"], "future-thing"], min_reader="9.0.0")
-    key.write_bytes(msgpack.packb(doc, use_bin_type=True))
+    key.write_bytes(repack(doc))
     result = run("ls", url, code=14)  # upgrade: nothing is damaged
     assert "casstore: newer format:" in result.stderr
     assert "upgrade casstore" in result.stderr
@@ -654,5 +656,5 @@ def test_du_plot_folder_read_only_hint_and_repair_of_a_newer_step(tmp_path):
     key = newer / manifest_key("default", 1)
     doc = msgpack.unpackb(key.read_bytes())
     doc.update(features=[*doc["features"], "future-thing"], min_reader="9.0.0")
-    key.write_bytes(msgpack.packb(doc, use_bin_type=True))
+    key.write_bytes(repack(doc))
     run("repair", good, newer, code=14)

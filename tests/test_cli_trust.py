@@ -20,6 +20,8 @@ import casstore.store
 from casstore import cli
 from casstore._layout import manifest_key
 
+from conftest import repack
+
 
 @pytest.fixture
 def repo(tmp_path) -> str:
@@ -98,7 +100,7 @@ def rewrite_manifest(url: str, step: int, change) -> None:
     path = pathlib.Path(url) / "runs" / "default" / "steps" / f"{step:016d}.manifest"
     doc = msgpack.unpackb(path.read_bytes())
     change(doc)
-    path.write_bytes(msgpack.packb(doc, use_bin_type=True))
+    path.write_bytes(repack(doc))
 
 
 @pytest.mark.parametrize("created", [float("nan"), float("inf"), 1e20, -1.0])
@@ -856,7 +858,7 @@ def test_a_repair_that_can_fix_nothing_says_it_copied_nothing_back(tmp_path):
              for r in leaf.chunks}
     ref = next(c for leaf in doc["leaves"] for c in leaf["chunks"] if c["id"] in first)
     ref["raw_bytes"] += 4
-    key.write_bytes(before := msgpack.packb(doc, use_bin_type=True))
+    key.write_bytes(before := repack(doc))
     info = casstore.repair(str(good), str(damaged))
     assert (info.steps, info.deleted_objects, info.ok) == ((), (), False)
     assert "copied back 0 step(s)" in run("repair", good, damaged, code=1).stdout

@@ -19,7 +19,7 @@ from casstore._delta import CODEC_DELTA, MAX_RESTORE_OVERHEAD, RestoreBudget, de
 from casstore._layout import DELTAS_PREFIX, chunk_key, manifest_key
 from casstore.store import CountingStore, LocalStore, MemoryStore
 
-from conftest import object_store
+from conftest import object_store, repack
 
 CHUNK = 64 * 1024
 WEIGHTS = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32) * 0.02
@@ -298,7 +298,7 @@ def test_hostile_delta_fields_in_a_manifest_are_refused(field, value, message):
     else:
         raw["version"] = value
     store.delete(key)
-    store.put(key, _manifest.msgpack.packb(raw, use_bin_type=True))
+    store.put(key, repack(raw))
     with pytest.raises(casstore.ManifestError, match=message):
         casstore.read_manifest(store, 1)
 

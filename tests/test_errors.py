@@ -15,6 +15,8 @@ import casstore
 from casstore._layout import chunk_key, manifest_key
 from casstore.store import LocalStore, MemoryStore
 
+from conftest import repack
+
 
 @pytest.fixture
 def saved(repo_store):
@@ -209,7 +211,7 @@ def test_bad_manifests_raise_manifest_error(saved, damage):
             w["chunks"][1]["stop"] = w["chunks"][0]["stop"]
         elif damage == "escape":
             w["chunks"][0]["id"] = "../../etc/passwd"
-        data = msgpack.packb(doc, use_bin_type=True)
+        data = repack(doc)
     store.delete(key)
     store.put(key, data)
     with pytest.raises(casstore.ManifestError) as info:
@@ -226,7 +228,7 @@ def test_a_single_chunk_that_does_not_cover_its_array_is_refused(repo_store, sta
     (ref,) = next(x for x in doc["leaves"] if x["path"] == "x")["chunks"]
     ref["start"], ref["stop"] = start, stop
     repo_store.delete(key)
-    repo_store.put(key, msgpack.packb(doc, use_bin_type=True))
+    repo_store.put(key, repack(doc))
     with pytest.raises(casstore.ManifestError, match=r"gaps|out of bounds|past its raw bytes"):
         casstore.restore(repo_store, 1)
 

@@ -15,6 +15,8 @@ from casstore._layout import CHUNKS_PREFIX, manifest_key
 from casstore._manifest import features_of
 from casstore.store import CountingStore, MemoryStore
 
+from conftest import repack
+
 TREE = {"w": np.arange(64 * 1024, dtype=np.float32) / 3, "b": np.ones(100, np.float32),
         "c": np.zeros(100, np.float32), "n": 3}
 
@@ -31,7 +33,7 @@ def rewrite(store: MemoryStore, key: str, **fields) -> None:
     doc = msgpack.unpackb(store.get(key), raw=False, strict_map_key=False)
     doc.update(fields)
     store.delete(key)
-    store.put(key, msgpack.packb(doc, use_bin_type=True))
+    store.put(key, repack(doc))
 
 
 def test_a_new_save_records_its_features_and_min_reader(store):
@@ -166,10 +168,24 @@ def test_the_feature_table_is_read_by_this_release():
     assert _format.version_tuple("0.10.0") > _format.version_tuple("0.9.1")
 
 
+@pytest.mark.parametrize("min_reader", [_format.READER_VERSION, None])
+def test_an_unknown_feature_this_release_is_said_to_read_is_damage_not_a_newer_format(
+        min_reader):
+    """A newer writer's feature always comes with a newer min_reader: a feature name this
+    release does not know, under a min_reader it meets, is a damaged name ('coDec-5'),
+    reported as damage (exit 1), never as "upgrade casstore" (exit 14)."""
+    fields = {"features": ["coDec-5"], **({"min_reader": min_reader} if min_reader else {})}
+    with pytest.raises(casstore.ManifestError, match=r"unknown feature 'coDec-5'.*damaged") as e:
+        _format.check_features(fields, url="u", run="default", step=1)
+    assert not isinstance(e.value, casstore.UnsupportedFormatError)
+    with pytest.raises(casstore.UnsupportedFormatError, match="feature 'coDec-5'"):
+        _format.check_features({**fields, "min_reader": "9.0.0"}, url="u", run="default", step=1)
+
+
 def test_gc_refuses_a_repository_with_a_step_of_a_newer_format(store):
     """GC cannot know what a newer step references, so it deletes nothing (format.md §8)."""
     casstore.save(store, 2, {"w": np.ones(10_000, np.float32)})
-    rewrite(store, manifest_key("default", 2), features=["codec-9"])
+    rewrite(store, manifest_key("default", 2), features=["codec-9"], min_reader="9.0.0")
     keys = sorted(info.key for info in store.list(""))
     casstore.delete(store, 1)  # its chunks are garbage to a GC that could read step 2
     with pytest.raises(casstore.ManifestError,

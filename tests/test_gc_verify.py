@@ -13,7 +13,7 @@ import casstore
 from casstore._layout import chunk_key, manifest_key
 from casstore.store import LocalStore, MemoryStore
 
-from conftest import object_store
+from conftest import object_store, repack
 
 
 def age_all(store: LocalStore, seconds: float) -> None:
@@ -251,7 +251,7 @@ def test_verify_reports_refs_that_disagree_on_an_objects_length():
     assert refs[0]["id"] == refs[1]["id"]  # one pack
     refs[1]["raw_bytes"] += 4
     store.delete(key)
-    store.put(key, msgpack.packb(doc, use_bin_type=True))
+    store.put(key, repack(doc))
     for read_data in (True, False):
         report = casstore.verify(store, read_data=read_data)
         assert [(p.kind, p.chunk_id) for p in report.problems] == [("manifest", refs[0]["id"])]

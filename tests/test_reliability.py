@@ -25,11 +25,12 @@ from casstore._codec import (
     decode_chunk,
     encode_chunk,
 )
+from casstore._layout import manifest_key
 from casstore._manifest import decode_manifest
 from casstore.store import CountingStore, MemoryStore
 from casstore.testing import FaultyStore
 
-from conftest import object_store
+from conftest import object_store, repack
 
 FAULT_SEEDS = range(40)
 
@@ -193,7 +194,7 @@ def check_mutated_manifest(where, value) -> None:
     """A mutated manifest gets ManifestError, or is consistent and restores or fails cleanly."""
     FUZZED["mutated manifests"] += 1
     doc = mutate(valid_manifest(), list(where), value)
-    data = msgpack.packb(doc, use_bin_type=True)
+    data = repack(doc)
     try:
         manifest = decode_manifest(data, run="default", step=1, url="mem")
     except casstore.ManifestError:
@@ -221,6 +222,32 @@ def mutated_manifests(n: int):
 
 def random_manifests(n: int):
     return fuzzing(n)(given(data=st.binary(max_size=2000))(check_random_bytes))
+
+
+def test_every_single_bit_flip_of_a_manifest_is_refused_or_changes_nothing():
+    """Inline arrays and scalar leaves live in the manifest, where no chunk id covers them: its
+    digest (format.md §4.1) refuses every flip that would decode into another manifest, and
+    none is taken for a newer format. The only flips accepted are in the word ``digest``."""
+    store = MemoryStore()
+    casstore.save(store, 0, {"inline": np.arange(8, dtype=np.float32), "s": "hello", "n": 7,
+                             "big": np.ones(1000)}, metadata={"loss": 0.5})
+    data = store.get(manifest_key("default", 0))
+    good = decode_manifest(data, run="default", step=0, url="mem")
+    accepted = []
+    for i in range(len(data)):
+        for bit in range(8):
+            flipped = bytearray(data)
+            flipped[i] ^= 1 << bit
+            try:
+                manifest = decode_manifest(bytes(flipped), run="default", step=0, url="mem")
+            except casstore.UnsupportedFormatError as e:
+                raise AssertionError(f"byte {i} bit {bit}: damage taken for a newer format") from e
+            except casstore.ManifestError:
+                continue
+            assert manifest == good, f"byte {i} bit {bit} decodes into another manifest"
+            accepted.append(i)
+    start = data.rindex(b"digest")
+    assert set(accepted) <= set(range(start, start + len("digest")))
 
 
 test_mutated_manifests_are_rejected_or_safe = mutated_manifests(400)
@@ -321,7 +348,7 @@ def test_hostile_leaf_fields_fail_before_any_allocation(hostile):
     leaf.update(hostile)
     with pytest.raises(casstore.ManifestError, match=r"exceeds the limit|bad shape|not an "
                        r"allowed array dtype|bad chunk sizes") as info:
-        decode_manifest(msgpack.packb(doc, use_bin_type=True), run="default", step=1, url="m")
+        decode_manifest(repack(doc), run="default", step=1, url="m")
     assert info.value.key_path == "a/w"
 
 
@@ -332,11 +359,11 @@ def test_deeply_nested_tree_and_oversized_strings_are_rejected():
         node = {"t": "list", "c": [node], "type": "x"}
     doc["tree"] = node
     with pytest.raises(casstore.ManifestError, match="bad tree node or too deep"):
-        decode_manifest(msgpack.packb(doc), run="default", step=1, url="m")
+        decode_manifest(repack(doc), run="default", step=1, url="m")
     doc = valid_manifest()
     doc["leaves"][0]["path"] = "p" * 5000
     with pytest.raises(casstore.ManifestError, match="bad key path"):
-        decode_manifest(msgpack.packb(doc), run="default", step=1, url="m")
+        decode_manifest(repack(doc), run="default", step=1, url="m")
 
 
 def test_chunk_ids_cannot_name_objects_outside_chunks():
@@ -345,7 +372,7 @@ def test_chunk_ids_cannot_name_objects_outside_chunks():
     for bad in ("../config0000000000000000000000000", "runs/default/steps/000000000000000"):
         leaf["chunks"][0]["id"] = bad
         with pytest.raises(casstore.ManifestError, match="bad chunk id"):
-            decode_manifest(msgpack.packb(doc), run="default", step=1, url="m")
+            decode_manifest(repack(doc), run="default", step=1, url="m")
 
 
 # -- read-only access and secrets -----------------------------------------------------------
@@ -400,7 +427,7 @@ def test_an_unknown_prng_implementation_is_a_manifest_error_naming_the_key_path(
     doc = msgpack.unpackb(store.get(key))
     doc["leaves"][0]["key_impl"] = "nonexistent"  # an identifier: the validator lets it pass
     store.delete(key)
-    store.put(key, msgpack.packb(doc, use_bin_type=True))
+    store.put(key, repack(doc))
     for target in (None, {"k": jax.random.key(1)}):
         with pytest.raises(casstore.ManifestError, match=r"'nonexistent'.*key path 'k'"):
             casstore.restore(store, 0, target=target)
@@ -422,7 +449,7 @@ def test_a_tree_that_disagrees_with_the_leaf_paths_is_refused(tamper):
     else:
         node["c"] = node["c"][::-1]
     store.delete(key)
-    store.put(key, msgpack.packb(doc, use_bin_type=True))
+    store.put(key, repack(doc))
     with pytest.raises(casstore.ManifestError, match=r"the tree puts leaf|bad dict keys"):
         casstore.restore(store, 0)
 

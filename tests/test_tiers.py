@@ -879,18 +879,30 @@ def test_a_damaged_local_base_of_a_delta_is_taken_from_the_persistent_tier(tmp_p
     assert casstore.verify(local).ok  # the base written back, the local delta kept
 
 
+@pytest.mark.parametrize(("damage", "error"), [
+    ("truncated", "not msgpack"),
+    # the scalar leaf "step" (0) as 1: still a valid manifest, which its digest refuses
+    ("a scalar leaf's bit flipped", "its bytes do not match its digest"),
+])
 def test_a_damaged_local_manifest_of_a_persisted_step_is_read_from_the_persistent_tier(
-        tmp_path, remote):
+        tmp_path, remote, damage, error):
     local = LocalStore(tmp_path / "local")
     with manager(local, remote) as mngr:
         mngr.save(0, tree_for(0))
         assert mngr.wait_until_persisted()
     path = pathlib.Path(local.root) / manifest_key("default", 0)
-    path.write_bytes(path.read_bytes()[:50])
+    data = path.read_bytes()
+    if damage == "truncated":
+        data = data[:50]
+    else:
+        at = data.index(b"\xa5value\x00") + len(b"\xa5value")
+        data = data[:at] + b"\x01" + data[at + 1:]
+    path.write_bytes(data)
     with pytest.raises(casstore.ManifestError,
-                       match=rf"invalid manifest: not msgpack.*url '{re.escape(local.url)}'"
+                       match=rf"invalid manifest: {error}.*url '{re.escape(local.url)}'"
                        r".*step 0\)"):
         casstore.restore(local, 0)
+    assert casstore.verify(local).manifests_damaged == 1
     assert_bit_exact(casstore.restore(local, 0, fallback=remote), 0)
     with manager(local, remote) as mngr:
         assert_bit_exact(mngr.restore(0), 0)
