@@ -10,6 +10,7 @@ import socket
 import stat
 import subprocess
 import sys
+import warnings
 
 import jax
 import ml_dtypes
@@ -175,6 +176,15 @@ def test_du_plot_draws_one_series_per_run(repo, tmp_path):
         stored(casstore.read_manifest(repo, 1), "w") / 1e6)
     result = run("du", repo, "--plot", tmp_path / "x.jpg", code=2)
     assert ".png or .svg" in result.stderr
+
+
+def test_du_plot_of_a_repository_without_steps_draws_without_a_warning(tmp_path):
+    casstore.save(tmp_path / "r", 0, {"a": np.ones(3)})
+    casstore.delete(tmp_path / "r", 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "No artists with labels" was one
+        run("du", tmp_path / "r", "--plot", tmp_path / "empty.svg")
+    assert (tmp_path / "empty.svg").stat().st_size > 0
 
 
 def test_du_plot_without_matplotlib_names_the_extra(repo, tmp_path, monkeypatch):

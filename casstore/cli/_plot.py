@@ -51,7 +51,8 @@ def plot_usage(steps: list, path: str, *, title: str = "") -> Any:
             ax.xaxis.get_major_locator().set_params(integer=True)
             ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
-        axes[0].legend(title="run")
+        if steps:  # an empty repository has no run to name
+            axes[0].legend(title="run")
         fig.suptitle(title, fontsize=10)
         fig.savefig(path, dpi=100, metadata={"Date": None} if suffix == ".svg" else None)
     plt.close(fig)
