@@ -51,8 +51,8 @@ def check_features(fields: dict, **where: Any) -> None:
 
     Raises:
       UnsupportedFormatError: a feature this reader does not know, with a ``min_reader``
-        above :data:`READER_VERSION`, or such a ``min_reader``; names it and the version that
-        reads it.
+        above :data:`READER_VERSION`; names it and the version that reads it (a
+        ``min_reader`` above it alone: :func:`check_min_reader`).
       ManifestError: the fields are of the wrong type or form, or a feature this reader does
         not know comes without a ``min_reader`` above its own (damage, not a newer format:
         a newer writer's feature always names a newer release).
@@ -64,25 +64,40 @@ def check_features(fields: dict, **where: Any) -> None:
     if needs is not None and not (isinstance(needs, str) and _VERSION.fullmatch(needs)):
         raise ManifestError(f"invalid format: bad min_reader {needs!r}", **where)
     unknown = [f for f in features if f not in FEATURES]
-    if unknown and (needs is None or version_tuple(needs) <= version_tuple(READER_VERSION)):
-        # a newer writer's feature comes with a min_reader above this release: this is damage
-        raise ManifestError(f"invalid format: unknown feature {unknown[0]!r}, which "
-                            f"min_reader {needs} says this casstore ({READER_VERSION}) reads: "
-                            "damaged", **where)
     if unknown:
-        raise UnsupportedFormatError(f"feature {unknown[0]!r}", needs=needs,
-                                     reader=READER_VERSION, **where)
+        unknown_to_reader(f"feature {unknown[0]!r}", needs, **where)
+
+
+def check_min_reader(fields: dict, **where: Any) -> None:
+    """Raises UnsupportedFormatError if the ``min_reader`` of ``fields`` (checked by
+    :func:`check_features`) names a release above this one. Called after the checks that
+    name what is newer (a feature, version or hash), as a last gate."""
+    needs = fields.get("min_reader")
     if needs is not None and version_tuple(needs) > version_tuple(READER_VERSION):
         raise UnsupportedFormatError(f"min_reader {needs}", needs=needs, reader=READER_VERSION,
                                      **where)
 
 
-def unsupported_version(what: str, version: object, known: int, **where: Any) -> None:
-    """Raises for a ``version`` field outside ``1..known``: :class:`UnsupportedFormatError` for
-    an int above ``known`` (a newer format), else :class:`ManifestError` (damage). ``what``
-    names the field in the message, e.g. ``"version"`` or ``"repository version"``."""
+def unknown_to_reader(what: str, needs: str | None, **where: Any) -> None:
+    """Raises for ``what`` (a feature, version or hash) this reader does not know, in an object
+    whose ``min_reader`` is ``needs``: :class:`UnsupportedFormatError` if ``needs`` names a
+    newer release, else :class:`ManifestError`: a newer writer's change always comes with a
+    newer ``min_reader`` (format.md §10), so under one this release meets (or none) the
+    unknown value is damage, which an upgrade would not mend."""
+    if needs is not None and version_tuple(needs) > version_tuple(READER_VERSION):
+        raise UnsupportedFormatError(what, needs=needs, reader=READER_VERSION, **where)
+    raise ManifestError(f"invalid format: unknown {what}, under min_reader {needs} (this "
+                        f"casstore is {READER_VERSION}): damaged", **where)
+
+
+def unsupported_version(what: str, version: object, known: int, needs: Any = None,
+                        **where: Any) -> None:
+    """Raises for a ``version`` field outside ``1..known``: for an int above ``known``, as
+    :func:`unknown_to_reader` says for the object's ``min_reader`` ``needs`` (a newer format,
+    or damage), else :class:`ManifestError` (damage). ``what`` names the field in the message,
+    e.g. ``"version"`` or ``"repository version"``."""
     if isinstance(version, int) and not isinstance(version, bool) and version > known:
-        raise UnsupportedFormatError(f"{what} {version}", needs=None, reader=READER_VERSION,
-                                     **where)
+        unknown_to_reader(f"{what} {version}", needs if isinstance(needs, str) else None,
+                          **where)
     if not (isinstance(version, int) and not isinstance(version, bool) and version >= 1):
         raise ManifestError(f"invalid format: bad {what} {version!r}", **where)

@@ -19,7 +19,7 @@ import xxhash
 from ._chunking import INLINE_LIMIT_BYTES, dtype_from_name
 from ._codec import MAX_RAW_LENGTH, is_chunk_id
 from ._errors import ManifestError
-from ._format import check_features, min_reader, unsupported_version
+from ._format import check_features, check_min_reader, min_reader, unsupported_version
 from ._keypath import MAX_DEPTH, escape_name, is_valid_path
 from ._layout import chunk_key, object_key
 
@@ -277,8 +277,10 @@ def decode_manifest(data: bytes, *, run: str, step: int, url: str) -> Manifest:
     _check_digest(raw, data, check)  # first: damage is named as such, not as a newer format
     check(raw.get("format") == FORMAT, f"format is {raw.get('format')!r}, not {FORMAT!r}")
     where = {"run": run, "step": step, "url": url}
-    unsupported_version("version", raw.get("version"), max(VERSION, DELTA_VERSION), **where)
     check_features(raw, **where)  # before any leaf: a newer format is named, not misread
+    unsupported_version("version", raw.get("version"), max(VERSION, DELTA_VERSION),
+                        raw.get("min_reader"), **where)
+    check_min_reader(raw, **where)
     check.version = raw["version"]
     check(raw.get("run") == run and raw.get("step") == step,
           f"names run {raw.get('run')!r} step {raw.get('step')!r}, but its key says otherwise")

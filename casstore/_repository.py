@@ -14,7 +14,14 @@ from typing import Any
 import msgpack
 
 from ._errors import ManifestError, StepNotFoundError, UnsupportedFormatError, warn_read_again
-from ._format import FEATURES, READER_VERSION, check_features, min_reader, unsupported_version
+from ._format import (
+    FEATURES,
+    check_features,
+    check_min_reader,
+    min_reader,
+    unknown_to_reader,
+    unsupported_version,
+)
 from ._layout import (
     CHUNKS_PREFIX,
     CONFIG_KEY,
@@ -53,14 +60,15 @@ def parse_config(data: bytes, url: str) -> dict:
     if not isinstance(config, dict) or config.get("format") != CONFIG_FORMAT:
         raise ManifestError(f"not a casstore repository (bad config object){_REPAIR_HINT}",
                             url=url)
-    unsupported_version("repository version", config.get("version"), CONFIG_VERSION, url=url)
+    check_features(config, url=url)
+    unsupported_version("repository version", config.get("version"), CONFIG_VERSION,
+                        config.get("min_reader"), url=url)
     if config.get("hash") != HASH:
         if not isinstance(config.get("hash"), str):
             raise ManifestError(f"invalid config: bad hash {config.get('hash')!r}{_REPAIR_HINT}",
                                 url=url)
-        raise UnsupportedFormatError(f"hash {config['hash']!r}", needs=config.get("min_reader"),
-                                     reader=READER_VERSION, url=url)
-    check_features(config, url=url)
+        unknown_to_reader(f"hash {config['hash']!r}", config.get("min_reader"), url=url)
+    check_min_reader(config, url=url)
     return config
 
 

@@ -52,7 +52,7 @@ def test_a_new_save_records_its_features_and_min_reader(store):
     ({"features": ["codec-5", "codec-9"], "min_reader": "9.1.0"},
      r"feature 'codec-9'.*casstore >= 9\.1\.0 reads it"),
     ({"min_reader": "9.1"}, r"min_reader 9\.1.*casstore >= 9\.1 reads it"),
-    ({"version": 3}, r"version 3.*a newer casstore may read it"),
+    ({"version": 3, "min_reader": "9.2"}, r"version 3.*casstore >= 9\.2 reads it"),
 ])
 def test_a_manifest_of_a_newer_format_is_refused_before_any_chunk_is_read(store, fields, named):
     rewrite(store, manifest_key("default", 1), **fields)
@@ -74,8 +74,8 @@ def test_a_manifest_of_a_newer_format_is_refused_before_any_chunk_is_read(store,
 @pytest.mark.parametrize(("fields", "named"), [
     ({"features": ["codec-5", "sha256-ids"], "min_reader": "2.0.0"}, "feature 'sha256-ids'"),
     ({"min_reader": "2.0.0"}, "min_reader 2.0.0"),
-    ({"version": 2}, "repository version 2"),
-    ({"hash": "blake3"}, "hash 'blake3'"),
+    ({"version": 2, "min_reader": "2.0.0"}, "repository version 2"),
+    ({"hash": "blake3", "min_reader": "2.0.0"}, "hash 'blake3'"),
 ])
 def test_a_repository_of_a_newer_format_is_refused_by_every_entry_point(store, fields, named):
     rewrite(store, "config", **fields)
@@ -166,6 +166,25 @@ def test_the_feature_table_is_read_by_this_release():
                for v in _format.FEATURES.values())
     assert _format.min_reader(sorted(_format.FEATURES)) == _format.READER_VERSION
     assert _format.version_tuple("0.10.0") > _format.version_tuple("0.9.1")
+
+
+@pytest.mark.parametrize(("key", "fields", "named"), [
+    ("config", {"version": 2}, "repository version 2"),
+    ("config", {"hash": "xxh3-12("}, "hash 'xxh3-12('"),
+    ("config", {"features": ["pAck"]}, "feature 'pAck'"),
+    ("manifest", {"version": 3}, "version 3"),
+])
+def test_an_unknown_version_hash_or_feature_without_a_newer_min_reader_is_damage(
+        store, key, fields, named):
+    """What a flipped bit makes of the config object (which has no digest) or an older
+    manifest: a newer writer would have named a newer min_reader, so it is damage (verify's
+    "damaged", exit 1, mended by repair), not "upgrade casstore"."""
+    rewrite(store, "config" if key == "config" else manifest_key("default", 1), **fields)
+    with pytest.raises(casstore.ManifestError, match=rf"unknown {re.escape(named)}.*damaged"
+                       ) as e:
+        casstore.restore(store, 1)
+    assert not isinstance(e.value, casstore.UnsupportedFormatError)
+    assert not casstore.verify(store).unsupported
 
 
 @pytest.mark.parametrize("min_reader", [_format.READER_VERSION, None])
