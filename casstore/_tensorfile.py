@@ -3,7 +3,8 @@
 Tensor names are key-path strings (format.md §5, e.g. ``params/layers/[0]/kernel``), so a file
 holds one tensor per array leaf and tools that do not know casstore can read it. Files follow
 the safetensors format (github.com/huggingface/safetensors, its README's format section) and
-numpy's ``.npz`` (``numpy.savez``, read with ``allow_pickle=False``).
+numpy's ``.npz`` (``numpy.savez``'s archive: a ``<name>.npy`` member per tensor, written and read
+by exact member name here, never with pickles).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 import pathlib
 import re
+import zipfile
 from typing import Any
 
 import numpy as np
@@ -64,6 +66,9 @@ def file_array(path: str, value: Any, fmt: str) -> np.ndarray:
     if isinstance(value, (str, bytes)):
         raise UnsupportedLeafError(f"a {type(value).__name__} leaf does not fit a {fmt} file: "
                                    "select array leaves with --paths", key_path=path)
+    if fmt == "safetensors" and path == "__metadata__":  # the header's own key
+        raise UnsupportedLeafError("a .safetensors file keeps its metadata under this name: "
+                                   "leave the leaf out (--exclude) or use .npz", key_path=path)
     if str(getattr(value, "dtype", "")).startswith("key<"):
         import jax
 
@@ -91,7 +96,17 @@ def write_tensors(out: str, arrays: dict[str, np.ndarray], fmt: str, metadata: d
         _safetensors().numpy.save_file(arrays, out, metadata={"casstore": json.dumps(metadata)})
         os.chmod(out, 0o666 & ~_umask())
     else:
-        np.savez(out, **arrays)
+        _write_npz(out, arrays)
+
+
+def _write_npz(out: str, arrays: dict[str, np.ndarray]) -> None:
+    """``numpy.savez``'s archive (a stored zip of one ``<name>.npy`` per array), written here:
+    ``savez`` takes the names ``file`` and ``allow_pickle`` for its own arguments, so a leaf of
+    either name was lost or failed."""
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for name, array in arrays.items():
+            with archive.open(f"{name}.npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, array, allow_pickle=False)
 
 
 def _umask() -> int:
@@ -122,16 +137,20 @@ def read_tensors(path: str) -> dict[str, np.ndarray]:
 
 
 def _read_npz(path: str) -> dict[str, np.ndarray]:
+    """Each member ``<name>.npy`` by its exact name: ``np.load``'s lookup of ``x.npy`` finds
+    the member ``x.npy`` (the tensor ``x``) before ``x.npy.npy``, so of two tensors named
+    ``x`` and ``x.npy`` it returned ``x``'s values twice."""
     try:
-        z = np.load(path, allow_pickle=False)
-    except ValueError as e:  # numpy's advice to load pickles unsafely is wrong here
-        raise TensorFileError("not an .npz archive (numpy sees no zip file)", url=str(path)
-                              ) from e
-    with z:
-        out = {name: z[name] for name in z.files}
-    for name, value in out.items():
-        if not isinstance(value, np.ndarray):  # numpy returns another member's raw bytes
-            raise TensorFileError(f"member {name!r} is not a .npy array", url=str(path))
+        archive = zipfile.ZipFile(path)
+    except zipfile.BadZipFile as e:
+        raise TensorFileError("not an .npz archive (no zip file)", url=str(path)) from e
+    out = {}
+    with archive:
+        for member in archive.namelist():
+            if not member.endswith(".npy"):
+                raise TensorFileError(f"member {member!r} is not a .npy array", url=str(path))
+            with archive.open(member) as f:
+                out[member[:-len(".npy")]] = np.lib.format.read_array(f, allow_pickle=False)
     return out
 
 

@@ -454,6 +454,30 @@ def test_export_refuses_an_unknown_dtype_and_values_it_would_overflow(tmp_path):
             result.stderr)
 
 
+def test_leaf_names_numpy_or_safetensors_give_a_meaning_keep_their_values(tmp_path):
+    """np.load found member 'x.npy' (tensor x) for the name 'x.npy'; np.savez took 'file' and
+    'allow_pickle' for its own arguments; '__metadata__' is the safetensors header's key."""
+    url = tmp_path / "r"
+    tree = {"x": np.ones(3), "x.npy": np.zeros(3), "allow_pickle": np.arange(3),
+            "file": np.arange(2, dtype=np.int8)}
+    casstore.save(url, 0, tree)
+    assert casstore.export_tensors(url, 0, tmp_path / "o.npz").tensors == 4
+    with np.load(tmp_path / "o.npz", allow_pickle=False) as z:  # what numpy users read
+        assert sorted(z.files) == sorted(tree)
+    casstore.import_tensors(tmp_path / "o.npz", url, 1)
+    back = casstore.restore(url, 1)
+    assert sorted(back) == sorted(tree)
+    for name, value in tree.items():
+        assert back[name].dtype == value.dtype
+        assert back[name].tobytes() == value.tobytes(), name
+    casstore.save(url, 2, {"__metadata__": np.arange(3), "w": np.ones(2)})
+    with pytest.raises(casstore.UnsupportedLeafError, match="keeps its metadata under this "
+                       r"name: leave the leaf out \(--exclude\) or use .npz") as e:
+        casstore.export_tensors(url, 2, tmp_path / "o.safetensors")
+    assert e.value.key_path == "__metadata__"
+    assert not (tmp_path / "o.safetensors").exists()
+
+
 def test_import_safetensors_and_npz_restore_bit_exact(repo, tmp_path):
     rng = np.random.default_rng(0)
     tensors = {"encoder.layer.0.weight": rng.standard_normal((64, 32), np.float32),
