@@ -32,7 +32,7 @@ _WHERE = {
     "GcInfo": "_gc", "gc": "_gc", "GcBusyError": "_locks",
     "CheckpointManager": "_manager",
     "ChunkRef": "_manifest", "LeafEntry": "_manifest", "Manifest": "_manifest",
-    "import_orbax": "_orbax", "UnsupportedItemError": "_orbax",
+    "import_orbax": "_orbax", "UnsupportedItemError": "_orbax", "OrbaxReadError": "_orbax",
     "AsyncCheckpointer": "_async_save",
     **dict.fromkeys(["AnyPreservationPolicy", "AnySavePolicy", "BestN",
                      "ContinuousCheckpointingPolicy", "CustomSteps", "DecisionContext",
@@ -109,6 +109,7 @@ if TYPE_CHECKING:  # the names as static tools see them
     from ._manifest import ChunkRef as ChunkRef
     from ._manifest import LeafEntry as LeafEntry
     from ._manifest import Manifest as Manifest
+    from ._orbax import OrbaxReadError as OrbaxReadError
     from ._orbax import UnsupportedItemError as UnsupportedItemError
     from ._orbax import import_orbax as import_orbax
     from ._policies import AnyPreservationPolicy as AnyPreservationPolicy

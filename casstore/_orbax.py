@@ -30,6 +30,12 @@ _PYTREE_HANDLERS = ("StandardCheckpointHandler", "PyTreeCheckpointHandler")
 _JSON_HANDLERS = ("JsonCheckpointHandler",)
 
 
+class OrbaxReadError(CasstoreError):
+    """orbax cannot read the checkpoint :func:`casstore.import_orbax` was given (damaged,
+    partial, or not of the ``target`` given); the message names the directory and orbax's
+    error."""
+
+
 class UnsupportedItemError(CasstoreError, ValueError):
     """An orbax step holds items :func:`casstore.import_orbax` cannot import.
 
@@ -44,7 +50,8 @@ class UnsupportedItemError(CasstoreError, ValueError):
 
 
 def import_orbax(orbax_dir: str | os.PathLike, url: Url, step: int, *, run: str = "default",
-                 item: str | None = None, metadata: Any = None) -> SaveInfo:
+                 item: str | None = None, target: Any = None,
+                 metadata: Any = None) -> SaveInfo:
     """Reads one orbax checkpoint with orbax and writes it as casstore step ``step`` of ``run``.
 
     What becomes the step's tree:
@@ -62,6 +69,14 @@ def import_orbax(orbax_dir: str | os.PathLike, url: Url, step: int, *, run: str 
     float / bool / None as Python scalar leaves (restored as the same Python values). The
     orbax step's own metadata (metrics, custom metadata) is not imported: pass ``metadata=``.
 
+    orbax's tree metadata keeps dict keys as strings and typed PRNG keys as their ``uint32``
+    key data, and orbax itself needs the restore's target to give them back: without
+    ``target``, an int dict key ``0`` is imported as the key ``"0"`` and a ``jax.random.key``
+    as its key data (shape ``(2,)`` for threefry), which a restore into the state's abstract
+    tree then refuses as mismatched. Pass ``target`` (e.g. ``jax.eval_shape`` of the state,
+    or ``nnx.state(nnx.eval_shape(...))``) and orbax restores through it, as its
+    ``StandardRestore`` does: the step then holds the target's keys and key types.
+
     Args:
       orbax_dir: the checkpoint or step directory (local or any path orbax's ``etils.epath``
         opens, e.g. gs://).
@@ -70,6 +85,9 @@ def import_orbax(orbax_dir: str | os.PathLike, url: Url, step: int, *, run: str 
       run: the casstore run name.
       item: import only this item of a manager step (``"default"`` for a manager with a single
         unnamed item).
+      target: None, or the abstract tree (``jax.ShapeDtypeStruct`` leaves; with a sharding,
+        arrays are restored onto it) of the one pytree item imported (a plain checkpoint,
+        a step of one item, or ``item``), restored through it by orbax.
       metadata: user metadata for the casstore manifest.
 
     Returns:
@@ -78,6 +96,9 @@ def import_orbax(orbax_dir: str | os.PathLike, url: Url, step: int, *, run: str 
     Raises:
       ImportError: orbax-checkpoint is not installed.
       FileNotFoundError: ``orbax_dir`` (or its ``item``) holds no orbax checkpoint.
+      OrbaxReadError: orbax cannot read it (a damaged or partial checkpoint, or a ``target``
+        it does not fit); names the directory and orbax's error. Nothing was written.
+      ValueError: ``target`` given for a step of several items without ``item``.
       UnsupportedItemError: an item (``item``, or any item of the step without it) was written
         by an orbax handler other than the pytree and JSON ones; names every such item and its
         handler. Nothing was written.
@@ -94,15 +115,27 @@ def import_orbax(orbax_dir: str | os.PathLike, url: Url, step: int, *, run: str 
 
     root = epath.Path(os.fspath(orbax_dir))
     items = _items(root, item)
-    trees = {name: _read(ocp, kind, path) for name, (kind, path) in items.items()}
+    if target is not None and len(items) != 1:
+        raise ValueError(f"target= is the tree of one item; {str(root)!r} holds "
+                         f"{sorted(items)}: pass item= too")
+    try:
+        trees = {name: _read(ocp, kind, path, target) for name, (kind, path) in items.items()}
+    except UnsupportedItemError:
+        raise
+    except Exception as e:  # orbax's, tensorstore's and json's own errors on a damaged one
+        raise OrbaxReadError(f"{str(root)!r}: orbax cannot read it: {type(e).__name__}: {e}; "
+                             "nothing was written") from e
     tree = trees.popitem()[1] if len(trees) == 1 else trees
     return save(url, step, tree, run=run, metadata=metadata)
 
 
-def _read(ocp, kind: str, path) -> Any:
-    """One item's tree: a pytree item through orbax, a JSON item as Python values."""
+def _read(ocp, kind: str, path, target: Any) -> Any:
+    """One item's tree: a pytree item through orbax (through ``target`` if given), a JSON item
+    as Python values."""
     if kind == "json":
         return json.loads(_json_file(path).read_text())
+    if target is not None:
+        return ocp.StandardCheckpointer().restore(path, target)
     checkpointer = ocp.PyTreeCheckpointer()
     tree_metadata = checkpointer.metadata(path).item_metadata.tree
     restore_args = jax.tree.map(
@@ -148,7 +181,11 @@ def _handlers(root) -> dict[str, str]:
     path = root / _STEP_METADATA
     if not path.exists():
         return {}
-    handlers = json.loads(path.read_text()).get("item_handlers")
+    try:
+        handlers = json.loads(path.read_text()).get("item_handlers")
+    except (ValueError, AttributeError) as e:  # not JSON, or not a JSON object
+        raise OrbaxReadError(f"{str(path)!r}: orbax's step metadata does not read: {e}; "
+                             "nothing was written") from e
     if not isinstance(handlers, dict):
         return {}
     return {name: str(h).rsplit(".", 1)[-1] for name, h in handlers.items()}

@@ -137,3 +137,41 @@ def test_a_json_item_with_its_own_file_name_is_imported(tmp_path):
     url = str(tmp_path / "cas")
     casstore.import_orbax(tmp_path / "orbax" / "1", url, 1)
     assert casstore.restore(url, 1) == {"epoch": 3}  # one item: its tree
+
+
+def test_int_dict_keys_and_prng_keys_come_back_through_the_target(tmp_path):
+    """orbax keeps dict keys as strings and typed keys as key data; through target= they are
+    the state's again, so a restore into its abstract tree (an nnx Optimizer's opt_state/0/...)
+    fits."""
+    state = {"opt": {0: jnp.arange(3.0), 1: {"mu": jnp.ones((2, 2), jnp.bfloat16)}},
+             "rng": jax.random.key(7), "step": jnp.int32(4)}
+    with ocp.StandardCheckpointer() as ck:
+        ck.save(tmp_path / "orbax", state)
+    url = str(tmp_path / "cas")
+    abstract = jax.eval_shape(lambda: state)
+    casstore.import_orbax(tmp_path / "orbax", url, 0)  # without target: orbax's own view
+    with pytest.raises(casstore.TargetMismatchError, match=r"opt/\[=0\]"):
+        casstore.restore(url, 0, target=abstract)
+    casstore.import_orbax(tmp_path / "orbax", url, 1, target=abstract)
+    back = casstore.restore(url, 1, target=abstract)
+    assert jax.tree.structure(back) == jax.tree.structure(state)
+    assert jax.random.key_impl(back["rng"]) == jax.random.key_impl(state["rng"])
+    assert np.asarray(jax.random.key_data(back["rng"])).tobytes() == np.asarray(
+        jax.random.key_data(state["rng"])).tobytes()
+    for a, b in zip(jax.tree.leaves(back["opt"]), jax.tree.leaves(state["opt"])):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+        assert a.dtype == b.dtype
+
+
+@pytest.mark.parametrize("damage", ["_METADATA", "manifest.ocdbt", "_CHECKPOINT_METADATA"])
+def test_a_damaged_orbax_checkpoint_is_named_and_nothing_is_written(tmp_path, damage):
+    with ocp.StandardCheckpointer() as ck:
+        ck.save(tmp_path / "orbax", make_tree())
+    path = tmp_path / "orbax" / damage
+    assert path.exists()
+    path.write_text("{bad")
+    url = str(tmp_path / "cas")
+    with pytest.raises(casstore.OrbaxReadError,
+                       match=f"{tmp_path / 'orbax'}.*nothing was written"):
+        casstore.import_orbax(tmp_path / "orbax", url, 0)
+    assert casstore.list_steps(url) == []
