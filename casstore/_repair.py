@@ -158,6 +158,10 @@ class _Plan:
             unsure = {k for k in failed if self.info[k][1] is not None and chunk_key(
                 self.info[k][1]) in (failed | self.corrupt | (self.info.keys() - present))}
             self.corrupt |= failed - unsure
+        # Deltas on a base missing or corrupt here: verify could not check them (its
+        # "unchecked"), so they are sent from the good copy with the base.
+        unsure |= {k for k in present & self.info.keys() if self.info[k][1] is not None
+                   and chunk_key(self.info[k][1]) in self.corrupt | (self.info.keys() - present)}
         wanted = {rs: {k for k in needs[rs] if k not in present or k in self.corrupt | unsure}
                   for rs in needs}
         bad = _failing(good, set().union(*wanted.values()), self.info)

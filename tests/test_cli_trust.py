@@ -18,7 +18,7 @@ from test_cli import run, run_json, tree, write_repo
 import casstore
 import casstore.store
 from casstore import cli
-from casstore._layout import manifest_key
+from casstore._layout import chunk_key, manifest_key
 
 from conftest import repack
 
@@ -682,8 +682,11 @@ def test_repair_leaves_alone_what_the_good_copy_holds_damaged_too(delta_repo, tm
         assert {(p.kind, p.chunk_id) for p in info.unrepairable} == {
             ("missing", lost.id), ("missing", fixable.id)}
         assert set(info.why) == {("default", s) for s in range(6)}
-        assert set(info.why.values()) == {
-            "1 object(s) it needs are missing or corrupt in GOOD too"}
+        # step 0 needs the base; steps 1-5 also a delta on it, which GOOD cannot check either
+        assert info.why[("default", 0)] == (
+            "1 object(s) it needs are missing or corrupt in GOOD too")
+        assert {info.why[("default", s)] for s in range(1, 6)} == {
+            "2 object(s) it needs are missing or corrupt in GOOD too"}
         assert not info.ok
     assert {s: (pathlib.Path(delta_repo) / manifest_key("default", s)).read_bytes()
             for s in range(6)} == manifests  # nothing deleted
@@ -776,6 +779,27 @@ def test_repair_of_a_damaged_manifest_checks_the_objects_of_its_step(delta_repo,
         (("default", 4),), (ref.key,), ())
     assert info.ok
     assert casstore.restore(delta_repo, 4)["w"].tobytes() == trained(4).tobytes()
+
+
+@pytest.mark.parametrize("base_damage", ["missing", "corrupt"])
+def test_one_repair_mends_a_damaged_delta_on_a_damaged_base(delta_repo, tmp_path, base_damage):
+    """verify cannot check a delta whose base is missing or corrupt (it counts it
+    "unchecked"): repair sends such deltas from the good copy with their base, in one pass."""
+    good = tmp_path / "good"
+    casstore.copy(delta_repo, str(good))
+    ref = next(r for leaf in casstore.read_manifest(delta_repo, 2).leaves for r in leaf.chunks
+               if r.base is not None)
+    base = pathlib.Path(delta_repo) / chunk_key(ref.base)
+    if base_damage == "missing":
+        base.unlink()
+    else:
+        flip_last_byte(base)
+    flip_last_byte(pathlib.Path(delta_repo) / ref.key)
+    info = casstore.repair(str(good), delta_repo)
+    assert (info.unrepairable, info.ok) == ((), True)
+    assert casstore.verify(delta_repo).ok
+    for step in range(6):
+        assert casstore.restore(delta_repo, step)["w"].tobytes() == trained(step).tobytes()
 
 
 def test_repair_replaces_a_chunk_whose_header_reads_as_a_newer_format(delta_repo, tmp_path):
