@@ -3,7 +3,9 @@
 ``v1`` is the first format; ``v2-features`` was written by the casstore of 2026-11-25 with
 every feature it writes: codec 5 chunks, delta chunks, packed small leaves, two runs, bfloat16
 and a leaf sharded over 8 devices, and the ``features`` / ``min_reader`` fields (format.md §10).
-Run ``python tests/golden.py v1|v2`` only to create one anew for a NEW format version; the
+``v3-digest`` holds v1's tree (inline arrays and every scalar kind) as written on 2026-11-28,
+when manifests gained their ``digest`` (format.md §4.1).
+Run ``python tests/golden.py v1|v2|v3`` only to create one anew for a NEW format version; the
 committed files must keep loading forever, bit-exact (test_golden.py). The v2 values are made
 by integer arithmetic and exact conversions, so they are the same bits on every machine.
 """
@@ -16,6 +18,7 @@ import numpy as np
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "v1"
 GOLDEN_V2 = pathlib.Path(__file__).parent / "golden" / "v2-features"
+GOLDEN_V3 = pathlib.Path(__file__).parent / "golden" / "v3-digest"
 V2_STEPS = {"pretrain": (1, 2), "finetune": (3, 4)}  # run -> steps; each step deltas on the last
 V2_CHUNK = 16 * 1024
 
@@ -98,6 +101,11 @@ if __name__ == "__main__":
     import sys
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     import casstore
+    if sys.argv[1:] == ["v3"]:
+        casstore.save(GOLDEN_V3, 1, golden_tree(1), metadata={"note": "golden v3-digest"},
+                      chunk_size_bytes=4096)
+        print(sorted(p.relative_to(GOLDEN_V3).as_posix() for p in GOLDEN_V3.rglob("*")))
+        sys.exit()
     if sys.argv[1:] == ["v2"]:
         _write_v2()
         print(sorted(p.relative_to(GOLDEN_V2).as_posix() for p in GOLDEN_V2.rglob("*")))

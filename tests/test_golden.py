@@ -1,13 +1,14 @@
 """The committed golden repositories must keep loading, bit-exact, in every later version:
-v1 (the first format, without the ``features`` fields) and v2-features (codec 5, deltas,
-packs, two runs, bfloat16, a sharded leaf; format.md §10)."""
+v1 (the first format, without the ``features`` fields), v2-features (codec 5, deltas,
+packs, two runs, bfloat16, a sharded leaf; format.md §10) and v3-digest (manifests with their
+``digest``, format.md §4.1)."""
 
 import collections
 
 import jax
 import msgpack
 import numpy as np
-from golden import GOLDEN, GOLDEN_V2, V2_STEPS, golden_tree, golden_v2_tree
+from golden import GOLDEN, GOLDEN_V2, GOLDEN_V3, V2_STEPS, golden_tree, golden_v2_tree
 
 import casstore
 from casstore._codec import HEADER
@@ -87,3 +88,13 @@ def test_golden_v2_repository_holds_every_feature_it_claims():
         assert raw["version"] == 2
         assert raw["features"] == ["codec-5", "delta", "pack"]
     assert list(GOLDEN_V2.glob("deltas/*/*"))
+
+
+def test_golden_v3_repository_restores_bit_exact_and_its_manifest_digest_checks():
+    store = LocalStore(GOLDEN_V3, read_only=True)
+    assert casstore.list_steps(store) == [1]
+    assert_restores_bit_exact(casstore.restore(store, 1), golden_tree(1))
+    data = (GOLDEN_V3 / "runs" / "default" / "steps" / f"{1:016d}.manifest").read_bytes()
+    assert list(msgpack.unpackb(data))[-1] == "digest"
+    assert casstore.read_manifest(store, 1).metadata == {"note": "golden v3-digest"}
+    assert casstore.verify(store).ok
