@@ -24,12 +24,16 @@ class BufferPool:
 
     :meth:`take` gives a buffer of exactly ``nbytes`` (a freed one if there is one, else a new
     ``np.empty``); :meth:`give` takes back a buffer (or a memoryview of one) whose bytes
-    nobody reads any more. Buffers under ``MIN_POOLED_BYTES`` are neither kept nor reused.
+    nobody reads any more. Buffers under ``MIN_POOLED_BYTES`` are neither kept nor reused, and
+    at most ``max_free`` are kept (the oldest goes first): a size nothing takes again (a
+    delta's, where whole chunks are stored raw) cannot pile up.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_free: int = 16) -> None:
         self._free: dict[int, list[np.ndarray]] = collections.defaultdict(list)
+        self._order: collections.deque[int] = collections.deque()  # sizes, oldest first
         self._lock = threading.Lock()
+        self.max_free = max_free
         self.reused = 0  # buffers handed out again (for tests and profiles)
 
     def take(self, nbytes: int) -> np.ndarray:
@@ -39,6 +43,7 @@ class BufferPool:
                 free = self._free.get(nbytes)
                 if free:
                     self.reused += 1
+                    self._order.remove(nbytes)
                     return free.pop()
         return np.empty(nbytes, np.uint8)
 
@@ -50,6 +55,9 @@ class BufferPool:
                 and base.flags.owndata and base.nbytes >= MIN_POOLED_BYTES):
             with self._lock:
                 self._free[base.nbytes].append(base)
+                self._order.append(base.nbytes)
+                if len(self._order) > self.max_free:  # drop the oldest kept buffer
+                    self._free[self._order.popleft()].pop(0)
 
 
 def mapped(nbytes: int) -> np.ndarray:

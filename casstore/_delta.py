@@ -22,6 +22,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from ._buffers import BufferPool
 from ._codec import (
     CODEC_EXPONENT_PLANES,
     CODEC_RAW,
@@ -195,8 +196,8 @@ def _whole_size(raw_sample: np.ndarray, planes_sample: np.ndarray, level: int,
 
 
 def encode_delta(raw: memoryview, base: np.ndarray | list[np.ndarray], element_size: int,
-                 level: int, shuffle_whole: bool | None, budget: RestoreBudget | None = None
-                 ) -> tuple[memoryview, int] | None:
+                 level: int, shuffle_whole: bool | None, budget: RestoreBudget | None = None,
+                 pool: BufferPool | None = None) -> tuple[memoryview, int] | None:
     """Encodes ``raw`` as a delta object against a base chunk (format.md §3.5), if that pays.
 
     Args:
@@ -209,6 +210,8 @@ def encode_delta(raw: memoryview, base: np.ndarray | list[np.ndarray], element_s
         stored raw (codec 0).
       budget: the save's :class:`RestoreBudget`, asked for the delta's estimated bytes once
         the delta pays, then settled with its encoded size; None asks nothing.
+      pool: the save's encode buffers: the delta's buffer is taken from it, and given back
+        when the delta does not pay (the caller gives back a delta object once stored).
 
     Returns:
       ``(delta object, bytes saved)``, or None when the delta would not save 1/8 of the chunk
@@ -224,7 +227,7 @@ def encode_delta(raw: memoryview, base: np.ndarray | list[np.ndarray], element_s
     """
     n, k = len(raw), element_size
     new = np.frombuffer(raw, np.uint8)
-    buffer = plane_buffer(k, n // k)
+    buffer = plane_buffer(k, n // k, pool)
     x = buffer_planes(buffer, k)
     if isinstance(base, list):  # a codec-4, 5 or 2 base: k > 1
         shuffle(new, k, out=x)
@@ -241,15 +244,19 @@ def encode_delta(raw: memoryview, base: np.ndarray | list[np.ndarray], element_s
     saving = MIN_SAVING_AGAINST_RAW if whole >= samples.size else MIN_SAVING
     scale = n / samples.size
     estimate, whole_estimate = round(delta * scale), round(whole * scale)
-    if delta > (1 - saving) * whole or (
-            budget is not None and not budget.take(estimate, whole_estimate)):
+    pays = delta <= (1 - saving) * whole and (
+        budget is None or budget.take(estimate, whole_estimate))
+    if pays:
+        encoded = encode_planes(buffer, k, level, CODEC_DELTA)
+        actual = len(encoded) - HEADER.size
+        pays = actual <= (1 - saving) * whole_estimate  # not where the samples missed changes
+        if budget is not None:
+            pays = budget.settle(estimate, whole_estimate, actual if pays else None)
+    if not pays:
+        if pool is not None:
+            pool.give(buffer)
         return None
-    encoded = encode_planes(buffer, k, level, CODEC_DELTA)
-    actual = len(encoded) - HEADER.size
-    pays = actual <= (1 - saving) * whole_estimate  # not where the samples missed the changes
-    if budget is not None:
-        pays = budget.settle(estimate, whole_estimate, actual if pays else None)
-    return (encoded, whole_estimate - actual) if pays else None
+    return encoded, whole_estimate - actual
 
 
 def decode_delta(data: bytes | memoryview, base: bytes | memoryview, expected_id: str,

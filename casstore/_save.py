@@ -252,7 +252,8 @@ def write(store: Store, step: int, prepared: Prepared, inline: dict[int, bytes],
         # chunk saved on an object store).
         lookup = previous is not None or bool(list_runs(store))
         # 3. encoding, as each job's bytes are read
-        writer = ChunkWriter(store, previous, zstd_level, shuffle, delta, lookup, compress)
+        writer = ChunkWriter(store, previous, zstd_level, shuffle, delta, lookup, compress,
+                             window)
         # 4. uploads: every chunk this process stores, before any manifest
         refs = store_chunks(jobs, writer, max_workers, window, prepared.paths)
         # 5. the agreement: every process's refs on process 0, None on the others

@@ -69,7 +69,7 @@ class ChunkWriter:
     """
 
     def __init__(self, store: Store, previous: Manifest | None, zstd_level: int, shuffle: bool,
-                 delta: bool, lookup: bool = True, compress: bool = True):
+                 delta: bool, lookup: bool = True, compress: bool = True, window: int = 16):
         lost = lost_chunks(store, previous) if previous and store.cheap_stat else set()
         refs = [(leaf.path, r) for leaf in previous.leaves for r in leaf.chunks
                 if r.id not in lost] if previous else []
@@ -85,8 +85,10 @@ class ChunkWriter:
         self.lock = threading.Lock()
         self.new = self.reused = self.written = self.deltas = self.delta_saved = 0
         self.budget = RestoreBudget()
-        # encode buffers back from stored objects, where the store keeps no view of them
-        self.buffers = BufferPool() if store.put_copies else None
+        # encode buffers back from stored objects, where the store keeps no view of them; as
+        # many free as chunk jobs may be in flight (``window``), so the pool stays within the
+        # save's in-flight bytes whatever sizes its objects have
+        self.buffers = BufferPool(max_free=window) if store.put_copies else None
         self.booked: set[str] = set()  # chunks of the step the budget has, each once
 
     def write(self, raw: memoryview | None, element_size: int,
@@ -210,7 +212,8 @@ class ChunkWriter:
             data = self.store.get(chunk_key(base))
             checked = np.frombuffer(decode_chunk(data, base, len(raw)), np.uint8)
             return encode_delta(raw, checked, k, self.zstd_level,
-                                self.shuffle if self.compress else None, self.budget)
+                                self.shuffle if self.compress else None, self.budget,
+                                self.buffers)
         except (CorruptChunkError, FileNotFoundError):
             return None
 

@@ -83,8 +83,15 @@ if __name__ == "__main__":
         if kind == "save-accelerator-path":  # what a GPU takes: block copies to pinned memory
             _chunking.on_host = lambda x: False
         tree = state(kind)
+        step = 0
+        if kind == "save-numpy-delta":  # a sparse change of step 0's state: stored as deltas
+            for v in tree.values():
+                v[::1000] += np.float32(1)
+            step = 1
         with peak_extra_rss(result := {}):  # -planes: byte planes whatever the machine
-            casstore.save(store, 0, tree, compression="bytes" if kind.endswith("planes") else None)
+            info = casstore.save(store, step, tree,
+                                 compression="bytes" if kind.endswith("planes") else None)
+        result["delta_chunks"] = info.delta_chunks
         result["check"] = float(np.asarray(tree[f"w{LEAVES - 1}"])[-1])
     print(json.dumps({"state_bytes": LEAVES * LEAF_ELEMENTS * 4, "inflight_bytes": inflight,
                       "workers": store.max_workers, **result}))

@@ -26,6 +26,23 @@ def test_a_pool_hands_back_given_buffers_of_the_same_size_only():
     assert pool.reused == 1
 
 
+def test_a_pool_keeps_at_most_max_free_buffers_dropping_the_oldest():
+    """A size nothing takes again (a delta's, where whole chunks are raw) cannot pile up."""
+    pool = BufferPool(max_free=2)
+    buffers = [np.empty(MIN_POOLED_BYTES + i, np.uint8) for i in range(3)]
+    for b in buffers:
+        pool.give(b)
+    assert pool.take(MIN_POOLED_BYTES) is not buffers[0]  # dropped: the oldest
+    assert pool.take(MIN_POOLED_BYTES + 1) is buffers[1]
+    assert pool.take(MIN_POOLED_BYTES + 2) is buffers[2]
+    assert pool.reused == 2
+    pool.give(buffers[0])
+    pool.give(buffers[1])
+    assert pool.take(MIN_POOLED_BYTES + 1) is buffers[1]  # taking frees a place
+    pool.give(buffers[2])
+    assert pool.take(MIN_POOLED_BYTES) is buffers[0]
+
+
 @pytest.mark.parametrize("n", [8, 1000, 3 * 256 * 1024 + 5, 600_001])
 def test_the_block_wise_sign_move_and_its_fused_inverse_match_the_whole_plane_ones(n):
     raw = np.random.default_rng(n).standard_normal(n).astype(np.float32).view(np.uint8)
@@ -56,8 +73,8 @@ def test_a_save_reusing_its_buffers_stores_the_same_objects_and_restores_bit_exa
     pools = []
     made = _save_encode.BufferPool
 
-    def recording():
-        pools.append(made())
+    def recording(**kwargs):
+        pools.append(made(**kwargs))
         return pools[-1]
 
     monkeypatch.setattr(_save_encode, "BufferPool", recording)
