@@ -18,7 +18,7 @@ import numpy as np
 
 from ._chunking import dtype_name, is_key_array
 from ._errors import UnsupportedLeafError
-from ._keypath import flatten
+from ._keypath import flatten, is_valid_path
 from ._manifest import LeafEntry
 
 MAX_METADATA_BYTES = 2**20
@@ -75,7 +75,7 @@ def prepare(tree: Any, metadata: Any = None) -> tuple[Prepared, dict[int, Any]]:
       ValueError: ``metadata`` that msgpack cannot encode, or over 1 MiB encoded.
     """
     node, leaves = flatten(tree)
-    _check_unique([path for path, _ in leaves])
+    _check_paths([path for path, _ in leaves])
     metadata = snapshot(metadata)
     scalars: dict[int, LeafEntry] = {}
     values: dict[int, Any] = {}
@@ -88,12 +88,19 @@ def prepare(tree: Any, metadata: Any = None) -> tuple[Prepared, dict[int, Any]]:
     return Prepared(node, [p for p, _ in leaves], scalars, infos, metadata), values
 
 
-def _check_unique(paths: list[str]) -> None:
-    """Raises UnsupportedLeafError naming the first key path two leaves share (a pytree node
-    whose flatten gives two children one key): a manifest maps each key path to one leaf
-    (format.md §4.4)."""
+def _check_paths(paths: list[str]) -> None:
+    """Raises UnsupportedLeafError naming the first key path a manifest cannot hold: one two
+    leaves share (a pytree node whose flatten gives two children one key; a manifest maps each
+    key path to one leaf, format.md §4.4), or one of more than 4096 bytes (§5; named by its
+    first 100 characters) or otherwise invalid."""
     seen: set[str] = set()
     for path in paths:
+        if not is_valid_path(path):
+            size = len(path.encode(errors="surrogatepass"))
+            raise UnsupportedLeafError(
+                f"a key path of {size} bytes; format.md §5 allows at most 4096" if size > 4096
+                else "this key path is not valid (format.md §5: no NUL or lone surrogate)",
+                key_path=path if size <= 4096 else path[:100] + "...")
         if path in seen:
             raise UnsupportedLeafError("two leaves have this key path (a pytree node gives two "
                                        "children the same key); each leaf needs its own",

@@ -460,6 +460,17 @@ def test_two_leaves_on_one_key_path_are_refused_before_any_write(tmp_path):
     assert casstore.list_steps(store) == []
 
 
+def test_a_key_path_over_4096_bytes_is_refused_before_any_write_naming_the_limit(tmp_path):
+    store = LocalStore(tmp_path / "repo")
+    with pytest.raises(casstore.UnsupportedLeafError,
+                       match=r"a key path of 5000 bytes; format.md §5 allows at most 4096") as e:
+        casstore.save(store, 0, {"k" * 5000: np.ones(3)})
+    assert e.value.key_path == "k" * 100 + "..."  # named, not printed whole
+    assert casstore.list_steps(store) == []
+    assert [p for p in (tmp_path / "repo").rglob("*") if p.is_file() and "chunks" in p.parts] == []
+    casstore.save(store, 0, {"k" * 4000: np.ones(3)})  # within the limit
+
+
 def test_a_complex_value_without_an_imaginary_part_restores_into_a_python_scalar(tmp_path):
     casstore.save(tmp_path, 0, {"c": 1 + 0j, "zc": np.array(2 + 0j, np.complex64),
                                 "i": 3 - 1j})

@@ -263,6 +263,15 @@ def test_a_url_with_an_empty_path_segment_is_refused():
             open_store(url, anon=True) if url.startswith("s3") else open_store(url)
 
 
+def test_a_url_with_a_dot_or_dot_dot_segment_is_refused_on_object_stores():
+    """moto stores s3://b/d/./r's keys as written, fake-gcs-server under d/r (a save there
+    returned and its URL listed no step), SeaweedFS refuses them with a bare 400."""
+    for url in ("s3://bucket/d/./r", "gs://bucket/../r", "s3://bucket/d/.."):
+        with pytest.raises(ValueError, match=r"a '\.' or '\.\.' path segment"):
+            open_store(url, anon=True) if url.startswith("s3") else open_store(url)
+    assert open_store("s3://bucket/d.r/x..y", anon=True) is not None  # dots inside names
+
+
 def test_a_full_disk_names_the_file_and_keeps_what_was_stored(tmp_path, monkeypatch):
     """ENOSPC from the disk (here from fsync, where delayed allocation reports it) names the
     object's file, not only the errno; the failed save leaves no temp file and the earlier

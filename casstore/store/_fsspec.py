@@ -44,6 +44,8 @@ from ._retry import (
     one_attempt_options,
 )
 
+OBJECT_PROTOCOLS = ("s3", "s3a", "gs", "gcs")
+
 
 def _mtime(info: dict) -> float:
     """The modification time, seconds since the epoch, from an fsspec info dict; now where it
@@ -164,13 +166,19 @@ class FsspecStore(Store):
         Raises:
           ValueError: the path holds an empty segment (``a//b``): servers differ on it
             (SeaweedFS and GCS store ``a/b``, moto ``a//b``), and a listing of one would not
-            find the steps saved there.
+            find the steps saved there; or, on S3 and GCS, a ``.`` or ``..`` segment (moto
+            stores it as written, fake-gcs-server resolves it, SeaweedFS refuses it).
         """
         protocol, _, path = url.partition("://")
         if "//" in path.rstrip("/"):
             raise ValueError(f"{url!r} has an empty path segment ('//'); object stores differ "
                              "on such keys, so casstore refuses them: use one '/'")
-        if protocol in ("s3", "s3a", "gs", "gcs"):
+        if protocol in OBJECT_PROTOCOLS and {".", ".."} & set(path.split("/")):
+            raise ValueError(f"{url!r} has a '.' or '..' path segment; object stores differ on "
+                             "such keys (one stores them as written, another resolves them, "
+                             "another refuses them), so casstore refuses them: write the path "
+                             "without them")
+        if protocol in OBJECT_PROTOCOLS:
             # Listings must be fresh: another process may have just committed a step.
             storage_options.setdefault("use_listings_cache", False)
             storage_options = one_attempt_options(protocol, request_timeout_s, storage_options)
