@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import msgpack
 
-from ._errors import CasstoreError, ReadOnlyStoreError
+from ._errors import AccessDeniedError, CasstoreError, ReadOnlyStoreError
 from ._layout import LOCKS_PREFIX, lock_key, lock_kind
 from .store import Store
 
@@ -166,8 +166,13 @@ def save_lock(store: Store) -> Iterator[Lease]:
     """Holds a save lock for the body, after any GC that holds its lock has finished, and
     keeps it fresh (:class:`Lease`, whose ``check`` the body calls before each commit)."""
     lease = Lease(store, "save")
+    stored = True  # a put whose answer was lost may be stored all the same
     try:
-        _put_lock(store, "save", lease.key)  # its answer lost, it may be stored all the same
+        try:
+            _put_lock(store, "save", lease.key)
+        except AccessDeniedError:
+            stored = False  # refused: there is no lock to delete (read-only keys)
+            raise
         since = time.monotonic()
         while gc := _live(store, "gc"):
             if since is not None and time.monotonic() - since > WAIT_NOTICE_S:
@@ -180,7 +185,8 @@ def save_lock(store: Store) -> Iterator[Lease]:
         yield lease
     finally:
         lease.stop()
-        _release(store, lease.key)
+        if stored:
+            _release(store, lease.key)
 
 
 def _release(store: Store, key: str) -> None:
@@ -214,6 +220,8 @@ def gc_lock(store: Store, timeout_s: float) -> Iterator[Lease]:
             lease = Lease(store, "gc")
             try:
                 _put_lock(store, "gc", lease.key)
+            except AccessDeniedError:
+                raise  # refused: no lock stored (read-only keys)
             except BaseException:
                 _release(store, lease.key)  # an answer lost: the lock may be stored
                 raise
