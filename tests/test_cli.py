@@ -584,6 +584,19 @@ def test_commands_on_s3(object_servers, tmp_path):
     assert "check the credentials" in result.stderr
 
 
+def test_gcs_credentials_google_auth_cannot_find_exit_as_refused_access():
+    """gcsfs's errors for missing or expired Google credentials are google-auth's: exit 12 and
+    the credentials hint, as botocore's NoCredentialsError (they were exit 2, "bad input")."""
+    from google.auth import exceptions
+
+    from casstore.cli import _app
+    for error in (exceptions.DefaultCredentialsError("Your default credentials were not "
+                                                     "found"),
+                  exceptions.RefreshError("invalid_grant")):
+        assert _app.exit_code_of(error) == cli.EXIT_ACCESS_DENIED
+        assert "check the credentials" in _app.describe(error)
+
+
 def test_copy_and_repair_refuse_storage_options_no_path_takes(repo, tmp_path):
     for command in ("copy", "repair"):
         result = run(command, repo, tmp_path / f"{command}-dst", "-o", "anon=true", code=2)

@@ -59,7 +59,8 @@ class NoRepository(click.ClickException):
 
 
 _NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2
-_NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError")  # botocore's
+_NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError",  # botocore's
+                   "DefaultCredentialsError", "RefreshError")  # google-auth's (gcsfs)
 
 
 def exit_code_of(e: BaseException) -> int:
