@@ -169,7 +169,8 @@ def import_tensors(file: str | os.PathLike, url: Url, step: int, *,
                    run: str = "default") -> ImportInfo:
     """Saves the tensors of a .safetensors or .npz file as a step.
 
-    Names with "/" nest (key paths, format.md §5); others are keys of one flat dict.
+    Names with "/" nest (key paths, format.md §5); others are keys of one flat dict; a file whose
+    one tensor is named "" (an exported tree that is one array) is that array.
 
     Raises:
       TensorFileError: the file is not a valid .safetensors / .npz file, or its tensor names

@@ -166,17 +166,22 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
     return out
 
 
-def tree_of(tensors: dict[str, np.ndarray]) -> dict:
+def tree_of(tensors: dict[str, np.ndarray]) -> dict | np.ndarray:
     """Nests tensors by their names' key paths: ``a/b`` -> ``{"a": {"b": ...}}``.
 
     A name that is not a valid key path (format.md §5) is one dict key. A node whose elements
     are exactly ``[0] .. [n-1]`` becomes a list; ``[=k]``, and ``[k]`` elsewhere, are the int
     dict key k.
 
+    A file whose one tensor is named ``""`` (an export of a tree that is one array, whose key
+    path is empty) is that array, not a dict.
+
     Raises:
       ValueError: a name lies below or on another tensor's key path, or the elements of one
         node mix int keys with names or give one int key twice (``[1]`` and ``[=1]``).
     """
+    if list(tensors) == [""]:
+        return tensors[""]
     root: dict = {}
     for name, value in tensors.items():
         elements = name.split("/") if is_valid_path(name) and name else [escape_name(name)]

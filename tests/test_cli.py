@@ -478,6 +478,20 @@ def test_leaf_names_numpy_or_safetensors_give_a_meaning_keep_their_values(tmp_pa
     assert not (tmp_path / "o.safetensors").exists()
 
 
+def test_a_tree_that_is_one_array_exports_and_imports_back_as_that_array(tmp_path):
+    """Its key path is empty: the file's one tensor is named "", which imports as the array
+    itself, not as {"": array}."""
+    url = tmp_path / "r"
+    casstore.save(url, 0, np.arange(5.0))
+    for step, suffix in enumerate((".npz", ".safetensors"), 1):
+        casstore.export_tensors(url, 0, tmp_path / f"root{suffix}")
+        casstore.import_tensors(tmp_path / f"root{suffix}", url, step)
+        back = casstore.restore(url, step)
+        assert isinstance(back, np.ndarray)
+        assert back.tobytes() == np.arange(5.0).tobytes()
+    assert [leaf.path for leaf in casstore.read_manifest(url, 1).leaves] == [""]
+
+
 def test_import_safetensors_and_npz_restore_bit_exact(repo, tmp_path):
     rng = np.random.default_rng(0)
     tensors = {"encoder.layer.0.weight": rng.standard_normal((64, 32), np.float32),
