@@ -286,7 +286,7 @@ def reread_chunk(store: Store, key: str, ref: ChunkRef, out: np.ndarray | None,
             return None
         try:
             return read_again(store, key, ref.id, ref.base, ref.raw_bytes, out)
-        except (CorruptChunkError, FileNotFoundError):
+        except (CorruptChunkError, FileNotFoundError, UnsupportedFormatError):
             return None
     confirm_chunk(store, key, ref.base, ok=False)  # what the first read held failed its checks
     if ref.base is None:
@@ -300,7 +300,7 @@ def reread_chunk(store: Store, key: str, ref: ChunkRef, out: np.ndarray | None,
                 raw = decode_chunk(copy[1], ref.id, ref.raw_bytes, out)
             else:
                 raw = decode_delta(copy[1], base[1], ref.id, ref.base, ref.raw_bytes, out)
-        except CorruptChunkError as e:
+        except (CorruptChunkError, UnsupportedFormatError) as e:
             log.warning("casstore: copies of %s in %s unusable: %s", key, " and ".join(
                 dict.fromkeys(c[0].url for c in (copy, base) if c is not None)), e)
             continue

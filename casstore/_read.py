@@ -21,7 +21,12 @@ from ._buffers import mapped
 from ._chunking import Index
 from ._codec import HEADER, verify_raw
 from ._delta import DeltaBases
-from ._errors import CorruptChunkError, MissingChunkError, StoreTimeoutError
+from ._errors import (
+    CorruptChunkError,
+    MissingChunkError,
+    StoreTimeoutError,
+    UnsupportedFormatError,
+)
 from ._fallback import FallbackStore, confirm_chunk, reread_chunk
 from ._manifest import ChunkRef, LeafEntry, Manifest
 from ._place import ALIGN, normalize, saved_dtype
@@ -121,8 +126,9 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
                 data, buffers.read = store.get_into(key, getattr(buffers, "read", None))
                 raw = bases.decode(data, cid, first.base, first.raw_bytes, into)
                 confirm_chunk(store, key, first.base)  # a tier's copy: now written back
-        except (FileNotFoundError, CorruptChunkError) as e:
-            try:  # read again; with tiers, a good copy elsewhere
+        except (FileNotFoundError, CorruptChunkError, UnsupportedFormatError) as e:
+            try:  # read again; with tiers, a good copy elsewhere (a header of an unknown
+                # codec or version is a newer writer's or damage: another copy tells)
                 raw = reread_chunk(store, key, first, into, isinstance(e, FileNotFoundError))
             except StoreTimeoutError as t:
                 raise t.at(run=manifest.run, step=manifest.step, chunk_id=cid,
@@ -150,18 +156,22 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
 
 
 def _unusable(e: Exception, store: Store, manifest: Manifest, leaf: int,
-              cid: str) -> MissingChunkError | CorruptChunkError:
+              cid: str) -> MissingChunkError | CorruptChunkError | UnsupportedFormatError:
     """The error for a chunk no tier has a good copy of: missing (the object or its delta
-    base does not exist) or corrupt, located at its step, key path and chunk id; through
-    tiers, naming every tier (the error's ``url`` is the primary's)."""
-    missing = isinstance(e, FileNotFoundError)
-    error = MissingChunkError if missing else CorruptChunkError
+    base does not exist), corrupt, or of a chunk format this casstore does not read, located
+    at its step, key path and chunk id; through tiers, naming every tier (the error's ``url``
+    is the primary's)."""
     tiers = ([store.primary, *store.fallbacks] if isinstance(store, FallbackStore) else [])
     where = f"; no tier has a usable copy ({', '.join(t.url for t in tiers)})" if tiers else ""
+    at = {"url": store.url, "run": manifest.run, "step": manifest.step,
+          "key_path": manifest.leaves[leaf].path, "chunk_id": cid}
+    if isinstance(e, UnsupportedFormatError):
+        return UnsupportedFormatError(e.feature + where, needs=e.needs, reader=e.reader, **at)
+    missing = isinstance(e, FileNotFoundError)
+    error = MissingChunkError if missing else CorruptChunkError
     same_place = getattr(e, "url", None) is None and getattr(e, "chunk_id", None) == cid
     return error(f"{'chunk object missing' if missing else 'unusable chunk'}: "
-                 f"{e.message if same_place else e}{where}", url=store.url, run=manifest.run,
-                 step=manifest.step, key_path=manifest.leaves[leaf].path, chunk_id=cid)
+                 f"{e.message if same_place else e}{where}", **at)
 
 
 def _read_in_place(store: Store, key: str, ref: ChunkRef, into: np.ndarray) -> bool:

@@ -159,6 +159,29 @@ def test_restore_takes_missing_and_damaged_local_chunks_from_the_persistent_tier
     assert tiered.bytes_read[local.url] > 0
 
 
+@pytest.mark.parametrize("header_byte", [4, 5], ids=["version", "codec"])
+def test_a_local_chunk_with_a_damaged_header_is_taken_from_the_other_tier(tmp_path,
+                                                                          header_byte):
+    # A header byte flipped to an unknown chunk version or codec reads as a newer writer's
+    # chunk or damage; another tier's copy that decodes to the chunk id tells which.
+    local, other = LocalStore(tmp_path / "local"), LocalStore(tmp_path / "other")
+    casstore.save(local, 1, tree_for(1), chunk_size_bytes=CHUNK)
+    casstore.copy(local, other)
+    for key in object_keys(local, [1]):
+        path = pathlib.Path(local._path(key))
+        data = bytearray(path.read_bytes())
+        data[header_byte] ^= 0x40
+        path.write_bytes(bytes(data))
+    with pytest.raises(casstore.UnsupportedFormatError,
+                       match=r"chunk (header version|codec) \d+ \(or a damaged chunk\).*"
+                             r"step 1, key path '[^']+'"):
+        casstore.restore(local, 1)
+    assert_bit_exact(casstore.restore(local, 1, fallback=other), 1)
+    assert_bit_exact(casstore.restore(casstore.FallbackStore(local, [other], write_back=True),
+                                      1), 1)
+    assert_bit_exact(casstore.restore(local, 1), 1)  # written back
+
+
 def test_write_back_repairs_the_local_tier(tmp_path, remote):
     local = LocalStore(tmp_path / "local")
     for step in range(2):
