@@ -272,6 +272,20 @@ def test_a_url_with_a_dot_or_dot_dot_segment_is_refused_on_object_stores():
     assert open_store("s3://bucket/d.r/x..y", anon=True) is not None  # dots inside names
 
 
+def test_a_gcs_token_naming_a_missing_credentials_file_is_refused_at_once(tmp_path):
+    """gcsfs takes a token string that is not an existing file for an access token and asks
+    Google about it: a typo in the path failed with a connection error (no network) or an
+    invalid-token error, never naming the file."""
+    missing = str(tmp_path / "missing.json")
+    for token in (missing, "creds.json"):
+        with pytest.raises(FileNotFoundError, match=r"token '.*json' for 'gs://bucket/r': "
+                                                    r"no such credentials file"):
+            open_store("gs://bucket/r", token=token)
+    (tmp_path / "missing.json").write_text("{}")  # exists: gcsfs reads it (and refuses {})
+    with pytest.raises(KeyError, match="refresh_token"):
+        open_store("gs://bucket/r", token=missing)
+
+
 def test_a_full_disk_names_the_file_and_keeps_what_was_stored(tmp_path, monkeypatch):
     """ENOSPC from the disk (here from fsync, where delayed allocation reports it) names the
     object's file, not only the errno; the failed save leaves no temp file and the earlier

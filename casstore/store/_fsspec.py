@@ -168,6 +168,8 @@ class FsspecStore(Store):
             (SeaweedFS and GCS store ``a/b``, moto ``a//b``), and a listing of one would not
             find the steps saved there; or, on S3 and GCS, a ``.`` or ``..`` segment (moto
             stores it as written, fake-gcs-server resolves it, SeaweedFS refuses it).
+          FileNotFoundError: on GCS, a ``token`` that names a credentials file (a path, or a
+            name ending ``.json``) that does not exist.
         """
         protocol, _, path = url.partition("://")
         if "//" in path.rstrip("/"):
@@ -178,6 +180,11 @@ class FsspecStore(Store):
                              "such keys (one stores them as written, another resolves them, "
                              "another refuses them), so casstore refuses them: write the path "
                              "without them")
+        token = storage_options.get("token")
+        if (protocol in ("gs", "gcs") and isinstance(token, str) and ("/" in token or
+                token.endswith(".json")) and not os.path.exists(os.path.expanduser(token))):
+            raise FileNotFoundError(f"token {token!r} for {url!r}: no such credentials file "
+                                    "(gcsfs would send it to Google as an access token)")
         if protocol in OBJECT_PROTOCOLS:
             # Listings must be fresh: another process may have just committed a step.
             storage_options.setdefault("use_listings_cache", False)
