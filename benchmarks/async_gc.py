@@ -3,15 +3,7 @@
 Part 1: steps 1..3 of ``harness.train_state`` saved asynchronously by both, then a proof step
 whose buffers are donated while it saves, all restored bit-exact. Part 2: GC of 50 steps, 40
 deleted, checked to delete exactly the unreferenced chunks. README.md's ``async_gc.py`` section.
-
-Usage::
-
-    python benchmarks/async_gc.py [--dir DIR] [--repeat N] [--tiny] [--size gpt2|gpt2-xl|tiny]
-                                  [--device default|cpu] [--drop-caches] [--json PATH]
-                                  [--plot PNG]
 """
-
-from __future__ import annotations
 
 import inspect
 import math
@@ -62,7 +54,7 @@ def delete_arrays(state: object) -> None:
 def bench_async(system: str, root: pathlib.Path, np_states: list, proof_state: object,
                 dev: jax.Device, drop: bool) -> dict:
     """``system``'s asynchronous saves of ``np_states`` and the proof step, checked."""
-    saves, abstract = [], h.abstract_of(proof_state, dev)
+    saves, abstract, proof_step = [], h.abstract_of(proof_state, dev), len(np_states) + 1
     with PEERS[system](root) as ckpt:
         for step, np_state in enumerate(np_states, start=1):
             state = h.to_jax([np_state], dev, copy=True)[0]
@@ -76,9 +68,9 @@ def bench_async(system: str, root: pathlib.Path, np_states: list, proof_state: o
                 t2 = time.perf_counter()
                 ckpt.wait()
                 t3 = time.perf_counter()
+            reported = ckpt.mngr.last_save_blocking_s if system == "casstore" else math.nan
             saves.append({"step": step, "blocking_s": t1 - t0, "wait_s": t3 - t2,
-                          "reported_blocking_s": ckpt.mngr.last_save_blocking_s
-                          if system == "casstore" else math.nan, "total_s": t3 - t0,
+                          "reported_blocking_s": reported, "total_s": t3 - t0,
                           "written_bytes": ckpt.saved(step)["written_bytes"],
                           "rss_extra_bytes": rss.extra})
         for step, np_state in enumerate(np_states, start=1):
@@ -87,7 +79,7 @@ def bench_async(system: str, root: pathlib.Path, np_states: list, proof_state: o
         # buffers whenever nothing else holds them; then garbage reuses any freed memory.
         delete_arrays(_plus_one_donated(h.to_jax([proof_state], dev, copy=True)[0]))
         state = h.to_jax([proof_state], dev, copy=True)[0]
-        ckpt.save_async(len(np_states) + 1, state)
+        ckpt.save_async(proof_step, state)
         updated = jax.block_until_ready(_plus_one_donated(state))
         donated = all(x.is_deleted() for x in jax.tree.leaves(state))
         if not donated:  # jax copied instead (the buffers were still referenced)
@@ -95,8 +87,7 @@ def bench_async(system: str, root: pathlib.Path, np_states: list, proof_state: o
         garbage = h.to_jax([jax.tree.map(np.zeros_like, proof_state)], dev, copy=True)[0]
         delete_arrays(updated)
         ckpt.wait()
-        h.verify_equal(proof_state, ckpt.restore(len(np_states) + 1, abstract),
-                       f"{system} proof step", True)
+        h.verify_equal(proof_state, ckpt.restore(proof_step, abstract), f"{system} proof", True)
         delete_arrays(garbage)
     return {"saves": saves, "verified_steps": len(np_states), "proof_verified": True,
             "buffers_donated_in_place": donated}
@@ -114,24 +105,17 @@ def save_medians(runs: list[dict]) -> dict:
             **{k: all(r[k] for r in runs) for k in ("proof_verified", "buffers_donated_in_place")}}
 
 
-def gc_states(size: str) -> list[dict]:
-    """GC_STEPS states, each with some matrices and biases new, the rest the previous ones."""
+def bench_gc(root: pathlib.Path, size: str, drop: bool) -> dict:
+    """50 steps, each with some matrices and biases new; deletes 40, times GC and checks it."""
     matrices, elements, bias, changed = GC_SIZES[size]
     rng = np.random.default_rng(0)
-    layer = lambda: {"w": rng.standard_normal(elements, dtype=np.float32),  # noqa: E731
-                     "b": rng.standard_normal(bias, dtype=np.float32)}
-    layers = [layer() for _ in range(matrices)]
-    states = [{"layers": list(layers), "step": np.int64(0)}]
-    for step in range(1, GC_STEPS):
-        for i in range((step - 1) * changed, step * changed):
-            layers[i % matrices] = layer()
+    layers = [None] * matrices
+    repo, chunk_dir, states = str(root / "gc-repo"), root / "gc-repo" / "chunks", []
+    for step in range(GC_STEPS):
+        for i in range((step - 1) * changed, step * changed) if step else range(matrices):
+            layers[i % matrices] = {"w": rng.standard_normal(elements, dtype=np.float32),
+                                    "b": rng.standard_normal(bias, dtype=np.float32)}
         states.append({"layers": list(layers), "step": np.int64(step)})
-    return states
-
-
-def bench_gc(root: pathlib.Path, size: str, drop: bool) -> dict:
-    """Builds the 50-step repository, deletes 40 steps, times GC and checks it (module doc)."""
-    repo, states, chunk_dir = str(root / "gc-repo"), gc_states(size), root / "gc-repo" / "chunks"
     build_s = sum(h.seconds(lambda s=s, t=t: casstore.save(repo, s, t))[0]
                   for s, t in enumerate(states))
     refs = {s: casstore.read_manifest(repo, s).chunk_ids() for s in range(len(states))}
@@ -161,16 +145,16 @@ def bench_gc(root: pathlib.Path, size: str, drop: bool) -> dict:
     h.check(sorted(s for _, s in report.steps_checked) == keep, report.steps_checked)
     for step in keep:
         h.verify_equal(states[step], casstore.restore(repo, step), "gc")
-    figures = lambda info: {k: getattr(info, k) for k, _ in GC_FIGURES}  # noqa: E731
     return {"steps": len(states), "kept_steps": keep, "deleted_steps": len(doomed),
             "state_bytes": h.state_bytes(states[0]), "build_s": build_s,
             "chunks_before": chunks_before, "bytes_before": bytes_before,
             "chunks_after": chunks_after, "bytes_after": bytes_after,
-            "young_dry_run_spared": young.young_unreferenced_chunks, "dry_run": figures(dry),
-            "gc": figures(real), "second_gc_deleted": again.deleted_chunks,
-            "verify_ok": report.ok, "verify_chunks": report.chunks_checked,
-            "verify_s": report.seconds, "verify_bytes_read": report.bytes_read,
-            "restored_steps": len(keep)}
+            "young_dry_run_spared": young.young_unreferenced_chunks,
+            **{p: {k: getattr(info, k) for k, _ in GC_FIGURES}
+               for p, info in (("dry_run", dry), ("gc", real))},
+            "second_gc_deleted": again.deleted_chunks, "verify_ok": report.ok,
+            "verify_chunks": report.chunks_checked, "verify_s": report.seconds,
+            "verify_bytes_read": report.bytes_read, "restored_steps": len(keep)}
 
 
 def run(args) -> dict:
@@ -192,13 +176,12 @@ def run(args) -> dict:
         with h.scratch(args.dir, system) as root:
             return bench_async(system, root, np_states, proof_state, dev, args.drop_caches)
 
-    runs, _, lim = h.limit.interleaved(SYSTEMS, args.repeat, one, limit)
+    runs, _, lim = h.limit.interleaved(args, logical, SYSTEMS, one, limit)
     gc_runs = []
     for _ in range(args.repeat):
         with h.scratch(args.dir, "gc") as root:
             gc_runs.append(bench_gc(root, "tiny" if size == "tiny" else "gpt2", args.drop_caches))
-    return {"size": size,
-            "device": str(dev), "logical_bytes": logical, "repeat": args.repeat,
+    return {"size": size, "device": str(dev), "logical_bytes": logical, "repeat": args.repeat,
             "async_saves_per_run": ASYNC_SAVES, "host_copy_s": statistics.median(copy_s),
             "host_copy_runs_s": copy_s, "async_runs": runs, "limit": lim, "gc_runs": gc_runs,
             "async": {s: save_medians(rs) for s, rs in runs.items()},
@@ -211,42 +194,39 @@ def run(args) -> dict:
 def table(result: dict) -> list[str]:
     """Part 1 with casstore / orbax ratios and the limit, then part 2, then notes."""
     a, g = result["async"], result["gc"]
-    c, o, yes = a["casstore"], a["orbax"], lambda b: "yes" if b else "no (jax copied instead)"
-    lines = h.figure_table(a, ASYNC_FIGURES, list(SYSTEMS), "orbax", result["limits"])
-    lines += [*h.limit_lines(result["limit"]), "",
-              f"- state: {result['logical_bytes'] / 1e6:.1f} MB ({result['size']}, on "
-              f"{result['device']}); {c['saves_measured']} saves per system; every step and "
-              f"the proof step restored bit-exact (casstore {c['verified_steps']}, orbax "
-              f"{o['verified_steps']})",
-              f"- proof step: the caller's buffers were donated and overwritten in place: "
-              f"casstore {yes(c['buffers_donated_in_place'])}, orbax "
-              f"{yes(o['buffers_donated_in_place'])}",
-              f"- a plain copy of the state to new host memory (np.array per leaf) took "
-              f"{result['host_copy_s']:.3f} s (median)",
-              *h.target_lines([("casstore's blocking time <= orbax's",
-                                h.ratio(c["blocking_s"], o["blocking_s"]), 1.0)]), "",
-              f"GC of a repository of {g['steps']} steps of {g['state_bytes'] / 1e6:.1f} MB "
-              f"({g['deleted_steps']} deleted, {len(g['kept_steps'])} kept; built in "
-              f"{g['build_s']:.1f} s):", ""]
-    lines += h.md_table(["GC figure", "dry run", "gc"], [
-        [label, *(h.fmt(g[p][key], GC_UNITS.get(key, "n")) for p in ("dry_run", "gc"))]
-        for key, label in GC_FIGURES])
-    lines += ["", f"- chunks: {g['chunks_before']:.0f} ({g['bytes_before'] / 1e6:.1f} MB) before "
-              f"GC, {g['chunks_after']:.0f} ({g['bytes_after'] / 1e6:.1f} MB) after; a dry run "
-              f"with the default grace period spared {g['young_dry_run_spared']:.0f} young "
-              f"unreferenced chunks; a second GC deleted {g['second_gc_deleted']:.0f}; verify "
-              f"{'ok' if g['verify_ok'] else 'FAILED'} ({g['verify_chunks']:.0f} chunks, "
-              f"{g['verify_bytes_read'] / 1e6:.1f} MB read, {g['verify_s']:.2f} s); "
-              f"{g['restored_steps']:.0f} remaining steps restored bit-exact"]
-    return lines
+    c, o = a["casstore"], a["orbax"]
+    donated = lambda r: h.yes(r["buffers_donated_in_place"]) + (  # noqa: E731
+        "" if r["buffers_donated_in_place"] else " (jax copied instead)")
+    return [*h.figure_table(a, ASYNC_FIGURES, list(SYSTEMS), "orbax", result["limits"]),
+            *h.limit_lines(result["limit"]), "",
+            f"- state: {result['logical_bytes'] / 1e6:.1f} MB ({result['size']}, on "
+            f"{result['device']}); {c['saves_measured']} saves per system; every step and "
+            f"the proof step restored bit-exact (casstore {c['verified_steps']}, orbax "
+            f"{o['verified_steps']})",
+            f"- proof step: the caller's buffers were donated and overwritten in place: "
+            f"casstore {donated(c)}, orbax {donated(o)}",
+            f"- a plain copy of the state to new host memory (np.array per leaf) took "
+            f"{result['host_copy_s']:.3f} s (median)",
+            *h.target_lines([("casstore's blocking time <= orbax's",
+                              h.ratio(c["blocking_s"], o["blocking_s"]), 1.0)]), "",
+            f"GC of a repository of {g['steps']} steps of {g['state_bytes'] / 1e6:.1f} MB "
+            f"({g['deleted_steps']} deleted, {len(g['kept_steps'])} kept; built in "
+            f"{g['build_s']:.1f} s):", "",
+            *h.md_table(["GC figure", "dry run", "gc"], [
+                [label, *(h.fmt(g[p][key], GC_UNITS.get(key, "n")) for p in ("dry_run", "gc"))]
+                for key, label in GC_FIGURES]), "",
+            f"- chunks: {g['chunks_before']:.0f} ({g['bytes_before'] / 1e6:.1f} MB) before GC, "
+            f"{g['chunks_after']:.0f} ({g['bytes_after'] / 1e6:.1f} MB) after; a dry run with "
+            f"the default grace period spared {g['young_dry_run_spared']:.0f} young "
+            f"unreferenced chunks; a second GC deleted {g['second_gc_deleted']:.0f}; verify "
+            f"{'ok' if g['verify_ok'] else 'FAILED'} ({g['verify_chunks']:.0f} chunks, "
+            f"{g['verify_bytes_read'] / 1e6:.1f} MB read, {g['verify_s']:.2f} s); "
+            f"{g['restored_steps']:.0f} remaining steps restored bit-exact"]
 
 
-def main(argv: list[str] | None = None) -> dict:
-    size = ("--size", {"choices": ("gpt2", "gpt2-xl", "tiny"), "default": "gpt2"})
-    args = h.parse(__doc__, argv, "dir", "repeat", "tiny", "drop-caches", "device", "plot",
-                   extra=(size,))
-    return h.report(run(args), table, args, ("casstore", "orbax", "async"))
-
+main = h.command(__doc__, run, table, "dir", "repeat", "tiny", "drop-caches", "device", "plot",
+                 plot_of=("casstore", "orbax", "async"),
+                 extra=(("--size", {"choices": ("gpt2", "gpt2-xl", "tiny"), "default": "gpt2"}),))
 
 if __name__ == "__main__":
     main()

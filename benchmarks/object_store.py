@@ -3,22 +3,12 @@
 Each on a fresh SeaweedFS on loopback (or ``--endpoint``): a first save, restores (checked
 bit-exact), a changed save and an unchanged one, with CPU, server CPU, bytes and S3 requests.
 README.md's ``object_store.py`` section says more.
-
-Usage::
-
-    python benchmarks/object_store.py [--tiny] [--repeat N]
-                                      [--endpoint URL [--key K --secret S]] [--dir DIR]
-                                      [--drop-caches] [--no-warm] [--json PATH] [--plot PNG]
 """
-
-from __future__ import annotations
 
 import functools
 import pathlib
 import sys
 import uuid
-
-import jax
 
 import casstore
 from casstore.store import CountingStore
@@ -61,23 +51,23 @@ def bench(system: str, options: dict, bucket: str, np_states: list, warm: int,
     prefix = f"{bucket}/{'cas' if system == 'casstore' else 'plain'}-{uuid.uuid4().hex[:12]}"
     if system == "s3fs":
         fs = h.s3_fs(options, use_listings_cache=False)
-        peer, probes = h.peers.S3fs(fs, prefix), [h.peers.RequestCounter(fs)]
+        peer, probes = h.peers.S3fs(fs, prefix), [h.peers.requests(fs)]
         states = peer.prepare(np_states)
     else:
-        inner = casstore.open_store(f"s3://{prefix}", skip_instance_cache=True, **options)
-        store, fs = CountingStore(inner), inner.fs
-        peer = h.peers.Casstore(store)
-        probes = [h.peers.RequestCounter(fs), h.peers.StoreOps(store)]
+        store = CountingStore(casstore.open_store(f"s3://{prefix}", skip_instance_cache=True,
+                                                  **options))
+        peer, fs = h.peers.Casstore(store), store.inner.fs
+        probes = [h.peers.requests(fs), h.peers.store_ops(store)]
         states = h.to_jax(np_states, h.device("cpu"))
     stored, out = h.peers.S3fs(fs, prefix).stored_bytes, {}  # a fresh listing of the prefix
-    phase = functools.partial(h.phase, out, warm=warm, probes=[*probes, h.peers.ServerCpu()])
+    phase = functools.partial(h.phase, out, warm=warm, probes=[*probes, h.peers.server_cpu])
     phase("first_save_s", lambda: peer.save(1, states[0]))
     out.update({f"first_save_{k}": v for k, v in peer.saved(1).items()})
     out["first_save_stored_bytes"] = stored()
     abstract = h.abstract_of(np_states[0], h.device("cpu"))
     for key, target in (("restore_s", abstract), ("restore_numpy_s", None)):
-        if target is None and system == "s3fs":
-            continue  # its only restore is into numpy
+        if target is None and not peer.gives_jax:
+            continue  # plain s3fs's only restore is into numpy
         got = phase(key, lambda t=target: peer.restore(1, t), drop=drop)
         out["verified_leaves"] = h.verify_equal(np_states[0], got, f"{system} {key}",
                                                 peer.gives_jax and target is not None)
@@ -92,11 +82,8 @@ def bench(system: str, options: dict, bucket: str, np_states: list, warm: int,
 
 def run(args) -> dict:
     """Both systems ``args.repeat`` times (rotating), each on a server, as the limit."""
-    scale = "tiny" if args.tiny else "gpt2"
-    np_states = [h.train_state(scale)]
-    np_states.append(h.changed_state(np_states[0]))
-    logical = h.state_bytes(np_states[0])
-    n_changed, changed_raw, _ = h.changed_zstd_bytes(*np_states)
+    np_states, result = h.two_states("tiny" if args.tiny else "gpt2")
+    logical, changed_raw = result["logical_bytes"], result["changed_raw_bytes"]
     warm, buckets = 0 if args.no_warm else 3 * logical, []
 
     def on_server(fn):
@@ -104,18 +91,15 @@ def run(args) -> dict:
             buckets.append(h.new_bucket(options))
             return fn(options, buckets[-1])
 
-    runs, res, lim = h.limit.interleaved(SYSTEMS, args.repeat, lambda system: on_server(
+    runs, res, lim = h.limit.interleaved(args, logical, SYSTEMS, lambda system: on_server(
         lambda o, b: bench(system, o, b, np_states, warm, args.drop_caches)),
         lambda: on_server(lambda o, b: h.limit.measure(logical, fs=h.s3_fs(o),
                                                        prefix=f"{b}/limit")))
     c = res["casstore"]
     restore = h.limit.restore_s(lim, logical, c["first_save_written_bytes"], cold=True)
-    return {"scale": scale, "shape": h.SIZES[scale], "logical_bytes": logical,
-            "leaves": len(jax.tree.leaves(np_states[0])), "changed_leaves": n_changed,
-            "changed_raw_bytes": changed_raw, "repeat": args.repeat,
+    return {**result, "repeat": args.repeat, "results": res, "runs": runs, "limit": lim,
             "server": args.endpoint or "seaweedfs (weed mini) on 127.0.0.1, fresh per run",
-            "drop_caches_requested": args.drop_caches, "results": res, "runs": runs,
-            "limit": lim, "buckets": buckets, "limits": {
+            "drop_caches_requested": args.drop_caches, "buckets": buckets, "limits": {
                 "first_save_s": h.limit.save_s(lim, logical, c["first_save_written_bytes"]),
                 "changed_save_s": h.limit.save_s(lim, changed_raw, c["changed_save_written_bytes"]),
                 "restore_s": restore, "restore_numpy_s": restore},
@@ -130,7 +114,7 @@ def table(result: dict) -> list[str]:
     lines = h.figure_table(res, FIGURES, list(SYSTEMS), "s3fs", result["limits"])
     lines += h.limit_lines(result["limit"], "The machine's limit on this S3 server, this run")
     lines += ["", f"- state: {result['logical_bytes'] / 1e6:.1f} MB in {result['leaves']} leaves "
-              f"({result['scale']}); the second save changes {result['changed_leaves']} leaves, "
+              f"({result['size']}); the second save changes {result['changed_leaves']} leaves, "
               f"{result['changed_raw_bytes'] / 1e6:.1f} MB raw; plain s3fs's 2b column is its "
               f"only restore (numpy)"]
     ops = lambda d: ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "none"  # noqa: E731
@@ -142,14 +126,11 @@ def table(result: dict) -> list[str]:
     lines += h.target_lines([(t["target"], t["ratio"], t["limit"]) for t in result["targets"]])
     return [*lines, f"- median of {result['repeat']} run(s) per system; restores verified "
             f"bit-exact; server: {result['server']}; page cache dropped before restores: "
-            f"{'yes' if result['drop_caches_requested'] else 'no'}"]
+            f"{h.yes(result['drop_caches_requested'])}"]
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = h.parse(__doc__, argv, "repeat", "tiny", "dir", "drop-caches", "no-warm", "endpoint",
-                   "key", "secret", "plot")
-    return h.report(run(args), table, args, ("casstore", "s3fs"))
-
+main = h.command(__doc__, run, table, "repeat", "tiny", "dir", "drop-caches", "no-warm",
+                 "endpoint", "key", "secret", "plot", plot_of=("casstore", "s3fs", "results"))
 
 if __name__ == "__main__":
     main()

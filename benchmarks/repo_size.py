@@ -2,25 +2,13 @@
 
 Issue 11 item 3, on local disk and on S3: full / fresh save time (target <= 2x) with the same
 bytes written, and each save's fraction of the machine's limit. README.md's ``repo_size.py``.
-
-Usage::
-
-    python benchmarks/repo_size.py [--stores local,s3] [--chunks N] [--repeat N]
-                                   [--endpoint URL [--key K --secret S]]
-                                   [--dir DIR] [--drop-caches] [--tiny] [--json PATH]
 """
 
-from __future__ import annotations
-
-import concurrent.futures as cf
 import contextlib
-import http.client
 import os
 import pathlib
 import sys
-import threading
 import time
-import urllib.parse
 import uuid
 
 import numpy as np
@@ -34,7 +22,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import harness as h
 
 STORES, CHUNKS, CHUNK_RAW_BYTES, PUT_BATCH, SAMPLE = ("local", "s3"), 200_000, 64, 5000, 16
-TINY = {"chunks": 2000, "small": (12, 256), "large": (4, 1 << 16)}  # trees: (leaves, floats)
+TREES = {"small": (12, 25_000), "large": (32, 1 << 20)}  # name -> (leaves, float32 elements)
+TINY = {"chunks": 2000, "small": (12, 256), "large": (4, 1 << 16)}
 
 
 def fill(put_many, count: int, seed: int) -> dict:
@@ -54,30 +43,19 @@ def fill(put_many, count: int, seed: int) -> dict:
     return {"fill_s": time.perf_counter() - t0, "sample": sample}
 
 
-def http_put_many(endpoint: str, root: str, items: dict[str, bytes]) -> None:
-    """PUTs ``items`` under ``endpoint/root`` (anonymous S3) from 16 threads, as s3fs would."""
-    url, local = urllib.parse.urlsplit(endpoint), threading.local()
-
-    def put(key: str) -> None:
-        if not hasattr(local, "conn"):
-            local.conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
-        local.conn.request("PUT", f"/{root}/{key}", body=items[key])
-        response = local.conn.getresponse()
-        response.read()
-        if response.status != 200:
-            raise OSError(f"PUT {endpoint}/{root}/{key}: HTTP {response.status}")
-
-    with cf.ThreadPoolExecutor(16) as pool:
-        list(pool.map(put, items))
+def init(store: object) -> object:
+    """``store`` with a config object and step 0 of a one-leaf tree (as every repo here)."""
+    casstore.save(store, 0, {"x": np.zeros(4, np.float32)})
+    return store
 
 
 @contextlib.contextmanager
 def opener(kind: str, args):
-    """``(new repository, fast put_many of a store, the limit)`` on store ``kind``."""
+    """``(new repository, with step 0; fast put_many of a store; the limit)`` on ``kind``."""
     size = 4 * TINY["large"][0] * TINY["large"][1] if args.tiny else 64 << 20
     if kind == "local":
         with h.scratch(args.dir, "repo-size") as root:
-            yield (lambda: casstore.open_store(str(root / uuid.uuid4().hex[:12])),
+            yield (lambda: init(casstore.open_store(str(root / uuid.uuid4().hex[:12]))),
                    lambda store: LocalStore(store.root, fsync=False).put_many,
                    h.limit.measure(size, base_dir=args.dir, drop=args.drop_caches))
         return
@@ -86,21 +64,15 @@ def opener(kind: str, args):
         new = lambda: casstore.open_store(  # noqa: E731
             f"s3://{bucket}/repo-{uuid.uuid4().hex[:12]}", skip_instance_cache=True, **options)
         limit = h.limit.measure(size, fs=new().fs, prefix=f"{bucket}/limit")
-        yield (new, lambda store: store.put_many if options.get("key") else (
-            lambda items: http_put_many(options["endpoint_url"], store.root, items)), limit)
-
-
-def init(store: object) -> object:
-    """``store`` with a config object and step 0 of a one-leaf tree (as every repo here)."""
-    casstore.save(store, 0, {"x": np.zeros(4, np.float32)})
-    return store
+        yield (lambda: init(new()), lambda store: store.put_many if options.get("key") else (
+            lambda items: h.http_put_many(options["endpoint_url"], store.root, items)), limit)
 
 
 def bench_store(kind: str, args, trees: dict, chunks: int) -> dict:
     """Fills a repository of ``kind``, then times each tree's save in it and in fresh ones."""
     out: dict = {"store": kind}
     with opener(kind, args) as (new, filler, limit):
-        full = init(new())
+        full = new()
         out["chunks_before_fill"] = sum(1 for _ in full.list(CHUNKS_PREFIX))
         filled = fill(filler(full), chunks, seed=1)
         for cid, raw in filled["sample"]:
@@ -118,7 +90,7 @@ def bench_store(kind: str, args, trees: dict, chunks: int) -> dict:
                 tree = {f"layer{i:03d}": rng.standard_normal(elements, dtype=np.float32)
                         for i in range(leaves)}
                 for where in h.rotated(("fresh", "full"), r):
-                    store, step = (full, step + 1) if where == "full" else (init(new()), step)
+                    store, step = (full, step + 1) if where == "full" else (new(), step)
                     fig: dict = {}
                     info = h.phase(fig, "s", lambda s=store, n=(step if where == "full" else 1),
                                    t=tree: casstore.save(s, n, t), drop=args.drop_caches)
@@ -138,11 +110,9 @@ def bench_store(kind: str, args, trees: dict, chunks: int) -> dict:
 def run(args) -> dict:
     """Every store of ``args.stores``."""
     chunks = args.chunks or (TINY["chunks"] if args.tiny else CHUNKS)
-    trees = ({n: TINY[n] for n in ("small", "large")} if args.tiny
-             else {"small": (12, 25_000), "large": (32, 1 << 20)})
-    return {"chunks": chunks,
-            "trees": {n: {"leaves": lv, "elements": el, "bytes": lv * el * 4}
-                      for n, (lv, el) in trees.items()},
+    trees = {n: (TINY if args.tiny else TREES)[n] for n in TREES}
+    return {"chunks": chunks, "trees": {n: {"leaves": lv, "elements": el, "bytes": lv * el * 4}
+                                        for n, (lv, el) in trees.items()},
             "repeat": args.repeat, "server": args.endpoint or "seaweedfs on 127.0.0.1",
             "results": {kind: bench_store(kind, args, trees, chunks) for kind in args.stores}}
 
@@ -169,20 +139,16 @@ def table(result: dict) -> list[str]:
     lines.append("")
     for k, r in res.items():
         for name in result["trees"]:
-            same = r[f"{name}_same_bytes"]
+            ratio, same = r[f"{name}_ratio"], r[f"{name}_same_bytes"]
             lines.append(f"- target, {k}, {name} tree: full / fresh <= 2x with the same bytes "
-                         f"written: {r[f'{name}_ratio']:.3g}x, bytes "
-                         f"{'equal' if same else 'DIFFER'} "
-                         f"({'met' if r[f'{name}_ratio'] <= 2 and same else 'NOT met'})")
+                         f"written: {ratio:.3g}x, bytes {'equal' if same else 'DIFFER'} "
+                         f"({'met' if ratio <= 2 and same else 'NOT met'})")
     return [*lines, f"- median of {result['repeat']} save(s) each; S3 server: {result['server']}"]
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = h.parse(__doc__, argv, "dir", "repeat", "tiny", "drop-caches", "endpoint", "key",
-                   "secret", extra=(("--stores", {"type": h.subset(STORES), "default": "local,s3"}),
-                                    ("--chunks", {"type": int, "help": f"default {CHUNKS}"})))
-    return h.report(run(args), table, args)
-
+main = h.command(__doc__, run, table, "dir", "repeat", "tiny", "drop-caches", "endpoint", "key",
+                 "secret", extra=(("--stores", {"type": h.subset(STORES), "default": "local,s3"}),
+                                  ("--chunks", {"type": int, "help": f"default {CHUNKS}"})))
 
 if __name__ == "__main__":
     main()

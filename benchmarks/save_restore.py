@@ -1,17 +1,8 @@
 """casstore vs orbax-checkpoint vs safetensors: save and restore a GPT-2-small train state.
 
-Saves to local disk as step 1, a changed state, the same state again (and its copies), then
-restores, checked bit-exact. README.md's ``save_restore.py`` section describes every figure.
-
-Usage::
-
-    python benchmarks/save_restore.py [--dir DIR] [--repeat N] [--drop-caches] [--tiny]
-                                      [--size gpt2|gpt2-xl|small|tiny] [--device default|cpu]
-                                      [--systems casstore,orbax,safetensors] [--no-warm]
-                                      [--json PATH] [--plot PNG]
+On local disk: step 1, a changed state, the same state again (and its copies), then a restore,
+checked bit-exact. README.md's ``save_restore.py`` section describes every figure.
 """
-
-from __future__ import annotations
 
 import functools
 import pathlib
@@ -62,7 +53,7 @@ def bench(system: str, root: pathlib.Path, source: list, dev: jax.Device, args, 
         out["repo_bytes"] = peer.stored_bytes()
         if peer.dedups:  # the others rewrite everything, as in step 3 (and a 4th orbax step
             fresh = jax.tree.map(lambda x: x.copy(), states[1])  # of gpt2-xl fills 64 GiB)
-            phase("same_values_save_s", lambda f=fresh: peer.save(4, f))
+            phase("same_values_save_s", lambda: peer.save(4, fresh))
             del fresh
         target = h.abstract_of(source[1], dev)
         restored = phase("restore_s", lambda: peer.restore(3, target),
@@ -74,30 +65,24 @@ def bench(system: str, root: pathlib.Path, source: list, dev: jax.Device, args, 
 
 def run(args) -> dict:
     """Every system ``args.repeat`` times (rotating), the limit once per repeat."""
-    dev, size = h.device(args.device), "tiny" if args.tiny else args.size
-    generate_s, source = h.seconds(lambda: [h.train_state(size, device=dev)])
-    source.append(jax.block_until_ready(h.changed_state(source[0])))
-    logical = h.state_bytes(source[0])
-    n_changed, changed_raw, changed_zstd = h.changed_zstd_bytes(*source)
+    dev = h.device(args.device)
+    source, result = h.two_states("tiny" if args.tiny else args.size, dev)
+    logical = result["logical_bytes"]
     warm = 0 if args.no_warm else min(3 * logical, 8 << 30)  # gpt2-xl: 3x is 56 GB
 
     def one(system: str) -> dict:
         with h.scratch(args.dir, system) as root:
-            return bench(system, root, source, dev, args, warm, changed_zstd)
+            return bench(system, root, source, dev, args, warm, result["changed_zstd_bytes"])
 
-    runs, res, lim = h.limit.interleaved(args.systems, args.repeat, one, lambda: h.limit.measure(
-        logical, base_dir=args.dir, drop=args.drop_caches))
+    runs, res, lim = h.limit.interleaved(args, logical, args.systems, one)
     dropped = all(r["dropped_caches"] for rs in runs.values() for r in rs)
     ours = next((res[s] for s in SYSTEMS[:3] if s in res), {})  # the bytes casstore stores
     stored = lambda k, raw: ours.get(f"{k}_written_bytes", raw * lim["encoded_fraction"])  # noqa
     limits = {f"{k}_s": h.limit.save_s(lim, r, stored(k, r))
-              for k, r in (("first_save", logical), ("changed_save", changed_raw))}
+              for k, r in (("first_save", logical), ("changed_save", result["changed_raw_bytes"]))}
     limits["restore_s"] = h.limit.restore_s(lim, logical, ours.get("first_save_written_bytes",
                                             logical), cold=dropped and lim["read_cold"])
-    return {"size": size, "shape": h.SIZES[size], "device": str(dev), "logical_bytes": logical,
-            "leaves": len(jax.tree.leaves(source[0])), "changed_leaves": n_changed,
-            "changed_raw_bytes": changed_raw, "changed_zstd_bytes": changed_zstd,
-            "generate_s": generate_s, "repeat": args.repeat, "warmed_bytes": warm,
+    return {**result, "device": str(dev), "repeat": args.repeat, "warmed_bytes": warm,
             "dropped_caches": dropped, "results": res, "runs": runs, "limit": lim,
             "limits": limits}
 
@@ -105,12 +90,12 @@ def run(args) -> dict:
 def table(result: dict) -> list[str]:
     """The medians with ratios to orbax and fractions of the limit, the limit, notes, targets."""
     res = result["results"]
-    lines = h.figure_table(res, FIGURES, [s for s in SYSTEMS if s in res], "orbax",
-                           result["limits"]) + h.limit_lines(result["limit"])
-    lines += ["", f"- state: {result['logical_bytes'] / 1e6:.1f} MB in {result['leaves']} "
-              f"leaves ({result['size']}, on {result['device']}); the second save changes "
-              f"{result['changed_leaves']} leaves, {result['changed_raw_bytes'] / 1e6:.1f} MB "
-              f"raw, {result['changed_zstd_bytes'] / 1e6:.1f} MB zstd level 1"]
+    lines = [*h.figure_table(res, FIGURES, [s for s in SYSTEMS if s in res], "orbax",
+                             result["limits"]), *h.limit_lines(result["limit"]), "",
+             f"- state: {result['logical_bytes'] / 1e6:.1f} MB in {result['leaves']} leaves "
+             f"({result['size']}, on {result['device']}); the second save changes "
+             f"{result['changed_leaves']} leaves, {result['changed_raw_bytes'] / 1e6:.1f} MB "
+             f"raw, {result['changed_zstd_bytes'] / 1e6:.1f} MB zstd level 1"]
     if "casstore" in res:
         c = res["casstore"]
         lines.append(f"- casstore first save wrote {c['first_save_written_bytes'] / 1e6:.1f} MB; "
@@ -128,17 +113,14 @@ def table(result: dict) -> list[str]:
             ("restore takes <= 0.8x orbax's time", vs("restore_s"), 0.8),
             ("first save stores <= 0.9x orbax's bytes", vs("first_save_disk_bytes"), 0.9)])
     return [*lines, f"- median of {result['repeat']} run(s); restores verified bit-exact; page "
-            f"cache dropped before each phase: {'yes' if result['dropped_caches'] else 'no'}; "
-            f"memory warmed: {'yes' if result['warmed_bytes'] else 'no'}"]
+            f"cache dropped before each phase: {h.yes(result['dropped_caches'])}; memory "
+            f"warmed: {h.yes(result['warmed_bytes'])}"]
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = h.parse(__doc__, argv, "dir", "repeat", "tiny", "drop-caches", "no-warm", "device",
-                   "plot", extra=(("--size", {"choices": tuple(h.SIZES), "default": "gpt2"}),
-                                  ("--systems", {"type": h.subset(SYSTEMS),
-                                                 "default": ",".join(SYSTEMS)})))
-    return h.report(run(args), table, args, ("casstore", "orbax"))
-
+main = h.command(__doc__, run, table, "dir", "repeat", "tiny", "drop-caches", "no-warm",
+                 "device", "plot", plot_of=("casstore", "orbax", "results"), extra=(
+                     ("--size", {"choices": tuple(h.SIZES), "default": "gpt2"}),
+                     ("--systems", {"type": h.subset(SYSTEMS), "default": ",".join(SYSTEMS)})))
 
 if __name__ == "__main__":
     main()

@@ -3,14 +3,7 @@
 1.14 GB in 5 leaves over 8 CPU devices, restored onto the saved sharding and onto ``Mesh((8,),
 ('x',))``, checked bit-exact; casstore's bytes read for one device's region. README.md's
 ``sharded.py`` section.
-
-Usage::
-
-    python benchmarks/sharded.py [--dir DIR] [--repeat N] [--drop-caches] [--tiny]
-                                 [--json PATH] [--plot PNG]
 """
-
-from __future__ import annotations
 
 import os
 
@@ -52,9 +45,9 @@ def state_and_targets(tiny: bool) -> tuple[dict, dict, dict, dict]:
     for name, (shape, spec) in LEAVES.items():
         shape = tuple(d // TINY_DIV for d in shape) if tiny else shape
         source[name] = x = rng.standard_normal(shape, dtype=np.float32)
-        state[name] = jax.make_array_from_callback(shape, NamedSharding(save_mesh, spec),
-                                                   lambda idx, x=x: x[idx])
-        same[name] = jax.ShapeDtypeStruct(shape, x.dtype, sharding=NamedSharding(save_mesh, spec))
+        saved = NamedSharding(save_mesh, spec)
+        state[name] = jax.make_array_from_callback(shape, saved, lambda idx, x=x: x[idx])
+        same[name] = jax.ShapeDtypeStruct(shape, x.dtype, sharding=saved)
         other[name] = jax.ShapeDtypeStruct(shape, x.dtype,
                                            sharding=NamedSharding(other_mesh, P("x")))
     return source, state, same, other
@@ -105,20 +98,18 @@ def run(args) -> dict:
     """Both systems ``args.repeat`` times (rotating), the limit once per repeat."""
     made = state_and_targets(args.tiny)
     state_bytes = h.state_bytes(made[0])
-    warm = 0 if args.tiny else 2 * state_bytes
 
     def one(system: str) -> dict:
         with h.scratch(args.dir, f"sharded-{system}") as root:
-            return bench(system, root, made, warm, args.drop_caches)
+            return bench(system, root, made, 0 if args.tiny else 2 * state_bytes,
+                         args.drop_caches)
 
-    runs, figures, lim = h.limit.interleaved(SYSTEMS, args.repeat, one, lambda: h.limit.measure(
-        state_bytes, base_dir=args.dir, drop=args.drop_caches))
+    runs, figures, lim = h.limit.interleaved(args, state_bytes, SYSTEMS, one)
     stored = figures["casstore"]["stored_bytes"]
     restore = h.limit.restore_s(lim, state_bytes, stored, cold=args.drop_caches and
                                 lim["read_cold"])
-    return {"tiny": args.tiny,
-            "repeat": args.repeat, "drop_caches": args.drop_caches, "state_bytes": state_bytes,
-            "figures": figures, "runs": runs, "limit": lim,
+    return {"tiny": args.tiny, "repeat": args.repeat, "drop_caches": args.drop_caches,
+            "state_bytes": state_bytes, "figures": figures, "runs": runs, "limit": lim,
             "leaves": {k: {"shape": list(v.shape), "spec": str(LEAVES[k][1])}
                        for k, v in made[0].items()},
             "limits": {"save_s": h.limit.save_s(lim, state_bytes, stored),
@@ -142,10 +133,8 @@ def table(result: dict) -> list[str]:
                     [*rows, ["single / whole", f"{c['single_over_whole']:.4f}", "", ""]])]
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = h.parse(__doc__, argv, "dir", "repeat", "tiny", "drop-caches", "plot")
-    return h.report(run(args), table, args, ("casstore", "orbax", "figures"))
-
+main = h.command(__doc__, run, table, "dir", "repeat", "tiny", "drop-caches", "plot",
+                 plot_of=("casstore", "orbax", "figures"))
 
 if __name__ == "__main__":
     sys.exit(0 if main()["checks_passed"] else 1)

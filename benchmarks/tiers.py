@@ -3,14 +3,7 @@
 10 steps of a 256 MiB frozen base plus a 16 MiB new head, on local disk and two S3 servers;
 ``casstore.copy`` is compared with ``rclone copy --transfers 16`` where rclone is on PATH.
 README.md's ``tiers.py`` section says what each figure means.
-
-Usage::
-
-    python benchmarks/tiers.py [--repeat N] [--tiny] [--persist-interval N] [--dir DIR]
-                               [--no-warm] [--endpoint URL [--key K --secret S]] [--json PATH]
 """
-
-from __future__ import annotations
 
 import functools
 import math
@@ -94,7 +87,7 @@ def copies(local: pathlib.Path, a: tuple, b: tuple, cfg, out: dict) -> None:
     (a_opts, a_bucket), (b_opts, b_bucket) = a, b
     src, dst = f"s3://{a_bucket}/copy-src", f"s3://{b_bucket}/copy-dst"
     s3 = lambda url, o: casstore.open_store(url, skip_instance_cache=True, **o)  # noqa: E731
-    phase = functools.partial(h.phase, out, warm=cfg.warm, probes=[h.peers.ServerCpu()])
+    phase = functools.partial(h.phase, out, warm=cfg.warm, probes=[h.peers.server_cpu])
     phase("copy_local_s3_s", lambda: casstore.copy(str(local), s3(src, a_opts)))
     # untimed: server B grows its volumes for this much data here, not in the first timed copy
     casstore.copy(s3(src, a_opts), s3(f"s3://{b_bucket}/warm-up", b_opts))
@@ -144,9 +137,9 @@ def run(args) -> dict:
         warm=0 if args.no_warm else 3 * (base + head))) for r in range(args.repeat)]
     out = h.medians(runs)
     ratios = {key: out[f"{key}_ratio"] for key, *_ in TARGETS}
-    return {"tiny": args.tiny,
-            "steps": STEPS, "base_bytes": base, "head_bytes": head, "state_bytes": base + head,
-            "chunk_size_bytes": base // 16, "persist_interval": args.persist_interval,
+    return {"tiny": args.tiny, "steps": STEPS, "base_bytes": base, "head_bytes": head,
+            "state_bytes": base + head, "chunk_size_bytes": base // 16,
+            "persist_interval": args.persist_interval,
             "server": args.endpoint or "two SeaweedFS (weed mini) on 127.0.0.1, fresh per run",
             "repeat": args.repeat, "figures": out, "runs": runs, "ratios": ratios,
             "targets": [{"target": text, "key": key, "ratio": ratios[key], "limit": limit}
@@ -170,11 +163,8 @@ def table(result: dict) -> list[str]:
             f"{result['server']}"]
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = h.parse(__doc__, argv, "repeat", "tiny", "dir", "no-warm", "endpoint", "key",
-                   "secret", extra=(("--persist-interval", {"type": int, "default": 3}),))
-    return h.report(run(args), table, args)
-
+main = h.command(__doc__, run, table, "repeat", "tiny", "dir", "no-warm", "endpoint", "key",
+                 "secret", extra=(("--persist-interval", {"type": int, "default": 3}),))
 
 if __name__ == "__main__":
     main()

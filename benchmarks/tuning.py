@@ -3,14 +3,7 @@ save, restore and export (docs/tuning.md).
 
 Each variant changes one setting from the defaults: a save, a changed save, a restore (checked
 bit-exact), peak extra RSS; the default also exports. README.md's ``tuning.py`` section.
-
-Usage::
-
-    python benchmarks/tuning.py [--repeat N] [--dir DIR]
-                                [--drop-caches] [--no-warm] [--json PATH]
 """
-
-from __future__ import annotations
 
 import functools
 import os
@@ -65,19 +58,15 @@ def bench(name: str, root: pathlib.Path, states: list, drop: bool, warm: int) ->
 
 def run(args) -> dict:
     """Every variant ``args.repeat`` times (rotating)."""
-    size = "tiny" if args.tiny else "gpt2"
-    states = [h.train_state(size)]
-    states.append(h.changed_state(states[0]))
-    logical = h.state_bytes(states[0])
+    states, result = h.two_states("tiny" if args.tiny else "gpt2")
+    warm = 0 if args.no_warm else 3 * result["logical_bytes"]
 
     def one(name: str) -> dict:
         with h.scratch(args.dir, "tuning") as root:
-            return bench(name, root, states, args.drop_caches, 0 if args.no_warm else 3 * logical)
+            return bench(name, root, states, args.drop_caches, warm)
 
     runs, res, _ = h.interleave(tuple(VARIANTS), args.repeat, one)
-    return {"size": size,
-            "logical_bytes": logical, "leaves": len(h.flatten(states[0])), "repeat": args.repeat,
-            "variants": VARIANTS, "results": res, "runs": runs,
+    return {**result, "repeat": args.repeat, "variants": VARIANTS, "results": res, "runs": runs,
             "dropped_caches": all(r["dropped_caches"] for rs in runs.values() for r in rs)}
 
 
@@ -87,19 +76,15 @@ def table(result: dict) -> list[str]:
     return [*h.md_table(["variant", *(c for _, c, _ in COLUMNS)], [
         [name, *(h.fmt(res[name][k], unit) for k, _, unit in COLUMNS)] for name in res]), "",
         *h.md_table(["export of step 2 (default variant)", "s", "peak extra RSS", "file"], [
-            [kind, h.fmt(d[f"export_{kind}_s"], "s"), h.fmt(d[f"export_{kind}_rss_extra_bytes"],
-                                                            "B"),
-             h.fmt(d[f"export_{kind}_file_bytes"], "B")] for kind in ("safetensors", "npz")]), "",
+            [kind, *(h.fmt(d[f"export_{kind}_{k}"], unit) for k, unit in (
+                ("s", "s"), ("rss_extra_bytes", "B"), ("file_bytes", "B")))]
+            for kind in ("safetensors", "npz")]), "",
         f"- state: {result['logical_bytes'] / 1e6:.1f} MB in {result['leaves']} leaves "
         f"({result['size']}, numpy); median of {result['repeat']} run(s); restores verified "
-        f"bit-exact; page cache dropped before each phase: "
-        f"{'yes' if result['dropped_caches'] else 'no'}"]
+        f"bit-exact; page cache dropped before each phase: {h.yes(result['dropped_caches'])}"]
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = h.parse(__doc__, argv, "dir", "repeat", "tiny", "drop-caches", "no-warm")
-    return h.report(run(args), table, args)
-
+main = h.command(__doc__, run, table, "dir", "repeat", "tiny", "drop-caches", "no-warm")
 
 if __name__ == "__main__":
     main()

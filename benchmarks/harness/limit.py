@@ -1,14 +1,7 @@
-"""The machine's limit, measured in the same run as the figures it judges (issue 33 item 1).
-
-On a sample of N(0, 0.02) float32 values (the train states' params) cut into objects of up to
-16 MiB: the store's write (local disk: a file per object, each fsynced, then the directory) and
-read (after dropping the page cache where asked and permitted, else warm), and on one thread
-each (best of 3, times the workers): a page-cache copy, a first touch of new memory, the
-xxh3-128 chunk id, and casstore's codec 5 encode and decode with its hash check.
-:func:`save_s` and :func:`restore_s` give the fastest save and restore these rates allow;
-benchmarks/README.md, "The machine's limit", explains the formulas. A figure's fraction of the
-limit is ``limit_s / figure_s``: 1.0 runs at the machine's limit.
-"""
+"""The machine's limit, measured in the same run as the figures it judges (issue 33 item 1):
+the rates of benchmarks/README.md's table "The machine's limit", and :func:`save_s` and
+:func:`restore_s`, the fastest save and restore they allow. A figure's fraction of the limit
+is ``limit_s / figure_s``: 1.0 runs at the machine's limit."""
 
 from __future__ import annotations
 
@@ -16,7 +9,7 @@ import concurrent.futures as cf
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -42,20 +35,14 @@ def _rate(nbytes: int, fn: Callable[[], object], tries: int = 3) -> float:
     return nbytes / max(best, 1e-9)
 
 
-def _pool(threads: int, fn: Callable[[Any], object], items: Iterable) -> None:
-    with cf.ThreadPoolExecutor(threads) as pool:
-        list(pool.map(fn, items))
-
-
 def measure(nbytes: int, *, base_dir: str | None = None, drop: bool = False, fs: Any = None,
             prefix: str = "") -> dict:
-    """The limit's rates (bytes per second) on ``min(nbytes, 256 MiB)`` (at least 4 objects):
-    the store is local disk under ``base_dir`` (a scratch directory in it; default /tmp), read
-    from ``2 x workers`` (at least 4) and twice as many threads, the faster; or, given an S3
-    filesystem ``fs``, objects under ``prefix`` (removed afterwards) put with one ``fs.pipe``
-    and read twice with one ``fs.cat``. Also ``workers``, ``threads``, ``read_threads``,
-    ``read_cold`` (the page cache was dropped before the read), ``encoded_fraction`` (encoded /
-    raw bytes of the sample) and ``store``."""
+    """The limit's rates (bytes per second) on a sample of ``min(nbytes, 256 MiB)`` in at least
+    4 objects of N(0, 0.02) float32: the CPU's on one thread times the workers; the store's on
+    local disk under ``base_dir`` (a scratch directory in it), written from ``2 x workers``
+    threads (at least 4), read from as many and twice as many, the faster, after dropping the
+    page cache with ``drop`` where permitted (``read_cold``); or, given an S3 filesystem ``fs``,
+    under ``prefix`` (removed afterwards) with one ``fs.pipe``, read with one ``fs.cat``."""
     n_workers, threads = workers(), max(4, 2 * workers())
     nbytes = min(nbytes, 256 << 20)
     size = max(64 << 10, min(16 << 20, nbytes // 4)) // 4 * 4
@@ -89,8 +76,14 @@ def measure(nbytes: int, *, base_dir: str | None = None, drop: bool = False, fs:
                 with open(root / key, "rb") as f:
                     f.readinto(bytearray(os.fstat(f.fileno()).st_size))
 
-            put_many = lambda: (_pool(threads, put, objects.items()), fsync_path(root))  # noqa: E731
-            get_many = lambda n: _pool(n, get, objects)  # noqa: E731
+            def put_many() -> None:
+                with cf.ThreadPoolExecutor(threads) as pool:
+                    list(pool.map(put, objects.items()))
+                fsync_path(root)
+
+            def get_many(n: int) -> None:
+                with cf.ThreadPoolExecutor(n) as pool:
+                    list(pool.map(get, objects))
         else:
             stack.callback(fs.rm, prefix, recursive=True)
             put_many = lambda: fs.pipe({f"{prefix}/{k}": v for k, v in objects.items()})  # noqa: E731
@@ -127,15 +120,13 @@ def restore_s(lim: dict, raw: float, stored: float, cold: bool = False) -> float
     return max(cpu, stored / lim["read_bps"] if cold or not lim["read_cold"] else 0.0)
 
 
-def medians(limits: Iterable[dict]) -> dict:
-    """The median of each rate over several runs' limits (other fields from the last)."""
-    limits = list(limits)
-    return {**limits[-1], **{k: float(np.median([lim[k] for lim in limits]))
-                             for k in limits[-1] if k.endswith("_bps")}}
-
-
-def interleaved(systems: tuple[str, ...], repeat: int, run_one: Callable[[str], dict],
-                measure_one: Callable[[], dict]) -> tuple[dict, dict, dict]:
-    """:func:`harness.timing.interleave`, the limit once per repeat: (runs, medians, limit)."""
-    runs, res, limits = interleave(systems, repeat, run_one, measure_one)
-    return runs, res, medians(limits)
+def interleaved(args: Any, nbytes: int, systems: tuple[str, ...], run_one: Callable[[str], dict],
+                measure_one: Callable[[], dict] | None = None) -> tuple[dict, dict, dict]:
+    """:func:`harness.timing.interleave` with the limit measured once per repeat (by default on
+    local disk under ``args.dir``): (runs, medians, the median of each rate)."""
+    measure_one = measure_one or (lambda: measure(nbytes, base_dir=args.dir,
+                                                  drop=args.drop_caches))
+    runs, res, limits = interleave(systems, args.repeat, run_one, measure_one)
+    rates = {k: float(np.median([lim[k] for lim in limits])) for k in limits[-1]
+             if k.endswith("_bps")}
+    return runs, res, {**limits[-1], **rates}

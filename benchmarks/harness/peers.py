@@ -1,14 +1,16 @@
-"""The systems a benchmark compares, behind one interface: casstore (``save`` / ``restore``, or
-its ``CheckpointManager`` for asynchronous saves), orbax-checkpoint (``StandardCheckpointer``),
-safetensors (one file per step, fsynced) and plain s3fs (one object per leaf); and the probes
-of an S3 phase (requests by operation, a local server's CPU time, casstore's store calls)."""
+"""The systems a benchmark compares, behind one interface (:class:`Peer`): casstore (``save`` /
+``restore``, or its ``CheckpointManager``), orbax-checkpoint (``StandardCheckpointer``),
+safetensors (one file per step, fsynced) and plain s3fs (one object per leaf); and the probes of
+an S3 phase (:func:`harness.timing.phase`)."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import pathlib
 import resource
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -17,8 +19,11 @@ import psutil
 
 import casstore
 
-from .states import flatten, host_array
+from . import limit
+from .report import ratio
+from .states import abstract_of, device, flatten, host_array, state_bytes, verify_equal
 from .storage import du, fsync_path
+from .timing import interleave, phase
 
 SAVE_INFO = ("written_bytes", "new_chunks", "reused_chunks", "delta_chunks",
              "delta_saved_bytes", "manifest_bytes")
@@ -29,10 +34,10 @@ class Peer(contextlib.AbstractContextManager):
     (untimed) gives what ``save(step, state)`` takes; ``save`` returns once the step is durable
     (``save_async`` then ``wait`` where the system saves in the background); ``saved(step)``
     gives its figures, at least ``written_bytes``; ``restore(step, target)`` the state, ready:
-    a pytree, or ``{name: array}`` where ``flat``, jax arrays where ``gives_jax``. ``dedups``:
-    a save stores only what earlier steps lack."""
+    jax arrays where ``gives_jax``, else ``{name: array}``. ``dedups``: a save stores only what
+    earlier steps lack."""
 
-    gives_jax, flat, dedups = True, False, False
+    gives_jax, dedups = True, False
 
     def __init__(self, root: Any):
         self.root = root
@@ -58,15 +63,15 @@ class Peer(contextlib.AbstractContextManager):
 
 
 class Casstore(Peer):
-    """``casstore.save(url, step, state, **save_options)``, ``casstore.restore(url, step,
+    """``casstore.save(url, step, state, **options)``, ``casstore.restore(url, step,
     target=target)``; ``url`` a path or a Store."""
 
     dedups = True
 
-    def __init__(self, url: Any, **save_options: Any):
+    def __init__(self, url: Any, **options: Any):
         super().__init__(url)
         self.url = str(url) if isinstance(url, pathlib.Path) else url
-        self.options, self.info = save_options, None
+        self.options, self.info = options, None
 
     def save(self, step: int, state: Any) -> None:
         self.info = casstore.save(self.url, step, state, **self.options)
@@ -76,11 +81,6 @@ class Casstore(Peer):
 
     def restore(self, step: int, target: Any) -> Any:
         return jax.block_until_ready(casstore.restore(self.url, step, target=target))
-
-    def stored_bytes(self) -> int:
-        if isinstance(self.url, str):
-            return du(pathlib.Path(self.url))[1]
-        return sum(info.size for info in self.url.list(""))
 
 
 class CasstoreManager(Casstore):
@@ -108,9 +108,9 @@ class CasstoreManager(Casstore):
 
 
 class Orbax(Peer):
-    """``ocp.StandardCheckpointer`` (an ``AsyncCheckpointer``; it fsyncs its files), a step per
-    directory ``root / step``, durable after ``wait_until_finished()``. It rewrites the whole
-    state every step: a step's written bytes are its directory's size."""
+    """``ocp.StandardCheckpointer`` (it fsyncs its files), a step per directory ``root / step``,
+    durable after ``wait_until_finished()``. It rewrites the whole state every step: a step's
+    written bytes are its directory's size."""
 
     def __init__(self, root: pathlib.Path):
         import orbax.checkpoint as ocp
@@ -136,9 +136,9 @@ class Orbax(Peer):
 
 class Safetensors(Peer):
     """``safetensors.numpy.save_file`` of the flattened state's host copies to ``root /
-    f"{step}.safetensors"``, fsynced with its directory; restore is ``load_file`` (flat)."""
+    f"{step}.safetensors"``, fsynced with its directory; restore is ``load_file``."""
 
-    gives_jax, flat = False, True
+    gives_jax = False
 
     def prepare(self, states: list) -> list:
         return [{k: host_array(v) for k, v in flatten(s).items()} for s in states]
@@ -162,9 +162,9 @@ class Safetensors(Peer):
 class S3fs(Peer):
     """What a user without casstore does: every leaf an object ``root/step/name``, a step
     uploaded with one ``fs.pipe({path: array.tobytes()})``, read with one ``fs.cat([...])`` and
-    ``np.frombuffer`` into the target's shapes (flat)."""
+    ``np.frombuffer`` into the target's shapes."""
 
-    gives_jax, flat = False, True
+    gives_jax = False
 
     def __init__(self, fs: Any, root: str):
         super().__init__(root)
@@ -193,58 +193,61 @@ class S3fs(Peer):
         return sum(info["size"] for info in self.fs.find(self.root, detail=True).values())
 
 
-class RequestCounter:
-    """Probe: the S3 API calls of an s3fs filesystem's client in a phase, by operation
-    (``{name}_request_ops``) and in all (``{name}_requests``); a retried call counts once."""
+def cold_and_warm(peers: dict[str, Peer], ours: str, step: int, expected: Any, args: Any,
+                  lim: dict, stored: int) -> dict:
+    """Restores ``step`` into CPU jax arrays from each of ``peers`` (rotating, ``args.repeat``
+    times), cold (after dropping the page cache with ``--drop-caches``, else NaN) then warm,
+    each checked bit-exact: medians, ``ours``'s ratios to the others and the limits of a
+    restore of ``stored`` bytes (limit.restore_s)."""
+    target, raw = abstract_of(expected, device("cpu")), state_bytes(expected)
 
-    def __init__(self, fs: Any):
-        fs.connect()  # creates the aiobotocore client, fs.s3
-        self.counts: collections.Counter[str] = collections.Counter()
-        fs.s3.meta.events.register("before-call.s3", self._count)
+    def one(system: str) -> dict:
+        fig: dict = {}
+        for p in ("cold", "warm"):
+            got = phase(fig, f"{p}_s", lambda: peers[system].restore(step, target),
+                        warm=0 if args.no_warm else min(3 * raw, 8 << 30),
+                        drop=p == "cold" and args.drop_caches)
+            fig["verified_leaves"] = verify_equal(expected, got, system, True)
+            del got
+            if p == "cold" and not fig.pop("dropped_caches"):
+                fig["cold_s"] = fig["cold_cpu_s"] = math.nan
+        return fig
 
-    def _count(self, model: Any, **_: Any) -> None:
-        self.counts[model.name] += 1
-
-    def start(self) -> None:
-        self.counts = collections.Counter()
-
-    def stop(self, out: dict, name: str) -> None:
-        out[f"{name}_request_ops"] = dict(self.counts)
-        out[f"{name}_requests"] = sum(self.counts.values())
-
-
-class ServerCpu:
-    """Probe: CPU seconds of this process's children in a phase: the servers it started
-    (``{name}_server_cpu_s``; NaN with none, as with ``--endpoint``) and the programs that ran
-    and exited meanwhile, such as rclone (``{name}_program_cpu_s``)."""
-
-    @staticmethod
-    def _cpu_s() -> tuple[float, float]:
-        children = psutil.Process().children(recursive=True)
-        total = 0.0 if children else float("nan")
-        for child in children:
-            with contextlib.suppress(psutil.Error):
-                total += sum(child.cpu_times()[:2])
-        exited = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return total, exited.ru_utime + exited.ru_stime
-
-    def start(self) -> None:
-        self.t0 = self._cpu_s()
-
-    def stop(self, out: dict, name: str) -> None:
-        (servers, programs), (s0, p0) = self._cpu_s(), self.t0
-        out[f"{name}_server_cpu_s"] = servers - s0
-        out[f"{name}_program_cpu_s"] = programs - p0
+    runs, med, _ = interleave(tuple(peers), args.repeat, one)
+    return {"step": step, "systems": med, "runs": runs,
+            "dropped_caches": not math.isnan(med[ours]["cold_s"]),
+            "ratios": {f"{p}_vs_{o}": ratio(med[ours][f"{p}_s"], med[o][f"{p}_s"])
+                       for p in ("cold", "warm") for o in peers if o != ours},
+            "limits": {f"{p}_s": limit.restore_s(lim, raw, stored, cold=p == "cold")
+                       for p in ("cold", "warm")}}
 
 
-class StoreOps:
-    """Probe: casstore's store calls in a phase (``{name}_store_ops``) from a CountingStore."""
+def requests(fs: Any) -> Callable[[], dict]:
+    """Probe: the S3 API calls of an s3fs filesystem's client, by operation (``request_ops``)
+    and in all (``requests``); a retried call counts once."""
+    counts: collections.Counter[str] = collections.Counter()
 
-    def __init__(self, store: Any):
-        self.store = store
+    def count(model: Any, **_: Any) -> None:
+        counts[model.name] += 1
 
-    def start(self) -> None:
-        self.store.reset()
+    fs.connect()  # creates the aiobotocore client, fs.s3
+    fs.s3.meta.events.register("before-call.s3", count)
+    return lambda: {"request_ops": collections.Counter(counts), "requests": counts.total()}
 
-    def stop(self, out: dict, name: str) -> None:
-        out[f"{name}_store_ops"] = dict(self.store.counts)
+
+def server_cpu() -> dict:
+    """Probe: CPU seconds of this process's children: the servers it started (``server_cpu_s``;
+    NaN with none, as with ``--endpoint``) and the programs that ran and exited, such as rclone
+    (``program_cpu_s``)."""
+    children = psutil.Process().children(recursive=True)
+    total = 0.0 if children else float("nan")
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            total += sum(child.cpu_times()[:2])
+    exited = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"server_cpu_s": total, "program_cpu_s": exited.ru_utime + exited.ru_stime}
+
+
+def store_ops(store: Any) -> Callable[[], dict]:
+    """Probe: casstore's store calls (``store_ops``), from a CountingStore."""
+    return lambda: {"store_ops": collections.Counter(store.counts)}

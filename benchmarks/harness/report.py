@@ -1,5 +1,5 @@
-"""What a benchmark prints and writes: environment, markdown tables, targets, JSON, a plot, and
-the shared command line."""
+"""What a benchmark prints and writes: markdown tables, targets, the machine, JSON and a plot;
+and the command line every benchmark shares (:func:`command`)."""
 
 from __future__ import annotations
 
@@ -40,15 +40,6 @@ def environment() -> dict:
             "platform": platform.platform(), "python": platform.python_version(),
             "casstore_path": src, "casstore_git": sha, "versions": versions,
             "load_before": os.getloadavg()}
-
-
-def machine_note(result: dict) -> str:
-    """Cores, memory, load average (1 min) before and after, date and casstore's commit."""
-    env = result["environment"]
-    return (f"{env['cpus']} cores, {env['memory_bytes'] / 2**30:.0f} GiB; load average "
-            f"{env['load_before'][0]:.2f} before, {env.get('load_after', [math.nan])[0]:.2f} "
-            f"after; {env['date']}; casstore "
-            f"{env['casstore_git'] or env['versions'].get('casstore')}")
 
 
 def fmt(value: float, unit: str) -> str:
@@ -126,6 +117,10 @@ def target_lines(targets: list[tuple[str, float, float]], na: str = "n/a") -> li
             for text, value, limit in targets]
 
 
+def yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
 def subset(known: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
     """An argparse type: the names of ``known`` in a comma-separated list, in ``known``'s order;
     an error if there are none."""
@@ -154,23 +149,38 @@ OPTIONS = {  # the command-line options benchmarks share: name -> argparse keywo
 }
 
 
-def parse(doc: str, argv: list[str] | None, *names: str,
-          extra: tuple[tuple[str, dict], ...] = ()) -> argparse.Namespace:
-    """``argv`` parsed with the shared options ``names``, ``--json`` and ``extra`` flags."""
-    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
-    for name in names:
-        ap.add_argument(f"--{name}", **OPTIONS[name])
-    for flag, kw in (*extra, ("--json", {"help": "also write all figures as JSON here"})):
-        ap.add_argument(flag, **kw)
-    args = ap.parse_args(argv)
-    if getattr(args, "repeat", 1) < 1:
-        ap.error("--repeat must be >= 1")
-    timing.SMOKE = getattr(args, "tiny", False)
-    args.environment = environment()
-    return args
+def command(doc: str, run: Callable[[argparse.Namespace], dict],
+            table: Callable[[dict], list[str]], *names: str, extra: tuple = (),
+            plot_of: tuple[str, ...] = ()) -> Callable[[list[str] | None], dict]:
+    """A benchmark's ``main(argv)``: parses the shared options ``names``, the ``extra`` flags
+    ``(flag, argparse keywords)`` and ``--json``; prints ``table(run(args))`` and the machine,
+    writes ``--json`` and ``--plot`` (``plot_of``: :func:`plot`'s ``ours, ref, where``)."""
+    def main(argv: list[str] | None = None) -> dict:
+        ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+        for flag, kw in (*((f"--{n}", OPTIONS[n]) for n in names), *extra,
+                         ("--json", {"help": "also write all figures as JSON here"})):
+            ap.add_argument(flag, **kw)
+        args = ap.parse_args(argv)
+        if getattr(args, "repeat", 1) < 1:
+            ap.error("--repeat must be >= 1")
+        timing.SMOKE, env = getattr(args, "tiny", False), environment()
+        result = run(args)
+        result["environment"] = env = {**env, "load_after": os.getloadavg()}
+        print("\n".join([*table(result), f"- {env['cpus']} cores, "
+                         f"{env['memory_bytes'] / 2**30:.0f} GiB; load average "
+                         f"{env['load_before'][0]:.2f} before, {env['load_after'][0]:.2f} after; "
+                         f"{env['date']}; casstore "
+                         f"{env['casstore_git'] or env['versions'].get('casstore')}"]))
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
+        if getattr(args, "plot", None) and set(plot_of[:2]) <= set(result[plot_of[2]]):
+            plot(result, args.plot, *plot_of)
+        return result
+
+    return main
 
 
-def plot(result: dict, path: str, ours: str, ref: str, where: str = "results") -> None:
+def plot(result: dict, path: str, ours: str, ref: str, where: str) -> None:
     """Bars of ``ours``'s ratio to ``ref`` and its limit / figure for each figure of
     ``result["limits"]`` (``result[where][system][key]``), a line at 1.0, saved as ``path``."""
     import matplotlib
@@ -189,16 +199,3 @@ def plot(result: dict, path: str, ours: str, ref: str, where: str = "results") -
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def report(result: dict, table: Callable[[dict], list[str]], args: argparse.Namespace,
-           vs: tuple[str, ...] = ()) -> dict:
-    """Prints ``table(result)`` and the machine, writes ``--json`` and ``--plot`` (of ``vs``,
-    :func:`plot`'s arguments); returns ``result``."""
-    result["environment"] = {**args.environment, "load_after": os.getloadavg()}
-    print("\n".join([*table(result), f"- {machine_note(result)}"]))
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
-    if getattr(args, "plot", None) and vs and set(vs[:2]) <= set(result[(*vs, "results")[2]]):
-        plot(result, args.plot, *vs)
-    return result

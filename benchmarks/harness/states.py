@@ -1,10 +1,7 @@
-"""The states every benchmark saves, and the checks of what comes back.
-
-GPT-2-shaped train states (HF ``GPT2LMHeadModel`` names): params, adam ``mu`` and ``nu`` of the
-same shapes and an int32 ``count``. The small sizes are made with numpy (README.md's figures
-were measured on exactly these values); ``gpt2-xl`` (1.56B float32 params, 18.7 GB with adam,
-1741 leaves) with ``jax.random`` on the device, in seconds and without a host copy.
-"""
+"""The states every benchmark saves: GPT-2-shaped train states (HF ``GPT2LMHeadModel`` names,
+adam ``mu`` and ``nu``, an int32 ``count``), made with numpy (README.md's figures were measured
+on exactly these values) or, for ``gpt2-xl`` (18.7 GB), with ``jax.random`` on the device; and
+the bit-exact checks of what comes back."""
 
 from __future__ import annotations
 
@@ -17,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import zstandard
+
+from .timing import seconds
 
 SIZES = {  # GPT-2 shapes: vocabulary, context, width, blocks
     "gpt2-xl": {"vocab": 50257, "ctx": 1024, "width": 1600, "blocks": 48},
@@ -55,9 +54,8 @@ def _jax_leaf(key: jax.Array, shape: tuple[int, ...], nu: bool) -> jax.Array:
 
 
 def _fillers(seed: int, device: jax.Device | None) -> Callable[[str], Callable]:
-    """``kind -> make(shape)``: random float32 leaves, params and mu N(0, 0.02), nu
-    |N(0, 1e-3)|; made with numpy (one stream for all kinds, in order), or with ``jax.random``
-    on ``device`` if it is given (one key per leaf)."""
+    """``kind -> make(shape)``: float32 leaves, params and mu N(0, 0.02), nu |N(0, 1e-3)|; with
+    numpy (one stream, in order), or with ``jax.random`` on ``device`` (one key per leaf)."""
     rng = np.random.default_rng(seed)
 
     def numpy_leaf(kind: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -82,10 +80,8 @@ def _fillers(seed: int, device: jax.Device | None) -> Callable[[str], Callable]:
 
 def train_state(size: str, seed: int = 0, device: jax.Device | None = None) -> dict:
     """Params, adam mu and nu (random, as mid-training) and the step count; sizes of
-    :data:`JAX_SIZES` are made on ``device`` (default: jax's default device), others with
-    numpy."""
-    device = (device or jax.devices()[0]) if size in JAX_SIZES else None
-    fill = _fillers(seed, device)
+    :data:`JAX_SIZES` made on ``device`` (default: jax's default device), others with numpy."""
+    fill = _fillers(seed, (device or jax.devices()[0]) if size in JAX_SIZES else None)
     shape = SIZES[size]
     return {"params": _gpt2_tree(fill("params"), **shape),
             "opt_state": {"count": np.int32(1000), "mu": _gpt2_tree(fill("mu"), **shape),
@@ -111,6 +107,28 @@ def changed_state(state: dict, seed: int = 1) -> dict:
     return {"params": renew(state["params"], "params"),
             "opt_state": {"count": np.int32(opt["count"] + 1), "mu": renew(opt["mu"], "mu"),
                           "nu": renew(opt["nu"], "nu")}}
+
+
+def two_states(size: str, dev: jax.Device | None = None) -> tuple[list, dict]:
+    """A :func:`train_state` and its :func:`changed_state`, and a result's figures of them."""
+    generate_s, first = seconds(lambda: train_state(size, device=dev))
+    states = [first, jax.block_until_ready(changed_state(first))]
+    n, raw, packed = changed_zstd_bytes(*states)
+    return states, {"size": size, "shape": SIZES[size], "logical_bytes": state_bytes(first),
+                    "leaves": len(jax.tree.leaves(first)), "changed_leaves": n,
+                    "changed_raw_bytes": raw, "changed_zstd_bytes": packed,
+                    "generate_s": generate_s}
+
+
+def changed_zstd_bytes(old: dict, new: dict) -> tuple[int, int, int]:
+    """(leaves that differ, their raw bytes, their zstd level-1 size) between two states."""
+    level1, old_flat = zstandard.ZstdCompressor(level=1), flatten(old)
+    count = raw = packed = 0
+    for name, b in flatten(new).items():
+        if not same_bytes(old_flat[name], b):
+            data = np.ascontiguousarray(host_array(b)).tobytes()
+            count, raw, packed = count + 1, raw + len(data), packed + len(level1.compress(data))
+    return count, raw, packed
 
 
 def state_bytes(tree: Any) -> int:
@@ -150,14 +168,9 @@ def host_array(x: Any) -> np.ndarray:
 
 
 def flatten(tree: Any) -> dict[str, Any]:
-    """``{"params/h/0/attn/c_attn/w": leaf}`` for every leaf: the key paths as safetensors
-    tensor names."""
+    """``{"params/h/0/attn/c_attn/w": leaf}``: the key paths as safetensors tensor names."""
     return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): v
             for path, v in jax.tree_util.tree_leaves_with_path(tree)}
-
-
-def _on_accelerator(x: Any) -> bool:
-    return isinstance(x, jax.Array) and any(d.platform != "cpu" for d in x.devices())
 
 
 def same_bytes(a: Any, b: Any) -> bool:
@@ -167,24 +180,14 @@ def same_bytes(a: Any, b: Any) -> bool:
         return True
     if np.dtype(a.dtype) != np.dtype(b.dtype) or np.shape(a) != np.shape(b):
         return False
-    as_uint = np.dtype(f"u{np.dtype(a.dtype).itemsize}")
-    if _on_accelerator(a) or _on_accelerator(b):
-        dev = next(iter((a if _on_accelerator(a) else b).devices()))
-        x, y = (jax.device_put(v, dev) for v in (a, b))
+    on_device = [x for x in (a, b) if isinstance(x, jax.Array)
+                 and any(d.platform != "cpu" for d in x.devices())]
+    if on_device:
+        as_uint = np.dtype(f"u{np.dtype(a.dtype).itemsize}")
+        x, y = (jax.device_put(v, next(iter(on_device[0].devices()))) for v in (a, b))
         return bool(jnp.array_equal(x.view(as_uint), y.view(as_uint)))
     a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
     return np.array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8))
-
-
-def changed_zstd_bytes(old: dict, new: dict) -> tuple[int, int, int]:
-    """(leaves that differ, their raw bytes, their zstd level-1 size) between two states."""
-    level1 = zstandard.ZstdCompressor(level=1)
-    old_flat, count, raw, packed = flatten(old), 0, 0, 0
-    for name, b in flatten(new).items():
-        if not same_bytes(old_flat[name], b):
-            data = np.ascontiguousarray(host_array(b)).tobytes()
-            count, raw, packed = count + 1, raw + len(data), packed + len(level1.compress(data))
-    return count, raw, packed
 
 
 def verify_equal(expected: Any, restored: Any, system: str, want_jax: bool = False) -> int:

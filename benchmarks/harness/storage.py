@@ -1,15 +1,19 @@
-"""Where benchmarks write: scratch directories, sizes on disk, fsync, an S3 server, rclone."""
+"""Where benchmarks write: scratch directories, sizes on disk, fsync, an S3 server and fast
+PUTs to it, rclone."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
+import http.client
 import importlib.util
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import urllib.parse
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -47,11 +51,9 @@ def scratch(base_dir: str | None, name: str) -> Iterator[pathlib.Path]:
     """A fresh temporary directory (inside ``base_dir`` if given), removed afterwards."""
     if base_dir is not None:
         os.makedirs(base_dir, exist_ok=True)
-    root = pathlib.Path(tempfile.mkdtemp(prefix=f"casstore-bench-{name}-", dir=base_dir))
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix=f"casstore-bench-{name}-", dir=base_dir,
+                                     ignore_cleanup_errors=True) as root:
+        yield pathlib.Path(root)
 
 
 @contextlib.contextmanager
@@ -87,6 +89,24 @@ def new_bucket(options: dict) -> str:
     fs.mkdir(bucket)
     fs.pipe_file(f"{bucket}/warm-up", b"x")
     return bucket
+
+
+def http_put_many(endpoint: str, root: str, items: dict[str, bytes]) -> None:
+    """PUTs ``items`` under ``endpoint/root`` (anonymous S3) from 16 threads, faster than s3fs
+    for many small objects."""
+    url, local = urllib.parse.urlsplit(endpoint), threading.local()
+
+    def put(key: str) -> None:
+        if not hasattr(local, "conn"):
+            local.conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+        local.conn.request("PUT", f"/{root}/{key}", body=items[key])
+        response = local.conn.getresponse()
+        response.read()
+        if response.status != 200:
+            raise OSError(f"PUT {endpoint}/{root}/{key}: HTTP {response.status}")
+
+    with cf.ThreadPoolExecutor(16) as pool:
+        list(pool.map(put, items))
 
 
 def rclone_env(name: str, options: dict) -> dict[str, str]:

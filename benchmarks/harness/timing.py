@@ -1,9 +1,10 @@
-"""How a benchmark times a phase: wall and CPU time, bytes read from disk and peak extra RSS,
-after settling (page cache dropped, memory warmed); systems interleaved across repeats, and
-medians of their figures."""
+"""How a benchmark times a phase: wall and CPU time, bytes read from disk, peak extra RSS and
+probes, after settling (page cache dropped, memory warmed); systems interleaved across repeats,
+and medians of their figures."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import gc
@@ -18,6 +19,8 @@ from typing import Any
 import numpy as np
 import psutil
 
+SMOKE = False  # --tiny (report.parse): a smoke run, whose figures are not read
+
 
 def _write(path: str, text: str) -> bool:
     """Writes ``text`` into a /proc file; False where that is not permitted."""
@@ -30,9 +33,8 @@ def _write(path: str, text: str) -> bool:
 
 
 class PeakRss:
-    """Peak RSS of this process minus its RSS on entry, as ``extra`` (bytes): a thread samples
-    RSS every 2 ms, and the kernel's VmHWM (reset on entry where permitted) catches the peaks
-    between samples."""
+    """``extra``: peak RSS minus the RSS on entry (bytes). A thread samples RSS every 2 ms, and
+    the kernel's VmHWM (reset on entry where permitted) catches the peaks between samples."""
 
     def __enter__(self) -> PeakRss:
         self.proc, self.hwm = psutil.Process(), _write("/proc/self/clear_refs", "5")
@@ -94,14 +96,10 @@ def drop_caches() -> bool:
     return False
 
 
-SMOKE = False  # --tiny (report.parse): a smoke run, whose figures are not read
-
-
 def settle(warm_bytes: int = 0, drop: bool = False) -> bool:
     """Before a phase: collect garbage, give freed heap back, write back dirty pages, drop the
     page cache with ``drop``, touch and free ``warm_bytes`` of memory (README.md: why); returns
-    whether the cache was dropped. A smoke run (``--tiny``) only drops the cache: in a test
-    process beside other tests, collecting and syncing took more of its time than its phases."""
+    whether the cache was dropped. A smoke run (``--tiny``) only drops the cache."""
     if SMOKE:
         return drop_caches() if drop else False
     gc.collect()
@@ -115,27 +113,28 @@ def settle(warm_bytes: int = 0, drop: bool = False) -> bool:
 
 
 def phase(out: dict, key: str, fn: Callable[[], Any], *, warm: int = 0, drop: bool = False,
-          rss: str | None = None, probes: Iterable[Any] = ()) -> Any:
+          rss: str | None = None, probes: Iterable[Callable[[], dict]] = ()) -> Any:
     """Runs ``fn`` after :func:`settle` (``warm``, ``drop``); returns its result. Figures, with
     ``name`` = ``key`` less ``_s``: ``out[key]`` wall seconds, ``out[name_cpu_s]`` this
     process's CPU seconds (user + system), ``out[name_disk_read_bytes]`` bytes it read from
-    storage devices (``/proc/self/io``: page-cache hits do not count), ``out[rss]`` the peak
-    extra RSS (bytes) where ``rss`` is given, and each probe's (``start()`` before ``fn``,
-    ``stop(out, name)`` after). ``out["dropped_caches"]`` stays True while every drop was
-    asked for and done."""
+    storage devices (page-cache hits do not count), ``out[rss]`` the peak extra RSS (bytes)
+    where ``rss`` is given, and ``out[name_K]`` the change of each reading K of the probes
+    (callables returning numbers or Counters). ``out["dropped_caches"]`` stays True while every
+    drop was asked for and done."""
     dropped = settle(warm, drop)
     out["dropped_caches"] = out.get("dropped_caches", True) and dropped
     name, proc, probes = key.removesuffix("_s"), psutil.Process(), list(probes)
-    for probe in probes:
-        probe.start()
+    before = [probe() for probe in probes]
     with PeakRss() if rss else contextlib.nullcontext() as meter:
         c0, io0 = proc.cpu_times(), proc.io_counters()
         out[key], result = seconds(fn)
         c1, io1 = proc.cpu_times(), proc.io_counters()
     out[f"{name}_cpu_s"] = (c1.user + c1.system) - (c0.user + c0.system)
     out[f"{name}_disk_read_bytes"] = io1.read_bytes - io0.read_bytes
-    for probe in probes:
-        probe.stop(out, name)
+    for probe, old in zip(probes, before):
+        for k, v in probe().items():
+            out[f"{name}_{k}"] = dict(v - old[k]) if isinstance(v, collections.Counter) else (
+                v - old[k])
     if rss:
         out[rss] = meter.extra
     return result

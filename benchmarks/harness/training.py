@@ -1,0 +1,101 @@
+"""The models storage_cost.py trains, each as a train state and ``step(state, i) -> (state,
+loss, leaves changed)``: GPT-2 pretraining on the harness's train states (the next-token loss
+on a text's bytes), and a full fine-tune of MiniLM (examples/finetune_minilm.py)."""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from .states import SIZES, check, train_state
+from .storage import HERE, load_module
+
+EXAMPLE = HERE.parent / "examples" / "finetune_minilm.py"
+TEXT = EXAMPLE.parent / "data" / "sentiment.tsv"  # pretraining's tokens: its bytes
+
+
+def adam_state(state: dict, optimizer: optax.GradientTransformation) -> tuple[dict, tuple]:
+    """``(params, opt_state)`` of a ``train_state`` as jax arrays, its adam ``mu``, ``nu`` and
+    ``count`` in ``optax.adam``'s state; AssertionError if it does not fit ``optimizer``'s."""
+    params, opt = jax.tree.map(jnp.asarray, state["params"]), state["opt_state"]
+    opt_state = (optax.ScaleByAdamState(count=jnp.asarray(opt["count"]),
+                                        mu=jax.tree.map(jnp.asarray, opt["mu"]),
+                                        nu=jax.tree.map(jnp.asarray, opt["nu"])),
+                 optax.EmptyState())
+    check(jax.tree.structure(opt_state)
+          == jax.tree.structure(jax.eval_shape(optimizer.init, params)),
+          "the harness's adam state does not fit optax.adam's")
+    return params, opt_state
+
+
+def gpt2_loss(params: dict, tokens: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy of GPT-2 (pre-LayerNorm blocks, tanh GELU, tied output
+    embedding) with ``params`` in the harness's HF names, on int32 ``tokens`` ``(batch, n)``."""
+    def ln(x: jax.Array, p: dict) -> jax.Array:
+        mean, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+        return (x - mean) / jnp.sqrt(var + 1e-5) * p["g"] + p["b"]
+
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    (b, n), width = inputs.shape, params["wpe"].shape[1]
+    heads = max(1, width // 64)
+    x = params["wte"][inputs] + params["wpe"][:n]
+    causal = jnp.tril(jnp.ones((n, n), bool))
+    for blk in params["h"]:
+        attn, mlp = blk["attn"], blk["mlp"]
+        qkv = ln(x, blk["ln_1"]) @ attn["c_attn"]["w"] + attn["c_attn"]["b"]
+        q, k, v = (t.reshape(b, n, heads, -1).transpose(0, 2, 1, 3)
+                   for t in jnp.split(qkv, 3, -1))
+        scores = jnp.where(causal, q @ k.transpose(0, 1, 3, 2) / jnp.sqrt(q.shape[-1]), -1e9)
+        att = (jax.nn.softmax(scores, -1) @ v).transpose(0, 2, 1, 3).reshape(b, n, width)
+        x = x + att @ attn["c_proj"]["w"] + attn["c_proj"]["b"]
+        hidden = jax.nn.gelu(ln(x, blk["ln_2"]) @ mlp["c_fc"]["w"] + mlp["c_fc"]["b"])
+        x = x + hidden @ mlp["c_proj"]["w"] + mlp["c_proj"]["b"]
+    logits = ln(x, params["ln_f"]) @ params["wte"].T
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def pretraining(size: str, lr: float, text: pathlib.Path = TEXT) -> tuple[dict, Callable]:
+    """A ``train_state(size)`` in ``optax.adam(lr)``'s form, and its step: adam on two random
+    windows of up to 64 tokens of ``text``'s bytes."""
+    optimizer = optax.adam(lr)
+    params, opt_state = adam_state(train_state(size), optimizer)
+    data = np.frombuffer(text.read_bytes(), np.uint8)
+    n, rng = min(65, SIZES[size]["ctx"] + 1), np.random.default_rng(0)
+
+    @jax.jit
+    def train_step(state: dict, tokens: jax.Array) -> tuple:
+        loss, grads = jax.value_and_grad(gpt2_loss)(state["params"], tokens)
+        updates, opt = optimizer.update(grads, state["opt_state"], state["params"])
+        new = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt}
+        return new, loss, sum(jnp.any(a != b) for a, b in zip(jax.tree.leaves(state),
+                                                              jax.tree.leaves(new)))
+
+    def step(state: dict, i: int) -> tuple:
+        tokens = np.stack([data[s:s + n] for s in rng.integers(0, len(data) - n, 2)])
+        return train_step(state, jnp.asarray(tokens.astype(np.int32)))
+
+    return {"params": params, "opt_state": opt_state}, step
+
+
+def finetuning(lr: float, batch_size: int) -> tuple[dict, Callable, int]:
+    """All of MiniLM under adam at ``lr`` (the example's ``--full``), its step on a random batch
+    of the training data (leaves changed: -1, not counted) and the batch size."""
+    ex = load_module("finetune_minilm", EXAMPLE)
+    train, _ = ex.load_data(ex.Tokenizer.from_file(str(ex.model_dir() / "tokenizer.json")))
+    params = ex.load_params(ex.model_dir(), num_labels=2, seed=0)
+    labels = ex.trainable_labels(params, full=True)
+    optimizer = ex.make_optimizer(labels, lr, full=True)
+    train_step, rng = ex.make_train_step(labels, optimizer), np.random.default_rng(0)
+    batch_size = min(batch_size, len(train[2]))
+
+    def step(state: dict, i: int) -> tuple:
+        batch = rng.choice(len(train[2]), batch_size, replace=False)
+        return (*train_step(state, *(a[batch] for a in train)), -1)
+
+    state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.int32(0)}
+    return state, step, batch_size
