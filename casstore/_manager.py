@@ -202,7 +202,9 @@ class CheckpointManager:
         context = DecisionContext(
             is_saving_in_progress=self._saver.is_saving_in_progress(),
             reached_preemption=self.reached_preemption(step) and not self._preemption_saved)
-        saved = self._infos() + [PolicyCheckpointInfo(in_flight)] * (  # orbax counts it
+        # both tiers (a replaced node's run has its persisted steps), and the save in flight,
+        # which orbax counts
+        saved = self._infos(self.all_steps()) + [PolicyCheckpointInfo(in_flight)] * (
             in_flight is not None and in_flight not in self._steps)
         return bool(self.save_decision_policy.should_save(PolicyCheckpointInfo(step), saved,
                                                           context=context))

@@ -535,6 +535,24 @@ def test_a_forced_save_of_a_persisted_step_is_refused_on_a_replaced_node(tmp_pat
         assert_bit_exact(mngr.restore(0), 0)
 
 
+def test_a_replaced_node_saves_on_the_interval_of_the_persisted_run(tmp_path):
+    # The save decision saw only the (empty) local tier: a run without steps, whose first
+    # step is always saved, so the step after the persisted one was saved off the interval.
+    options = {"persistent": str(tmp_path / "persistent"), "save_interval_steps": 5,
+               "persist_interval_steps": 5}
+    with casstore.CheckpointManager(tmp_path / "local", **options) as mngr:
+        for step in range(13):
+            mngr.save(step, tree_for(step))
+    assert casstore.list_steps(tmp_path / "persistent")[-1] == 10  # 5 may lose to 10
+    shutil.rmtree(tmp_path / "local")  # the node is replaced
+    with casstore.CheckpointManager(tmp_path / "local", **options) as mngr:
+        assert mngr.latest_step() == 10
+        assert [s for s in range(11, 21) if mngr.should_save(s)] == [15, 20]
+        assert not mngr.save(11, tree_for(11))
+        assert mngr.save(15, tree_for(15))
+    assert casstore.list_steps(tmp_path / "local") == [15]
+
+
 def test_delete_waits_for_a_running_persist_so_the_step_does_not_come_back(
         tmp_path, object_servers):
     server = object_servers["seaweedfs"]
