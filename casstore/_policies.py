@@ -372,6 +372,9 @@ def manager_policies(save_decision_policy: SaveDecisionPolicy | None,
     """
     if best_mode not in ("max", "min"):
         raise ValueError(f"best_mode must be 'max' or 'min', not {best_mode!r}")
+    for name, value in (("save_interval_steps", save_interval_steps),
+                        ("max_to_keep", max_to_keep), ("keep_period", keep_period)):
+        _check_positive(name, value, none_ok=True)  # named as the caller wrote it
     replaced = {"save_decision_policy": {"save_interval_steps": save_interval_steps},
                 "preservation_policy": {
                     "max_to_keep": max_to_keep, "keep_period": keep_period, "best_fn": best_fn,
@@ -420,7 +423,6 @@ def _preservation_of(max_to_keep, keep_period, best_fn, best_mode,
     if best_fn is None:
         policy: PreservationPolicy = LatestN(max_to_keep)
     else:
-        _check_positive("max_to_keep", max_to_keep, none_ok=True)
         policy = BestN(get_metric_fn=best_fn, reverse=best_mode == "min", n=max_to_keep,
                        keep_checkpoints_without_metrics=keep_checkpoints_without_metrics)
     if keep_period is not None:

@@ -197,8 +197,10 @@ def test_a_policy_and_the_keywords_it_replaces_are_refused():
                                    best_mode="min", keep_checkpoints_without_metrics=False)
     with pytest.raises(ValueError, match="best_mode must be 'max' or 'min'"):
         casstore.CheckpointManager(MemoryStore(), best_mode="up")
-    for bad in ({"save_interval_steps": 0}, {"max_to_keep": 0}, {"keep_period": -1}):
-        with pytest.raises(ValueError, match="must be a positive int"):
+    for bad in ({"save_interval_steps": 0}, {"max_to_keep": 0}, {"keep_period": -1},
+                {"max_to_keep": 2.0}, {"max_to_keep": 0, "best_fn": len}):
+        name = next(iter(bad))  # named as the caller wrote it, not as the policy's field
+        with pytest.raises(ValueError, match=f"^{name} must be a positive int or None, not "):
             casstore.CheckpointManager(MemoryStore(), **bad)
 
 
