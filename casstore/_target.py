@@ -149,11 +149,19 @@ def _on_concrete_mesh(t: Any) -> tuple[Any, str | None]:
     if not (isinstance(sharding, jax.sharding.NamedSharding)
             and isinstance(sharding.mesh, jax.sharding.AbstractMesh)):
         return t, None
-    mesh = jax.sharding.get_mesh()
-    if mesh.empty or mesh.abstract_mesh != sharding.mesh:
-        return t, (f"its sharding is on an AbstractMesh {sharding.mesh.shape_tuple}, which "
-                   "names no devices: restore under `with jax.set_mesh(mesh):` with a mesh "
-                   "of those axes, or give the target NamedSharding(mesh, spec)")
+    mesh, want = jax.sharding.get_mesh(), sharding.mesh
+    if mesh.empty:
+        return t, (f"its sharding is on an AbstractMesh {want.shape_tuple}, which names no "
+                   "devices: restore under `with jax.set_mesh(mesh):` with a mesh of those "
+                   "axes, or give the target NamedSharding(mesh, spec)")
+    # names, sizes and axis types decide; a hand-made AbstractMesh has no device kind
+    if (mesh.abstract_mesh.shape_tuple, mesh.abstract_mesh.axis_types) != (
+            want.shape_tuple, want.axis_types):
+        return t, (f"its sharding is on an AbstractMesh {want.shape_tuple} with axis types "
+                   f"{want.axis_types}, and the active mesh (jax.set_mesh) is "
+                   f"{mesh.abstract_mesh.shape_tuple} with {mesh.abstract_mesh.axis_types}: "
+                   "restore under a mesh of the target's axes, or give the target "
+                   "NamedSharding(mesh, spec)")
     return jax.ShapeDtypeStruct(t.shape, t.dtype, weak_type=t.weak_type, sharding=(
         jax.sharding.NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind))), None
 

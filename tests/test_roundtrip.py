@@ -254,6 +254,21 @@ def test_an_nnx_eval_shape_target_under_set_mesh_restores_onto_that_mesh(tmp_pat
     kernel = restored["l"]["kernel"].value
     assert kernel.sharding == NamedSharding(mesh, P(None, "model"))
     np.testing.assert_array_equal(kernel, model.l.kernel.value)
+    # A hand-made AbstractMesh of the same axes (it has no device kind, so it is not equal to
+    # the active mesh's) restores too; a mesh of other axes is named beside the target's.
+    hand = jax.sharding.AbstractMesh((2, 4), ("data", "model"),
+                                     axis_types=mesh.abstract_mesh.axis_types)
+    spec = jax.ShapeDtypeStruct((16, 32), np.float32,
+                                sharding=NamedSharding(hand, P(None, "model")))
+    with jax.set_mesh(mesh):
+        kernel = casstore.restore(tmp_path, 0, target={"l": {"kernel": {"value": spec}}},
+                                  partial=True)["l"]["kernel"]["value"]
+    assert kernel.sharding == NamedSharding(mesh, P(None, "model"))
+    np.testing.assert_array_equal(kernel, model.l.kernel.value)
+    other = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+    with jax.set_mesh(other), pytest.raises(casstore.TargetMismatchError, match=r"the active "
+                                            r"mesh \(jax.set_mesh\) is \(\('data', 4\)"):
+        casstore.restore(tmp_path, 0, target=target)
 
 
 def test_flax_nnx_state_with_rngs(repo_store):
