@@ -1,8 +1,7 @@
 """casstore: the cost of a save in a repository holding 200,000 chunks vs in a fresh one.
 
 Issue 11 item 3, on local disk and on S3: full / fresh save time (target <= 2x) with the same
-bytes written, and each save's fraction of the machine's limit. README.md's ``repo_size.py``.
-"""
+bytes written, and each save's fraction of the machine's limit. README.md's ``repo_size.py``."""
 
 import contextlib
 import os
@@ -27,8 +26,8 @@ TINY = {"chunks": 2000, "small": (12, 256), "large": (4, 1 << 16)}
 
 
 def fill(put_many, count: int, seed: int) -> dict:
-    """Puts ``count`` distinct random 64-byte chunk objects with ``put_many({key: object})``;
-    returns the seconds it took and a sample of (id, raw) to check."""
+    """Puts ``count`` distinct random 64-byte chunk objects with ``put_many({key: object})``:
+    the seconds it took and a sample of (id, raw) to check."""
     rng, sample, t0 = np.random.default_rng(seed), [], time.perf_counter()
     for start in range(0, count, PUT_BATCH):
         n = min(PUT_BATCH, count - start)
@@ -43,19 +42,13 @@ def fill(put_many, count: int, seed: int) -> dict:
     return {"fill_s": time.perf_counter() - t0, "sample": sample}
 
 
-def init(store: object) -> object:
-    """``store`` with a config object and step 0 of a one-leaf tree (as every repo here)."""
-    casstore.save(store, 0, {"x": np.zeros(4, np.float32)})
-    return store
-
-
 @contextlib.contextmanager
 def opener(kind: str, args):
-    """``(new repository, with step 0; fast put_many of a store; the limit)`` on ``kind``."""
+    """``(new store, fast put_many of a store, the limit)`` on ``kind``."""
     size = 4 * TINY["large"][0] * TINY["large"][1] if args.tiny else 64 << 20
     if kind == "local":
         with h.scratch(args.dir, "repo-size") as root:
-            yield (lambda: init(casstore.open_store(str(root / uuid.uuid4().hex[:12]))),
+            yield (lambda: casstore.open_store(str(root / uuid.uuid4().hex[:12])),
                    lambda store: LocalStore(store.root, fsync=False).put_many,
                    h.limit.measure(size, base_dir=args.dir, drop=args.drop_caches))
         return
@@ -64,14 +57,19 @@ def opener(kind: str, args):
         new = lambda: casstore.open_store(  # noqa: E731
             f"s3://{bucket}/repo-{uuid.uuid4().hex[:12]}", skip_instance_cache=True, **options)
         limit = h.limit.measure(size, fs=new().fs, prefix=f"{bucket}/limit")
-        yield (lambda: init(new()), lambda store: store.put_many if options.get("key") else (
-            lambda items: h.http_put_many(options["endpoint_url"], store.root, items)), limit)
+        yield new, lambda store: store.put_many if options.get("key") else (
+            lambda items: h.http_put_many(options["endpoint_url"], store.root, items)), limit
 
 
 def bench_store(kind: str, args, trees: dict, chunks: int) -> dict:
     """Fills a repository of ``kind``, then times each tree's save in it and in fresh ones."""
     out: dict = {"store": kind}
-    with opener(kind, args) as (new, filler, limit):
+    with opener(kind, args) as (new_store, filler, limit):
+        def new() -> object:  # a repository with a config and step 0 of a one-leaf tree
+            store = new_store()
+            casstore.save(store, 0, {"x": np.zeros(4, np.float32)})
+            return store
+
         full = new()
         out["chunks_before_fill"] = sum(1 for _ in full.list(CHUNKS_PREFIX))
         filled = fill(filler(full), chunks, seed=1)
@@ -136,13 +134,11 @@ def table(result: dict) -> list[str]:
     lines = h.md_table(["figure", *res], rows)
     for k, r in res.items():
         lines += h.limit_lines(r["limit"], f"The machine's limit, {k} store, this run")
-    lines.append("")
-    for k, r in res.items():
-        for name in result["trees"]:
-            ratio, same = r[f"{name}_ratio"], r[f"{name}_same_bytes"]
-            lines.append(f"- target, {k}, {name} tree: full / fresh <= 2x with the same bytes "
-                         f"written: {ratio:.3g}x, bytes {'equal' if same else 'DIFFER'} "
-                         f"({'met' if ratio <= 2 and same else 'NOT met'})")
+    met = lambda r, n: r[f"{n}_ratio"] <= 2 and r[f"{n}_same_bytes"]  # noqa: E731
+    lines += ["", *(f"- target, {k}, {n} tree: full / fresh <= 2x with the same bytes written: "
+                    f"{r[f'{n}_ratio']:.3g}x, bytes {'equal' if r[f'{n}_same_bytes'] else 'DIFFER'}"
+                    f" ({'met' if met(r, n) else 'NOT met'})"
+                    for k, r in res.items() for n in result["trees"])]
     return [*lines, f"- median of {result['repeat']} save(s) each; S3 server: {result['server']}"]
 
 

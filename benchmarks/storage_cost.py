@@ -2,8 +2,7 @@
 
 Scenarios: finetune (all of MiniLM under adam at each of ``--lrs``), restore (its step at the end
 of the longest delta chain, cold and warm) and pretrain (a GPT-2 state under adam, real
-gradients). README.md's ``storage_cost.py`` section says what each measures and its targets.
-"""
+gradients), harness/training.py's models. README.md's ``storage_cost.py`` section."""
 
 import math
 import pathlib
@@ -15,13 +14,12 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import harness as h
 from harness import training, usage
-from harness.usage import KINDS
 
 SYSTEMS, SCENARIOS = ("delta", "whole", "orbax"), ("finetune", "restore", "pretrain")
 CODECS = {"default": None, "no-shuffle": False}  # --codecs -> save(..., shuffle=)
 DEFAULTS = {"steps": (8, 3), "lrs": ("1e-4,1e-5", "1e-4"), "pretrain_steps": (4, 3)}  # , --tiny
-GRADIENTS = "real: GPT-2 next-token cross-entropy on the bytes of examples/data/sentiment.tsv"
 TARGETS = {"all": 0.40, "params": 0.35, "restore_vs_whole": 1.25, "restore_vs_orbax": 0.8}
+VS = {"whole": TARGETS["restore_vs_whole"], "orbax": TARGETS["restore_vs_orbax"]}  # restores
 
 
 def run_steps(args, root: pathlib.Path, steps: int, state: object, step_fn, limit: dict,
@@ -93,7 +91,7 @@ def run(args) -> dict:
             out = run_steps(args, root, args.pretrain_steps, *training.pretraining(size, 6e-4),
                             result["limit"], "last")
         result["pretrain"] = {**out, "size": size, "shape": h.SIZES[size], "lr": 6e-4,
-                              "gradients": GRADIENTS}
+                              "gradients": training.GRADIENTS}
     return result
 
 
@@ -104,7 +102,7 @@ def bytes_table(figures: dict, label: str, targets: bool) -> list[str]:
     later = lambda s, k: sum(f.get(k, 0) for f in res[s]["per_step"][1:]) / n  # noqa: E731
     row = lambda label, value: [label, *(value(s) for s in SYSTEMS)]  # noqa: E731
     rows = [row(f"{'adam ' if k != 'params' else ''}{k} ({h.fmt(raw[k], 'B')} raw)",
-                lambda s, k=k: h.fmt(res[s]["fraction"].get(k, math.nan), "x")) for k in KINDS]
+                lambda s, k=k: h.fmt(res[s]["fraction"].get(k, math.nan), "x")) for k in h.KINDS]
     rows += [row(f"all, incl. manifest ({h.fmt(raw['all'], 'B')} raw)",
                  lambda s: h.fmt(res[s]["fraction"]["all"], "x")),
              row("MB written per step", lambda s: h.fmt(later(s, "written_bytes"), "MB")),
@@ -119,20 +117,6 @@ def bytes_table(figures: dict, label: str, targets: bool) -> list[str]:
                                           for k in ("all", "params")])] if targets else [])
 
 
-def restore_table(restore: dict, label: str) -> list[str]:
-    """Cold and warm restore seconds and CPU per system, delta's ratios, the limit, targets."""
-    figures = [(f"{p}{'_cpu' * cpu}_s", f"{p} restore{' CPU' * cpu}", "s")
-               for cpu in (0, 1) for p in ("cold", "warm")]
-    r = restore["ratios"]
-    return [f"{label}: restore of step {restore['step']}", "", *h.figure_table(
-        restore["systems"], [*figures, ("warm_disk_read_bytes", "warm restore, read from disk",
-                                        "B")], list(SYSTEMS), limits=restore["limits"],
-        ratios=[("delta", "whole"), ("delta", "orbax")]), "", *h.target_lines(
-            [(f"{p}: delta / {o}", r[f"{p}_vs_{o}"], TARGETS[f"restore_vs_{o}"])
-             for p in ("cold", "warm") for o in ("whole", "orbax")],
-            na="n/a (the page cache was not dropped; pass --drop-caches as root)")]
-
-
 def table(result: dict) -> list[str]:
     """Every scenario's tables and targets, the limit, then the run's conditions."""
     lines: list[str] = []
@@ -141,7 +125,7 @@ def table(result: dict) -> list[str]:
         lines += [*bytes_table(ft, title, targets=True), ""]
     if "restore" in result:
         r = result["restore"]
-        lines += restore_table(r, f"MiniLM lr {result['finetune'][0]['lr']:g}")
+        lines += h.cold_warm_table(r, f"MiniLM lr {result['finetune'][0]['lr']:g}", "delta", VS)
         lines += [f"- step {r['step']}: longest delta chain {r['chain_depth']}, oldest base "
                   f"{r['base_age']} steps back; {r['delta_objects']} of its "
                   f"{r['new_chunk_objects']} new chunk objects are deltas", ""]
@@ -151,7 +135,7 @@ def table(result: dict) -> list[str]:
                                 f"steps", targets=False)
         lines += ["", f"- gradients: {p['gradients']}; leaves changed per step: "
                   f"{p['changed_leaves_per_step']} of {p['leaves']}", ""]
-        lines += restore_table(p["restore"], f"{p['size']} pretraining")
+        lines += h.cold_warm_table(p["restore"], f"{p['size']} pretraining", "delta", VS)
     return [*lines, *h.limit_lines(result["limit"]), f"- casstore codecs: {result['codecs']} "
             f"(shuffle={CODECS[result['codecs']]}); restores verified bit-exact; median of "
             f"{result['repeat']} restore(s)"]

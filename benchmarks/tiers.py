@@ -1,14 +1,10 @@
 """Tiered checkpoints (issue 31): persisting, restoring through tiers, copying; as ratios.
 
 10 steps of a 256 MiB frozen base plus a 16 MiB new head, on local disk and two S3 servers;
-``casstore.copy`` is compared with ``rclone copy --transfers 16`` where rclone is on PATH.
-README.md's ``tiers.py`` section says what each figure means.
-"""
+``casstore.copy`` against ``rclone copy --transfers 16`` where rclone is on PATH. README.md's
+``tiers.py`` section says what each figure means."""
 
-import functools
-import math
 import pathlib
-import shutil
 import sys
 import types
 
@@ -18,6 +14,7 @@ import casstore
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import harness as h
+import tier_copies
 
 STEPS = 10
 RCLONE = "rclone"  # the program compared with; the smoke test names a missing one
@@ -82,49 +79,6 @@ def tiers(root: pathlib.Path, persistent, cfg, out: dict) -> pathlib.Path:
     return root / "off"
 
 
-def copies(local: pathlib.Path, a: tuple, b: tuple, cfg, out: dict) -> None:
-    """Figure 5: casstore.copy, then rclone, local to S3 (server a) and S3 (a) to S3 (b)."""
-    (a_opts, a_bucket), (b_opts, b_bucket) = a, b
-    src, dst = f"s3://{a_bucket}/copy-src", f"s3://{b_bucket}/copy-dst"
-    s3 = lambda url, o: casstore.open_store(url, skip_instance_cache=True, **o)  # noqa: E731
-    phase = functools.partial(h.phase, out, warm=cfg.warm, probes=[h.peers.server_cpu])
-    phase("copy_local_s3_s", lambda: casstore.copy(str(local), s3(src, a_opts)))
-    # untimed: server B grows its volumes for this much data here, not in the first timed copy
-    casstore.copy(s3(src, a_opts), s3(f"s3://{b_bucket}/warm-up", b_opts))
-    out["rclone"] = shutil.which(RCLONE)
-    if out["rclone"] is None:
-        phase("copy_s3_s3_s", lambda: casstore.copy(s3(src, a_opts), s3(dst, b_opts)))
-        for key in ("rclone_local_s3_s", "rclone_s3_s3_s", "rclone_same_s3_s", "copy_same_s3_s"):
-            out[key] = math.nan
-        return
-    env = {**h.rclone_env("a", a_opts), **h.rclone_env("b", b_opts)}
-    rclone = functools.partial(h.rclone_copy, env=env, program=out["rclone"])
-    phase("rclone_local_s3_s", lambda: rclone(str(local), f"a:{a_bucket}/rc"))
-    for key in h.rotated(("copy_s3_s3_s", "rclone_s3_s3_s"), cfg.r):  # who goes first
-        phase(key, (lambda: casstore.copy(s3(src, a_opts), s3(dst, b_opts))) if "copy" in key
-              else (lambda: rclone(f"a:{src[5:]}", f"b:{b_bucket}/rc")))
-    same = h.new_bucket(a_opts)  # the same server: both copy each object server-side
-    for key in h.rotated(("copy_same_s3_s", "rclone_same_s3_s"), cfg.r):
-        phase(key, (lambda: casstore.copy(s3(src, a_opts), s3(f"s3://{same}/cs", a_opts)))
-              if "copy" in key else (lambda: rclone(f"a:{src[5:]}", f"a:{same}/rc")))
-    a_fs, b_fs = h.s3_fs(a_opts), h.s3_fs(b_opts)
-    copied = (len(a_fs.find(f"{a_bucket}/rc")), len(b_fs.find(f"{b_bucket}/rc")))
-    h.check(copied == (h.du(local)[0], len(a_fs.find(src[5:]))), f"rclone copied {copied}")
-
-
-def once(args, cfg) -> dict:
-    """One repeat on two fresh S3 servers (with ``--endpoint``: two buckets on it)."""
-    out: dict = {}
-    with h.s3_server(args) as a_opts, h.s3_server(args) as b_opts, \
-            h.scratch(args.dir, "tiers") as root:
-        a, b = (a_opts, h.new_bucket(a_opts)), (b_opts, h.new_bucket(b_opts))
-        persistent = casstore.open_store(f"s3://{a[1]}/persistent", **a_opts)
-        copies(tiers(root, persistent, cfg, out), a, b, cfg, out)
-    out["state_bytes"] = cfg.state_bytes
-    return {**out, **{f"{key}_ratio": h.ratio(out[num], out[den])
-                      for key, num, den, _, _ in TARGETS}}
-
-
 def run(args) -> dict:
     """``args.repeat`` runs; figures and ratios are medians of each run's."""
     base, head = (1 << 20, 64 << 10) if args.tiny else (256 << 20, 16 << 20)
@@ -132,9 +86,19 @@ def run(args) -> dict:
     frozen = rng(0, base).astype(np.float32)  # one array in every step's tree
     trees = [{"base": frozen, "head": rng(1 + s, head).astype(np.float32), "step": s}
              for s in range(STEPS)]
-    runs = [once(args, types.SimpleNamespace(
-        trees=trees, chunk=base // 16, n=args.persist_interval, r=r, state_bytes=base + head,
-        warm=0 if args.no_warm else 3 * (base + head))) for r in range(args.repeat)]
+    runs = []
+    for r in range(args.repeat):  # each on two fresh S3 servers (--endpoint: two buckets on it)
+        out: dict = {}
+        cfg = types.SimpleNamespace(trees=trees, chunk=base // 16, n=args.persist_interval, r=r,
+                                    warm=0 if args.no_warm else 3 * (base + head))
+        with h.s3_server(args) as a_opts, h.s3_server(args) as b_opts, \
+                h.scratch(args.dir, "tiers") as root:
+            a, b = (a_opts, h.new_bucket(a_opts)), (b_opts, h.new_bucket(b_opts))
+            persistent = casstore.open_store(f"s3://{a[1]}/persistent", **a_opts)
+            tier_copies.copies(tiers(root, persistent, cfg, out), a, b, cfg, out, RCLONE)
+        out["state_bytes"] = base + head
+        runs.append({**out, **{f"{key}_ratio": h.ratio(out[num], out[den])
+                               for key, num, den, _, _ in TARGETS}})
     out = h.medians(runs)
     ratios = {key: out[f"{key}_ratio"] for key, *_ in TARGETS}
     return {"tiny": args.tiny, "steps": STEPS, "base_bytes": base, "head_bytes": head,

@@ -48,7 +48,7 @@ def test_storage_cost_benchmark_reports_every_scenario_and_deltas_pay(tmp_path, 
                 assert f["params"] > 0
                 assert f["mu"] > 0
                 assert f["nu"] > 0
-            assert set(systems[name]["fraction"]) == {"all", *bench.KINDS}
+            assert set(systems[name]["fraction"]) == {"all", *bench.h.KINDS}
         assert all(f["delta_chunks"] == 0 for f in systems["whole"]["per_step"])
         # Every tensor changes every step, and deltas make the steps after the first smaller.
         for d, w in zip(systems["delta"]["per_step"][1:], systems["whole"]["per_step"][1:]):

@@ -110,6 +110,21 @@ def limit_lines(lim: dict, title: str = "The machine's limit, measured in this r
             *md_table(["rate", "MB/s"], rows)]
 
 
+def cold_warm_table(restore: dict, label: str, ours: str, targets: dict[str, float]) -> list:
+    """``peers.cold_and_warm``'s figures: cold and warm restore seconds and CPU per system,
+    ``ours``'s ratios to the others, the limit, and the targets of those ratios ``{other:
+    limit}``."""
+    figures = [(f"{p}{'_cpu' * cpu}_s", f"{p} restore{' CPU' * cpu}", "s")
+               for cpu in (0, 1) for p in ("cold", "warm")]
+    figures.append(("warm_disk_read_bytes", "warm restore, read from disk", "B"))
+    return [f"{label}: restore of step {restore['step']}", "", *figure_table(
+        restore["systems"], figures, list(restore["systems"]), limits=restore["limits"],
+        ratios=[(ours, o) for o in targets]), "", *target_lines(
+            [(f"{p}: {ours} / {o}", restore["ratios"][f"{p}_vs_{o}"], limit)
+             for p in ("cold", "warm") for o, limit in targets.items()],
+            na="n/a (the page cache was not dropped; pass --drop-caches as root)")]
+
+
 def target_lines(targets: list[tuple[str, float, float]], na: str = "n/a") -> list[str]:
     """``- target: text: value (met|NOT met)`` per ``(text, value, limit)``, met if <= limit."""
     return [f"- target: {text}: {na}" if math.isnan(value) else

@@ -17,6 +17,7 @@ from .storage import HERE, load_module
 
 EXAMPLE = HERE.parent / "examples" / "finetune_minilm.py"
 TEXT = EXAMPLE.parent / "data" / "sentiment.tsv"  # pretraining's tokens: its bytes
+GRADIENTS = "real: GPT-2 next-token cross-entropy on the bytes of examples/data/sentiment.tsv"
 
 
 def adam_state(state: dict, optimizer: optax.GradientTransformation) -> tuple[dict, tuple]:
