@@ -1,10 +1,12 @@
 """The main job: the MiniLM fine-tuning example on the real pretrained weights."""
 
+import contextlib
+import functools
+import importlib.util
+import io
 import itertools
 import pathlib
 import re
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -16,15 +18,28 @@ from casstore.store import LocalStore
 EXAMPLE = pathlib.Path(__file__).parents[1] / "examples" / "finetune_minilm.py"
 
 
+@functools.cache
+def example():
+    """The example's module, imported from its file once per test process. Its ``main`` runs
+    here rather than in a fresh interpreter (4 runs in this file: each one started python,
+    imported jax and compiled the encoder, about 5 of its 9 s); test_tiers.py runs the script
+    as a user does, in its own interpreter."""
+    spec = importlib.util.spec_from_file_location("example_finetune_minilm", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run(*args: str) -> str:
     """The example's output; batches of 8 (its default is 32): what is checked is what each
     step stores, which does not depend on the batch, and a batch of 8 trains 4x faster."""
     if "--batch-size" not in args:
         args = (*args, "--batch-size", "8")
-    out = subprocess.run([sys.executable, str(EXAMPLE), *args], capture_output=True, text=True,
-                         timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out.stdout
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = example().main(list(args))
+    assert code == 0, out.getvalue()[-3000:] + err.getvalue()[-3000:]
+    return out.getvalue()
 
 
 def step_rows(output: str) -> list[tuple[int, float, float, float, int]]:
