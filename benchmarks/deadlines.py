@@ -7,8 +7,6 @@ the table says what it raised). docs/reliability.md has the figures.
     python benchmarks/deadlines.py --request-timeout-s 0.5 --operation-timeout-s 2   # tests'
 """
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import os

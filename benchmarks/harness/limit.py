@@ -3,13 +3,11 @@ the rates of benchmarks/README.md's table "The machine's limit", and :func:`save
 :func:`restore_s`, the fastest save and restore they allow. A figure's fraction of the limit
 is ``limit_s / figure_s``: 1.0 runs at the machine's limit."""
 
-from __future__ import annotations
-
 import concurrent.futures as cf
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -33,6 +31,11 @@ def _rate(nbytes: int, fn: Callable[[], object], tries: int = 3) -> float:
         fn()
         best = min(best, time.perf_counter() - t0)
     return nbytes / max(best, 1e-9)
+
+
+def _pool(threads: int, fn: Callable[[Any], object], items: Iterable) -> None:
+    with cf.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(fn, items))
 
 
 def measure(nbytes: int, *, base_dir: str | None = None, drop: bool = False, fs: Any = None,
@@ -76,14 +79,8 @@ def measure(nbytes: int, *, base_dir: str | None = None, drop: bool = False, fs:
                 with open(root / key, "rb") as f:
                     f.readinto(bytearray(os.fstat(f.fileno()).st_size))
 
-            def put_many() -> None:
-                with cf.ThreadPoolExecutor(threads) as pool:
-                    list(pool.map(put, objects.items()))
-                fsync_path(root)
-
-            def get_many(n: int) -> None:
-                with cf.ThreadPoolExecutor(n) as pool:
-                    list(pool.map(get, objects))
+            put_many = lambda: (_pool(threads, put, objects.items()), fsync_path(root))  # noqa: E731
+            get_many = lambda n: _pool(n, get, objects)  # noqa: E731
         else:
             stack.callback(fs.rm, prefix, recursive=True)
             put_many = lambda: fs.pipe({f"{prefix}/{k}": v for k, v in objects.items()})  # noqa: E731

@@ -3,8 +3,6 @@
 safetensors (one file per step, fsynced) and plain s3fs (one object per leaf); and the probes of
 an S3 phase (:func:`harness.timing.phase`)."""
 
-from __future__ import annotations
-
 import collections
 import contextlib
 import math
@@ -48,9 +46,6 @@ class Peer(contextlib.AbstractContextManager):
     def save(self, step: int, state: Any) -> None:
         self.save_async(step, state)
         self.wait()
-
-    def wait(self) -> None:
-        pass
 
     def stored_bytes(self) -> int:  # of everything stored so far
         return du(self.root)[1]

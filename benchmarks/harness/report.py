@@ -1,8 +1,6 @@
 """What a benchmark prints and writes: markdown tables, targets, the machine, JSON and a plot;
 and the command line every benchmark shares (:func:`command`)."""
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import datetime

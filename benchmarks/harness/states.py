@@ -3,8 +3,6 @@ adam ``mu`` and ``nu``, an int32 ``count``), made with numpy (README.md's figure
 on exactly these values) or, for ``gpt2-xl`` (18.7 GB), with ``jax.random`` on the device; and
 the bit-exact checks of what comes back."""
 
-from __future__ import annotations
-
 import functools
 import itertools
 from collections.abc import Callable

@@ -1,8 +1,6 @@
 """Where benchmarks write: scratch directories, sizes on disk, fsync, an S3 server and fast
 PUTs to it, rclone."""
 
-from __future__ import annotations
-
 import concurrent.futures as cf
 import contextlib
 import http.client

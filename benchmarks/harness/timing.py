@@ -2,8 +2,6 @@
 probes, after settling (page cache dropped, memory warmed); systems interleaved across repeats,
 and medians of their figures."""
 
-from __future__ import annotations
-
 import collections
 import contextlib
 import ctypes
@@ -36,7 +34,7 @@ class PeakRss:
     """``extra``: peak RSS minus the RSS on entry (bytes). A thread samples RSS every 2 ms, and
     the kernel's VmHWM (reset on entry where permitted) catches the peaks between samples."""
 
-    def __enter__(self) -> PeakRss:
+    def __enter__(self) -> "PeakRss":
         self.proc, self.hwm = psutil.Process(), _write("/proc/self/clear_refs", "5")
         self.base = self.peak = self.proc.memory_info().rss
         self.stop = threading.Event()
@@ -115,12 +113,11 @@ def settle(warm_bytes: int = 0, drop: bool = False) -> bool:
 def phase(out: dict, key: str, fn: Callable[[], Any], *, warm: int = 0, drop: bool = False,
           rss: str | None = None, probes: Iterable[Callable[[], dict]] = ()) -> Any:
     """Runs ``fn`` after :func:`settle` (``warm``, ``drop``); returns its result. Figures, with
-    ``name`` = ``key`` less ``_s``: ``out[key]`` wall seconds, ``out[name_cpu_s]`` this
-    process's CPU seconds (user + system), ``out[name_disk_read_bytes]`` bytes it read from
-    storage devices (page-cache hits do not count), ``out[rss]`` the peak extra RSS (bytes)
-    where ``rss`` is given, and ``out[name_K]`` the change of each reading K of the probes
-    (callables returning numbers or Counters). ``out["dropped_caches"]`` stays True while every
-    drop was asked for and done."""
+    ``name`` = ``key`` less ``_s``: ``out[key]`` wall seconds, ``out[name_cpu_s]`` CPU seconds
+    (user + system), ``out[name_disk_read_bytes]`` bytes read from storage devices (not the page
+    cache), ``out[rss]`` the peak extra RSS (bytes), and ``out[name_K]`` the change of each
+    reading K of the ``probes`` (callables returning numbers or Counters);
+    ``out["dropped_caches"]`` stays True while every drop was asked for and done."""
     dropped = settle(warm, drop)
     out["dropped_caches"] = out.get("dropped_caches", True) and dropped
     name, proc, probes = key.removesuffix("_s"), psutil.Process(), list(probes)

@@ -2,8 +2,6 @@
 loss, leaves changed)``: GPT-2 pretraining on the harness's train states (the next-token loss
 on a text's bytes), and a full fine-tune of MiniLM (examples/finetune_minilm.py)."""
 
-from __future__ import annotations
-
 import pathlib
 from collections.abc import Callable
 

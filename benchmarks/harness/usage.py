@@ -2,8 +2,6 @@
 their raw bytes, and the stored bytes of the chunk objects each step adds, its deltas and their
 chains (storage_cost.py)."""
 
-from __future__ import annotations
-
 import collections
 import math
 
