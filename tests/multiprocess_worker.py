@@ -1,6 +1,6 @@
 """One process of a multi-process JAX job, launched by test_multiprocess.py.
 
-Usage: multiprocess_worker.py PORT NUM_PROCESSES PROCESS_ID MODE REPO STEP
+Usage: multiprocess_worker.py PORT NUM_PROCESSES PROCESS_ID MODE REPO STEP [MODE STEP ...]
 MODE is ``save`` (save the deterministic sharded state), ``restore`` (restore it onto another
 mesh and check this process's shards bit-exact), ``crash`` (process 1 dies after writing its
 first chunk) or ``own-disk`` (each process saves to ``REPO/host<PROCESS_ID>``, as to a disk of
@@ -9,14 +9,18 @@ through an async CheckpointManager) save STEP with process 1 failing before the 
 object leaf), saving STEP + 1, or saving ``w`` as int32, print each process's error, then save
 STEP + 2 alike on every process. ``manager-metrics`` saves STEP to STEP + 3 through a manager
 keeping the 2 best by a loss each process computes differently, and prints ``STEPS <all_steps()>
-<best_step()>``. Prints ``OK`` on success.
+<best_step()>``. Each further MODE STEP pair (``save`` or ``restore``) runs after the first in
+the same processes: one interpreter start and jax import per process for all of them. Prints
+``OK`` once every one succeeded.
 """
 
 import os
 import sys
 
-port, nproc, pid, mode, repo, step = sys.argv[1:]
+port, nproc, pid, mode, repo, step, *more = sys.argv[1:]
 nproc, pid, step = int(nproc), int(pid), int(step)
+assert len(more) % 2 == 0, more
+actions = [(mode, step)] + [(m, int(s)) for m, s in zip(more[::2], more[1::2])]
 if nproc > 1:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // nproc}"
 
@@ -64,7 +68,7 @@ def global_state(step: int) -> dict:
             for (k, v), s in zip(expected(step).items(), shardings("save").values())}
 
 
-def out_of_step() -> None:
+def out_of_step(mode: str, step: int) -> None:
     """The modes where the processes do not save alike, then do."""
     kind = mode.removeprefix("manager-")
     state = global_state(step)
@@ -93,7 +97,7 @@ def out_of_step() -> None:
     print("second save returned", flush=True)
 
 
-def subset_mesh() -> None:
+def subset_mesh(step: int) -> None:
     """``sub`` lives on process 1's devices only (a pipeline stage on another host)."""
     ones = [d for d in jax.devices() if d.process_index == 1]
     sharding = NamedSharding(Mesh(np.array(ones), ("x",)), P("x"))
@@ -109,7 +113,7 @@ def subset_mesh() -> None:
     assert all(np.array_equal(np.asarray(s.data), sub[s.index]) for s in got.addressable_shards)
 
 
-def ranked_by_metrics() -> None:
+def ranked_by_metrics(step: int) -> None:
     """``manager-metrics``: each process passes its own metrics (opposite rankings); every
     process must keep the steps process 0's metrics keep, which are the ones on disk."""
     with casstore.CheckpointManager(repo, chunk_size_bytes=2048, max_to_keep=2,
@@ -122,21 +126,24 @@ def ranked_by_metrics() -> None:
 
 
 def main() -> None:
-    if mode == "manager-metrics":
-        ranked_by_metrics()
+    for action, action_step in actions:
+        run(action, action_step)
+    if nproc > 1:
         jax.distributed.shutdown()
-        print("OK", flush=True)
+    print("OK", flush=True)
+
+
+def run(mode: str, step: int) -> None:
+    """One action: a save, restore, crash or own-disk of ``step``, or one of the other modes."""
+    if mode == "manager-metrics":
+        ranked_by_metrics(step)
         return
     if mode == "subset-mesh":
-        subset_mesh()
-        jax.distributed.shutdown()
-        print("OK", flush=True)
+        subset_mesh(step)
         return
     if mode.removeprefix("manager-") in ("early-fail", "other-step", "other-tree",
                                          "local-array"):
-        out_of_step()
-        jax.distributed.shutdown()
-        print("OK", flush=True)
+        out_of_step(mode, step)
         return
     values = expected(step)
     if mode in ("save", "crash", "own-disk"):
@@ -161,6 +168,7 @@ def main() -> None:
             os._exit(3)  # skip jax.distributed's shutdown barrier, which waits for the dead peer
         print("saved", info.new_chunks, info.written_bytes, flush=True)
     else:
+        assert mode == "restore", mode
         target = {"state": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)
                             for (k, v), s in zip(values.items(), shardings("restore").values())},
                   "step": 0}
@@ -171,9 +179,7 @@ def main() -> None:
             for shard in array.addressable_shards:
                 got = np.asarray(shard.data)
                 assert got.tobytes() == values[key][shard.index].tobytes(), (key, shard.index)
-    if nproc > 1:
-        jax.distributed.shutdown()
-    print("OK", flush=True)
+        print("restored", step, flush=True)
 
 
 main()
