@@ -45,7 +45,7 @@ def run_steps(args, root: pathlib.Path, steps: int, state: object, step_fn, limi
     raw = usage.raw_bytes(peers["delta"].url, steps - 1)
     out = {"steps": steps, "losses": losses, "changed_leaves_per_step": changed,
            "leaves": len(jax.tree.leaves(state)), "raw_bytes": raw,
-           "systems": {s: usage.summary(figs, getattr(peers[s], "url", None), raw)
+           "systems": {s: usage.summary(figs, peers[s].url if peers[s].dedups else None, raw)
                        for s, figs in per_step.items()},
            "save_limit_s": h.limit.save_s(limit, raw["all"], np.mean(
                [f["written_bytes"] for f in per_step["delta"][1:]]))}
