@@ -15,7 +15,7 @@ import casstore
 from casstore._layout import chunk_key, manifest_key
 from casstore.store import LocalStore, MemoryStore
 
-from conftest import repack
+from conftest import BACKENDS, repack
 
 
 @pytest.fixture
@@ -52,6 +52,8 @@ def test_missing_step_and_empty_repository(saved, tmp_path):
         casstore.delete(store, 4)
 
 
+@pytest.mark.parametrize("repo_store", BACKENDS, indirect=True)  # moto too: the
+# create-only write finds the key present (conftest.STORE_BACKENDS)
 def test_existing_step_is_refused_and_unchanged(saved):
     store, tree = saved
     before = {i.key: store.get(i.key) for i in store.list()}
@@ -66,6 +68,8 @@ def test_existing_step_is_refused_and_unchanged(saved):
                                   tree["params"]["w"])
 
 
+@pytest.mark.parametrize("repo_store", BACKENDS, indirect=True)  # moto too: the
+# create-only write finds the key present (conftest.STORE_BACKENDS)
 def test_concurrent_commit_loser_gets_step_already_exists(saved):
     store, _ = saved
     # The step check passes, then another writer commits first: the create-only put decides.

@@ -13,9 +13,10 @@ import casstore
 from casstore.store import CountingStore, FsspecStore, LocalStore
 from casstore.store._retry import CHECKSUM_ATTEMPTS
 
-from conftest import object_store
+from conftest import BACKENDS, object_store
 
 
+@pytest.mark.parametrize("repo_store", BACKENDS, indirect=True)  # moto too: create-only
 def test_concurrent_saves_of_one_step_exactly_one_wins(repo_store):
     """Several threads save the same step with different trees: one commits, the rest get
     StepAlreadyExistsError, and the winner's checkpoint restores bit-exact."""
