@@ -90,6 +90,8 @@ def test_concurrent_commit_loser_gets_step_already_exists(saved):
     assert store.get(manifest_key("default", 5)) == data
 
 
+@pytest.mark.parametrize("repo_store", BACKENDS, indirect=True)  # 5 damages x 6 backends,
+# as docs/reliability.md counts them
 @pytest.mark.parametrize("damage", ["flip", "truncate", "swap", "delete", "garbage_header"])
 def test_corrupt_chunks_raise_naming_step_path_and_chunk(saved, damage):
     store, _ = saved
