@@ -217,9 +217,11 @@ def test_gc_refuses_a_repository_with_a_step_of_a_newer_format(store):
 def test_a_newer_manifest_is_counted_and_exits_as_newer_never_as_damage(tmp_path):
     """verify counts it under manifests_unsupported (not manifests_damaged); gc refuses with
     UnsupportedFormatError; the CLI's verify, ls and gc exit 14 (upgrade), not 1 (damaged),
-    and ls marks the row "newer format"."""
-    import subprocess
-    import sys
+    and ls marks the row "newer format". The CLI runs through click's CliRunner, as in
+    test_cli.py, whose one ``python -m casstore`` run checks that entry point."""
+    from click.testing import CliRunner
+
+    from casstore import cli as casstore_cli
 
     store = casstore.LocalStore(tmp_path / "repo")
     casstore.save(store, 1, TREE)
@@ -232,15 +234,14 @@ def test_a_newer_manifest_is_counted_and_exits_as_newer_never_as_damage(tmp_path
         casstore.gc(store)
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "casstore", *args, str(tmp_path / "repo")],
-                              capture_output=True, text=True, timeout=120)
+        return CliRunner().invoke(casstore_cli.main, [*args, str(tmp_path / "repo")])
 
     for command in (["verify"], ["ls"], ["gc"], ["gc", "--dry-run"]):
         out = cli(*command)
-        assert out.returncode == 14, (command, out.stdout, out.stderr)
+        assert out.exit_code == 14, (command, out.stdout, out.stderr, out.exception)
         assert not re.search(r"[1-9]\d* damaged|(?<!not )damaged:|\bdamaged\b\s*│",
                              out.stdout + out.stderr), (command, out.stdout, out.stderr)
     assert "newer format" in cli("ls").stdout
     casstore.save(store, 3, {"n": 3})
     (tmp_path / "repo" / "runs" / "default" / "steps" / f"{3:016d}.manifest").write_bytes(b"x")
-    assert cli("verify").returncode == 1  # damage as well: 1 wins
+    assert cli("verify").exit_code == 1  # damage as well: 1 wins
