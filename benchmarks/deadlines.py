@@ -49,7 +49,10 @@ def main() -> None:
     for name in ("request_timeout_s", "operation_timeout_s"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=float, dest=name)
     timeouts = {k: v for k, v in vars(parser.parse_args()).items() if v}
-    print(f"timeouts: {timeouts or 'defaults'}\n")
+    print(f"timeouts: {timeouts or 'defaults'}")
+    print("machine's limit: none applies (benchmarks/README.md, deadlines.py): these are times "
+          "to fail on a stalled or refusing endpoint, set by the deadlines, not by a machine's "
+          "rate\n")
     print("| backend | " + " | ".join(FAULTS) + " |\n|---|" + "---|" * len(FAULTS))
     with contextlib.ExitStack() as stack:
         tmp = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory()))

@@ -1,8 +1,9 @@
 """Tiered checkpoints (issue 31): persisting, restoring through tiers, copying; as ratios.
 
 10 steps of a 256 MiB frozen base plus a 16 MiB new head, on local disk and two S3 servers;
-``casstore.copy`` against ``rclone copy --transfers 16`` where rclone is on PATH. README.md's
-``tiers.py`` section says what each figure means."""
+``casstore.copy`` against ``rclone copy --transfers 16`` where rclone is on PATH; each save,
+restore and copy also as a fraction of the machine's limit, measured in the same run (local disk
+and both servers). README.md's ``tiers.py`` section says what each figure means."""
 
 import pathlib
 import sys
@@ -50,17 +51,21 @@ def tiers(root: pathlib.Path, persistent, cfg, out: dict) -> pathlib.Path:
                                           chunk_size_bytes=cfg.chunk,
                                           persist_interval_steps=cfg.n)
         h.settle(cfg.warm)
-        out[f"save_blocked_{tag}_s"] = sum(h.seconds(lambda m=mngr, s=s, t=t: m.save(s, t))[0]
-                                           for s, t in enumerate(cfg.trees)) / len(cfg.trees)
+        blocked = sum(h.seconds(lambda m=mngr, s=s, t=t: m.save(s, t))[0]
+                      for s, t in enumerate(cfg.trees))
+        out[f"save_blocked_{tag}_s"] = blocked / len(cfg.trees)
         out[f"close_{tag}_s"] = h.seconds(mngr.close)[0]  # waits for saves and persists
+        out[f"saves_{tag}_s"] = blocked + out[f"close_{tag}_s"]  # every step stored
         if on:
             done, infos = sorted(mngr.persister.persisted), mngr.persister.persisted.values()
             dropped = sorted(mngr.persister.dropped)
     manifests = [casstore.read_manifest(persistent, s) for s in done]
+    usage = casstore.step_usage(manifests)
     out.update(persisted_steps=done, dropped_steps=dropped,
                persist_bytes=sum(i.bytes_copied for i in infos),
-               persisted_new_chunk_bytes=sum(u.added_bytes for u in
-                                             casstore.step_usage(manifests)))
+               persisted_new_chunk_bytes=sum(u.added_bytes for u in usage),
+               local_repo_bytes=h.du(root / "off")[1], restored_raw_bytes=usage[-1].logical_bytes,
+               restored_stored_bytes=usage[-1].stored_bytes)
     last, want = done[-1], cfg.trees[done[-1]]
     fresh = casstore.CheckpointManager(root / "replaced", persistent=persistent)
     for key in h.rotated(("restore_lost_local_s", "restore_plain_s"), cfg.r):
@@ -86,7 +91,7 @@ def run(args) -> dict:
     frozen = rng(0, base).astype(np.float32)  # one array in every step's tree
     trees = [{"base": frozen, "head": rng(1 + s, head).astype(np.float32), "step": s}
              for s in range(STEPS)]
-    runs = []
+    runs, lims, run_limits = [], [], []
     for r in range(args.repeat):  # each on two fresh S3 servers (--endpoint: two buckets on it)
         out: dict = {}
         cfg = types.SimpleNamespace(trees=trees, chunk=base // 16, n=args.persist_interval, r=r,
@@ -94,29 +99,38 @@ def run(args) -> dict:
         with h.s3_server(args) as a_opts, h.s3_server(args) as b_opts, \
                 h.scratch(args.dir, "tiers") as root:
             a, b = (a_opts, h.new_bucket(a_opts)), (b_opts, h.new_bucket(b_opts))
+            lims.append(tier_copies.measure(args.dir, a, b, base + head))
             persistent = casstore.open_store(f"s3://{a[1]}/persistent", **a_opts)
             tier_copies.copies(tiers(root, persistent, cfg, out), a, b, cfg, out, RCLONE)
         out["state_bytes"] = base + head
+        run_limits.append(tier_copies.limits(lims[-1], out, base + STEPS * head))
         runs.append({**out, **{f"{key}_ratio": h.ratio(out[num], out[den])
                                for key, num, den, _, _ in TARGETS}})
     out = h.medians(runs)
     ratios = {key: out[f"{key}_ratio"] for key, *_ in TARGETS}
+    lim_s = h.medians(run_limits)
     return {"tiny": args.tiny, "steps": STEPS, "base_bytes": base, "head_bytes": head,
             "state_bytes": base + head, "chunk_size_bytes": base // 16,
             "persist_interval": args.persist_interval,
             "server": args.endpoint or "two SeaweedFS (weed mini) on 127.0.0.1, fresh per run",
             "repeat": args.repeat, "figures": out, "runs": runs, "ratios": ratios,
+            "limit": {k: h.medians([lim[k] for lim in lims]) for k in lims[0]}, "limits": lim_s,
+            "fractions": {k: h.ratio(v, out[k]) for k, v in lim_s.items()},
             "targets": [{"target": text, "key": key, "ratio": ratios[key], "limit": limit}
                         for key, _, _, text, limit in TARGETS]}
 
 
 def table(result: dict) -> list[str]:
-    """The figures, then each ratio against its target."""
-    f = result["figures"]
+    """The figures with the limit and limit / figure, the limit's rates, each ratio against
+    its target."""
+    f, lim, frac = result["figures"], result["limits"], result["fractions"]
     unit = lambda k: {"s": "s", "bytes": "B", "ratio": "x"}.get(k.split("_")[-1], "n")  # noqa
-    lines = h.md_table(["figure", "value"], [
-        [k, h.fmt(v, unit(k))] for k, v in f.items()
+    lines = h.md_table(["figure", "value", "machine's limit (s)", "limit / figure"], [
+        [k, h.fmt(v, unit(k)), *((h.fmt(lim[k], "s"), h.fmt(frac[k], "x")) if k in lim else
+                                 ("", ""))] for k, v in f.items()
         if isinstance(v, (int, float)) and not isinstance(v, bool) and "disk_read" not in k])
+    for name, rates in result["limit"].items():
+        lines += h.limit_lines(rates, f"The machine's limit, {name}, this run (medians)")
     lines += ["", *h.target_lines([(t["target"], t["ratio"], t["limit"])
                                    for t in result["targets"]], na="n/a (rclone not run)")]
     if f["rclone"] is None:

@@ -1,8 +1,9 @@
-"""casstore's settings side by side: chunk size, codec and zstd level, workers; memory of
-save, restore and export (docs/tuning.md).
+"""casstore's settings side by side: chunk size, codec and zstd level, workers (docs/tuning.md).
 
 Each variant changes one setting from the defaults: a save, a changed save, a restore (checked
-bit-exact), peak extra RSS; the default also exports. README.md's ``tuning.py`` section.
+bit-exact), peak extra RSS (save, restore and, for the default, exports). Saves and restores also
+as fractions of the machine's limit on local disk, measured in the same run. README.md's
+``tuning.py`` section.
 """
 
 import functools
@@ -32,6 +33,7 @@ COLUMNS = [  # (key, header, unit) of the variants' table
     ("restore_cpu_s", "restore CPU (s)", "s"),
     ("restore_rss_extra_bytes", "restore peak extra RSS", "B"),
 ]
+LIMITED = [("save_s", "save"), ("changed_save_s", "changed save"), ("restore_s", "restore")]
 
 
 def bench(name: str, root: pathlib.Path, states: list, drop: bool, warm: int) -> dict:
@@ -57,24 +59,39 @@ def bench(name: str, root: pathlib.Path, states: list, drop: bool, warm: int) ->
 
 
 def run(args) -> dict:
-    """Every variant ``args.repeat`` times (rotating)."""
+    """Every variant ``args.repeat`` times (rotating), the limit once per repeat."""
     states, result = h.two_states("tiny" if args.tiny else "gpt2")
-    warm = 0 if args.no_warm else 3 * result["logical_bytes"]
+    logical = result["logical_bytes"]
+    warm = 0 if args.no_warm else 3 * logical
 
     def one(name: str) -> dict:
         with h.scratch(args.dir, "tuning") as root:
             return bench(name, root, states, args.drop_caches, warm)
 
-    runs, res, _ = h.interleave(tuple(VARIANTS), args.repeat, one)
+    runs, res, lim = h.limit.interleaved(args, logical, tuple(VARIANTS), one)
+    dropped, d = all(r["dropped_caches"] for rs in runs.values() for r in rs), res["default"]
+    limits = {  # every variant judged by what the default stores
+        "save_s": h.limit.save_s(lim, logical, d["stored_bytes"]),
+        "changed_save_s": h.limit.save_s(lim, result["changed_raw_bytes"],
+                                         d["changed_written_bytes"]),
+        "restore_s": h.limit.restore_s(lim, logical, d["stored_bytes"],
+                                       cold=dropped and lim["read_cold"])}
     return {**result, "repeat": args.repeat, "variants": VARIANTS, "results": res, "runs": runs,
-            "dropped_caches": all(r["dropped_caches"] for rs in runs.values() for r in rs)}
+            "dropped_caches": dropped, "limit": lim, "limits": limits, "fractions": {
+                name: {k: h.ratio(v, r[k]) for k, v in limits.items()} for name, r in res.items()}}
 
 
 def table(result: dict) -> list[str]:
-    """The medians: a row per variant, then the default's exports."""
-    res, d = result["results"], result["results"]["default"]
-    return [*h.md_table(["variant", *(c for _, c, _ in COLUMNS)], [
-        [name, *(h.fmt(res[name][k], unit) for k, _, unit in COLUMNS)] for name in res]), "",
+    """The medians: a row per variant with its fractions of the limit, the limit, then the
+    default's exports."""
+    res, d, frac = result["results"], result["results"]["default"], result["fractions"]
+    return [*h.md_table(["variant", *(c for _, c, _ in COLUMNS),
+                         *(f"limit / {label}" for _, label in LIMITED)], [
+        [name, *(h.fmt(res[name][k], unit) for k, _, unit in COLUMNS),
+         *(h.fmt(frac[name][k], "x") for k, _ in LIMITED)] for name in res]), "",
+        "- machine's limit (s), every variant judged by what the default stores: " + ", ".join(
+            f"{label} {h.fmt(result['limits'][k], 's')}" for k, label in LIMITED),
+        *h.limit_lines(result["limit"]), "",
         *h.md_table(["export of step 2 (default variant)", "s", "peak extra RSS", "file"], [
             [kind, *(h.fmt(d[f"export_{kind}_{k}"], unit) for k, unit in (
                 ("s", "s"), ("rss_extra_bytes", "B"), ("file_bytes", "B")))]

@@ -138,5 +138,18 @@ def test_tuning_benchmark_changes_one_setting_per_variant(tmp_path, capsys):
     assert res["chunk 4 MiB"]["objects"] == res["chunk 64 MiB"]["objects"]
     for kind in ("safetensors", "npz"):  # both exports hold at least the state's bytes
         assert res["default"][f"export_{kind}_file_bytes"] >= result["logical_bytes"]
-    assert "| bytes, zstd 9 |" in capsys.readouterr().out
+    # The machine's limit on local disk, measured in the run: every variant's saves and
+    # restore are positive, finite fractions of it (limit / figure).
+    assert result["limit"]["store"] == "local disk"
+    assert set(result["limits"]) == {k for k, _ in bench.LIMITED}
+    for name, fractions in result["fractions"].items():
+        assert fractions.keys() == result["limits"].keys(), name
+        for key, fraction in fractions.items():
+            assert math.isfinite(fraction), (name, key)
+            assert fraction > 0, (name, key)
+            assert math.isclose(fraction, result["limits"][key] / res[name][key]), (name, key)
+    printed = capsys.readouterr().out
+    assert "| bytes, zstd 9 |" in printed
+    assert "| limit / save | limit / changed save | limit / restore |" in printed
+    assert "| local disk write, fsync" in printed
     assert list((tmp_path / "work").iterdir()) == []

@@ -1,6 +1,6 @@
 """Smoke test: the tiers benchmark (issue 31) runs end to end on the tiny workload with its own
-two SeaweedFS servers and without rclone, and its byte ratios, which do not depend on timing,
-meet their targets."""
+two SeaweedFS servers and without rclone, its byte ratios, which do not depend on timing, meet
+their targets, and its saves, restores and copies are fractions of the machine's limit."""
 
 import json
 import math
@@ -12,6 +12,8 @@ from conftest import load_benchmark
 
 TIMES = ("save_blocked_on_s", "save_blocked_off_s", "restore_lost_local_s", "restore_plain_s",
          "copy_local_s3_s", "copy_s3_s3_s")
+JUDGED = ("saves_off_s", "saves_on_s", "restore_lost_local_s", "restore_plain_s",
+          "copy_local_s3_s", "copy_s3_s3_s")  # the figures judged by the limit that ran
 
 
 def test_tiers_benchmark_reports_its_ratios_and_the_byte_ratios_meet_their_targets(
@@ -56,7 +58,31 @@ def test_tiers_benchmark_reports_its_ratios_and_the_byte_ratios_meet_their_targe
     assert math.isnan(ratios["copy_local_s3"])
     assert math.isnan(ratios["copy_same_s3"])
     assert [t["target"] for t in result["targets"]] == [t[3] for t in bench.TARGETS]
+    # The machine's limit, measured in the run on local disk and on both servers; every save,
+    # restore and copy that ran is a positive, finite fraction of it (limit / figure).
+    limit, limits, fractions = result["limit"], result["limits"], result["fractions"]
+    assert set(limit) == {"local disk", "S3 A", "S3 B"}
+    for name, rates in limit.items():
+        for rate in ("hash", "encode", "decode"):
+            assert rates[f"{rate}_bps"] > 1e6, (name, rate)  # above 1 MB/s, whatever the load
+        assert min(rates["write_bps"], rates["read_bps"]) > 0, name  # S3: 1 MiB, 4 objects
+    assert set(fractions) == set(limits) >= set(JUDGED)
+    for key in JUDGED:
+        assert math.isfinite(fractions[key]), key
+        assert fractions[key] > 0, key
+        assert math.isclose(fractions[key], limits[key] / f[key]), key
+    # A copy moves the stored bytes at the slower of the source's read and the destination's
+    # write; without rclone its figures, and so their fractions, are n/a.
+    assert math.isclose(limits["copy_s3_s3_s"], f["local_repo_bytes"] / min(
+        limit["S3 A"]["read_bps"], limit["S3 B"]["write_bps"]))
+    assert limits["rclone_s3_s3_s"] == limits["copy_s3_s3_s"]
+    assert math.isnan(fractions["rclone_s3_s3_s"])
+    assert f["restored_stored_bytes"] > 0
+    assert f["restored_raw_bytes"] >= result["state_bytes"]
+    assert json.loads(out.read_text())["fractions"].keys() == fractions.keys()
     printed = capsys.readouterr().out
+    assert "| machine's limit (s) | limit / figure |" in printed
+    assert "The machine's limit, S3 B, this run" in printed
     assert "rclone-not-installed-here is not on PATH" in printed
     assert "S3 to S3: n/a (rclone not run)" in printed
     assert "persist bytes / new-chunk bytes of the persisted steps: 1 (met)" in printed

@@ -1,7 +1,7 @@
 """The machine's limit, measured in the same run as the figures it judges (issue 33 item 1):
-the rates of benchmarks/README.md's table "The machine's limit", and :func:`save_s` and
-:func:`restore_s`, the fastest save and restore they allow. A figure's fraction of the limit
-is ``limit_s / figure_s``: 1.0 runs at the machine's limit."""
+the rates of benchmarks/README.md's table "The machine's limit", and :func:`save_s`,
+:func:`restore_s` and :func:`move_s`, the fastest save, restore and copy they allow. A figure's
+fraction of the limit is ``limit_s / figure_s``: 1.0 runs at the machine's limit."""
 
 import concurrent.futures as cf
 import contextlib
@@ -115,6 +115,12 @@ def restore_s(lim: dict, raw: float, stored: float, cold: bool = False) -> float
     if lim["store"] == "local disk" and not lim["read_cold"]:
         return max(cpu, stored / lim["read_bps"] + raw / decode)
     return max(cpu, stored / lim["read_bps"] if cold or not lim["read_cold"] else 0.0)
+
+
+def move_s(nbytes: float, src: dict, dst: dict) -> float:
+    """The fastest copy (seconds) of ``nbytes`` stored bytes from the store of rates ``src`` to
+    that of ``dst``: at the slower of the source's read and the destination's write."""
+    return nbytes / min(src["read_bps"], dst["write_bps"])
 
 
 def interleaved(args: Any, nbytes: int, systems: tuple[str, ...], run_one: Callable[[str], dict],
