@@ -119,6 +119,9 @@ class Manifest:
       metadata: the user metadata given at save.
       tree: the tree structure node (format.md §4.2).
       leaves: the leaf entries in tree order.
+      source_hash: the xxh3-128 of the stored bytes it was decoded from (None for one made in
+        memory): whether the object at its key is still this manifest, not another one saved
+        under the same step since (:func:`~casstore._repository.still_committed`).
     """
 
     run: str
@@ -127,6 +130,7 @@ class Manifest:
     metadata: Any
     tree: dict
     leaves: tuple[LeafEntry, ...]
+    source_hash: bytes | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def logical_bytes(self) -> int:
@@ -297,7 +301,8 @@ def decode_manifest(data: bytes, *, run: str, step: int, url: str) -> Manifest:
     check(len({leaf.path for leaf in leaves}) == len(leaves), "duplicate key paths")
     tree = raw.get("tree")
     _check_tree(tree, [leaf.path for leaf in leaves], check)
-    return Manifest(run, step, float(raw["created"]), raw.get("metadata"), tree, leaves)
+    return Manifest(run, step, float(raw["created"]), raw.get("metadata"), tree, leaves,
+                    xxhash.xxh3_128_digest(data))
 
 
 def _check_tree(tree: Any, paths: list[str], check: _Check) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
+import xxhash
 
 from ._errors import ManifestError, StepNotFoundError, UnsupportedFormatError, warn_read_again
 from ._format import (
@@ -269,6 +270,21 @@ def read_manifest(url: Url, step: int | None = None, *, run: str = "default") ->
         return read_decoded(store, run, step)[1]
     except FileNotFoundError:
         raise no_such_step(store, run, step) from None
+
+
+def still_committed(store: Store, manifest: Manifest) -> bool:
+    """Whether ``manifest`` (one read from ``store``) is still the manifest at its key: False
+    if its step was deleted, or deleted and saved again by another writer (whose collection
+    in between may have deleted this manifest's chunks: format.md §7 lets a save reuse only the
+    chunks of a manifest it read during that save), or for a manifest made in memory. One GET
+    of the manifest object, compared by its xxh3-128 (no decode)."""
+    if manifest.source_hash is None:
+        return False
+    try:
+        data = read_manifest_bytes(store, manifest.run, manifest.step)
+    except (FileNotFoundError, ManifestError):
+        return False
+    return xxhash.xxh3_128_digest(data) == manifest.source_hash
 
 
 def delete(url: Url, step: int, *, run: str = "default") -> None:

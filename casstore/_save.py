@@ -35,7 +35,7 @@ from ._layout import check_run, check_step, manifest_key
 from ._locks import refuse_read_only, save_lock
 from ._manifest import Manifest
 from ._multihost import SaveAgreement
-from ._repository import Url, ensure_config, list_runs
+from ._repository import Url, ensure_config, list_runs, still_committed
 from ._save_commit import check_absent, commit
 from ._save_encode import ChunkWriter, previous_manifest
 from ._save_leaves import Prepared, prepare
@@ -245,8 +245,8 @@ def write(store: Store, step: int, prepared: Prepared, inline: dict[int, bytes],
     with agreement.early(), save_lock(store) as lease, agreement.committing():
         if agreement.is_primary:
             ensure_config(store)
-        if previous is not None and not store.exists(manifest_key(run, previous.step)):
-            previous = None  # deleted since it was read: its chunks are no longer known stored
+        if previous is not None and not still_committed(store, previous):
+            previous = None  # deleted (or saved again) since: its chunks are not known stored
         previous = previous or previous_manifest(store, run, previous_step)
         # No committed step anywhere: no chunk to reuse, so none is looked up (one HEAD per
         # chunk saved on an object store).

@@ -46,7 +46,7 @@ from ._errors import (
 from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, RetentionGc
 from ._layout import manifest_key
 from ._locks import save_lock
-from ._manifest import needed_objects
+from ._manifest import Manifest, needed_objects
 from ._multihost import Rounds, processes, timeout_ms
 from ._persist_rounds import persist_shared, send_share
 from ._policies import (
@@ -56,7 +56,7 @@ from ._policies import (
     manifest_details,
     utc_now,
 )
-from ._repository import deleted, ensure_config, list_steps, read_manifest
+from ._repository import deleted, ensure_config, list_steps, read_manifest, still_committed
 from .store import Store, open_store
 
 log = logging.getLogger("casstore")
@@ -123,8 +123,9 @@ class Persister:
             self._error, remote_steps = remote_steps, set()
         self._remote_steps: set[int] = remote_steps
         self._collect = RetentionGc(persistent, policy.grace_period_s)  # short lock waits
-        # (step, its objects): assumed on the persistent tier while that step is there
-        self._known: tuple[int | None, dict[str, int]] = (None, {})
+        # (the last persisted step's manifest, its objects): assumed on the persistent tier
+        # while that manifest is there (the copy writes the local manifest's bytes as they are)
+        self._known: tuple[Manifest | None, dict[str, int]] = (None, {})
         self._details: dict[int, tuple] = {}  # step -> (metrics, save time), for retention
         self._running: int | None = None
         self._queued: int | None = None
@@ -313,7 +314,7 @@ class Persister:
                                      probe=True, gate=self._yielder(), lease=lease)
             else:
                 info = persist_shared(self.rounds, self.local, self.persistent, self.run,
-                                      step, present, self._known[0] if present else None,
+                                      step, present, self._known[0].step if present else None,
                                       self.steps(), self._yielder(), lease)
         self.persisted[step] = info
         self._remote_steps.add(step)
@@ -325,13 +326,14 @@ class Persister:
         except Exception as e:
             raise PersistError(f"step {step} is persisted; retention or GC there then failed: "
                                f"{e!r}", step=step, url=self.persistent.url, run=self.run) from e
-        self._known = (step, known) if step in self._remote_steps else (None, {})
+        self._known = (manifest, known) if step in self._remote_steps else (None, {})
 
     def _still_there(self) -> dict[str, int]:
-        """The objects of the last step persisted, if its manifest is still on the persistent
-        tier: a step there keeps GC off its objects (another process may have deleted it)."""
-        step, objects = self._known
-        if step is None or not self.persistent.exists(manifest_key(self.run, step)):
+        """The objects of the last step persisted, if its manifest is still the one on the
+        persistent tier: a step there keeps GC off its objects (another process may have
+        deleted it, or deleted it and saved another step under its number)."""
+        manifest, objects = self._known
+        if manifest is None or not still_committed(self.persistent, manifest):
             return {}
         return dict(objects)
 

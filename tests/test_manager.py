@@ -264,3 +264,33 @@ def test_a_synchronous_saves_blocking_time_counts_the_whole_save():
         took = time.perf_counter() - t0
         assert took >= 0.3  # a chunk write at least
         assert 0.9 * took <= mngr.last_save_blocking_s <= took
+
+
+def test_a_save_after_another_writer_saved_the_previous_step_again_stores_every_chunk(
+        repo_store):
+    """Another writer deletes the manager's latest step, collects its chunks and saves another
+    step under the same number: the manager's next save must not take the chunks of the
+    manifest it remembers as stored (format.md §7 lets a save reuse only the chunks of a
+    manifest it read during that save). It committed a step whose chunks were gone on object
+    stores (only a store with cheap stats looked them up)."""
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal((128, 128), np.float32))
+    b = rng.standard_normal((128, 128), np.float32)
+    with casstore.CheckpointManager(repo_store, chunk_size_bytes=16384, delta=False) as mngr:
+        mngr.save(1, {"w": a})
+        mngr.wait_until_finished()
+        casstore.delete(repo_store, 1)
+        assert casstore.gc(repo_store, grace_period_s=0).deleted_chunks
+        casstore.save(repo_store, 1, {"w": b}, chunk_size_bytes=16384)
+        mngr.save(2, {"w": a})
+        if not repo_store.cheap_stat:  # the jax array's blocks were staged as ids only, as
+            # stored by step 1 (with cheap stats, staging looks them up and keeps the bytes)
+            with pytest.raises(casstore.CasstoreError, match=r"staged as stored by the run's "
+                               r"previous step.*nothing was committed: save again"):
+                mngr.wait_until_finished()
+            assert casstore.list_steps(repo_store) == [1]
+            mngr.save(2, {"w": a})
+        mngr.wait_until_finished()
+    assert casstore.verify(repo_store).ok
+    np.testing.assert_array_equal(casstore.restore(repo_store, 2)["w"], np.asarray(a))
+    np.testing.assert_array_equal(casstore.restore(repo_store, 1)["w"], b)

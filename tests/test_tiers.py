@@ -182,6 +182,25 @@ def test_a_local_chunk_with_a_damaged_header_is_taken_from_the_other_tier(tmp_pa
     assert_bit_exact(casstore.restore(local, 1), 1)  # written back
 
 
+def test_a_persist_after_another_writer_saved_the_persisted_step_again_sends_every_object(
+        tmp_path, remote):
+    # The persister took the objects of the step it persisted last as present while a step of
+    # that number was there; another writer had deleted it, collected its chunks and saved
+    # another step 0, so step 1 was committed there without its chunks.
+    local = LocalStore(tmp_path / "local")
+    with manager(local, remote, persist_interval_steps=1, delta=False) as mngr:
+        mngr.save(0, tree_for(0))
+        assert mngr.wait_until_persisted()
+        casstore.delete(remote, 0)
+        assert casstore.gc(remote, grace_period_s=0).deleted_chunks
+        casstore.save(remote, 0, tree_for(7), chunk_size_bytes=CHUNK)
+        mngr.save(1, tree_for(0))  # the same values as the first step 0: the same chunks
+        assert mngr.wait_until_persisted()
+    assert casstore.list_steps(remote) == [0, 1]
+    assert casstore.verify(remote).ok
+    assert_bit_exact(casstore.restore(remote, 1), 0)
+
+
 def test_write_back_repairs_the_local_tier(tmp_path, remote):
     local = LocalStore(tmp_path / "local")
     for step in range(2):
@@ -689,11 +708,16 @@ def test_a_tier_unreachable_at_start_is_listed_before_the_next_persist(tmp_path,
 
 
 def test_a_killed_saves_lock_postpones_gc_after_retention_instead_of_blocking(tmp_path,
-                                                                              object_servers):
+                                                                              object_servers,
+                                                                              monkeypatch):
     """A process killed mid-save leaves its save lock for hours; GC after retention (either
     tier) must neither wait 600 s for it in the background nor hold up close()."""
+    from casstore._gc import RetentionGc
     from casstore._locks import _put_lock
 
+    # Each retention GC waits this long for the dead locks before it postpones (2 s: 6 waits
+    # were most of this test's 11 s); no save of this process is in flight when one runs.
+    monkeypatch.setattr(RetentionGc, "LOCK_WAIT_S", 0.5)
     remote = object_store(object_servers["seaweedfs"])
     casstore.save(remote, 0, tree_for(0))
     dead = [_put_lock(remote, "save"), _put_lock(casstore.open_store(tmp_path / "local"),
