@@ -224,7 +224,9 @@ class AsyncCheckpointer:
                                               previous_step, then, previous, agreement)
         try:
             stream.fill()
-        except BaseException:  # raised here, so not again by the next call: let it fail now
+            agreement.all_started()  # every process's call got this far, or each raises
+        except BaseException as e:  # raised here, so not again by the next call: let it fail now
+            stream.fail(e)
             pending, self._pending = self._pending, None
             cf.wait([pending])
             raise

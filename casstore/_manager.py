@@ -244,18 +244,18 @@ class CheckpointManager:
         t0, step = time.perf_counter(), check_step(step)
         if self._saver.closed:
             raise RuntimeError("CheckpointManager is closed")
-        if not self._saver.is_saving_in_progress():
-            self._saver.wait_until_finished()  # a failed save's error (on every process)
         if not force and not self.should_save(step):
+            if not self._saver.is_saving_in_progress():
+                self._saver.wait_until_finished()  # a failed save's error, though not due
             return False
-        agreement = SaveAgreement()  # from here an error fails this save on every process
-        with agreement.early():
-            if self.persister is not None:  # a failed persist's error (maybe process 0 only)
-                self.persister.raise_error()
-            preempted = self.reached_preemption(step)  # noted once the save is under way
-            done = self.persister.local_save(step) if self.persister is not None else None
+        agreement, done = SaveAgreement(), None  # an error from here fails it on every process
         try:  # persists yield to this save until its commit (_tiers)
-            self._saver.wait_until_finished()
+            with agreement.early():
+                if self.persister is not None:  # a failed persist's error (maybe process 0)
+                    self.persister.raise_error()
+                preempted = self.reached_preemption(step)  # noted once the save is under way
+                done = self.persister.local_save(step) if self.persister is not None else None
+                self._saver.wait_until_finished()  # the previous save's error, if it failed
             self._saving, metrics = step, snapshot(metrics, "metrics")  # the caller may change it
             agreement.propose(metrics, utc_now())  # every process ranks by process 0's
             self._saver._start(step, tree, {"metrics": metrics, "user": metadata},

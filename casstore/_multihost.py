@@ -89,6 +89,7 @@ class SaveAgreement:
         self.count, self.index = processes()
         self.tag = f"casstore/save/{next(_save_counter)}" if self.count > 1 else ""
         self._posted = False  # this process posted its refs (or its error)
+        self._started = False  # this process posted how its save call went (start_verdict)
         self._published = False  # process 0 posted the outcome
         self.save: list = []  # [run, step, tree digest], as describe() gives it
         self.spread: list[str] = []  # describe()
@@ -163,11 +164,11 @@ class SaveAgreement:
                 "save the same tree")
 
     @staticmethod
-    def _wait(client, key: str, process: int) -> bytes:
+    def _wait(client, key: str, process: int, what: str = "report its chunks") -> bytes:
         try:
             return client.blocking_key_value_get_bytes(key, timeout_ms())
         except Exception as e:  # jax raises its runtime error type for timeouts and dead peers
-            raise CasstoreError(f"process {process} did not report its chunks within "
+            raise CasstoreError(f"process {process} did not {what} within "
                                 f"{timeout_ms() / 1000:g} s; no manifest written") from e
 
     @contextlib.contextmanager
@@ -178,8 +179,41 @@ class SaveAgreement:
         try:
             yield
         except BaseException as e:
+            self._start_verdict(f"{type(e).__name__}: {e}")
             self.abandon(f"{type(e).__name__}: {e}")
             raise
+
+    def _start_verdict(self, error: str | None) -> None:
+        """Posts, once, whether this process's save call failed (``error``) or got through."""
+        if self.count > 1 and not self._started:
+            self._started = True
+            self._client().key_value_set_bytes(f"{self.tag}/started/{self.index}",
+                                               msgpack.packb(error))
+
+    def all_started(self) -> None:
+        """The end of an asynchronous save's call (its checks and staging), on every process:
+        waits until each process's call got this far or failed, so that the calls fail alike.
+        A call that raised on one process only (a previous save's retention error, a failed
+        persist's, a leaf it could not stage) would otherwise return on the others, whose
+        background saves then fail, raised by their next call and not by that process's: the
+        processes would fail every other save in turn.
+
+        Raises:
+          CasstoreError: another process's call failed (naming it and its error), or did not
+            end within :func:`timeout_ms`.
+        """
+        if self.count == 1:
+            return
+        self._start_verdict(None)
+        client, failed = self._client(), []
+        for p in range(self.count):
+            if p != self.index:
+                error = msgpack.unpackb(self._wait(client, f"{self.tag}/started/{p}", p,
+                                                   "end its save call"))
+                failed += [f"process {p}: {error}"] if error else []
+        if failed:
+            raise CasstoreError("the save call failed on other processes; nothing was saved: "
+                                + "; ".join(failed))
 
     def abandon(self, error: str) -> None:
         """Posts ``error`` as this process's part of the save, unless it posted already."""

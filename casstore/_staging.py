@@ -97,6 +97,14 @@ class StagingStream:
                 self._done = True
                 self._cond.notify_all()
 
+    def fail(self, error: BaseException) -> None:
+        """Drops the queue and fails the consumer at its next job with ``error``: the save
+        failed in the caller's thread after staging (on another process)."""
+        with self._cond:
+            self._queue.clear()
+            self._error, self._done = self._error or error, True
+            self._cond.notify_all()
+
     def abandon(self) -> None:
         """Called by a consumer that stops early: drops the queue and stops :meth:`fill`."""
         with self._cond:

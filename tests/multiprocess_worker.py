@@ -7,15 +7,18 @@ first chunk) or ``own-disk`` (each process saves to ``REPO/host<PROCESS_ID>``, a
 its own). Modes ``early-fail``, ``other-step`` and ``other-tree`` (with ``manager-`` in front:
 through an async CheckpointManager) save STEP with process 1 failing before the exchange (an
 object leaf), saving STEP + 1, or saving ``w`` as int32, print each process's error, then save
-STEP + 2 alike on every process. ``manager-metrics`` saves STEP to STEP + 3 through a manager
-keeping the 2 best by a loss each process computes differently, and prints ``STEPS <all_steps()>
-<best_step()>``. Each further MODE STEP pair (``save`` or ``restore``) runs after the first in
-the same processes: one interpreter start and jax import per process for all of them. Prints
-``OK`` once every one succeeded.
+STEP + 2 alike on every process. ``manager-asymmetric`` saves STEP to STEP + 5 through a
+manager whose save() calls raise on one process only (see :func:`asymmetric_errors`) and prints
+``CALLS <what each call returned or raised>``. ``manager-metrics`` saves STEP to STEP + 3
+through a manager keeping the 2 best by a loss each process computes differently, and prints
+``STEPS <all_steps()> <best_step()>``. Each further MODE STEP pair (``save`` or ``restore``)
+runs after the first in the same processes: one interpreter start and jax import per process
+for all of them. Prints ``OK`` once every one succeeded.
 """
 
 import os
 import sys
+import time
 
 port, nproc, pid, mode, repo, step, *more = sys.argv[1:]
 nproc, pid, step = int(nproc), int(pid), int(step)
@@ -125,6 +128,40 @@ def ranked_by_metrics(step: int) -> None:
         print("STEPS", mngr.all_steps(), mngr.best_step(), flush=True)
 
 
+def asymmetric_errors(step: int) -> None:
+    """Process 1's background save of STEP fails at once while process 0's still writes, so
+    only the next call, on each process whenever its save is done, raises it; process 0 alone
+    deletes the steps retention drops, and its delete fails after the commit of STEP + 3. The
+    processes fell out of step for good, or failed every other save in turn."""
+    store = LocalStore(repo)
+    real_put, real_delete, refuse_delete = store._put, store._delete, [pid == 0]
+
+    def put(key, data, *, exclusive):
+        if saving[0] == step and key.startswith("chunks/"):
+            if pid == 1:
+                raise OSError("injected: process 1's disk")
+            time.sleep(0.05)  # process 0 is still writing when process 1 has failed
+        real_put(key, data, exclusive=exclusive)
+
+    def delete(key):
+        if refuse_delete[0] and key.startswith("runs/"):
+            refuse_delete[0] = False
+            raise OSError("injected: process 0's retention")
+        real_delete(key)
+
+    store._put, store._delete, saving, calls = put, delete, [None], []
+    with casstore.CheckpointManager(store, chunk_size_bytes=2048, max_to_keep=1) as mngr:
+        for s in range(step, step + 6):
+            saving[0] = s
+            try:
+                calls.append(f"{s}:{mngr.save(s, {'state': global_state(s), 'step': s})}")
+            except (OSError, casstore.CasstoreError) as e:
+                calls.append(f"{s}:raised")
+                print("RAISED", s, type(e).__name__, e, flush=True)
+            time.sleep(0.2)  # a training step: the background save ends meanwhile, or not
+    print("CALLS", " ".join(calls), flush=True)
+
+
 def main() -> None:
     for action, action_step in actions:
         run(action, action_step)
@@ -137,6 +174,9 @@ def run(mode: str, step: int) -> None:
     """One action: a save, restore, crash or own-disk of ``step``, or one of the other modes."""
     if mode == "manager-metrics":
         ranked_by_metrics(step)
+        return
+    if mode == "manager-asymmetric":
+        asymmetric_errors(step)
         return
     if mode == "subset-mesh":
         subset_mesh(step)

@@ -129,6 +129,26 @@ def test_processes_that_do_not_save_alike_commit_nothing_and_stay_in_step(tmp_pa
     assert casstore.list_steps(repo) == [3]
 
 
+def test_a_manager_save_that_raises_on_one_process_fails_on_every_process(tmp_path):
+    """A save() call that raised on one process only (a background save's error raised by the
+    next call on one process and by the one after on the other; a retention error, process 0's
+    alone) took a save number there and not elsewhere: the processes paired other saves and
+    none committed again, or failed every other save in turn. Each call now fails or succeeds
+    on every process alike, and the run goes on."""
+    repo = tmp_path / "repo"
+    results = run_job(2, "manager-asymmetric", repo, 1, "restore", 6)
+    assert_ok(results)
+    calls = [next(x for x in out.splitlines() if x.startswith("CALLS ")) for _, out in results]
+    assert calls[0] == calls[1] == "CALLS 1:True 2:raised 3:True 4:True 5:raised 6:True", calls
+    assert casstore.list_steps(repo) == [6]
+    raised = [[x for x in out.splitlines() if x.startswith("RAISED ")] for _, out in results]
+    assert "injected: process 1's disk" in raised[0][0], raised  # the save of step 1 failed
+    assert "injected: process 1's disk" in raised[1][0], raised
+    assert "OSError injected: process 0's retention" in raised[0][1], raised
+    assert ("the save call failed on other processes; nothing was saved: process 0: OSError: "
+            "injected: process 0's retention") in raised[1][1], raised
+
+
 def test_processes_with_different_metrics_keep_the_steps_process_0_keeps(tmp_path):
     """Process 0 alone deletes the steps retention drops; each process dropped from its own
     step list the steps its own metrics ranked out, so with other metrics process 1 listed
