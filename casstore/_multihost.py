@@ -12,8 +12,8 @@ In a single-process job every step of the exchange is a no-op.
 A save runs its chunk and commit stages inside :meth:`SaveAgreement.committing` and calls
 :meth:`SaveAgreement.gather_refs` between them; nothing else of the exchange is in the save.
 
-:class:`Rounds` is the other exchange on the same store: the rounds of a manager's shared
-persist to its persistent tier (``_tiers``).
+:class:`~casstore._persist_rounds.Rounds` is the other exchange on the same store: the rounds
+of a manager's shared persist to its persistent tier.
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ import contextlib
 import datetime
 import itertools
 import os
-import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import msgpack
@@ -34,11 +33,8 @@ from ._errors import CasstoreError
 from ._manifest import ChunkRef
 from .store import Store
 
-if TYPE_CHECKING:
-    from ._copy import CopyInfo
-
 _save_counter = itertools.count()  # SPMD: every process calls save() in the same order
-_managers = itertools.count()  # SPMD: managers are opened in the same order everywhere
+_forgotten = [0]  # saves numbered below this have no key left on the coordinator (process 0)
 
 
 def timeout_ms() -> int:
@@ -141,6 +137,7 @@ class SaveAgreement:
             return []
         posts = [msgpack.unpackb(self._wait(client, f"{self.tag}/refs/{p}", p),
                                  strict_map_key=False) for p in range(self.count)]
+        self._forget_earlier(client)
         failed = [f"process {p}: {post['error']}" for p, post in enumerate(posts)
                   if post["error"]]
         failed += [f"process {p} {self._other(post['save'])}" for p, post in enumerate(posts)
@@ -153,6 +150,16 @@ class SaveAgreement:
             raise CasstoreError("save failed on other processes; no manifest written: "
                                 + "; ".join(failed))
         return [post["refs"] for post in posts]
+
+    def _forget_earlier(self, client) -> None:
+        """Process 0, once every process posted this save: deletes the keys of the earlier
+        saves, which each process finished before it posted (one save of a process runs after
+        its previous one), so that the coordinator does not hold every save's refs for the
+        life of the job."""
+        number = int(self.tag.rsplit("/", 1)[1])
+        for k in range(_forgotten[0], number):
+            client.key_value_delete(f"casstore/save/{k}")
+        _forgotten[0] = max(_forgotten[0], number)
 
     def _other(self, save: list) -> str:
         """How another process's save differs from this one's (for an error)."""
@@ -336,114 +343,3 @@ def check_shared(store: Store, process: int, key: str) -> None:
             "repository that all of them read (a shared filesystem or an object store), not "
             "a disk of its own; no manifest written")
     _seen_shared.add(store.url)
-
-
-class Rounds:
-    """The exchange of a shared persist between the processes of a ``jax.distributed`` job, on
-    the coordinator's key-value store (as :class:`SaveAgreement`'s).
-
-    Round ``k`` of a manager: process 0 sets ``round/k`` to the step (or None: stop) and the
-    steps it knows on the persistent tier, which the others take as theirs; every other
-    process sends its share and sets ``done/k/<process>`` to the objects it sent or found there
-    and its counts, or its error; process 0 waits for them all (at most the multi-process
-    timeout, ``CASSTORE_MULTIHOST_TIMEOUT_S``), writes the manifest or not, and sets
-    ``outcome/k`` to None or its error, which the others wait for. Managers are opened in the
-    same order on every process (SPMD), so their counter names the same rounds everywhere.
-    """
-
-    def __init__(self, run: str):
-        self.count, self.index = processes()
-        self.is_leader = self.index == 0
-        self.tag = f"casstore/persist/{next(_managers)}/{run}"
-        self.k = 0
-
-    def start(self, step: int, known: int | None, persisted: set[int]) -> None:
-        """Process 0: starts the next round, for ``step``; ``known``: the persisted step whose
-        objects it takes to be there (the others need not look them up), or None;
-        ``persisted``: the steps on the persistent tier as it knows them (the others take
-        them as theirs)."""
-        self._announce(step, known, persisted)
-
-    def stop(self, persisted: set[int]) -> None:
-        """Process 0: ends the rounds (the others' persist threads end), telling the others
-        the persisted steps as :meth:`start` does."""
-        self._announce(None, None, persisted)
-
-    def _announce(self, step: int | None, known: int | None, persisted: set[int]) -> None:
-        kv_client().key_value_set_bytes(f"{self.tag}/round/{self.k}", msgpack.packb(
-            {"step": step, "known": known, "persisted": sorted(persisted)}))
-
-    def gather(self) -> tuple[dict[str, int], int, int]:
-        """Process 0: the other processes' posts of this round: ``(objects there, chunks
-        copied, bytes copied)``.
-
-        Raises:
-          CasstoreError: a process failed or did not post within the timeout, naming it (the
-            persist loop raises it as a :class:`PersistError` naming step and URL).
-        """
-        client, k = kv_client(), self.k
-        self.k += 1
-        present, chunks, nbytes, failed = {}, 0, 0, []
-        for p in range(1, self.count):
-            try:
-                post = msgpack.unpackb(client.blocking_key_value_get_bytes(
-                    f"{self.tag}/done/{k}/{p}", timeout_ms()))
-            except Exception as e:  # jax's runtime error for a timeout or a dead peer
-                failed.append(f"process {p}: no answer within {timeout_ms() / 1000:g} s ({e})")
-                continue
-            if post["error"]:
-                failed.append(f"process {p}: {post['error']}")
-                continue
-            present.update(post["present"])
-            chunks, nbytes = chunks + post["chunks"], nbytes + post["bytes"]
-        if failed:
-            raise CasstoreError("other processes did not send their share; no manifest "
-                                "written: " + "; ".join(failed))
-        return present, chunks, nbytes
-
-    def next_step(self, closed) -> tuple[int | None, int | None, set[int]] | None:
-        """Another process: ``(step, known, persisted)`` of the next round (:meth:`start`),
-        waiting for it; ``step`` is None once process 0 ends the rounds (:meth:`stop`). None
-        if the timeout after ``closed()`` turned true passed first."""
-        client, gave_up = kv_client(), None
-        while True:
-            try:
-                value = client.blocking_key_value_get_bytes(f"{self.tag}/round/{self.k}", 1000)
-            except Exception:  # no round yet (or the coordinator is gone)
-                if closed():
-                    gave_up = gave_up or time.monotonic() + timeout_ms() / 1000
-                    if time.monotonic() > gave_up:
-                        return None
-                time.sleep(0.05)
-                continue
-            got = msgpack.unpackb(value)  # as start() or stop() announced it
-            return got["step"], got["known"], set(got["persisted"])
-
-    def outcome(self, error: str | None) -> None:
-        """Process 0, after :meth:`gather`: the round's outcome, its manifest written (None) or
-        why not."""
-        kv_client().key_value_set_bytes(f"{self.tag}/outcome/{self.k - 1}",
-                                        msgpack.packb({"error": error}))
-
-    def wait_outcome(self) -> str | None:
-        """Another process, after :meth:`post`: process 0's outcome of that round (None: the
-        step is committed), waiting at most the multi-process timeout.
-
-        Raises:
-          CasstoreError: process 0 posted none within the timeout.
-        """
-        try:
-            value = kv_client().blocking_key_value_get_bytes(f"{self.tag}/outcome/{self.k - 1}",
-                                                             timeout_ms())
-        except Exception as e:  # jax's runtime error for a timeout or a dead coordinator
-            raise CasstoreError(f"process 0 posted no outcome of the persist within "
-                                f"{timeout_ms() / 1000:g} s ({e})") from e
-        return msgpack.unpackb(value)["error"]
-
-    def post(self, present: dict[str, int], info: CopyInfo | None, error: str | None) -> None:
-        """Another process: what it sent or found for this round, or its error."""
-        kv_client().key_value_set_bytes(f"{self.tag}/done/{self.k}/{self.index}", msgpack.packb(
-            {"error": error, "present": present, "chunks": info.chunks_copied if info else 0,
-             "bytes": info.bytes_copied if info else 0}))
-        self.k += 1
-

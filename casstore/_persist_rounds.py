@@ -1,7 +1,7 @@
 """A persist shared by the processes of a ``jax.distributed`` job (``docs/tiers.md``, Limits).
 
 Process 0 runs the backlog of a :class:`~casstore._tiers.Persister`; for each step it persists
-it starts a round (:class:`~casstore._multihost.Rounds`), sends its share of the step's missing
+it starts a round (:class:`Rounds`), sends its share of the step's missing
 objects, gathers the others' posts, writes the manifest, and posts the round's outcome (the step
 committed, or why not). Every other process sends its share of each round, posts what it sent,
 then waits for that outcome: so its ``wait_until_persisted`` returns once process 0 has
@@ -13,15 +13,132 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable
 
+import msgpack
+
 from ._copy import CopyInfo, copy_selected
-from ._errors import ManifestError, StepNotFoundError
+from ._errors import CasstoreError, ManifestError, StepNotFoundError
 from ._locks import Lease, save_lock
-from ._multihost import Rounds
+from ._multihost import kv_client, processes, timeout_ms
 from ._repository import read_manifest
 from .store import Store
+
+_managers = itertools.count()  # SPMD: managers are opened in the same order everywhere
+
+class Rounds:
+    """The exchange of a shared persist between the processes of a ``jax.distributed`` job, on
+    the coordinator's key-value store (as :class:`SaveAgreement`'s).
+
+    Round ``k`` of a manager: process 0 sets ``round/k`` to the step (or None: stop) and the
+    steps it knows on the persistent tier, which the others take as theirs; every other
+    process sends its share and sets ``done/k/<process>`` to the objects it sent or found there
+    and its counts, or its error; process 0 waits for them all (at most the multi-process
+    timeout, ``CASSTORE_MULTIHOST_TIMEOUT_S``), writes the manifest or not, and sets
+    ``outcome/k`` to None or its error, which the others wait for. Managers are opened in the
+    same order on every process (SPMD), so their counter names the same rounds everywhere.
+    """
+
+    def __init__(self, run: str):
+        self.count, self.index = processes()
+        self.is_leader = self.index == 0
+        self.tag = f"casstore/persist/{next(_managers)}/{run}"
+        self.k = 0
+
+    def start(self, step: int, known: int | None, persisted: set[int]) -> None:
+        """Process 0: starts the next round, for ``step``; ``known``: the persisted step whose
+        objects it takes to be there (the others need not look them up), or None;
+        ``persisted``: the steps on the persistent tier as it knows them (the others take
+        them as theirs)."""
+        self._announce(step, known, persisted)
+
+    def stop(self, persisted: set[int]) -> None:
+        """Process 0: ends the rounds (the others' persist threads end), telling the others
+        the persisted steps as :meth:`start` does."""
+        self._announce(None, None, persisted)
+
+    def _announce(self, step: int | None, known: int | None, persisted: set[int]) -> None:
+        kv_client().key_value_set_bytes(f"{self.tag}/round/{self.k}", msgpack.packb(
+            {"step": step, "known": known, "persisted": sorted(persisted)}))
+
+    def gather(self) -> tuple[dict[str, int], int, int]:
+        """Process 0: the other processes' posts of this round: ``(objects there, chunks
+        copied, bytes copied)``.
+
+        Raises:
+          CasstoreError: a process failed or did not post within the timeout, naming it (the
+            persist loop raises it as a :class:`PersistError` naming step and URL).
+        """
+        client, k = kv_client(), self.k
+        self.k += 1
+        forget = [f"{self.tag}/{part}/{k - 1}" for part in ("round", "done", "outcome")]
+        present, chunks, nbytes, failed = {}, 0, 0, []
+        for p in range(1, self.count):
+            try:
+                post = msgpack.unpackb(client.blocking_key_value_get_bytes(
+                    f"{self.tag}/done/{k}/{p}", timeout_ms()))
+            except Exception as e:  # jax's runtime error for a timeout or a dead peer
+                failed.append(f"process {p}: no answer within {timeout_ms() / 1000:g} s ({e})")
+                continue
+            if post["error"]:
+                failed.append(f"process {p}: {post['error']}")
+                continue
+            present.update(post["present"])
+            chunks, nbytes = chunks + post["chunks"], nbytes + post["bytes"]
+        if failed:
+            raise CasstoreError("other processes did not send their share; no manifest "
+                                "written: " + "; ".join(failed))
+        for key in forget if k else ():  # each process finished round k - 1 before it posted
+            client.key_value_delete(key)
+        return present, chunks, nbytes
+
+    def next_step(self, closed) -> tuple[int | None, int | None, set[int]] | None:
+        """Another process: ``(step, known, persisted)`` of the next round (:meth:`start`),
+        waiting for it; ``step`` is None once process 0 ends the rounds (:meth:`stop`). None
+        if the timeout after ``closed()`` turned true passed first."""
+        client, gave_up = kv_client(), None
+        while True:
+            try:
+                value = client.blocking_key_value_get_bytes(f"{self.tag}/round/{self.k}", 1000)
+            except Exception:  # no round yet (or the coordinator is gone)
+                if closed():
+                    gave_up = gave_up or time.monotonic() + timeout_ms() / 1000
+                    if time.monotonic() > gave_up:
+                        return None
+                time.sleep(0.05)
+                continue
+            got = msgpack.unpackb(value)  # as start() or stop() announced it
+            return got["step"], got["known"], set(got["persisted"])
+
+    def outcome(self, error: str | None) -> None:
+        """Process 0, after :meth:`gather`: the round's outcome, its manifest written (None) or
+        why not."""
+        kv_client().key_value_set_bytes(f"{self.tag}/outcome/{self.k - 1}",
+                                        msgpack.packb({"error": error}))
+
+    def wait_outcome(self) -> str | None:
+        """Another process, after :meth:`post`: process 0's outcome of that round (None: the
+        step is committed), waiting at most the multi-process timeout.
+
+        Raises:
+          CasstoreError: process 0 posted none within the timeout.
+        """
+        try:
+            value = kv_client().blocking_key_value_get_bytes(f"{self.tag}/outcome/{self.k - 1}",
+                                                             timeout_ms())
+        except Exception as e:  # jax's runtime error for a timeout or a dead coordinator
+            raise CasstoreError(f"process 0 posted no outcome of the persist within "
+                                f"{timeout_ms() / 1000:g} s ({e})") from e
+        return msgpack.unpackb(value)["error"]
+
+    def post(self, present: dict[str, int], info: CopyInfo | None, error: str | None) -> None:
+        """Another process: what it sent or found for this round, or its error."""
+        kv_client().key_value_set_bytes(f"{self.tag}/done/{self.k}/{self.index}", msgpack.packb(
+            {"error": error, "present": present, "chunks": info.chunks_copied if info else 0,
+             "bytes": info.bytes_copied if info else 0}))
+        self.k += 1
 
 
 def persist_shared(rounds: Rounds, local: Store, persistent: Store, run: str, step: int,

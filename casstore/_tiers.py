@@ -47,8 +47,8 @@ from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, RetentionGc
 from ._layout import manifest_key
 from ._locks import save_lock
 from ._manifest import Manifest, needed_objects
-from ._multihost import Rounds, processes, timeout_ms
-from ._persist_rounds import persist_shared, send_share
+from ._multihost import processes, timeout_ms
+from ._persist_rounds import Rounds, persist_shared, send_share
 from ._policies import (
     PolicyCheckpointInfo,
     PreservationContext,

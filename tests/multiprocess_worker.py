@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import casstore  # noqa: E402
+from casstore._multihost import kv_client  # noqa: E402
 from casstore.store import LocalStore  # noqa: E402
 
 if nproc > 1:
@@ -160,6 +161,9 @@ def asymmetric_errors(step: int) -> None:
                 print("RAISED", s, type(e).__name__, e, flush=True)
             time.sleep(0.2)  # a training step: the background save ends meanwhile, or not
     print("CALLS", " ".join(calls), flush=True)
+    if pid == 0:  # the coordinator keeps the keys of the last save only (was: of every save)
+        keys = kv_client().key_value_dir_get_bytes("casstore/save/")
+        print("KV", sorted({key.split("/")[2] for key, _ in keys}), flush=True)
 
 
 def main() -> None:

@@ -140,6 +140,7 @@ def test_a_manager_save_that_raises_on_one_process_fails_on_every_process(tmp_pa
     assert_ok(results)
     calls = [next(x for x in out.splitlines() if x.startswith("CALLS ")) for _, out in results]
     assert calls[0] == calls[1] == "CALLS 1:True 2:raised 3:True 4:True 5:raised 6:True", calls
+    assert "KV ['5']" in results[0][1], results[0][1][-2000:]  # saves 0-4's keys deleted
     assert casstore.list_steps(repo) == [6]
     raised = [[x for x in out.splitlines() if x.startswith("RAISED ")] for _, out in results]
     assert "injected: process 1's disk" in raised[0][0], raised  # the save of step 1 failed

@@ -834,7 +834,8 @@ def test_two_jax_processes_each_persist_a_share_and_process_0_commits(tmp_path,
     server = object_servers["seaweedfs"]
     remote = object_store(server)
     sent, lookups, steps = [], [], []
-    for out in two_processes(tmp_path, server, remote, "5"):
+    outs = two_processes(tmp_path, server, remote, "5")
+    for out in outs:
         assert "OK" in out, out[-3000:]
         steps.append(line_of(out, "STEPS "))
         line = line_of(out, "SENT ")
@@ -857,6 +858,8 @@ def test_two_jax_processes_each_persist_a_share_and_process_0_commits(tmp_path,
     assert persisted[-1] == 4
     # Process 1 knows the persisted steps as process 0 does (told at each round and the end).
     assert steps[0] == steps[1] == f"STEPS {persisted}", steps
+    rounds = [int(k) for k in line_of(outs[0], "ROUNDS ")[7:].strip("[]").split(", ")]
+    assert len(rounds) <= 2, rounds  # the last round and the stop: earlier ones deleted
     assert casstore.verify(remote).ok
     for step in persisted:
         restored = casstore.restore(remote, step)

@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import casstore  # noqa: E402
+from casstore._multihost import kv_client  # noqa: E402
 from casstore.store import CountingStore  # noqa: E402
 
 
@@ -76,5 +77,9 @@ print("SENT", sorted(infos), sum(i.chunks_copied for i in infos.values()),
       sum(i.bytes_copied for i in infos.values()), flush=True)
 print("LOOKUPS", persistent.counts["stat"], flush=True)  # objects probed on the tier
 print("STEPS", mngr.all_steps(), flush=True)  # both tiers, as this process knows them
+if pid == 0:  # the coordinator keeps the last rounds' keys only (was: every round's)
+    rounds = {key.rsplit("/", 1)[-1] if "/done/" not in key else key.rsplit("/", 2)[-2]
+              for key, _ in kv_client().key_value_dir_get_bytes("casstore/persist/")}
+    print("ROUNDS", sorted(map(int, rounds)), flush=True)
 jax.distributed.shutdown()
 print("OK", flush=True)
