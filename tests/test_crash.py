@@ -1,16 +1,12 @@
 """Save processes killed with SIGKILL at random moments never leave a visible partial step and
 never harm earlier steps. The full count runs with ``-m slow``."""
 
-import json
 import os
 import random
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
-from crash_worker import tree_for
+from crash_worker import ForkServer, tree_for
 
 import casstore
 from casstore.store import LocalStore
@@ -20,14 +16,18 @@ from conftest import object_store
 WORKER = os.path.join(os.path.dirname(__file__), "crash_worker.py")
 
 
-def kill_during_saves(url: str, first_step: int, rng: random.Random, options=None) -> None:
-    args = [sys.executable, WORKER, url, str(first_step)] + ([json.dumps(options)] if options
-                                                              else [])
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
-    time.sleep(rng.uniform(0.0, 0.6))
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+@pytest.fixture
+def workers(tmp_path):
+    """The saving processes: children of one crash_worker.py fork server (forked after its
+    imports, not an interpreter started per kill)."""
+    server = ForkServer(WORKER, tmp_path / "worker-stderr.txt")
+    yield server
+    server.close()
+
+
+def kill_during_saves(workers: ForkServer, url: str, first_step: int, rng: random.Random,
+                      options=None) -> None:
+    workers.kill_during([url, first_step, options or {}], rng.uniform(0.0, 0.6))
 
 
 def assert_restores(store, step: int) -> None:
@@ -37,7 +37,7 @@ def assert_restores(store, step: int) -> None:
         assert restored[key].tobytes() == expected[key].tobytes(), (step, key)
 
 
-def run_trials(store, url: str, trials: int, seed: int, options=None,
+def run_trials(workers, store, url: str, trials: int, seed: int, options=None,
                where: str | None = None, capsys=None) -> list[int]:
     """Kills a saving process ``trials`` times. After each kill, every new step and a sample of
     the earlier ones restore bit-exact, no earlier step is missing, and every chunk of every
@@ -47,7 +47,7 @@ def run_trials(store, url: str, trials: int, seed: int, options=None,
     rng, t0 = random.Random(seed), time.perf_counter()
     seen: list[int] = []
     for trial in range(trials):
-        kill_during_saves(url, 1000 * trial, rng, options)
+        kill_during_saves(workers, url, 1000 * trial, rng, options)
         steps = casstore.list_steps(store)
         assert set(seen) <= set(steps)  # earlier steps survive every crash
         new = sorted(set(steps) - set(seen))
@@ -81,29 +81,29 @@ def report_trials(capsys, where: str, trials: int, steps: list[int], t0: float,
               f"{checked}, {time.perf_counter() - t0:.0f} s", flush=True)
 
 
-def test_sigkill_during_local_saves(tmp_path):
+def test_sigkill_during_local_saves(tmp_path, workers):
     # A smoke run of the campaign (500 trials under -m slow): 6 kills at random moments.
     url = str(tmp_path / "repo")
-    run_trials(LocalStore(url), url, 6, seed=1)
+    run_trials(workers, LocalStore(url), url, 6, seed=1)
 
 
-def test_sigkill_during_s3_saves(object_servers):
+def test_sigkill_during_s3_saves(object_servers, workers):
     server = object_servers["seaweedfs"]
     store = object_store(server)
-    run_trials(store, store.url, 4, seed=2, options=server.storage_options)
+    run_trials(workers, store, store.url, 4, seed=2, options=server.storage_options)
 
 
 @pytest.mark.slow
-def test_sigkill_during_local_saves_full_count(tmp_path, capsys):
+def test_sigkill_during_local_saves_full_count(tmp_path, capsys, workers):
     url = str(tmp_path / "repo")
-    assert len(run_trials(LocalStore(url), url, 500, seed=3, where="local",
-                                capsys=capsys)) > 0
+    assert len(run_trials(workers, LocalStore(url), url, 500, seed=3, where="local",
+                          capsys=capsys)) > 0
 
 
 @pytest.mark.slow
-def test_sigkill_during_s3_saves_full_count(object_servers, capsys):
+def test_sigkill_during_s3_saves_full_count(object_servers, capsys, workers):
     server = object_servers["seaweedfs"]
     store = object_store(server)
-    steps = run_trials(store, store.url, 100, seed=4, options=server.storage_options,
+    steps = run_trials(workers, store, store.url, 100, seed=4, options=server.storage_options,
                        where="S3 (SeaweedFS)", capsys=capsys)
     assert len(steps) > 0

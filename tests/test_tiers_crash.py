@@ -2,16 +2,11 @@
 partial step on either tier, and a manager reopened on the same tiers persists what the killed
 one left. The full count runs with ``-m slow``."""
 
-import json
 import os
 import random
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
-from crash_worker import tree_for
+from crash_worker import ForkServer, tree_for
 from tiers_worker import INTERVAL
 
 import casstore
@@ -29,14 +24,9 @@ def assert_restores(store, step: int) -> None:
         assert restored[key].tobytes() == expected[key].tobytes(), (step, key)
 
 
-def kill_worker(local: str, remote, first: int, options: dict, rng: random.Random) -> None:
-    proc = subprocess.Popen([sys.executable, WORKER, local, remote.url, str(first),
-                             json.dumps(options)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
-    time.sleep(rng.uniform(0.2, 1.5))
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+def kill_worker(workers: ForkServer, local: str, remote, first: int, options: dict,
+                rng: random.Random) -> None:
+    workers.kill_during([local, remote.url, first, options], rng.uniform(0.2, 1.5))
 
 
 def run_trials(tmp_path, server, trials: int, seed: int):
@@ -46,20 +36,26 @@ def run_trials(tmp_path, server, trials: int, seed: int):
     local, remote = LocalStore(tmp_path / "local"), object_store(server)
     rng = random.Random(seed)
     checked: dict[str, set[int]] = {"local": set(), "remote": set()}
-    for trial in range(trials):
-        kill_worker(str(tmp_path / "local"), remote, 1000 * trial, server.storage_options, rng)
-        for name, store in (("local", local), ("remote", remote)):
-            steps = casstore.list_steps(store)
-            if name == "remote":
-                assert all(s % INTERVAL == 0 for s in steps), steps
-            new = sorted(set(steps) - checked[name])
-            for step in new + rng.sample(sorted(set(steps) & checked[name]),
-                                         min(2, len(set(steps) & checked[name]))):
-                assert_restores(store, step)
-            if steps:
-                report = casstore.verify(store, read_data=False)
-                assert report.ok, (name, report.problems)
-            checked[name] |= set(new)
+    # The killed processes: children of one fork server, forked after its imports.
+    workers = ForkServer(WORKER, tmp_path / "worker-stderr.txt")
+    try:
+        for trial in range(trials):
+            kill_worker(workers, str(tmp_path / "local"), remote, 1000 * trial,
+                        server.storage_options, rng)
+            for name, store in (("local", local), ("remote", remote)):
+                steps = casstore.list_steps(store)
+                if name == "remote":
+                    assert all(s % INTERVAL == 0 for s in steps), steps
+                new = sorted(set(steps) - checked[name])
+                for step in new + rng.sample(sorted(set(steps) & checked[name]),
+                                             min(2, len(set(steps) & checked[name]))):
+                    assert_restores(store, step)
+                if steps:
+                    report = casstore.verify(store, read_data=False)
+                    assert report.ok, (name, report.problems)
+                checked[name] |= set(new)
+    finally:
+        workers.close()
     return casstore.list_steps(local), remote
 
 
