@@ -313,6 +313,7 @@ OPS = st.lists(st.one_of(
     st.tuples(st.just("copy"), st.integers(0, 50))), min_size=1, max_size=14)
 
 
+@functools.cache  # each version's arrays computed once, not at every restore check (1.2 s)
 def _tree(versions: tuple[int, int]) -> dict:
     return {"w": trained(versions[0])[:64], "v": trained(versions[1], seed=3)[:32],
             "frozen": WEIGHTS[:16]}
