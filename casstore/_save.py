@@ -151,7 +151,9 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
         restore returns it unless the target asks for another. E.g. ``{"params":
         jnp.bfloat16}`` halves a float32 model's bytes. Casts stay within a kind (bool,
         integer, floating, complex); a leaf under a prefix keeps its dtype through a longer
-        prefix naming it. None stores every leaf in its own dtype.
+        prefix mapped to None (or to its own dtype; a PRNG key array, stored as its key data,
+        to its key dtype or its key data's): ``{"": jnp.bfloat16, "opt_state/count": None,
+        "rngs": None}``. None stores every leaf in its own dtype.
       max_workers: threads for hashing and compression, and as many for uploads (default the
         store's, which follows the number of cores).
       max_inflight_bytes: raw bytes of blocks read but not yet uploaded, at most (default two

@@ -41,7 +41,8 @@ def stored_as(prepared: Prepared, arrays: dict[int, Any],
       UnsupportedLeafError: a cast that changes the kind of dtype (bool, integer, floating,
         complex; e.g. float to int), of a PRNG key array, to a PRNG key dtype, or to a dtype
         format.md §4.5 does not allow; names the key path. A leaf under a prefix can keep its
-        dtype through a longer prefix: ``{"params": bf16, "params/step": np.int32}``.
+        dtype through a longer prefix mapped to None (or to its own dtype; for a PRNG key
+        array, its key dtype or its key data's): ``{"params": bf16, "params/step": None}``.
       ValueError: a prefix that is not a string, or that matches no array leaf.
 
     A value the stored dtype cannot hold (an integer out of its range, a finite float beyond
@@ -71,26 +72,35 @@ def stored_as(prepared: Prepared, arrays: dict[int, Any],
 
 
 def _check_cast(path: str, source: np.dtype, key_impl: str | None, wanted: Any) -> np.dtype:
-    """The stored dtype for a leaf of dtype ``source``; raises if the cast is refused."""
+    """The stored dtype for a leaf of dtype ``source`` (a typed key array's: its key data's,
+    with ``key_impl``); raises if the cast is refused. ``wanted`` None keeps the leaf as it is,
+    and so does, for a key array, its own key dtype or its key data's dtype."""
     def refuse(why: str) -> UnsupportedLeafError:
         name = getattr(wanted, "__name__", wanted)
         return UnsupportedLeafError(f"cannot store this leaf as {name}: {why}", key_path=path)
 
+    if wanted is None:
+        return source
+    if isinstance(wanted, str):
+        wanted = dtype_from_name(wanted) or wanted
     try:
-        if isinstance(wanted, str):
-            wanted = dtype_from_name(wanted) or wanted
-        if jax.dtypes.issubdtype(wanted, jax.dtypes.prng_key):
-            raise refuse("PRNG key dtypes are kept only by typed key arrays")
-        stored = np.dtype(wanted)
+        is_key = jax.dtypes.issubdtype(wanted, jax.dtypes.prng_key)
+        stored = None if is_key else np.dtype(wanted)
     except TypeError as e:
         raise refuse(str(e)) from e
     if key_impl is not None:
-        raise refuse("it is a PRNG key array, stored as its key data")
+        if stored == source or (is_key and wanted == jax.random.key(0, impl=key_impl).dtype):
+            return source  # kept: a key array is stored as its key data
+        raise refuse(f"it is a PRNG key array ({key_impl}), stored as its key data: map this "
+                     f"key path to None (or {source.name}) to keep it")
+    if is_key:
+        raise refuse("PRNG key dtypes are kept only by typed key arrays")
     if dtype_name(stored) is None:
         raise refuse("not a dtype of format.md §4.5")
     if _kind(stored) != _kind(source):
         raise refuse(f"casting {source} ({_kind(source)}) to {_kind(stored)} would change "
-                     f"what the values mean; map this key path to {source.name} to keep it")
+                     f"what the values mean; map this key path to None (or {source.name}) to "
+                     "keep it")
     return stored
 
 

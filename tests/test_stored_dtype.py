@@ -139,19 +139,38 @@ def test_the_accelerator_path_casts_each_block_on_its_device(monkeypatch):
             == [leaf.chunks for leaf in casstore.read_manifest(device, 0).leaves])
 
 
-def test_a_longer_prefix_keeps_a_leaf_in_its_own_dtype():
-    tree = {"params": {"w": np.ones((4, 4), np.float32), "step": np.arange(20, dtype=np.int32)}}
+@pytest.mark.parametrize("keep", [None, "own"])
+def test_a_longer_prefix_keeps_a_leaf_in_its_own_dtype(keep):
+    """A prefix mapped to None, or to the leaf's own dtype, keeps it. For a typed PRNG key
+    array (every flax nnx state with an Rngs stream holds one) that is its key dtype or its
+    key data's: before, every mapping was refused, so ``{"": bf16}`` could not be narrowed to
+    leave the key out, and None meant float64 (numpy's default dtype)."""
+    key = jax.random.key(7)
+    tree = {"params": {"w": np.ones((4, 4), np.float32), "step": np.arange(20, dtype=np.int32),
+                       "half": np.ones(3, np.float32)},
+            "rngs": {"key": key, "old": jax.random.key(1, impl="rbg")}}
+    own = {"params/step": np.int32, "params/half": np.float32, "rngs/key": key.dtype,
+           "rngs/old": np.uint32}
     store = MemoryStore()
-    casstore.save(store, 0, tree, dtypes={"params": "bfloat16", "params/step": np.int32})
+    casstore.save(store, 0, tree, dtypes={"": "bfloat16", **(
+        dict.fromkeys(own) if keep is None else own)})
     assert {leaf.path: leaf.dtype for leaf in casstore.read_manifest(store, 0).leaves} == {
-        "params/w": "bfloat16", "params/step": "int32"}
+        "params/w": "bfloat16", "params/step": "int32", "params/half": "float32",
+        "rngs/key": "uint32", "rngs/old": "uint32"}
+    restored = casstore.restore(store, 0, target=casstore.abstract_tree(tree))
+    assert jax.random.key_impl(restored["rngs"]["old"]) == jax.random.key_impl(
+        tree["rngs"]["old"])
+    np.testing.assert_array_equal(jax.random.key_data(restored["rngs"]["key"]),
+                                  jax.random.key_data(key))
 
 
 @pytest.mark.parametrize(("dtypes", "path", "message"), [
     ({"params/w": np.int8}, "params/w", "as int8: casting float32 .floating. to integer"),
     ({"": jnp.bfloat16}, "count", "int32 .integer. to floating"),
     ({"params/w": np.float32, "params/c": np.float32}, "params/c", "complex. to floating"),
-    ({"rng": jnp.float32}, "rng", "PRNG key array"),
+    ({"rng": jnp.float32}, "rng", r"PRNG key array \(threefry2x32\), stored as its key data: "
+                                  r"map this key path to None \(or uint32\) to keep it \(key path"),
+    ({"rng": jax.random.key(0, impl="rbg").dtype}, "rng", "PRNG key array"),
     ({"params/w": jax.random.key(0).dtype}, "params/w", "PRNG key dtypes"),
     ({"params": "float128"}, "params/c", "as float128: not a dtype of format.md"),
 ])
