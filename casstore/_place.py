@@ -66,8 +66,21 @@ def place(entry: LeafEntry, regions: dict[Index, np.ndarray] | None, t: Any,
       numpy for numpy targets, ``np.ndarray`` and jax targets :func:`returns_numpy` picks, a
       Python scalar of ``type(t)`` for scalar targets, else a jax.Array of ``t``'s dtype (as
       jax holds it) on ``t``'s sharding (in its memory kind, e.g. ``pinned_host``) or the
-      default device.
+      default device, weakly typed where ``t`` is (``weak_type``: a Python scalar's
+      type, which jax promotes to the other operand's dtype: ``lr * bf16_params`` stays
+      bfloat16).
     """
+    value = _build(entry, regions, t, fail)
+    if getattr(t, "weak_type", False) and isinstance(value, jax.Array):
+        from jax._src.lax.lax import _convert_element_type  # no public way to weaken a type
+
+        value = _convert_element_type(value, weak_type=True)
+    return value
+
+
+def _build(entry: LeafEntry, regions: dict[Index, np.ndarray] | None, t: Any,
+           fail: Fail) -> Any:
+    """:func:`place` but for the weak type."""
     if entry.kind == "scalar":
         value = plain_value(entry, None)
         host = np.asarray(value) if target_shape(t) is not None or is_numpy_class(t) else value

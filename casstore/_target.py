@@ -41,13 +41,15 @@ def abstract_tree(tree: Any) -> Any:
 
     Returns:
       The same structure with each jax.Array as a ``jax.ShapeDtypeStruct(shape, dtype,
-      sharding=its sharding)``, each numpy array as one without a sharding (restored as a jax
-      array on the default device, as orbax does), and every other leaf (Python scalars,
-      strings, ``ShapeDtypeStruct`` s) unchanged. Allocates nothing and reads no array.
+      sharding=its sharding, weak_type=its weak_type)``, each numpy array as one without a
+      sharding (restored as a jax array on the default device, as orbax does), and every
+      other leaf (Python scalars, strings, ``ShapeDtypeStruct`` s) unchanged. Allocates
+      nothing and reads no array.
     """
     def abstract(x: Any) -> Any:
         if isinstance(x, jax.Array):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
+                                        weak_type=getattr(x, "weak_type", False))
         if isinstance(x, np.ndarray | np.generic):  # in native byte order, as jax holds it
             return jax.ShapeDtypeStruct(np.shape(x), x.dtype.newbyteorder("="))
         return x

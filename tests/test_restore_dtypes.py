@@ -348,6 +348,32 @@ def test_abstract_tree_keeps_shardings_and_passes_scalars_through():
     assert casstore.abstract_tree(target)["w"] is target["w"]  # already abstract: unchanged
 
 
+@pytest.mark.parametrize("target", ["eval_shape", "abstract_tree", "concrete"])
+def test_a_weakly_typed_leaf_restores_weakly_typed(target):
+    """jnp.asarray(0.1) and a step counter made by Python arithmetic are weakly typed: jax
+    promotes them to the other operand's dtype. Restored strong, a float32 learning rate
+    turned bfloat16 params into float32 at the first jitted step after a resume."""
+    mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(8), ("data",))
+    state = {"lr": jnp.asarray(0.1), "step": jnp.asarray(0) + 1,
+             "w": jnp.ones((8, 4), jnp.bfloat16),
+             "scale": jax.device_put(jnp.full(8, 2.0), NamedSharding(
+                 mesh, PartitionSpec("data")))}
+    assert [state[k].weak_type for k in ("lr", "step", "w", "scale")] == [True, True, False,
+                                                                          True]
+    store = MemoryStore()
+    casstore.save(store, 0, state)
+    given = {"eval_shape": jax.eval_shape(lambda: state),
+             "abstract_tree": casstore.abstract_tree(state), "concrete": state}[target]
+    got = casstore.restore(store, 0, target=given)
+    for k in state:
+        assert got[k].weak_type == state[k].weak_type, k
+        assert got[k].dtype == state[k].dtype, k
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(state[k]))
+    if target != "eval_shape":  # whose structs name no sharding here: the default device
+        assert got["scale"].sharding == state["scale"].sharding
+    assert (got["lr"] * got["w"]).dtype == jnp.bfloat16
+
+
 def test_abstract_tree_of_a_big_endian_numpy_leaf_restores_it():
     tree = {"be": np.arange(12, dtype=">i4").reshape(3, 4)}
     store = MemoryStore()
