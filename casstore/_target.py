@@ -239,13 +239,13 @@ def _compatibility_problem(entry: LeafEntry, t: Any, strict: bool) -> str | None
         return f"the target asks for an array, saved {entry.scalar_type}"
     if not jax.dtypes.issubdtype(t.dtype, jax.dtypes.prng_key) and dtype_name(t.dtype) is None:
         return f"target dtype {t.dtype} is not one of the dtypes of format.md §4.5"
+    if (key := _key_mismatch(entry, t.dtype)) is not None:  # before shapes: a key's differs
+        return key
     saved = entry.shape[:-1] if entry.key_impl else entry.shape
     if entry.kind != "array" and shape != ():
         return f"target has shape {shape}, saved a {entry.kind}"
     if entry.kind == "array" and shape != saved and (strict or len(shape) != len(saved)):
         return f"target has shape {shape}, saved shape is {saved}"
-    if jax.dtypes.issubdtype(t.dtype, jax.dtypes.prng_key) != bool(entry.key_impl):
-        return "target and checkpoint disagree on whether this is a PRNG key array"
     if (isinstance(t, jax.ShapeDtypeStruct | jax.Array) and not returns_numpy(entry, t)
             and (held := _narrowed(entry, t.dtype)) is not None):
         return (f"saved {_saved_dtype(entry)}, the target asks for a jax array of "
@@ -253,6 +253,25 @@ def _compatibility_problem(entry: LeafEntry, t: Any, strict: bool) -> str | None
                 f"off: the values would change. Enable x64 "
                 f"(jax.config.update('jax_enable_x64', True)), ask for {held} explicitly, or "
                 "for numpy (target leaf np.ndarray)")
+    return None
+
+
+def _key_mismatch(entry: LeafEntry, wanted: Any) -> str | None:
+    """Why a target dtype ``wanted`` and a saved leaf disagree on PRNG keys (typed keys against
+    key data, or another implementation), or None."""
+    if jax.dtypes.issubdtype(wanted, jax.dtypes.prng_key) != bool(entry.key_impl):
+        return (f"the target asks for typed PRNG keys {wanted}, saved a {entry.dtype} array "
+                "(key data, as jax.random.PRNGKey makes): restore it as that array and wrap it "
+                "with jax.random.wrap_key_data" if not entry.key_impl else
+                f"the target asks for a {np.dtype(wanted)} array, saved typed PRNG keys "
+                f"({entry.key_impl}): ask for typed keys (jax.random.key), or take "
+                "jax.random.key_data of them after the restore")
+    try:
+        saved = entry.key_impl and jax.random.key(0, impl=entry.key_impl).dtype
+    except (ValueError, TypeError):  # an implementation jax does not know: refused at placing
+        return None
+    if saved and saved != wanted:
+        return f"the target asks for PRNG keys {wanted}, saved {saved} keys ({entry.key_impl})"
     return None
 
 

@@ -194,9 +194,18 @@ def test_typed_prng_keys_restore_as_typed_keys(repo_store):
     assert_trees_equal(tree, typed)
     assert jax.random.uniform(typed["key"]) == jax.random.uniform(tree["key"])
     rbg = jax.ShapeDtypeStruct((4,), jax.random.key(0, impl="rbg").dtype)  # same key shape
-    with pytest.raises(casstore.TargetMismatchError,
-                       match=r"asks for PRNG keys key<rbg>, saved key<fry>.*key path 'keys'"):
-        casstore.restore(repo_store, 0, target={**typed, "keys": rbg})
+    # Listed with every other mismatch before any chunk is read (was: the first key leaf
+    # alone, found as the leaves were placed, with `mismatched` empty).
+    with pytest.raises(casstore.TargetMismatchError) as e:
+        casstore.restore(repo_store, 0, target={**typed, "keys": rbg, "key": rbg})
+    assert dict(e.value.mismatched) == dict.fromkeys(
+        ["key", "keys"], "the target asks for PRNG keys key<rbg>, saved key<fry> keys "
+                         "(threefry2x32)")
+    # Typed keys against key data (jax.random.PRNGKey) say so, not that the shapes differ.
+    with pytest.raises(casstore.TargetMismatchError, match=r"mismatched 'key': the target "
+                       r"asks for a uint32 array, saved typed PRNG keys \(threefry2x32\)"):
+        casstore.restore(repo_store, 0, target={**typed, "key": jax.ShapeDtypeStruct(
+            (2,), np.uint32)})
 
 
 class Point(NamedTuple):
