@@ -8,10 +8,12 @@ import sys
 
 import numpy as np
 import pytest
+from forkserver import ForkServer
 
 import casstore
 
 WORKER = pathlib.Path(__file__).with_name("multiprocess_worker.py")
+_jobs: list[ForkServer] = []
 
 
 def free_port() -> int:
@@ -20,28 +22,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(nproc: int, mode: str, repo, step: int, *more, timeout_s: float = 120):
-    """Runs ``nproc`` worker processes; returns their (returncode, output) pairs. ``more``:
-    further ``mode, step`` pairs the same processes run after the first (each job starts an
-    interpreter and imports jax per process, most of a job's time)."""
-    port = free_port()
+def job_env() -> dict:
     env = dict(os.environ, CASSTORE_MULTIHOST_TIMEOUT_S="8", PYTHONUNBUFFERED="1")
     env.pop("XLA_FLAGS", None)
+    return env
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_the_fork_server():
+    yield
+    while _jobs:
+        _jobs.pop().close()
+
+
+def run_job(nproc: int, mode: str, repo, step: int, *more, timeout_s: float = 120):
+    """Runs ``nproc`` worker processes; returns their (returncode, output) pairs. ``more``:
+    further ``mode, step`` pairs the same processes run after the first. The processes are
+    forked from this module's tests/forkserver.py server, which imported jax once for all."""
+    if not _jobs:
+        _jobs.append(ForkServer(job_env()))
+    port = free_port()
+    env = job_env()
     if nproc == 1:
         env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(nproc), str(i), mode,
-                               str(repo), str(step), *map(str, more)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(nproc)]
-    results = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
-        results.append((p.returncode, out))
-    return results
+    processes = [[WORKER, port, nproc, i, mode, repo, step, *more] for i in range(nproc)]
+    outputs = [pathlib.Path(repo).parent / f"job-{port}-process-{i}.txt" for i in range(nproc)]
+    return _jobs[0].run(processes, outputs, env=env, timeout_s=timeout_s)
 
 
 def assert_ok(results):
