@@ -120,5 +120,23 @@ class ForkServer:
         self.proc.wait(timeout=60)
 
 
+class LazyForkServer:
+    """A :class:`ForkServer` started with ``env()`` at the first :meth:`run` (a test module
+    keeps one, and closes it in a module-scoped fixture)."""
+
+    def __init__(self, env):
+        self.env, self.server = env, None
+
+    def run(self, *args, **kwargs) -> list[tuple[int, str]]:
+        if self.server is None:
+            self.server = ForkServer(self.env())
+        return self.server.run(*args, **kwargs)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+
 if __name__ == "__main__":
     serve()

@@ -8,12 +8,11 @@ import sys
 
 import numpy as np
 import pytest
-from forkserver import ForkServer
+from forkserver import LazyForkServer
 
 import casstore
 
 WORKER = pathlib.Path(__file__).with_name("multiprocess_worker.py")
-_jobs: list[ForkServer] = []
 
 
 def free_port() -> int:
@@ -28,26 +27,26 @@ def job_env() -> dict:
     return env
 
 
+JOBS = LazyForkServer(job_env)  # the processes of every job: see run_job
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _close_the_fork_server():
     yield
-    while _jobs:
-        _jobs.pop().close()
+    JOBS.close()
 
 
 def run_job(nproc: int, mode: str, repo, step: int, *more, timeout_s: float = 120):
     """Runs ``nproc`` worker processes; returns their (returncode, output) pairs. ``more``:
     further ``mode, step`` pairs the same processes run after the first. The processes are
     forked from this module's tests/forkserver.py server, which imported jax once for all."""
-    if not _jobs:
-        _jobs.append(ForkServer(job_env()))
     port = free_port()
     env = job_env()
     if nproc == 1:
         env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     processes = [[WORKER, port, nproc, i, mode, repo, step, *more] for i in range(nproc)]
     outputs = [pathlib.Path(repo).parent / f"job-{port}-process-{i}.txt" for i in range(nproc)]
-    return _jobs[0].run(processes, outputs, env=env, timeout_s=timeout_s)
+    return JOBS.run(processes, outputs, env=env, timeout_s=timeout_s)
 
 
 def assert_ok(results):

@@ -4,8 +4,9 @@ import os
 import pathlib
 import re
 import socket
-import subprocess
-import sys
+
+import pytest
+from forkserver import LazyForkServer
 
 import casstore
 
@@ -18,22 +19,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(mode: str, repo, timeout_s: float = 180) -> list[tuple[list[int], int]]:
-    """Runs 2 worker processes; returns each one's (saved steps, step it stopped at)."""
+def job_env() -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("XLA_FLAGS", None)
+    return env
+
+
+JOBS = LazyForkServer(job_env)  # the processes of run_job, forked after jax's import
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_the_fork_server():
+    yield
+    JOBS.close()
+
+
+def run_job(mode: str, repo, timeout_s: float = 180) -> list[tuple[list[int], int]]:
+    """Runs 2 worker processes; returns each one's (saved steps, step it stopped at)."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(port), "2", str(i), mode,
-                               str(repo)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    processes = [[WORKER, port, 2, i, mode, repo] for i in range(2)]
+    outputs = [pathlib.Path(repo).parent / f"process-{i}.txt" for i in range(2)]
     results = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
-        assert p.returncode == 0, out[-3000:]
+    for code, out in JOBS.run(processes, outputs, timeout_s=timeout_s):
+        assert code == 0, out[-3000:]
         assert "OK" in out, out[-3000:]
         found = re.search(r"SAVED \[([\d, ]*)\] STOPPED (\d+)", out)
         assert found, out[-3000:]

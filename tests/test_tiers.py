@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import pytest
 from faultproxy import fault_proxy
+from forkserver import LazyForkServer
 
 import casstore
 from casstore._copy import share_of
@@ -798,30 +799,35 @@ def test_storage_options_reach_the_persistent_tier_given_as_a_url(tmp_path, obje
                                    **server.storage_options)
 
 
+def job_env() -> dict:
+    env = dict(os.environ, CASSTORE_MULTIHOST_TIMEOUT_S="8", PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+JOBS = LazyForkServer(job_env)  # the processes of two_processes, forked after jax's import
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_the_fork_server():
+    yield
+    JOBS.close()
+
+
 def two_processes(tmp_path, server, remote, *args: str) -> list[str]:
     """The outputs of the two processes of tests/tiers_multiprocess_worker.py (each exited
     with 0), saving into ``tmp_path / "local"`` and persisting to ``remote``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, CASSTORE_MULTIHOST_TIMEOUT_S="8", PYTHONUNBUFFERED="1")
-    env.pop("XLA_FLAGS", None)
     worker = pathlib.Path(__file__).with_name("tiers_multiprocess_worker.py")
-    procs = [subprocess.Popen([sys.executable, str(worker), str(port), str(i),
-                               str(tmp_path / "local"), remote.url,
-                               json.dumps(server.storage_options), *args], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
-        assert p.returncode == 0, out[-3000:]
-        outs.append(out)
-    return outs
+    processes = [[worker, port, i, tmp_path / "local", remote.url,
+                  json.dumps(server.storage_options), *args] for i in range(2)]
+    results = JOBS.run(processes, [tmp_path / f"process-{i}.txt" for i in range(2)],
+                       timeout_s=180)
+    for code, out in results:
+        assert code == 0, out[-3000:]
+    return [out for _, out in results]
 
 
 def line_of(out: str, prefix: str) -> str:
