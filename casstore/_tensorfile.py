@@ -14,6 +14,7 @@ import json
 import os
 import pathlib
 import re
+import tempfile
 import zipfile
 from typing import Any
 
@@ -90,13 +91,27 @@ def file_array(path: str, value: Any, fmt: str) -> np.ndarray:
 
 def write_tensors(out: str, arrays: dict[str, np.ndarray], fmt: str, metadata: dict) -> None:
     """Writes ``arrays`` by name; ``metadata`` goes to the safetensors header as JSON. The file
-    gets the mode any new file gets (``0o666`` less the umask), as ``np.savez``'s does:
-    safetensors renames a temporary file of mode ``0o600`` into place."""
-    if fmt == "safetensors":
-        _safetensors().numpy.save_file(arrays, out, metadata={"casstore": json.dumps(metadata)})
-        os.chmod(out, 0o666 & ~_umask())
-    else:
-        _write_npz(out, arrays)
+    is written under a temporary name in ``out``'s directory (``.casstore-export-*``), fsynced
+    and renamed into place: an export cut short (killed, disk full) leaves ``out`` as it was,
+    absent or the file it was to replace, never a partial file under its name. It gets the
+    mode any new file gets (``0o666`` less the umask)."""
+    fd, tmp = tempfile.mkstemp(prefix=".casstore-export-", suffix=pathlib.Path(out).suffix,
+                               dir=os.path.dirname(os.path.abspath(out)))
+    os.close(fd)
+    try:
+        if fmt == "safetensors":
+            _safetensors().numpy.save_file(arrays, tmp,
+                                           metadata={"casstore": json.dumps(metadata)})
+        else:
+            _write_npz(tmp, arrays)
+        os.chmod(tmp, 0o666 & ~_umask())
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def _write_npz(out: str, arrays: dict[str, np.ndarray]) -> None:

@@ -399,6 +399,36 @@ def test_export_npz_and_dtypes_it_cannot_hold(repo, tmp_path):
     assert "nothing" in result.stderr
 
 
+@pytest.mark.parametrize("fmt", ["npz", "safetensors"])
+def test_an_export_cut_short_leaves_the_output_as_it_was(repo, tmp_path, monkeypatch, fmt):
+    """The .npz was written straight under its name: an export killed (or out of disk space)
+    part way left a partial file there, which a --force export also made of a complete one,
+    and which np.load could even take for a whole archive. Now every format is written under
+    a temporary name, then renamed into place."""
+    out = tmp_path / f"w.{fmt}"
+    casstore.export_tensors(repo, 1, out, paths=["w", "step"])
+    before = out.read_bytes()
+    if fmt == "npz":
+        real = np.lib.format.write_array
+
+        def cut(f, array, **kw):
+            real(f, array, **kw)
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(np.lib.format, "write_array", cut)
+    else:
+        def cut(arrays, path, metadata=None):
+            pathlib.Path(path).write_bytes(b"partial")
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(safetensors.numpy, "save_file", cut)
+    for name in (out, tmp_path / f"new.{fmt}"):
+        with pytest.raises(OSError, match="No space left"):
+            casstore.export_tensors(repo, 1, name, paths=["w", "step"], force=True)
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["repo", f"w.{fmt}"]
+
+
 def test_export_of_a_whole_tree_skips_and_lists_what_a_file_cannot_hold(repo, tmp_path):
     url = str(tmp_path / "strings")
     state = {"note": "hello", "x": np.ones(3), "n": 7, "opt": {"mu": np.zeros(2)},
