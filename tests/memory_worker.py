@@ -1,7 +1,7 @@
 """Measures the peak extra host memory of one save or restore of a 2 GiB state; launched by
-test_memory.py in a fresh process. RSS is sampled every 5 ms during the operation; the figure
-is its peak minus the RSS just before the operation, once jax's backend has started (a save of
-numpy leaves starts it too, for ``jax.process_count``).
+test_memory.py in a process of its own (forked from tests/forkserver.py). RSS is sampled every
+5 ms during the operation; the figure is its peak minus the RSS just before the operation, once
+jax's backend has started (a save of numpy leaves starts it too, for ``jax.process_count``).
 
 Usage: memory_worker.py save-numpy|save-numpy-planes|save-jax|save-accelerator-path|restore-jax
        URL [LEAVES]
