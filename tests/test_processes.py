@@ -6,11 +6,22 @@ import sys
 import threading
 
 import numpy as np
+import pytest
+from forkserver import LazyForkServer
 from save_worker import tree_for
 
 import casstore
 
 WORKER = os.path.join(os.path.dirname(__file__), "save_worker.py")
+# The saving processes of the GC test, forked from a server that imported jax, numpy and
+# casstore; the interpreter-exit tests start interpreters of their own, whose exit they test.
+WRITERS = LazyForkServer(lambda: dict(os.environ))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_the_fork_server():
+    yield
+    WRITERS.close()
 
 
 def start(*args: str) -> subprocess.Popen:
@@ -42,16 +53,20 @@ def test_processes_saving_into_one_repository_while_gc_runs(tmp_path):
 
     collector = threading.Thread(target=collect)
     collector.start()
-    writers = [start(url, f"p{i}", "0", "6") for i in range(3)]
-    racers = [start(url, "shared", "5", "1") for _ in range(2)]
-    outputs = [p.communicate(timeout=300) for p in writers + racers]
-    stop.set()
-    collector.join()
-    for p, (_, err) in zip(writers + racers, outputs):
-        assert p.returncode == 0, err[-3000:]
+    writers = [[WORKER, url, f"p{i}", 0, 6] for i in range(3)]
+    racers = [[WORKER, url, "shared", 5, 1] for _ in range(2)]
+    try:
+        results = WRITERS.run(writers + racers, [tmp_path / f"process-{i}.txt" for i in range(5)],
+                              timeout_s=300)
+    finally:
+        stop.set()
+        collector.join()
+    for code, out in results:
+        assert code == 0, out[-3000:]
     assert not errors
     assert gc_runs
-    race = [out.split()[0] for out, _ in outputs[3:]]
+    race = [next(line.split()[0] for line in out.splitlines()
+                 if line.startswith(("saved ", "exists "))) for _, out in results[3:]]
     assert sorted(race) == ["exists", "saved"]  # exactly one of the two same-step saves won
     for i in range(3):
         assert casstore.list_steps(url, run=f"p{i}") == list(range(6))
