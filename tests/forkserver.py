@@ -14,7 +14,10 @@ casstore read at import (anything but ``XLA_FLAGS``, read when the backend start
 Protocol: each line on stdin is a JSON job ``{"processes": [[SCRIPT, ARG, ...], ...],
 "outputs": [PATH, ...], "env": {...}, "timeout_s": S}``; the server forks every process of it,
 waits for all (SIGKILL to those still running after ``timeout_s``), then prints their exit
-codes as a JSON list (``-9`` for a killed one, as ``Popen.returncode``).
+codes as a JSON list (``-9`` for a killed one, as ``Popen.returncode``). With ``"start": true``
+instead of a timeout it prints their pids at once, and ``{"wait": [PID, ...], "timeout_s": S,
+"kill": BOOL}`` prints the codes of those, ``null`` for one still running after S seconds
+(without ``kill``).
 """
 
 import io
@@ -51,7 +54,7 @@ def _child(argv: list[str], output: str, env: dict) -> None:
     runpy.run_path(argv[0], run_name="__main__")
 
 
-def _run(job: dict) -> list[int]:
+def _start(job: dict) -> list[int]:
     pids = []
     for argv, output in zip(job["processes"], job["outputs"]):
         sys.stdout.flush()
@@ -61,20 +64,41 @@ def _run(job: dict) -> list[int]:
             _child(argv, output, job["env"])
             sys.exit(0)  # ends as the interpreter of the script would
         pids.append(pid)
-    codes: dict[int, int] = {}
-    deadline = time.monotonic() + job["timeout_s"]
-    while len(codes) < len(pids):
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid:
-            codes[pid] = os.waitstatus_to_exitcode(status)
-        elif time.monotonic() > deadline:
-            for p in pids:
-                if p not in codes:
-                    os.kill(p, signal.SIGKILL)
+    return pids
+
+
+_reaped: dict[int, int] = {}  # exit codes of the children reaped: a pid is asked for again
+
+
+def _wait(pids: list[int], timeout_s: float, kill: bool) -> list[int | None]:
+    """The exit codes of ``pids``; None for one still running after ``timeout_s``, or with
+    ``kill`` SIGKILL to those and their code, -9."""
+    codes = _reaped
+    deadline = time.monotonic() + timeout_s
+    while not all(pid in codes for pid in pids):
+        for pid in pids:
+            if pid not in codes:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[pid] = os.waitstatus_to_exitcode(status)
+        if all(pid in codes for pid in pids):
+            break
+        if time.monotonic() > deadline:
+            if not kill:
+                break
+            for pid in pids:
+                if pid not in codes:
+                    os.kill(pid, signal.SIGKILL)
             deadline = float("inf")
-        else:
-            time.sleep(0.02)
-    return [codes[p] for p in pids]
+        time.sleep(0.02)
+    return [codes.get(pid) for pid in pids]
+
+
+def _serve_one(request: dict):
+    if "wait" in request:
+        return _wait(request["wait"], request["timeout_s"], request["kill"])
+    pids = _start(request)
+    return pids if request.get("start") else _wait(pids, request["timeout_s"], kill=True)
 
 
 def serve() -> None:
@@ -85,7 +109,7 @@ def serve() -> None:
     casstore.save, casstore.restore, casstore.CheckpointManager  # noqa: B018 (lazy imports)
     print("ready", flush=True)
     while line := sys.stdin.readline():
-        print(json.dumps(_run(json.loads(line))), flush=True)
+        print(json.dumps(_serve_one(json.loads(line))), flush=True)
 
 
 class ForkServer:
@@ -98,22 +122,38 @@ class ForkServer:
         line = self.proc.stdout.readline()
         assert line == "ready\n", f"fork server: {line!r}, exit {self.proc.poll()}"
 
+    def _ask(self, request: dict):
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"fork server exited {self.proc.wait()}"
+        return json.loads(line)
+
+    def _job(self, processes, outputs, env) -> dict:
+        return {"processes": [[str(a) for a in p] for p in processes],
+                "outputs": [str(o) for o in outputs], "env": env or self.env}
+
     def run(self, processes: list[list[str]], outputs: list, env: dict | None = None,
             timeout_s: float = 120) -> list[tuple[int, str]]:
         """Runs ``processes`` (each ``[SCRIPT, ARG, ...]``) at once, their output (stdout and
         stderr) to the files ``outputs``; returns each one's ``(exit code, output)``."""
-        job = {"processes": [[str(a) for a in p] for p in processes],
-               "outputs": [str(o) for o in outputs], "env": env or self.env,
-               "timeout_s": timeout_s}
-        self.proc.stdin.write(json.dumps(job) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        assert line, f"fork server exited {self.proc.wait()}"
+        job = self._job(processes, outputs, env)
         with_outputs = []
-        for code, path in zip(json.loads(line), job["outputs"]):
+        for code, path in zip(self._ask({**job, "timeout_s": timeout_s}), job["outputs"]):
             with open(path, errors="backslashreplace") as f:
                 with_outputs.append((code, f.read()))
         return with_outputs
+
+    def start(self, processes: list[list[str]], outputs: list,
+              env: dict | None = None) -> list[int]:
+        """Starts ``processes`` as :meth:`run` does, without waiting: their pids (children of
+        the server: :meth:`wait` for them)."""
+        return self._ask({**self._job(processes, outputs, env), "start": True})
+
+    def wait(self, pids: list[int], timeout_s: float, kill: bool = False) -> list[int | None]:
+        """The exit codes of ``pids``, None for those still running after ``timeout_s``
+        (with ``kill``: SIGKILLed then, -9)."""
+        return self._ask({"wait": pids, "timeout_s": timeout_s, "kill": kill})
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -127,10 +167,19 @@ class LazyForkServer:
     def __init__(self, env):
         self.env, self.server = env, None
 
-    def run(self, *args, **kwargs) -> list[tuple[int, str]]:
+    def _server(self) -> ForkServer:
         if self.server is None:
             self.server = ForkServer(self.env())
-        return self.server.run(*args, **kwargs)
+        return self.server
+
+    def run(self, *args, **kwargs) -> list[tuple[int, str]]:
+        return self._server().run(*args, **kwargs)
+
+    def start(self, *args, **kwargs) -> list[int]:
+        return self._server().start(*args, **kwargs)
+
+    def wait(self, *args, **kwargs) -> list[int | None]:
+        return self._server().wait(*args, **kwargs)
 
     def close(self) -> None:
         if self.server is not None:

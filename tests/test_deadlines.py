@@ -8,13 +8,12 @@ import pathlib
 import re
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 from faultproxy import FAULTS, fault_proxy
+from forkserver import LazyForkServer
 
 import casstore
 from casstore.store import FsspecStore, MemoryStore
@@ -198,6 +197,33 @@ def test_manager_surfaces_a_stalled_background_save_and_recovers(object_servers)
         mngr.close()
 
 
+# The scripts a user stops with Ctrl-C, forked from a server that imported jax, numpy and
+# casstore (an interpreter start and imports: 2 s of CPU each on the loaded 2 cores).
+SCRIPTS = LazyForkServer(lambda: {**os.environ,
+                                  "PYTHONPATH": str(pathlib.Path(casstore.__file__).parents[1])})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_the_fork_server():
+    yield
+    SCRIPTS.close()
+
+
+def first_time(output: pathlib.Path, pid: int) -> str:
+    """The time INTERRUPTED printed, once it did; "" if its process ended without it, or did
+    not print it within 60 s."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        text = output.read_text() if output.exists() else ""
+        printed = re.search(r"^\d+\.\d+$", text, re.M)
+        if printed:
+            return printed[0]
+        if SCRIPTS.wait([pid], 0) != [None]:
+            return ""
+        time.sleep(0.02)
+    return ""
+
+
 # A script a user stops with Ctrl-C: it prints the time at which the call raised it.
 INTERRUPTED = r"""
 import json, signal, sys, time
@@ -238,7 +264,8 @@ def test_ctrl_c_stops_save_restore_and_copy_on_a_stalled_store_at_once(op, backe
     direct = FsspecStore.from_url(url, **server.storage_options)
     casstore.save(direct, 0, tree_for(0), chunk_size_bytes=CHUNK)  # what the restore reads
     casstore.save(str(local), 5, tree_for(5), chunk_size_bytes=CHUNK)  # what the copy sends
-    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(casstore.__file__).parents[1])}
+    script, output = tmp_path / "interrupted.py", tmp_path / "interrupted.txt"
+    script.write_text(INTERRUPTED)
     with fault_proxy(server.endpoint_url) as proxy:
         # Lookups, uploads (S3) and reads of chunk objects, which worker threads make, not
         # listings, which the calling thread makes: S3 names the object in the path, GCS
@@ -246,8 +273,7 @@ def test_ctrl_c_stops_save_restore_and_copy_on_a_stalled_store_at_once(op, backe
         proxy.set("stall", only=re.compile(rb"/chunks/|/o/[^? ]*chunks"))
         opts = {**options(server, proxy.endpoint_url), "request_timeout_s": 30.0,
                 "operation_timeout_s": 60.0}
-        proc = subprocess.Popen([sys.executable, "-c", INTERRUPTED, op, url, json.dumps(opts),
-                                 str(local)], stdout=subprocess.PIPE, text=True, env=env)
+        [pid] = SCRIPTS.start([[script, op, url, json.dumps(opts), local]], [output])
         try:
             deadline = time.monotonic() + 60
             while proxy.faults["stall"] == 0 and time.monotonic() < deadline:
@@ -255,18 +281,16 @@ def test_ctrl_c_stops_save_restore_and_copy_on_a_stalled_store_at_once(op, backe
             assert proxy.faults["stall"] > 0, "the call never reached the store"
             time.sleep(0.5)
             t0 = time.monotonic()
-            proc.send_signal(signal.SIGINT)
-            line = proc.stdout.readline()
-            assert line, f"{op} did not raise KeyboardInterrupt (exit {proc.wait()})"
+            os.kill(pid, signal.SIGINT)
+            line = first_time(output, pid)
+            assert line, (f"{op} did not raise KeyboardInterrupt (exit "
+                          f"{SCRIPTS.wait([pid], 60, kill=True)[0]}): {output.read_text()}")
             assert float(line) - t0 < 10, (op, float(line) - t0)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
+            if SCRIPTS.wait([pid], 10) == [None]:
                 pytest.fail(f"{op}: the script did not exit within 10 s of raising "
                             "KeyboardInterrupt (its stalled requests were waited for)")
         finally:
-            proc.kill()
-            proc.wait()
+            SCRIPTS.wait([pid], 0, kill=True)
     assert casstore.list_steps(direct) == [0]
     assert casstore.list_steps(str(local)) == [5]
     assert [o.key for o in direct.list("locks/") if "save-" in o.key] == []
