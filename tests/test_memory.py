@@ -5,6 +5,7 @@ leaves before its last chunk arrives."""
 import json
 import os
 import pathlib
+import shutil
 import threading
 import time
 import uuid
@@ -63,8 +64,10 @@ def saved_2gib(request, tmp_path_factory):
     """A local repository holding a 2 GiB state (saved from numpy), and that save's figures:
     with the codec ``compression="auto"`` picks (raw chunks on 2 cores, byte planes from 4),
     and as byte planes whatever the machine, so 2 cores test both restore paths too."""
-    url = str(tmp_path_factory.mktemp("memory") / "repo")
-    return url, measure("save-numpy" if request.param == "auto" else "save-numpy-planes", url)
+    root = tmp_path_factory.mktemp("memory")
+    url = str(root / "repo")
+    yield url, measure("save-numpy" if request.param == "auto" else "save-numpy-planes", url)
+    shutil.rmtree(root)  # 2 GiB of incompressible chunks; the module's other params need the disk
 
 
 def test_saving_2_gib_of_numpy_keeps_extra_memory_within_the_inflight_bound(saved_2gib):
