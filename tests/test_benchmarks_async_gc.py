@@ -44,18 +44,18 @@ def test_async_gc_benchmark_reports_every_figure_and_its_checks_pass(tmp_path, c
     assert not casstore["buffers_donated_in_place"]
 
     gc = result["gc"]
-    assert gc["steps"] == bench.gc_steps.GC_STEPS
-    assert len(gc["kept_steps"]) == bench.gc_steps.GC_KEEP
+    assert gc["steps"] == bench.GC_STEPS
+    assert len(gc["kept_steps"]) == bench.GC_KEEP
     for part in ("dry_run", "gc"):
-        for key, _ in bench.gc_steps.GC_FIGURES:
+        for key, _ in bench.GC_FIGURES:
             assert positive(gc[part][key]), (part, key, gc[part][key])
-        assert gc[part]["manifests"] == bench.gc_steps.GC_KEEP
+        assert gc[part]["manifests"] == bench.GC_KEEP
     assert gc["gc"]["deleted_chunks"] == gc["chunks_before"] - gc["chunks_after"]
     assert gc["gc"]["deleted_bytes"] == gc["bytes_before"] - gc["bytes_after"]
     assert gc["young_dry_run_spared"] == gc["gc"]["deleted_chunks"]
     assert gc["second_gc_deleted"] == 0
     assert gc["verify_ok"]
-    assert gc["restored_steps"] == bench.gc_steps.GC_KEEP
+    assert gc["restored_steps"] == bench.GC_KEEP
     # Nothing is left behind in --dir.
     assert list((tmp_path / "work").iterdir()) == []
 
@@ -68,6 +68,6 @@ def test_async_gc_benchmark_reports_every_figure_and_its_checks_pass(tmp_path, c
     for _, label, _ in bench.ASYNC_FIGURES:
         assert f"| {label}" in printed
     assert "casstore: limit / figure" in printed
-    for _, label in bench.gc_steps.GC_FIGURES:
+    for _, label in bench.GC_FIGURES:
         assert f"| {label} |" in printed
     assert json.loads(out.read_text())["async"].keys() == set(bench.SYSTEMS)

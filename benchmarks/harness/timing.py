@@ -1,6 +1,6 @@
 """How a benchmark times a phase: wall and CPU time, bytes read from disk, peak extra RSS and
-probes, after settling (page cache dropped, memory warmed); systems interleaved across repeats,
-and medians of their figures."""
+probes, after settling (page cache dropped, memory warmed); systems interleaved in a rotating
+order across repeats, and medians."""
 
 import collections
 import contextlib
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import psutil
 
-SMOKE = False  # --tiny (report.parse): a smoke run, whose figures are not read
+SMOKE = False  # --tiny: a smoke run, whose figures are not read (report.command sets it)
 
 
 def _write(path: str, text: str) -> bool:
@@ -31,8 +31,8 @@ def _write(path: str, text: str) -> bool:
 
 
 class PeakRss:
-    """``extra``: peak RSS minus the RSS on entry (bytes). A thread samples RSS every 2 ms, and
-    the kernel's VmHWM (reset on entry where permitted) catches the peaks between samples."""
+    """``extra``: peak RSS minus the RSS on entry (bytes), sampled every 2 ms by a thread, with
+    the kernel's VmHWM (reset on entry where permitted) for the peaks between samples."""
 
     def __enter__(self) -> "PeakRss":
         self.proc, self.hwm = psutil.Process(), _write("/proc/self/clear_refs", "5")
@@ -64,10 +64,14 @@ def seconds(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 def medians(runs: list[dict]) -> dict:
-    """Per key of ``runs[0]``: the median over ``runs`` of a number, else the last run's value."""
+    """Per key of ``runs[0]``: the median over ``runs`` of a number, the medians of dicts of
+    the same keys, else the last run's value."""
     def median(values: list) -> Any:
-        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
-        return statistics.median(values) if numbers else values[-1]
+        if all(isinstance(v, dict) and v.keys() == values[0].keys() for v in values):
+            return medians(values)
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            return statistics.median(values)
+        return values[-1]
 
     return {key: median([r[key] for r in runs]) for key in runs[0]}
 
@@ -112,14 +116,12 @@ def settle(warm_bytes: int = 0, drop: bool = False) -> bool:
 
 def phase(out: dict, key: str, fn: Callable[[], Any], *, warm: int = 0, drop: bool = False,
           rss: str | None = None, probes: Iterable[Callable[[], dict]] = ()) -> Any:
-    """Runs ``fn`` after :func:`settle` (``warm``, ``drop``); returns its result. Figures, with
-    ``name`` = ``key`` less ``_s``: ``out[key]`` wall seconds, ``out[name_cpu_s]`` CPU seconds
-    (user + system), ``out[name_disk_read_bytes]`` bytes read from storage devices (not the page
-    cache), ``out[rss]`` the peak extra RSS (bytes), and ``out[name_K]`` the change of each
-    reading K of the ``probes`` (callables returning numbers or Counters);
-    ``out["dropped_caches"]`` stays True while every drop was asked for and done."""
-    dropped = settle(warm, drop)
-    out["dropped_caches"] = out.get("dropped_caches", True) and dropped
+    """Runs ``fn`` after :func:`settle` (``warm``, ``drop``); returns its result. Into ``out``,
+    with ``name`` = ``key`` less ``_s``: ``key`` wall seconds, ``name_cpu_s`` CPU seconds,
+    ``name_disk_read_bytes`` bytes read from storage devices, ``rss`` the peak extra RSS, and
+    ``name_K`` the change of each reading K of the ``probes`` (numbers or Counters);
+    ``dropped_caches`` stays True while every drop was asked for and done."""
+    out["dropped_caches"] = settle(warm, drop) and out.get("dropped_caches", True)
     name, proc, probes = key.removesuffix("_s"), psutil.Process(), list(probes)
     before = [probe() for probe in probes]
     with PeakRss() if rss else contextlib.nullcontext() as meter:
@@ -130,8 +132,8 @@ def phase(out: dict, key: str, fn: Callable[[], Any], *, warm: int = 0, drop: bo
     out[f"{name}_disk_read_bytes"] = io1.read_bytes - io0.read_bytes
     for probe, old in zip(probes, before):
         for k, v in probe().items():
-            out[f"{name}_{k}"] = dict(v - old[k]) if isinstance(v, collections.Counter) else (
-                v - old[k])
+            diff = v - old[k]
+            out[f"{name}_{k}"] = dict(diff) if isinstance(v, collections.Counter) else diff
     if rss:
         out[rss] = meter.extra
     return result
