@@ -160,6 +160,14 @@ class ForkServer:
         self.proc.wait(timeout=60)
 
 
+def multihost_env(**extra: str) -> dict:
+    """This process's environment for the processes of a ``jax.distributed`` job, with
+    ``extra`` set: unbuffered output, and no ``XLA_FLAGS`` (each process one CPU device)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **extra)
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
 class LazyForkServer:
     """A :class:`ForkServer` started with ``env()`` at the first :meth:`run` (a test module
     keeps one, and closes it in a module-scoped fixture)."""

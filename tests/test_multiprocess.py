@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from forkserver import LazyForkServer
+from forkserver import LazyForkServer, multihost_env
 
 import casstore
 
@@ -21,13 +21,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def job_env() -> dict:
-    env = dict(os.environ, CASSTORE_MULTIHOST_TIMEOUT_S="8", PYTHONUNBUFFERED="1")
-    env.pop("XLA_FLAGS", None)
-    return env
-
-
-JOBS = LazyForkServer(job_env)  # the processes of every job: see run_job
+# the processes of every job (see run_job), forked after jax's import
+JOBS = LazyForkServer(lambda: multihost_env(CASSTORE_MULTIHOST_TIMEOUT_S="8"))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -41,7 +36,7 @@ def run_job(nproc: int, mode: str, repo, step: int, *more, timeout_s: float = 12
     further ``mode, step`` pairs the same processes run after the first. The processes are
     forked from this module's tests/forkserver.py server, which imported jax once for all."""
     port = free_port()
-    env = job_env()
+    env = multihost_env(CASSTORE_MULTIHOST_TIMEOUT_S="8")
     if nproc == 1:
         env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     processes = [[WORKER, port, nproc, i, mode, repo, step, *more] for i in range(nproc)]

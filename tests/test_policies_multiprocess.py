@@ -1,12 +1,11 @@
 """Save decisions agree across the processes of a jax.distributed job (2 local processes)."""
 
-import os
 import pathlib
 import re
 import socket
 
 import pytest
-from forkserver import LazyForkServer
+from forkserver import LazyForkServer, multihost_env
 
 import casstore
 
@@ -19,13 +18,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def job_env() -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("XLA_FLAGS", None)
-    return env
-
-
-JOBS = LazyForkServer(job_env)  # the processes of run_job, forked after jax's import
+JOBS = LazyForkServer(multihost_env)  # the processes of run_job, forked after jax's import
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import pathlib
 import re
 import shutil
@@ -20,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 from faultproxy import fault_proxy
-from forkserver import LazyForkServer
+from forkserver import LazyForkServer, multihost_env
 
 import casstore
 from casstore._copy import share_of
@@ -799,13 +798,8 @@ def test_storage_options_reach_the_persistent_tier_given_as_a_url(tmp_path, obje
                                    **server.storage_options)
 
 
-def job_env() -> dict:
-    env = dict(os.environ, CASSTORE_MULTIHOST_TIMEOUT_S="8", PYTHONUNBUFFERED="1")
-    env.pop("XLA_FLAGS", None)
-    return env
-
-
-JOBS = LazyForkServer(job_env)  # the processes of two_processes, forked after jax's import
+# the processes of two_processes, forked after jax's import
+JOBS = LazyForkServer(lambda: multihost_env(CASSTORE_MULTIHOST_TIMEOUT_S="8"))
 
 
 @pytest.fixture(scope="module", autouse=True)
