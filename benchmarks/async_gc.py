@@ -39,11 +39,10 @@ ASYNC_FIGURES = [
 GC_STEPS, GC_KEEP = 50, 10
 GC_SIZES = {"gpt2": (64, 128 * 1024, 256, 16), "tiny": (8, 32 * 1024, 16, 2)}  # matrices,
 # float32 elements per matrix, bias elements, matrices changed per step
-GC_FIGURES = [("seconds", "seconds"), ("manifests", "manifests read"),
-              ("chunks", "chunks listed"), ("referenced_chunks", "chunks referenced"),
-              ("deleted_chunks", "chunks deleted (dry run: would be)"),
-              ("deleted_bytes", "MB freed (dry run: would be)")]
-GC_UNITS = {"seconds": "s", "deleted_bytes": "MB"}  # others: counts
+GC_FIGURES = [("seconds", "seconds", "s"), ("manifests", "manifests read", "n"),
+              ("chunks", "chunks listed", "n"), ("referenced_chunks", "chunks referenced", "n"),
+              ("deleted_chunks", "chunks deleted (dry run: would be)", "n"),
+              ("deleted_bytes", "MB freed (dry run: would be)", "MB")]
 _plus_one_donated = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)
 
 
@@ -149,7 +148,7 @@ def bench_gc(root: pathlib.Path, size: str, drop: bool) -> dict:
             "chunks_before": chunks_before, "bytes_before": bytes_before,
             "chunks_after": chunks_after, "bytes_after": bytes_after,
             "young_dry_run_spared": young.young_unreferenced_chunks,
-            **{p: {k: getattr(info, k) for k, _ in GC_FIGURES}
+            **{p: {k: getattr(info, k) for k, _, _ in GC_FIGURES}
                for p, info in (("dry_run", dry), ("gc", real))},
             "second_gc_deleted": again.deleted_chunks, "verify_ok": report.ok,
             "verify_chunks": report.chunks_checked, "verify_s": report.seconds,
@@ -162,8 +161,8 @@ def gc_table(g: dict) -> list[str]:
             f"({g['deleted_steps']} deleted, {len(g['kept_steps'])} kept; built in "
             f"{g['build_s']:.1f} s):", "",
             *h.md_table(["GC figure", "dry run", "gc"], [
-                [label, *(h.fmt(g[p][key], GC_UNITS.get(key, "n")) for p in ("dry_run", "gc"))]
-                for key, label in GC_FIGURES]), "",
+                [label, *(h.fmt(g[p][key], unit) for p in ("dry_run", "gc"))]
+                for key, label, unit in GC_FIGURES]), "",
             f"- chunks: {g['chunks_before']:.0f} ({g['bytes_before'] / 1e6:.1f} MB) before GC, "
             f"{g['chunks_after']:.0f} ({g['bytes_after'] / 1e6:.1f} MB) after; a dry run with "
             f"the default grace period spared {g['young_dry_run_spared']:.0f} young "

@@ -51,16 +51,16 @@ def bench(system: str, options: dict, bucket: str, np_states: list, warm: int,
     prefix = f"{bucket}/{'cas' if system == 'casstore' else 'plain'}-{uuid.uuid4().hex[:12]}"
     if system == "s3fs":
         fs = h.s3_fs(options, use_listings_cache=False)
-        peer, probes = h.peers.S3fs(fs, prefix), [h.peers.requests(fs)]
+        peer, probes = h.peers.S3fs(fs, prefix), []
         states = peer.prepare(np_states)
     else:
         store = CountingStore(casstore.open_store(f"s3://{prefix}", skip_instance_cache=True,
                                                   **options))
-        peer, fs = h.peers.Casstore(store), store.inner.fs
-        probes = [h.peers.requests(fs), h.peers.store_ops(store)]
+        peer, fs, probes = h.peers.Casstore(store), store.inner.fs, [h.peers.store_ops(store)]
         states = h.to_jax(np_states, h.device("cpu"))
     stored, out = h.peers.S3fs(fs, prefix).stored_bytes, {}  # a fresh listing of the prefix
-    phase = functools.partial(h.phase, out, warm=warm, probes=[*probes, h.peers.server_cpu])
+    phase = functools.partial(h.phase, out, warm=warm,
+                              probes=[h.peers.requests(fs), *probes, h.peers.server_cpu])
     phase("first_save_s", lambda: peer.save(1, states[0]))
     out.update({f"first_save_{k}": v for k, v in peer.saved(1).items()})
     out["first_save_stored_bytes"] = stored()
@@ -72,9 +72,7 @@ def bench(system: str, options: dict, bucket: str, np_states: list, warm: int,
         out["verified_leaves"] = h.verify_equal(np_states[0], got, f"{system} {key}",
                                                 peer.gives_jax and target is not None)
         del got
-    for name, step in (("changed_save", 2), ("unchanged_save", 3)):
-        phase(f"{name}_s", lambda s=step: peer.save(s, states[1]))
-        out.update({f"{name}_{k}": v for k, v in peer.saved(step).items()})
+    h.peers.save_steps(peer, states, phase, out)
     out["repo_bytes"] = stored()
     fs.rm(prefix, recursive=True)
     return out

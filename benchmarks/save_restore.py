@@ -35,6 +35,14 @@ FIGURES = [  # (key, label, unit): seconds "s", bytes "B", multiples "x"
     ("restore_rss_extra_bytes", "5. peak extra RSS, restore", "B"),
 ]
 FIGURE_KEYS = [key for key, _, _ in FIGURES]
+TARGETS = [  # (text, key, scale: casstore's figure / scale, or None: casstore / orbax; limit)
+    ("changed save writes <= 1.1x the changed leaves' zstd-1 bytes",
+     "changed_save_vs_changed_zstd", 1, 1.1),
+    ("unchanged save takes <= 0.05x orbax's time", "unchanged_save_s", None, 0.05),
+    ("unchanged save writes < 1 MB", "unchanged_save_written_bytes", 1e6, 1.0),
+    ("first save takes <= 0.8x orbax's time", "first_save_s", None, 0.8),
+    ("restore takes <= 0.8x orbax's time", "restore_s", None, 0.8),
+    ("first save stores <= 0.9x orbax's bytes", "first_save_disk_bytes", None, 0.9)]
 
 
 def bench(system: str, root: pathlib.Path, source: list, dev: jax.Device, args, warm: int,
@@ -47,16 +55,13 @@ def bench(system: str, root: pathlib.Path, source: list, dev: jax.Device, args, 
         phase("first_save_s", lambda: peer.save(1, states[0]), rss="save_rss_extra_bytes")
         out["first_save_disk_bytes"] = peer.stored_bytes()
         out["first_save_written_bytes"] = peer.saved(1)["written_bytes"]
-        for name, step in (("changed_save", 2), ("unchanged_save", 3)):
-            phase(f"{name}_s", lambda s=step: peer.save(s, states[1]))
-            out.update({f"{name}_{k}": v for k, v in peer.saved(step).items()})
+        h.peers.save_steps(peer, states, phase, out)
         out["repo_bytes"] = peer.stored_bytes()
         if peer.dedups:  # the others rewrite everything, as in step 3 (and a 4th orbax step
             fresh = jax.tree.map(lambda x: x.copy(), states[1])  # of gpt2-xl fills 64 GiB)
             phase("same_values_save_s", lambda: peer.save(4, fresh))
             del fresh
-        target = h.abstract_of(source[1], dev)
-        restored = phase("restore_s", lambda: peer.restore(3, target),
+        restored = phase("restore_s", lambda: peer.restore(3, h.abstract_of(source[1], dev)),
                          rss="restore_rss_extra_bytes")
         out["verified_leaves"] = h.verify_equal(source[1], restored, system, peer.gives_jax)
     out["changed_save_vs_changed_zstd"] = out["changed_save_written_bytes"] / changed_zstd
@@ -104,14 +109,8 @@ def table(result: dict) -> list[str]:
                      f"{c['unchanged_save_new_chunks']:.0f} new chunks")
     if {"casstore", "orbax"} <= set(res):
         c, vs = res["casstore"], lambda k: h.ratio(res["casstore"][k], res["orbax"][k])
-        lines += h.target_lines([
-            ("changed save writes <= 1.1x the changed leaves' zstd-1 bytes",
-             c["changed_save_vs_changed_zstd"], 1.1),
-            ("unchanged save takes <= 0.05x orbax's time", vs("unchanged_save_s"), 0.05),
-            ("unchanged save writes < 1 MB", c["unchanged_save_written_bytes"] / 1e6, 1.0),
-            ("first save takes <= 0.8x orbax's time", vs("first_save_s"), 0.8),
-            ("restore takes <= 0.8x orbax's time", vs("restore_s"), 0.8),
-            ("first save stores <= 0.9x orbax's bytes", vs("first_save_disk_bytes"), 0.9)])
+        lines += h.target_lines([(text, c[key] / scale if scale else vs(key), limit)
+                                 for text, key, scale, limit in TARGETS])
     return [*lines, f"- median of {result['repeat']} run(s); restores verified bit-exact; page "
             f"cache dropped before each phase: {h.yes(result['dropped_caches'])}; memory "
             f"warmed: {h.yes(result['warmed_bytes'])}"]

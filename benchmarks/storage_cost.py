@@ -13,7 +13,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import harness as h
-from harness import training, usage
+from harness import training
 
 SYSTEMS, SCENARIOS = ("delta", "whole", "orbax"), ("finetune", "restore", "pretrain")
 CODECS = {"default": None, "no-shuffle": False}  # --codecs -> save(..., shuffle=)
@@ -42,10 +42,10 @@ def run_steps(args, root: pathlib.Path, steps: int, state: object, step_fn, limi
             h.phase(fig, "save_s", lambda p=peer, i=i, s=state: p.save(i, s))
             per_step[system].append({**fig, **peer.saved(i)})
         kept.append(state if restore == "chain" else None)
-    raw = usage.raw_bytes(peers["delta"].url, steps - 1)
+    raw = training.raw_bytes(peers["delta"].url, steps - 1)
     out = {"steps": steps, "losses": losses, "changed_leaves_per_step": changed,
            "leaves": len(jax.tree.leaves(state)), "raw_bytes": raw,
-           "systems": {s: usage.summary(figs, peers[s].url if peers[s].dedups else None, raw)
+           "systems": {s: training.summary(figs, peers[s].url if peers[s].dedups else None, raw)
                        for s, figs in per_step.items()},
            "save_limit_s": h.limit.save_s(limit, raw["all"], np.mean(
                [f["written_bytes"] for f in per_step["delta"][1:]]))}

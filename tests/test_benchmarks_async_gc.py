@@ -47,7 +47,7 @@ def test_async_gc_benchmark_reports_every_figure_and_its_checks_pass(tmp_path, c
     assert gc["steps"] == bench.GC_STEPS
     assert len(gc["kept_steps"]) == bench.GC_KEEP
     for part in ("dry_run", "gc"):
-        for key, _ in bench.GC_FIGURES:
+        for key, _, _ in bench.GC_FIGURES:
             assert positive(gc[part][key]), (part, key, gc[part][key])
         assert gc[part]["manifests"] == bench.GC_KEEP
     assert gc["gc"]["deleted_chunks"] == gc["chunks_before"] - gc["chunks_after"]
@@ -68,6 +68,6 @@ def test_async_gc_benchmark_reports_every_figure_and_its_checks_pass(tmp_path, c
     for _, label, _ in bench.ASYNC_FIGURES:
         assert f"| {label}" in printed
     assert "casstore: limit / figure" in printed
-    for _, label in bench.GC_FIGURES:
+    for _, label, _ in bench.GC_FIGURES:
         assert f"| {label} |" in printed
     assert json.loads(out.read_text())["async"].keys() == set(bench.SYSTEMS)

@@ -112,7 +112,7 @@ def test_new_chunk_bytes_are_attributed_to_the_leaves_holding_them(tmp_path):
     casstore.save(url, 1, state(2.0), delta=False)  # new params/w, params/b and nu/w
     store = casstore.open_store(url)
     on_disk = sum(info.size for info in store.list("chunks/"))
-    step0, step1 = bench.usage.attribute(url, [0, 1])
+    step0, step1 = bench.training.attribute(url, [0, 1])
     assert math.isclose(step0["chunk_bytes"] + step1["chunk_bytes"], on_disk)
     assert step0["params"] > 0
     assert step0["mu"] > 0
@@ -123,9 +123,8 @@ def test_new_chunk_bytes_are_attributed_to_the_leaves_holding_them(tmp_path):
     assert step1["nu"] > 0
     assert step1["chain_depth"] == 0
     assert step1["delta_objects"] == 0
-    raw = bench.usage.raw_bytes(url, 1)
+    raw = bench.training.raw_bytes(url, 1)
     assert raw["params"] == raw["mu"] == raw["nu"] == 1_204_000
     assert raw["other"] == 4
-    assert [bench.usage.kind_of(p) for p in ("params/w", "opt_state/[0]/mu/b", "opt_state/[0]/nu/w",
-                                       "opt_state/[0]/count", "step")] == [
-        "params", "mu", "nu", "other", "other"]
+    paths = ("params/w", "opt_state/[0]/mu/b", "opt_state/[0]/nu/w", "opt_state/[0]/count", "step")
+    assert [bench.training.kind_of(p) for p in paths] == ["params", "mu", "nu", "other", "other"]

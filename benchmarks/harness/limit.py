@@ -1,13 +1,12 @@
 """The machine's limit, measured in the same run as the figures it judges (issue 33 item 1):
-the rates of benchmarks/README.md's table "The machine's limit", and :func:`save_s`,
-:func:`restore_s` and :func:`move_s`, the fastest save, restore and copy they allow. A figure's
-fraction of the limit is ``limit_s / figure_s``: 1.0 runs at the machine's limit."""
+the rates of README.md's "The machine's limit", and the fastest save, restore and copy they
+allow. A figure's fraction of the limit is ``limit_s / figure_s``: 1.0 runs at the limit."""
 
 import concurrent.futures as cf
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -33,19 +32,34 @@ def _rate(nbytes: int, fn: Callable[[], object], tries: int = 3) -> float:
     return nbytes / max(best, 1e-9)
 
 
-def _pool(threads: int, fn: Callable[[Any], object], items: Iterable) -> None:
-    with cf.ThreadPoolExecutor(threads) as pool:
-        list(pool.map(fn, items))
+def _local(root: Any, objects: dict[str, bytes], threads: int) -> tuple[Callable, Callable]:
+    """``(put_many(), get_many(n))`` of ``objects`` as files under ``root``: each written and
+    fsynced from ``threads`` threads, then the directory fsynced; read back from ``n``."""
+    def put(item: tuple[str, bytes]) -> None:
+        with open(root / item[0], "wb") as f:
+            f.write(item[1])
+            f.flush()
+            os.fsync(f.fileno())
+
+    def get(key: str) -> None:
+        with open(root / key, "rb") as f:
+            f.readinto(bytearray(os.fstat(f.fileno()).st_size))
+
+    def pool(n: int, fn: Callable, items: Any) -> None:
+        with cf.ThreadPoolExecutor(n) as ex:
+            list(ex.map(fn, items))
+
+    return (lambda: (pool(threads, put, objects.items()), fsync_path(root)),
+            lambda n: pool(n, get, objects))
 
 
 def measure(nbytes: int, *, base_dir: str | None = None, drop: bool = False, fs: Any = None,
             prefix: str = "") -> dict:
-    """The limit's rates (bytes per second) on a sample of ``min(nbytes, 256 MiB)`` in at least
-    4 objects of N(0, 0.02) float32: the CPU's on one thread times the workers; the store's on
-    local disk under ``base_dir`` (a scratch directory in it), written from ``2 x workers``
-    threads (at least 4), read from as many and twice as many, the faster, after dropping the
-    page cache with ``drop`` where permitted (``read_cold``); or, given an S3 filesystem ``fs``,
-    under ``prefix`` (removed afterwards) with one ``fs.pipe``, read with one ``fs.cat``."""
+    """The limit's rates (bytes per second) on ``min(nbytes, 256 MiB)`` of N(0, 0.02) float32
+    in at least 4 objects: the CPU's on one thread times the workers; local disk's under
+    ``base_dir`` from ``2 x workers`` threads (at least 4; reads also from twice as many, the
+    faster), the page cache dropped with ``drop`` where permitted (``read_cold``); or an S3
+    filesystem ``fs``'s under ``prefix`` (removed afterwards), one ``fs.pipe`` and ``fs.cat``."""
     n_workers, threads = workers(), max(4, 2 * workers())
     nbytes = min(nbytes, 256 << 20)
     size = max(64 << 10, min(16 << 20, nbytes // 4)) // 4 * 4
@@ -67,20 +81,8 @@ def measure(nbytes: int, *, base_dir: str | None = None, drop: bool = False, fs:
     objects = {f"limit-{k:04d}": bytes(b) for k, b in enumerate(blocks)}
     with contextlib.ExitStack() as stack:
         if fs is None:
-            root = stack.enter_context(scratch(base_dir, "limit"))
-
-            def put(item: tuple[str, bytes]) -> None:
-                with open(root / item[0], "wb") as f:
-                    f.write(item[1])
-                    f.flush()
-                    os.fsync(f.fileno())
-
-            def get(key: str) -> None:
-                with open(root / key, "rb") as f:
-                    f.readinto(bytearray(os.fstat(f.fileno()).st_size))
-
-            put_many = lambda: (_pool(threads, put, objects.items()), fsync_path(root))  # noqa: E731
-            get_many = lambda n: _pool(n, get, objects)  # noqa: E731
+            put_many, get_many = _local(stack.enter_context(scratch(base_dir, "limit")),
+                                        objects, threads)
         else:
             stack.callback(fs.rm, prefix, recursive=True)
             put_many = lambda: fs.pipe({f"{prefix}/{k}": v for k, v in objects.items()})  # noqa: E731
@@ -99,17 +101,17 @@ def measure(nbytes: int, *, base_dir: str | None = None, drop: bool = False, fs:
 
 
 def save_s(lim: dict, raw: float, stored: float) -> float:
-    """The fastest save (seconds) of ``raw`` bytes stored as ``stored`` bytes: the CPU work of
-    hashing and encoding overlapped with writing what it stores, or hashing and writing raw."""
+    """The fastest save of ``raw`` bytes stored as ``stored``: hashing and encoding overlapped
+    with writing what it stores, or hashing and writing raw, whichever is faster."""
     encoded = max(raw * (1 / lim["hash_bps"] + 1 / lim["encode_bps"]), stored / lim["write_bps"])
     return min(encoded, max(raw / lim["hash_bps"], raw / lim["write_bps"]))
 
 
 def restore_s(lim: dict, raw: float, stored: float, cold: bool = False) -> float:
-    """The fastest restore (seconds) of ``stored`` bytes into ``raw`` bytes: copying, first
-    touch and decoding (the hash alone for a state stored raw) overlapped with the read, which
-    counts unless the restore was warm (``cold`` False) and the limit's read was not; a read
-    from a warm page cache is CPU work on the decoding cores, so the decoding adds to it."""
+    """The fastest restore of ``stored`` bytes into ``raw``: copying, first touch and decoding
+    (the hash alone for a state stored raw) overlapped with the read, which counts unless the
+    restore was warm and the limit's read was not; a read from a warm local page cache is CPU
+    work on the decoding cores, so the decoding adds to it."""
     decode = lim["hash_bps"] if stored >= raw else lim["decode_bps"]
     cpu = stored / lim["copy_bps"] + raw / lim["touch_bps"] + raw / decode
     if lim["store"] == "local disk" and not lim["read_cold"]:
@@ -118,8 +120,8 @@ def restore_s(lim: dict, raw: float, stored: float, cold: bool = False) -> float
 
 
 def move_s(nbytes: float, src: dict, dst: dict) -> float:
-    """The fastest copy (seconds) of ``nbytes`` stored bytes from the store of rates ``src`` to
-    that of ``dst``: at the slower of the source's read and the destination's write."""
+    """The fastest copy of ``nbytes`` stored bytes: the source's read or the destination's
+    write, the slower."""
     return nbytes / min(src["read_bps"], dst["write_bps"])
 
 

@@ -1,7 +1,6 @@
 """The systems a benchmark compares, behind one interface (:class:`Peer`): casstore (``save`` /
-``restore``, or its ``CheckpointManager``), orbax-checkpoint (``StandardCheckpointer``),
-safetensors (one file per step, fsynced) and plain s3fs (one object per leaf); and the probes of
-an S3 phase (:func:`harness.timing.phase`)."""
+``restore``, or its ``CheckpointManager``), orbax (``StandardCheckpointer``), safetensors and
+plain s3fs; cold and warm restores from each; the probes of an S3 phase."""
 
 import collections
 import contextlib
@@ -28,12 +27,10 @@ SAVE_INFO = ("written_bytes", "new_chunks", "reused_chunks", "delta_chunks",
 
 
 class Peer(contextlib.AbstractContextManager):
-    """A system saving steps of a state under ``root`` and restoring them. ``prepare(states)``
-    (untimed) gives what ``save(step, state)`` takes; ``save`` returns once the step is durable
-    (``save_async`` then ``wait`` where the system saves in the background); ``saved(step)``
-    gives its figures, at least ``written_bytes``; ``restore(step, target)`` the state, ready:
-    jax arrays where ``gives_jax``, else ``{name: array}``. ``dedups``: a save stores only what
-    earlier steps lack."""
+    """Saves steps of a state under ``root``: ``prepare(states)`` (untimed) gives what
+    ``save(step, state)`` takes (``save_async`` then ``wait`` where it saves in the background);
+    ``saved(step)`` its figures, at least ``written_bytes``; ``restore(step, target)`` jax
+    arrays where ``gives_jax``, else ``{name: array}``. ``dedups``: stores only what is new."""
 
     gives_jax, dedups = True, False
 
@@ -58,8 +55,8 @@ class Peer(contextlib.AbstractContextManager):
 
 
 class Casstore(Peer):
-    """``casstore.save(url, step, state, **options)``, ``casstore.restore(url, step,
-    target=target)``; ``url`` a path or a Store."""
+    """``casstore.save(url, step, state, **options)`` and ``casstore.restore``; ``url`` a path
+    or a Store."""
 
     dedups = True
 
@@ -103,9 +100,8 @@ class CasstoreManager(Casstore):
 
 
 class Orbax(Peer):
-    """``ocp.StandardCheckpointer`` (it fsyncs its files), a step per directory ``root / step``,
-    durable after ``wait_until_finished()``. It rewrites the whole state every step: a step's
-    written bytes are its directory's size."""
+    """``ocp.StandardCheckpointer`` (it fsyncs), a directory ``root / step`` per step, durable
+    after ``wait_until_finished()``; it rewrites the whole state every step."""
 
     def __init__(self, root: pathlib.Path):
         import orbax.checkpoint as ocp
@@ -130,8 +126,8 @@ class Orbax(Peer):
 
 
 class Safetensors(Peer):
-    """``safetensors.numpy.save_file`` of the flattened state's host copies to ``root /
-    f"{step}.safetensors"``, fsynced with its directory; restore is ``load_file``."""
+    """``safetensors.numpy.save_file`` of the flattened host copies to ``root /
+    "{step}.safetensors"``, fsynced with its directory; restore is ``load_file``."""
 
     gives_jax = False
 
@@ -155,9 +151,8 @@ class Safetensors(Peer):
 
 
 class S3fs(Peer):
-    """What a user without casstore does: every leaf an object ``root/step/name``, a step
-    uploaded with one ``fs.pipe({path: array.tobytes()})``, read with one ``fs.cat([...])`` and
-    ``np.frombuffer`` into the target's shapes."""
+    """Without casstore: every leaf an object ``root/step/name``, a step uploaded with one
+    ``fs.pipe``, read with one ``fs.cat`` and ``np.frombuffer`` into the target's shapes."""
 
     gives_jax = False
 
@@ -188,12 +183,20 @@ class S3fs(Peer):
         return sum(info["size"] for info in self.fs.find(self.root, detail=True).values())
 
 
+def save_steps(peer: Peer, states: list, phase_: Callable, out: dict,
+               steps: tuple = (2, 3)) -> None:
+    """The changed save (``states[1]`` as ``steps[0]``) and the unchanged one (again as
+    ``steps[1]``), timed by ``phase_(key, fn)``, with their :meth:`Peer.saved` figures."""
+    for name, step in zip(("changed_save", "unchanged_save"), steps):
+        phase_(f"{name}_s", lambda s=step: peer.save(s, states[1]))
+        out.update({f"{name}_{k}": v for k, v in peer.saved(step).items()})
+
+
 def cold_and_warm(peers: dict[str, Peer], ours: str, step: int, expected: Any, args: Any,
                   lim: dict, stored: int) -> dict:
-    """Restores ``step`` into CPU jax arrays from each of ``peers`` (rotating, ``args.repeat``
-    times), cold (after dropping the page cache with ``--drop-caches``, else NaN) then warm,
-    each checked bit-exact: medians, ``ours``'s ratios to the others and the limits of a
-    restore of ``stored`` bytes (limit.restore_s)."""
+    """Restores ``step`` into CPU jax arrays from each peer (rotating, ``args.repeat`` times),
+    cold (with ``--drop-caches``, else NaN) then warm, each checked bit-exact: medians,
+    ``ours``'s ratios to the others and the limits of a restore of ``stored`` bytes."""
     target, raw = abstract_of(expected, device("cpu")), state_bytes(expected)
 
     def one(system: str) -> dict:
@@ -218,29 +221,24 @@ def cold_and_warm(peers: dict[str, Peer], ours: str, step: int, expected: Any, a
 
 
 def requests(fs: Any) -> Callable[[], dict]:
-    """Probe: the S3 API calls of an s3fs filesystem's client, by operation (``request_ops``)
-    and in all (``requests``); a retried call counts once."""
+    """Probe: an s3fs filesystem's S3 API calls, by operation (``request_ops``) and in all
+    (``requests``); a retried call counts once."""
     counts: collections.Counter[str] = collections.Counter()
-
-    def count(model: Any, **_: Any) -> None:
-        counts[model.name] += 1
-
     fs.connect()  # creates the aiobotocore client, fs.s3
-    fs.s3.meta.events.register("before-call.s3", count)
+    fs.s3.meta.events.register("before-call.s3", lambda model, **_: counts.update([model.name]))
     return lambda: {"request_ops": collections.Counter(counts), "requests": counts.total()}
 
 
 def server_cpu() -> dict:
-    """Probe: CPU seconds of this process's children: the servers it started (``server_cpu_s``;
-    NaN with none, as with ``--endpoint``) and the programs that ran and exited, such as rclone
-    (``program_cpu_s``)."""
-    children = psutil.Process().children(recursive=True)
-    total = 0.0 if children else float("nan")
+    """Probe: CPU seconds of this process's live children, the servers it started
+    (``server_cpu_s``; NaN with none), and of those that exited, as rclone (``program_cpu_s``)."""
+    children, total = psutil.Process().children(recursive=True), 0.0
     for child in children:
         with contextlib.suppress(psutil.Error):
             total += sum(child.cpu_times()[:2])
     exited = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return {"server_cpu_s": total, "program_cpu_s": exited.ru_utime + exited.ru_stime}
+    return {"server_cpu_s": total if children else math.nan,
+            "program_cpu_s": exited.ru_utime + exited.ru_stime}
 
 
 def store_ops(store: Any) -> Callable[[], dict]:

@@ -70,8 +70,7 @@ def figure_table(res: dict[str, dict], figures: list[tuple[str, str, str]], cols
                  ratios: list[tuple[str, str]] | None = None) -> list[str]:
     """A markdown table of ``figures`` ``(key, label, unit)``: a column per system of ``cols``
     (``res[system][key]``), the ``ratios`` ``(a, b)`` (default: each other system to ``ref``),
-    then, for the keys of ``limits`` (the machine's limit in seconds), the limit and each
-    system's limit / figure."""
+    then, for the keys of ``limits`` (the machine's limit, seconds), it and limit / figure."""
     if ratios is None:
         ratios = [(s, ref) for s in cols if s != ref] if ref in res else []
     limits, rows = limits or {}, []
@@ -109,9 +108,8 @@ def limit_lines(lim: dict, title: str = "The machine's limit, measured in this r
 
 
 def cold_warm_table(restore: dict, label: str, ours: str, targets: dict[str, float]) -> list:
-    """``peers.cold_and_warm``'s figures: cold and warm restore seconds and CPU per system,
-    ``ours``'s ratios to the others, the limit, and the targets of those ratios ``{other:
-    limit}``."""
+    """``peers.cold_and_warm``'s figures with ``ours``'s ratios to the others, the limit, and
+    the targets of those ratios ``{other: limit}``."""
     figures = [(f"{p}{'_cpu' * cpu}_s", f"{p} restore{' CPU' * cpu}", "s")
                for cpu in (0, 1) for p in ("cold", "warm")]
     figures.append(("warm_disk_read_bytes", "warm restore, read from disk", "B"))

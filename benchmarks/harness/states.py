@@ -1,7 +1,6 @@
-"""The states every benchmark saves: GPT-2-shaped train states (HF ``GPT2LMHeadModel`` names,
-adam ``mu`` and ``nu``, an int32 ``count``), made with numpy (README.md's figures were measured
-on exactly these values) or, for ``gpt2-xl`` (18.7 GB), with ``jax.random`` on the device; and
-the bit-exact checks of what comes back."""
+"""The states benchmarks save: GPT-2-shaped train states (HF names, adam ``mu`` and ``nu``, an
+int32 ``count``) made with numpy or, for ``gpt2-xl``, with ``jax.random`` on the device; and the
+bit-exact checks of what comes back."""
 
 import functools
 import itertools
@@ -18,7 +17,6 @@ from .timing import seconds
 SIZES = {  # GPT-2 shapes: vocabulary, context, width, blocks
     "gpt2-xl": {"vocab": 50257, "ctx": 1024, "width": 1600, "blocks": 48},
     "gpt2": {"vocab": 50257, "ctx": 1024, "width": 768, "blocks": 12},
-    "small": {"vocab": 50257, "ctx": 1024, "width": 256, "blocks": 12},  # 0.27 GB
     "tiny": {"vocab": 1000, "ctx": 64, "width": 64, "blocks": 3},
 }
 JAX_SIZES = ("gpt2-xl",)  # made with jax.random on the device, not with numpy
@@ -29,18 +27,12 @@ KINDS = ("params", "mu", "nu")
 def _gpt2_tree(make: Callable[[tuple[int, ...]], Any], vocab: int, ctx: int, width: int,
                blocks: int) -> dict:
     """GPT-2's parameters, each leaf ``make(shape)``."""
-    def ln() -> dict:
-        return {"g": make((width,)), "b": make((width,))}
-
-    def dense(n_in: int, n_out: int) -> dict:
-        return {"w": make((n_in, n_out)), "b": make((n_out,))}
-
-    def block() -> dict:
-        return {"ln_1": ln(), "attn": {"c_attn": dense(width, 3 * width),
-                                       "c_proj": dense(width, width)},
-                "ln_2": ln(), "mlp": {"c_fc": dense(width, 4 * width),
-                                      "c_proj": dense(4 * width, width)}}
-
+    ln = lambda: {"g": make((width,)), "b": make((width,))}  # noqa: E731
+    dense = lambda n, m: {"w": make((n, m)), "b": make((m,))}  # noqa: E731
+    block = lambda: {"ln_1": ln(), "attn": {"c_attn": dense(width, 3 * width),  # noqa: E731
+                                            "c_proj": dense(width, width)},
+                     "ln_2": ln(), "mlp": {"c_fc": dense(width, 4 * width),
+                                           "c_proj": dense(4 * width, width)}}
     return {"wte": make((vocab, width)), "wpe": make((ctx, width)),
             "h": [block() for _ in range(blocks)], "ln_f": ln()}
 

@@ -20,8 +20,7 @@ HERE = pathlib.Path(__file__).resolve().parents[1]  # benchmarks/
 
 
 def load_module(name: str, path: pathlib.Path) -> Any:
-    """Imports the file at ``path`` as module ``name``, once (``tests/servers.py``, an
-    example)."""
+    """Imports the file at ``path`` as module ``name``, once."""
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, path)
         sys.modules[name] = importlib.util.module_from_spec(spec)
@@ -56,10 +55,8 @@ def scratch(base_dir: str | None, name: str) -> Iterator[pathlib.Path]:
 
 @contextlib.contextmanager
 def s3_server(args: Any) -> Iterator[dict]:
-    """Storage options of an S3 server: ``args.endpoint`` (with ``args.key`` and
-    ``args.secret``, else anonymous), or a fresh SeaweedFS on loopback (``tests/servers.py``)
-    keeping its data under ``args.dir``. Raises ValueError where ``args.dir`` is too long a
-    path for SeaweedFS's unix sockets."""
+    """Storage options of ``args.endpoint`` (``args.key`` and ``args.secret``, else anonymous)
+    or of a fresh SeaweedFS on loopback (``tests/servers.py``) with its data under ``args.dir``."""
     if args.endpoint:
         yield ({"endpoint_url": args.endpoint, "key": args.key, "secret": args.secret}
                if args.key else {"endpoint_url": args.endpoint, "anon": True})
@@ -80,9 +77,8 @@ def s3_fs(options: dict, **kw: Any) -> Any:
 
 
 def new_bucket(options: dict) -> str:
-    """Creates a bucket and writes one small object into it (SeaweedFS allocates a bucket's
-    volumes at its first write, 0.3-1 s, which no timed phase should pay for); returns its
-    name."""
+    """A new bucket's name, with one small object written: SeaweedFS allocates a bucket's
+    volumes at its first write (0.3-1 s), which no timed phase should pay for."""
     bucket, fs = f"casstore-bench-{uuid.uuid4().hex[:12]}", s3_fs(options)
     fs.mkdir(bucket)
     fs.pipe_file(f"{bucket}/warm-up", b"x")
@@ -121,9 +117,8 @@ def rclone_env(name: str, options: dict) -> dict[str, str]:
 
 
 def rclone_copy(src: str, dst: str, env: dict[str, str], program: str = "rclone") -> None:
-    """``rclone copy --transfers 16 SRC DST`` with the remotes of ``env`` (:func:`rclone_env`),
-    without ``AWS_CA_BUNDLE`` (rclone's S3 backend refuses to start with it; the loopback
-    servers speak plain HTTP). Raises RuntimeError, ending with rclone's stderr, if it fails."""
+    """``rclone copy --transfers 16 SRC DST`` with the remotes of ``env``, without
+    ``AWS_CA_BUNDLE`` (rclone refuses to start with it); RuntimeError if it fails."""
     env = {**{k: v for k, v in os.environ.items() if k != "AWS_CA_BUNDLE"}, **env}
     proc = subprocess.run([program, "copy", "--transfers", "16", src, dst], env=env,
                           capture_output=True, text=True)

@@ -116,11 +116,9 @@ def settle(warm_bytes: int = 0, drop: bool = False) -> bool:
 
 def phase(out: dict, key: str, fn: Callable[[], Any], *, warm: int = 0, drop: bool = False,
           rss: str | None = None, probes: Iterable[Callable[[], dict]] = ()) -> Any:
-    """Runs ``fn`` after :func:`settle` (``warm``, ``drop``); returns its result. Into ``out``,
-    with ``name`` = ``key`` less ``_s``: ``key`` wall seconds, ``name_cpu_s`` CPU seconds,
-    ``name_disk_read_bytes`` bytes read from storage devices, ``rss`` the peak extra RSS, and
-    ``name_K`` the change of each reading K of the ``probes`` (numbers or Counters);
-    ``dropped_caches`` stays True while every drop was asked for and done."""
+    """``fn()`` after :func:`settle`; into ``out`` (``name`` = ``key`` less ``_s``): ``key`` wall
+    and ``name_cpu_s`` CPU seconds, ``name_disk_read_bytes``, the peak extra RSS as ``rss``, the
+    change ``name_K`` of each reading K of ``probes``; ``dropped_caches``: every drop done."""
     out["dropped_caches"] = settle(warm, drop) and out.get("dropped_caches", True)
     name, proc, probes = key.removesuffix("_s"), psutil.Process(), list(probes)
     before = [probe() for probe in probes]
