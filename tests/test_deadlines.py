@@ -174,10 +174,12 @@ def test_manager_surfaces_a_stalled_background_save_and_recovers(object_servers)
     server = object_servers["seaweedfs"]
     url = server.url_for("manager")
     with fault_proxy(server.endpoint_url) as proxy:
-        mngr = casstore.CheckpointManager(url, **options(server, proxy.endpoint_url),
-                                          **DEADLINES)
+        store = FsspecStore.from_url(url, **options(server, proxy.endpoint_url), **DEADLINES)
+        store.policy.operation_timeout_s = 30.0  # OPERATION_S from the stall on (a loaded
+        mngr = casstore.CheckpointManager(store)  # machine once took longer before it)
         mngr.save(0, tree_for(0))
         mngr.wait_until_finished()
+        store.policy.operation_timeout_s = OPERATION_S
         proxy.set("stall")
         t0 = time.monotonic()
         assert mngr.save(1, tree_for(1), force=True)  # returns at once: the save is queued

@@ -307,9 +307,13 @@ def test_a_stalled_persistent_tier_never_blocks_save_and_its_error_names_step_an
         remote = FsspecStore.from_url(url, **{**server.storage_options,
                                               "endpoint_url": proxy.endpoint_url}, **DEADLINES)
         remote.policy.backoff_s = 0.05
+        # The 2 s deadline only from the stall on: on a loaded machine the manager's first
+        # listing of the persistent tier once took longer before anything stalled.
+        remote.policy.operation_timeout_s = 30.0
         mngr = manager(tmp_path / "local", remote, persist_interval_steps=1)
         mngr.save(0, tree_for(0))
         assert mngr.wait_until_persisted()
+        remote.policy.operation_timeout_s = DEADLINES["operation_timeout_s"]
         proxy.set("stall")
         blocked = []
         error = None
