@@ -48,6 +48,31 @@ def test_gc_deletes_only_unreferenced_chunks_older_than_the_grace(tmp_path):
     assert casstore.gc(store, grace_period_s=0).deleted_chunks == 0  # re-run is a no-op
 
 
+def test_gc_keeps_the_chunks_of_a_run_and_of_chunks_moved_elsewhere_and_linked_back(tmp_path):
+    """A run's directory and a chunk directory moved to another disk and symlinked back: every
+    reader goes through the links, so GC (and the listings of ls and verify) must too; a
+    link to an ancestor is walked once, not forever."""
+    root = tmp_path / "repo"
+    rng = np.random.default_rng(0)
+    trees = {run: {"w": rng.standard_normal(5000).astype(np.float32)} for run in ("a", "b")}
+    for run, tree in trees.items():
+        casstore.save(root, 0, tree, run=run)
+    moved = tmp_path / "other-disk"
+    moved.mkdir()
+    os.replace(root / "runs" / "b", moved / "b")
+    os.symlink(moved / "b", root / "runs" / "b")
+    some_chunks = next(p for p in sorted((root / "chunks").iterdir()) if p.is_dir())
+    os.replace(some_chunks, moved / some_chunks.name)
+    os.symlink(moved / some_chunks.name, some_chunks)
+    os.symlink(root / "runs", root / "runs" / "b" / "loop")  # an ancestor: walked once
+    assert casstore.list_runs(root) == ["a", "b"]
+    info = casstore.gc(root, grace_period_s=0)
+    assert (info.deleted_chunks, info.manifests, info.referenced_chunks) == (0, 2, 2)
+    assert casstore.verify(root).ok
+    for run, tree in trees.items():
+        assert casstore.restore(root, 0, run=run)["w"].tobytes() == tree["w"].tobytes()
+
+
 def test_gc_counts_every_run_and_refuses_on_a_bad_manifest(tmp_path):
     store = MemoryStore()
     casstore.save(store, 0, {"x": np.arange(5000)}, run="a")

@@ -25,6 +25,26 @@ _TEMPORARY = re.compile(r"\..+\.[0-9a-f]{32}\.tmp")  # a write's temporary file 
 MAX_SPLIT_READ = 1 << 30  # bytes: larger objects are read whole (one preadv reads < 2 GiB)
 
 
+def _walk(top: str) -> Iterator[tuple[str, list[str], list[str]]]:
+    """``os.walk(top)`` in sorted order, without hidden directories, into directories that are
+    symlinks too (a run or the chunks moved to another disk and linked back: every reader
+    opens paths through them, so GC must see what they hold), each directory once (a link to
+    an ancestor would loop)."""
+    seen = set()
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
+        try:
+            st = os.stat(dirpath)
+        except FileNotFoundError:  # deleted while listing
+            dirnames[:] = []
+            continue
+        if (st.st_dev, st.st_ino) in seen:
+            dirnames[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        yield dirpath, dirnames, filenames
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -132,7 +152,7 @@ class LocalStore(Store):
         """Deletes the temporary files (``.<name>.<hex>.tmp``, see ``_put``) of writers killed
         before their rename, once older than ``older_than_s`` seconds; returns their bytes."""
         freed, now = 0, time.time()
-        for dirpath, _, filenames in os.walk(self.root):
+        for dirpath, _, filenames in _walk(self.root):
             for name in filenames:
                 path = os.path.join(dirpath, name)
                 with contextlib.suppress(FileNotFoundError):
@@ -144,8 +164,7 @@ class LocalStore(Store):
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        for dirpath, dirnames, filenames in os.walk(self._path(base) if base else self.root):
-            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for dirpath, _, filenames in _walk(self._path(base) if base else self.root):
             rel = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
             for name in sorted(filenames):
                 key = name if rel == "." else f"{rel}/{name}"
