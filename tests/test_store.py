@@ -1,6 +1,9 @@
 """Every store backend passes the same contract suite (casstore.testing.StoreContract)."""
 
+import concurrent.futures
+import contextlib
 import errno
+import functools
 import json
 import os
 import re
@@ -250,6 +253,57 @@ def test_a_directory_or_a_device_in_place_of_a_local_object_is_no_object(tmp_pat
         with pytest.raises(casstore.StepNotFoundError,
                            match=rf"{says}.*url '{re.escape(store.url)}'.*step 0\)"):
             casstore.restore(store, 0)
+
+
+def test_a_fifo_in_place_of_a_local_object_is_no_object_and_no_read_waits_for_it(tmp_path):
+    """Opening a FIFO for reading waits for a writer: verify and restore of a step with a FIFO
+    at a chunk's key, and any read of a FIFO config or manifest, hung for good. Each call
+    runs in a thread, so a hang fails the test after 60 s instead of blocking the suite."""
+    store = LocalStore(tmp_path / "r")
+    casstore.save(store, 0, {"w": np.arange(100_000.0)})
+    [chunk] = [o.key for o in store.list("chunks/")]
+
+    def error_of(call, *args) -> Exception:
+        with pytest.raises(casstore.CasstoreError) as error:
+            call(*args)
+        return error.value
+
+    def release_readers():  # a reader a FIFO blocks gets its EOF once a writer came and went
+        for key in (chunk, "config"):
+            with contextlib.suppress(OSError):
+                os.close(os.open(store._path(key), os.O_WRONLY | os.O_NONBLOCK))
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit = functools.partial(_submitted, pool.submit, release_readers)
+        for key, restore_error, kinds in ((chunk, "chunk object missing", ["missing"]),
+                                          ("config", "config object missing",
+                                           ["config", "missing"])):
+            os.unlink(store._path(key))
+            os.mkfifo(store._path(key))
+            for read in (store.get, lambda k: store.get_into(k, None)):
+                with pytest.raises(casstore.ObjectNotFoundError, match="not a regular file"):
+                    pool.submit(read, key).result(timeout=60)
+            report = pool.submit(casstore.verify, store, 0).result(timeout=60)
+            assert sorted(p.kind for p in report.problems) == kinds
+            error = pool.submit(error_of, casstore.restore, store, 0).result(timeout=60)
+            assert restore_error in str(error)
+
+
+def _submitted(submit, release, *args) -> concurrent.futures.Future:
+    """``submit(*args)``, whose ``result(timeout)`` calls ``release`` before it raises
+    TimeoutError (so that a hung call ends and the pool can shut down)."""
+    future = submit(*args)
+    result = future.result
+
+    def released(timeout=None):
+        try:
+            return result(timeout)
+        except concurrent.futures.TimeoutError:
+            release()
+            raise
+
+    future.result = released
+    return future
 
 
 def test_a_url_with_an_empty_path_segment_is_refused():

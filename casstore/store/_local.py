@@ -97,23 +97,23 @@ class LocalStore(Store):
 
     def head(self, key: str, nbytes: int) -> bytes:
         """The first ``nbytes`` bytes (-1: all of them)."""
-        try:
-            with open(self._path(key), "rb") as f:
-                _regular(f, self._path(key))
-                return f.read(nbytes)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise ObjectNotFoundError("no such object", url=self._path(key)) from None
+        fd, _ = _open_regular(self._path(key))
+        with open(fd, "rb") as f:
+            return f.read(nbytes)
 
     def get_into(self, key: str, buffer: np.ndarray | None) -> tuple[memoryview, np.ndarray]:
-        try:
-            with open(self._path(key), "rb", buffering=0) as f:
-                size = _regular(f, self._path(key)).st_size
-                if buffer is None or buffer.size < size:
-                    buffer = mapped(size)
-                view = memoryview(buffer)[:size]
-                got = f.readinto(view)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise ObjectNotFoundError("no such object", url=self._path(key)) from None
+        fd, info = _open_regular(self._path(key))
+        size = info.st_size
+        with open(fd, "rb", buffering=0) as f:
+            if buffer is None or buffer.size < size:
+                buffer = mapped(size)
+            view = memoryview(buffer)[:size]
+            got = 0
+            while got < size:  # one read(2) returns at most 2 GiB - 4 KiB on Linux
+                n = f.readinto(view[got:])
+                if not n:
+                    break
+                got += n
         if got != size:  # the object is immutable: a short read means it changed under us
             raise OSError(f"short read of {self._path(key)}: {got} of {size} bytes")
         return view, buffer
@@ -122,12 +122,9 @@ class LocalStore(Store):
         total = len(head) + memoryview(body).nbytes
         if total > MAX_SPLIT_READ or not hasattr(os, "preadv"):
             return False
+        fd, info = _open_regular(self._path(key))
         try:
-            fd = os.open(self._path(key), os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise ObjectNotFoundError("no such object", url=self._path(key)) from None
-        try:
-            if os.fstat(fd).st_size != total:
+            if info.st_size != total:
                 return False
             got = os.preadv(fd, [head, body], 0)
         finally:
@@ -225,14 +222,21 @@ class LocalStore(Store):
             _fsync_dir(os.path.dirname(self._path(key)))
 
 
-def _regular(f, path: str) -> os.stat_result:
-    """``f``'s stat; an object is a regular file, so a device, a FIFO or a socket there (a
-    symlink to ``/dev/zero`` would be read forever) is no object.
+def _open_regular(path: str) -> tuple[int, os.stat_result]:
+    """A descriptor open for reading on ``path`` and its stat. An object is a regular file, so
+    a device, a FIFO or a socket there (a symlink to ``/dev/zero`` would be read forever) is
+    no object; the open does not block (``O_NONBLOCK``: opening a FIFO would wait for a writer
+    forever), which changes nothing for a regular file's reads.
 
     Raises:
-      ObjectNotFoundError: ``f`` is not a regular file.
+      ObjectNotFoundError: nothing is at ``path``, or it is not a regular file.
     """
-    info = os.fstat(f.fileno())
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        raise ObjectNotFoundError("no such object", url=path) from None
+    info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
         raise ObjectNotFoundError("no such object (not a regular file)", url=path)
-    return info
+    return fd, info
