@@ -164,7 +164,11 @@ def _held_by(store: Store, keys: list[str]) -> str:
 @contextlib.contextmanager
 def save_lock(store: Store) -> Iterator[Lease]:
     """Holds a save lock for the body, after any GC that holds its lock has finished, and
-    keeps it fresh (:class:`Lease`, whose ``check`` the body calls before each commit)."""
+    keeps it fresh (:class:`Lease`, whose ``check`` the body calls before each commit).
+
+    The lock is put, then GC locks are looked for (format.md §8); after waiting for a GC it
+    is put again and GC locks looked for again: the lock is not refreshed while it waits,
+    and a GC that began meanwhile may have found it stale (a wait of hours on a long GC)."""
     lease = Lease(store, "save")
     stored = True  # a put whose answer was lost may be stored all the same
     try:
@@ -175,12 +179,15 @@ def save_lock(store: Store) -> Iterator[Lease]:
             raise
         since = time.monotonic()
         while gc := _live(store, "gc"):
-            if since is not None and time.monotonic() - since > WAIT_NOTICE_S:
-                since = None  # said once
-                log.warning("casstore: a save to %s waits for garbage collection to finish "
-                            "(lock %s); a GC lock not refreshed for %g s is ignored", store.url,
-                            ", ".join(gc), GC_LOCK_STALE_S)
-            time.sleep(POLL_S)
+            while gc:
+                if since is not None and time.monotonic() - since > WAIT_NOTICE_S:
+                    since = None  # said once
+                    log.warning("casstore: a save to %s waits for garbage collection to "
+                                "finish (lock %s); a GC lock not refreshed for %g s is "
+                                "ignored", store.url, ", ".join(gc), GC_LOCK_STALE_S)
+                time.sleep(POLL_S)
+                gc = _live(store, "gc")
+            _put_lock(store, "save", lease.key)  # fresh again, then look for GCs again
         lease.start()
         yield lease
     finally:

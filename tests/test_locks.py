@@ -33,6 +33,32 @@ def test_a_live_gc_lock_holds_a_save_and_a_stale_one_does_not(tmp_path, monkeypa
     assert casstore.list_steps(store) == [0, 1]
 
 
+def test_a_save_that_waited_for_a_long_gc_puts_its_lock_again_before_it_starts(tmp_path,
+                                                                                 monkeypatch):
+    """A save waits for a GC without refreshing its lock: after a wait longer than the stale
+    age, the next GC took the live save's lock for a dead process's and deleted a chunk the
+    save then found present and reused (a committed step without it)."""
+    monkeypatch.setattr(_locks, "STALE_LOCK_S", 2.0)
+    monkeypatch.setattr(_locks, "SAVE_LOCK_REFRESH_S", 3600.0)  # no refresh within the test
+    store = LocalStore(tmp_path / "repo")
+    gc = _locks._put_lock(store, "gc")  # a live GC, running longer than STALE_LOCK_S
+    ages = []
+
+    def save():
+        with _locks.save_lock(store):
+            (key,) = [info.key for info in store.list("locks/") if "save-" in info.key]
+            ages.append(time.time() - store.stat(key).mtime)
+
+    saver = threading.Thread(target=save)
+    saver.start()
+    time.sleep(2.5)  # the save's first put is now stale
+    assert not ages  # still waiting for the GC
+    store.delete(gc)
+    saver.join(30)
+    assert len(ages) == 1
+    assert ages[0] < 1.0, ages  # put again after the wait: a GC finds it live
+
+
 def test_a_save_lock_held_for_longer_than_the_stale_age_stays_live(tmp_path, monkeypatch):
     """A copy of terabytes holds its save lock for hours: it is re-put, so GC never takes it
     for a dead process's and sweeps chunks the copy counted on; none is left after it."""
