@@ -26,6 +26,7 @@ from ._errors import (
     warn_read_again,
 )
 from ._layout import CONFIG_KEY, chunk_key, parse_manifest_key
+from ._locks import save_lock_unless_gc
 from ._manifest import ChunkRef, decode_manifest, needed_objects
 from ._repository import list_chunk_objects, parse_config
 from .store import ObjectInfo, Store, open_store
@@ -73,7 +74,8 @@ class FallbackStore(Store):
         next restore finds it there: a chunk or delta object after the restore decoded it and
         checked it against its chunk id (:func:`confirm_chunk`), a config object once it
         parses, and a manifest the primary lacks at the end of the restore, create-only and
-        only if the primary then holds every object it needs (format.md §7's commit rule).
+        only if the primary then holds every object it needs (format.md §7's commit rule),
+        under a save lock and not while a GC holds its lock there (format.md §8).
         Nothing a fallback holds damaged is written to the primary.
 
     Attributes:
@@ -216,12 +218,22 @@ class FallbackStore(Store):
                      if parse_manifest_key(k)}
         if not manifests:
             return
-        present = {info.key for info in list_chunk_objects(self.primary)}
-        for key, (data, (run, step)) in manifests.items():
-            with contextlib.suppress(ManifestError, UnsupportedFormatError):
-                manifest = decode_manifest(data, run=run, step=step, url=self.url)
-                if needed_objects(manifest).keys() <= present:
-                    self._write_back(key, data, exclusive=True)
+        try:
+            # Under a save lock, as a save commits (format.md §8): a GC that listed the
+            # manifests before this one is written could delete the chunks it needs.
+            with save_lock_unless_gc(self.primary) as locked:
+                if not locked:
+                    log.info("casstore: no step written back to %s: garbage collection runs "
+                             "there", self.primary.url)
+                    return
+                present = {info.key for info in list_chunk_objects(self.primary)}
+                for key, (data, (run, step)) in manifests.items():
+                    with contextlib.suppress(ManifestError, UnsupportedFormatError):
+                        manifest = decode_manifest(data, run=run, step=step, url=self.url)
+                        if needed_objects(manifest).keys() <= present:
+                            self._write_back(key, data, exclusive=True)
+        except Exception as e:  # best effort: the restore itself succeeded
+            log.warning("casstore: could not write steps back to %s: %s", self.primary.url, e)
 
     def _write_back(self, key: str, data: bytes, *, exclusive: bool) -> None:
         try:

@@ -196,6 +196,19 @@ def save_lock(store: Store) -> Iterator[Lease]:
             _release(store, lease.key)
 
 
+@contextlib.contextmanager
+def save_lock_unless_gc(store: Store) -> Iterator[bool]:
+    """A save lock held for the body if no GC holds its lock once it is put (yields True),
+    else none (yields False, at once): for best-effort writes that need not wait for a GC (a
+    restore writing a step back into its primary tier). The body must be short: the lock is
+    not refreshed."""
+    key = _put_lock(store, "save")
+    try:
+        yield not _live(store, "gc")
+    finally:
+        _release(store, key)
+
+
 def _release(store: Store, key: str) -> None:
     """Deletes lock ``key`` (or the lock a put may have stored though it raised). A failure is
     logged, naming the lock left behind, never raised: it would hide the body's own outcome

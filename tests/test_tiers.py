@@ -254,6 +254,29 @@ def test_write_back_commits_a_step_locally_only_once_its_objects_are_there(tmp_p
     assert_bit_exact(casstore.restore(local, 3), 3)
 
 
+def test_write_back_commits_no_step_while_gc_runs_on_the_local_tier(tmp_path, remote):
+    """Step 1 only on the persistent tier, its chunks in the local tier unreferenced (step 0
+    deleted by retention): a GC there that listed the manifests before a write-back deleted
+    them under the step written back. Write-back commits under a save lock, and not at all
+    while a GC holds its lock."""
+    from casstore._locks import _put_lock
+
+    local = LocalStore(tmp_path / "local")
+    casstore.save(local, 0, tree_for(1), chunk_size_bytes=CHUNK)
+    casstore.save(remote, 1, tree_for(1), chunk_size_bytes=CHUNK)
+    casstore.delete(local, 0)
+    gc = _put_lock(local, "gc")  # a GC sweeping the local tier
+    tiered = casstore.FallbackStore(local, [remote], write_back=True)
+    assert_bit_exact(casstore.restore(tiered, 1), 1)
+    assert casstore.list_steps(local) == []
+    assert [o.key for o in local.list("locks/")] == [gc]  # its save lock released
+    local.delete(gc)
+    assert_bit_exact(casstore.restore(tiered, 1), 1)
+    assert casstore.list_steps(local) == [1]
+    assert not list(local.list("locks/"))
+    assert casstore.verify(local).ok
+
+
 def test_write_back_holds_at_most_its_bound_of_unchecked_reads(tmp_path, remote, monkeypatch):
     """Reads through a write-back store that no restore checks (a copy's) are held up to
     HELD_BYTES, the oldest forgotten first, and none of them is written back."""
