@@ -74,7 +74,10 @@ def place(entry: LeafEntry, regions: dict[Index, np.ndarray] | None, t: Any,
     if getattr(t, "weak_type", False) and isinstance(value, jax.Array):
         from jax._src.lax.lax import _convert_element_type  # no public way to weaken a type
 
+        placed = value.sharding
         value = _convert_element_type(value, weak_type=True)
+        if value.sharding != placed:  # a computation's output: in device memory, not a
+            value = jax.device_put(value, placed)  # pinned_host target's (weak_type kept)
     return value
 
 
@@ -83,7 +86,8 @@ def _build(entry: LeafEntry, regions: dict[Index, np.ndarray] | None, t: Any,
     """:func:`place` but for the weak type."""
     if entry.kind == "scalar":
         value = plain_value(entry, None)
-        host = np.asarray(value) if target_shape(t) is not None or is_numpy_class(t) else value
+        host = (np.asarray(value) if (target_shape(t) is not None or is_numpy_class(t))
+                and not isinstance(value, str | bytes) else value)  # text stays text
     else:
         host = next(iter(regions.values())) if len(regions) == 1 else None
     if is_numpy_class(t):

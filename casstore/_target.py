@@ -58,13 +58,15 @@ def abstract_tree(tree: Any) -> Any:
 
 
 def is_numpy_class(t: Any) -> bool:
-    """True for the target leaf ``np.ndarray`` (the class): numpy of the saved shape and dtype."""
+    """True for the target leaf ``np.ndarray`` (the class): numpy of the saved shape and dtype
+    (a saved str or bytes leaf stays that str or bytes)."""
     return t is np.ndarray
 
 
 def target_shape(t: Any) -> tuple[int, ...] | None:
-    """The shape a target leaf asks for; None for scalars, ``np.ndarray`` and placeholders."""
-    if is_numpy_class(t) or not (hasattr(t, "shape") and hasattr(t, "dtype")):
+    """The shape a target leaf asks for; None for scalars, classes (``np.ndarray``; a class's
+    ``shape`` is a descriptor) and placeholders."""
+    if isinstance(t, type) or not (hasattr(t, "shape") and hasattr(t, "dtype")):
         return None
     return tuple(t.shape)
 
@@ -223,6 +225,10 @@ def _compatibility_problem(entry: LeafEntry, t: Any, strict: bool) -> str | None
     """
     if is_numpy_class(t):
         return None
+    if isinstance(t, type):  # orbax's restore_type=jax.Array is np.ndarray's sibling
+        return (f"unsupported target leaf: the class {t.__name__} (the one "
+                "class a target leaf may be is np.ndarray; for jax arrays, a "
+                "jax.ShapeDtypeStruct or casstore.abstract_tree)")
     shape = target_shape(t)
     saved_text = entry.kind == "scalar" and entry.scalar_type in ("str", "bytes")
     if shape is None:

@@ -281,6 +281,25 @@ def test_an_ndarray_class_target_gives_numpy_of_the_saved_shape_and_dtype():
                                   jax.random.key_data(tree["key"]))
 
 
+def test_an_ndarray_class_target_keeps_text_leaves_and_other_classes_are_refused():
+    """A saved str or bytes leaf under an np.ndarray target came back as a numpy string array
+    (b"\x01\x00" as b"\x01", and no longer savable); jax.Array or np.float32 as a target leaf
+    (orbax's restore_type) raised a bare TypeError naming no key path."""
+    store = MemoryStore()
+    tree = {"name": "run-7", "blob": b"\x01\x00", "params": {"w": np.ones(3, np.float32)}}
+    casstore.save(store, 0, tree)
+    got = casstore.restore(store, 0, target=jax.tree.map(lambda _: np.ndarray, tree))
+    assert (type(got["name"]), got["name"]) == (str, "run-7")
+    assert (type(got["blob"]), got["blob"]) == (bytes, b"\x01\x00")
+    casstore.save(store, 1, got)  # savable again
+    for cls in (jax.Array, np.float32, np.generic, int):
+        target = {**tree, "params": {"w": cls}}
+        with pytest.raises(casstore.TargetMismatchError,
+                           match=rf"'params/w': unsupported target leaf: the class "
+                                 rf"{cls.__name__} \(the one class"):
+            casstore.restore(store, 0, target=target)
+
+
 def chunk_keys(store, paths: list[str]) -> set[str]:
     manifest = casstore.read_manifest(store, 0)
     return {ref.key for leaf in manifest.leaves if leaf.path in paths for ref in leaf.chunks}

@@ -195,6 +195,30 @@ def test_targets_in_pinned_host_memory_are_placed_there():
         np.testing.assert_array_equal(np.asarray(restored[key]), np.asarray(live))
 
 
+@pytest.mark.parametrize("kind", ["pinned_host", "unpinned_host"])
+def test_weakly_typed_targets_in_host_memory_stay_there(kind):
+    """A weakly typed target (a learning rate or step scalar: abstract_tree keeps weak_type)
+    in host memory: weakening the type is a computation, whose output landed in device
+    memory (every scalar, and arrays on unpinned_host)."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+    store = MemoryStore()
+    casstore.save(store, 0, {"w": np.arange(128, dtype=np.float32).reshape(8, 16), "lr": 0.5})
+    target = {"w": jax.ShapeDtypeStruct((8, 16), jnp.float32, weak_type=True, sharding=(
+                  NamedSharding(mesh, P("a", "b"), memory_kind=kind))),
+              "lr": jax.ShapeDtypeStruct((), jnp.float32, weak_type=True,
+                                         sharding=NamedSharding(mesh, P(), memory_kind=kind))}
+    restored = casstore.restore(store, 0, target=target)
+    for key, t in target.items():
+        assert restored[key].sharding == t.sharding, key
+        assert restored[key].sharding.memory_kind == kind, key
+        assert restored[key].weak_type, key
+    assert float(restored["lr"]) == 0.5
+    live = {"count": jax.device_put(jnp.asarray(3.0), NamedSharding(mesh, P(), memory_kind=kind))}
+    casstore.save(store, 1, live)
+    again = casstore.restore(store, 1, target=casstore.abstract_tree(live))["count"]
+    assert (again.sharding.memory_kind, again.weak_type) == (kind, True)
+
+
 def test_a_target_sharding_that_does_not_split_its_shape_names_the_key_path():
     """A ShapeDtypeStruct takes a sharding that does not divide its shape; restore raised
     jax's IndivisibleError from the read planning, naming no leaf. Now one
