@@ -1,34 +1,28 @@
 """Copy checkpoints between repositories (local, S3, GCS, any pair), moving only missing chunks.
 
-Follows the commit rule of format.md §7 at the destination: a step's chunk objects are all
-stored before its manifest is written create-only, so an interrupted copy leaves no partial
-step, and running it again sends only what is missing. The copy is planned first (manifests
-read concurrently and validated, every object the destination lacks assigned to the first
-step that needs it), then the objects of all steps go through one bounded pool, and each
-step's manifest is written, in step order, once its objects are in.
+The destination follows format.md §7's commit rule: a step's objects are all stored before its
+manifest is written create-only, so an interrupted copy leaves no partial step and running it
+again sends only what is missing. Manifests are read and validated first, every object the
+destination lacks is assigned to the first step that needs it, the objects of all steps go
+through one bounded pool, and each step's manifest is written, in step order, once its
+objects are in.
 
-Integrity of each object as it passes (``verify``):
-
-- ``verify=False`` (the default) checks the object's framing without decoding it: the header
-  (format.md §3.2: magic, version, codec, element size, the raw length the manifest gives), the
-  payload's length for a raw chunk, the plane table of codecs 3, 4 and 5 (lengths that add up to
-  the payload), and the content size each zstd frame declares. A truncated, mis-sized or
-  foreign object is refused; a changed byte inside a payload is not seen here. On S3 a byte
-  changed in transit is seen without decoding: botocore sends a CRC32C (a CRC32 without
-  awscrt) with every upload, which the store checks (it refuses the body), and checks every
-  download against the checksum the store keeps; the object is sent or fetched again, then
-  the copy fails (:mod:`casstore.store._retry`). On GCS each upload's MD5 as stored is
-  compared with what was sent (gcsfs ``consistency="md5"``); downloads rely on HTTPS's TLS
-  and the checks above. Damage at the source is seen by every
-  restore and ``verify`` of the destination (the chunk id is checked on every read).
+- ``verify=False`` (the default) checks each object's framing without decoding it (format.md
+  §3.2: header, the raw length the manifest gives, a raw chunk's payload length, the plane
+  table of codecs 3-5, each zstd frame's declared size): a truncated, mis-sized or foreign
+  object is refused, a changed byte inside a payload is not. A byte changed in transit is seen
+  by the store: S3 checks the CRC32C botocore sends with each upload (and botocore each
+  download against the stored checksum; then the object moves again, then the copy fails,
+  :mod:`casstore.store._retry`); on GCS each upload's stored MD5 is compared with what was
+  sent (gcsfs ``consistency="md5"``). Damage at the source is seen by every restore and
+  ``verify`` of the destination (the chunk id is checked on every read).
 - ``verify=True`` decodes every object (a delta on its base) and checks it against its chunk
   id before it is sent: nothing damaged at the source reaches the destination.
 
-Between two stores on one service (two buckets or prefixes of one S3 endpoint, or of GCS, with
-the same credentials: :meth:`~casstore.store.Store.server_side_copy`), an object is copied by
-the service itself (S3 CopyObject, GCS rewrite), as rclone does between two paths of one
-remote: its bytes never reach this process, so no framing is checked (the service copies the
-object it checked at upload); ``verify=True`` reads and decodes every object instead.
+Between two paths of one S3 or GCS service with the same credentials
+(:meth:`~casstore.store.Store.server_side_copy`), the service copies each object (S3
+CopyObject, GCS rewrite), as rclone does within one remote: no byte reaches this process and
+no framing is checked (the service checked it at upload); ``verify=True`` decodes instead.
 """
 
 from __future__ import annotations
@@ -43,6 +37,7 @@ from collections.abc import Callable
 from ._delta import DeltaBases, read_again
 from ._errors import (
     CorruptChunkError,
+    ObjectNotFoundError,
     StepAlreadyExistsError,
     StepNotFoundError,
     StoreTimeoutError,
@@ -158,7 +153,8 @@ def copy(src_url: Url, dst_url: Url, *, steps: list[int] | None = None,
     """
     src, dst = open_store(src_url), open_store(dst_url)
     with cf.ThreadPoolExecutor(1) as pool:
-        source = pool.submit(_read_source, src, steps, runs)
+        source = pool.submit(lambda: (selected := select_steps(src, steps=steps, runs=runs),
+                                      read_manifests(src, selected)))
         if not check_config(dst):
             source.result()  # a run or step not in the source: nothing written, not a config
             ensure_config(dst)
@@ -168,12 +164,6 @@ def copy(src_url: Url, dst_url: Url, *, steps: list[int] | None = None,
             return copy_selected(src, dst, selected, present, max_workers=max_workers,
                                  verify=verify, progress=progress, manifests=manifests,
                                  lease=lease)
-
-
-def _read_source(src: Store, steps: list[int] | None, runs: list[str] | None) -> tuple:
-    """The selected ``(run, step)`` pairs (:func:`select_steps`) and their manifests."""
-    selected = select_steps(src, steps=steps, runs=runs)
-    return selected, read_manifests(src, selected)
 
 
 def select_steps(src: Store, *, steps: list[int] | None = None,
@@ -290,16 +280,26 @@ def _plan(src: Store, dst: Store, selected: list[tuple[str, int]],
             for step in list_steps(dst, run=run)}
     if manifests is None:
         manifests = read_manifests(src, selected)
-    skipped = [pair for pair in selected if pair in have]
-    there = dst.get_many([manifest_key(run, step) for run, step in skipped])
+    there = _manifests_there(dst, [manifest_key(run, step) for run, step in selected
+                                   if (run, step) in have])
+    skipped = [pair for pair in selected if manifest_key(*pair) in there]
     kept, plan = [], []
     for (run, step), (data, manifest) in zip(selected, manifests):
-        if (run, step) in have:
+        if (run, step) in skipped:
             _same_step(dst, run, step, there[manifest_key(run, step)], data)
             kept.append(manifest)
         else:
             plan.append(_Step(run, step, manifest, data, set()))
     return plan, skipped, kept
+
+
+def _manifests_there(dst: Store, keys: list[str]) -> dict[str, bytes]:
+    """The destination's manifest objects at ``keys``, less those deleted since they were
+    listed (retention or another process: those steps are copied)."""
+    try:
+        return dst.get_many(keys)
+    except ObjectNotFoundError:
+        return {k: dst.get(k) for k in keys if dst.exists(k)}  # (a race again: it raises)
 
 
 def _same_step(dst: Store, run: str, step: int, there: bytes, ours: bytes) -> None:

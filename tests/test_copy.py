@@ -196,6 +196,26 @@ def test_manifests_are_written_in_step_order_as_soon_as_their_chunks_are_in(tmp_
     assert manifests[0][0] < chunk_positions[-1]  # step 0 committed before the last chunk
 
 
+def test_a_destination_step_deleted_while_the_copy_plans_is_copied_again(tmp_path):
+    """Retention deleted a destination step between the copy's listing and its read of that
+    step's manifest: the copy raised a bare ObjectNotFoundError and copied nothing."""
+    src = LocalStore(tmp_path / "src")
+    for step in range(3):
+        casstore.save(src, step, {"w": np.full(1000, step, np.float32)})
+    casstore.copy(src, tmp_path / "dst", steps=[0, 1])
+
+    class Deleting(LocalStore):  # step 0 goes just as the copy reads what the destination has
+        def get_many(self, keys):
+            self.delete(manifest_key("default", 0))
+            return super().get_many(keys)
+
+    info = casstore.copy(src, Deleting(tmp_path / "dst"))
+    assert info.steps_copied == (("default", 0), ("default", 2))
+    assert info.steps_skipped == (("default", 1),)
+    for step in range(3):
+        assert (casstore.restore(tmp_path / "dst", step)["w"] == step).all()
+
+
 def test_progress_reports_objects_bytes_and_steps(tmp_path):
     src = MemoryStore()
     shared_steps(src, n=3)
