@@ -88,13 +88,17 @@ def matches(path: str, prefixes: Sequence[str] | None) -> bool:
 
     Raises:
       TypeError: ``prefixes`` is a string (``paths="params"``), which would match by its
-        letters; the message says to pass ``["params"]``.
+        letters (the message says to pass ``["params"]``), or holds something not a string.
     """
     if prefixes is None:
         return True
     if isinstance(prefixes, str):
         raise TypeError(f"key-path prefixes are a list of strings: pass [{prefixes!r}], not "
                         f"the string {prefixes!r}")
+    if not_text := [p for p in prefixes if not isinstance(p, str)]:
+        raise TypeError("key-path prefixes are a list of strings ('params/w', "
+                        f"'opt_state/[0]/mu'), not {not_text[0]!r} of type "
+                        f"{type(not_text[0]).__name__}")
     return any(p == "" or path == p or path.startswith(p + "/") for p in prefixes)
 
 

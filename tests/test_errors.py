@@ -496,3 +496,5 @@ def test_key_path_prefixes_given_as_one_string_are_refused(tmp_path):
     with pytest.raises(TypeError, match=re.escape("pass ['opt']")):
         casstore.export_tensors(tmp_path, 0, tmp_path / "out.npz", exclude="opt")
     assert list(casstore.restore(tmp_path, paths=["params"])) == ["params"]
+    with pytest.raises(TypeError, match=r"a list of strings .*not 1 of type int"):
+        casstore.restore(tmp_path, paths=[1])  # was: unsupported operand type(s) for +
