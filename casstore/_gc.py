@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import time
 
+from ._errors import CasstoreError
 from ._locks import GcBusyError, Lease, gc_lock
 from ._pool import bounded_map
 from ._repository import Url, check_config, list_chunk_objects
@@ -120,6 +121,12 @@ def _collect(store: Store, grace_period_s: float, lease: Lease | None,
         def sweep(key: str) -> None:
             lease.check()  # never delete once saves may have taken the lock for stale
             store.delete(key)
+            try:  # a process paused during the delete: a save may have reused the chunk
+                lease.check()
+            except CasstoreError as e:
+                raise CasstoreError(f"{e}; {key} was deleted after the lock went stale: if "
+                                    "a save reused it, `casstore verify` names the step, and "
+                                    "`casstore repair` takes it from another copy") from e
 
         bounded_map(sweep, garbage, max_workers or store.max_workers)
         lease.check()

@@ -118,6 +118,40 @@ def test_gc_that_cannot_refresh_its_lock_stops_deleting(tmp_path, monkeypatch):
     assert 0 < len(left) < len(garbage)  # it stopped midway, not before and not after
 
 
+def test_gc_paused_during_a_delete_names_the_chunk_it_deleted_late(tmp_path, monkeypatch):
+    """A GC process paused (SIGSTOP, a suspended VM) while a delete is in flight: the delete
+    lands after the lock went stale, when a save may have reused the chunk. GC said only
+    that it "stopped deleting"; it names the chunk and what to do."""
+    monkeypatch.setattr(_locks, "GC_LOCK_REFRESH_S", 0.02)
+    monkeypatch.setattr(_locks, "GC_LOCK_STALE_S", 0.4)
+
+    class Paused(LocalStore):
+        """The first chunk delete takes 1 s, and no lock refresh lands meanwhile."""
+        paused = False
+
+        def _put(self, key, data, *, exclusive):
+            while self.paused and key.startswith("locks/gc-"):
+                time.sleep(0.01)
+            super()._put(key, data, exclusive=exclusive)
+
+        def _delete(self, key):
+            if key.startswith(CHUNKS_PREFIX) and self.paused is False:
+                type(self).paused = True
+                time.sleep(1.0)
+                type(self).paused = None
+            super()._delete(key)
+
+    store = Paused(tmp_path / "repo")
+    for step in range(3):
+        casstore.save(store, step, {"w": np.full(1000, step)})
+        casstore.delete(store, step)
+    with pytest.raises(casstore.CasstoreError, match=r"could not keep its lock.*; chunks/"
+                       r"[0-9a-f/]+ was deleted after the lock went stale.*casstore verify"):
+        casstore.gc(store, grace_period_s=0, max_workers=1)
+    left = [i for i in store.list(CHUNKS_PREFIX) if chunk_id_of_key(i.key)]
+    assert len(left) == 2  # nothing more after it
+
+
 class LockFaults(MemoryStore):
     """Lock writes are stored, then answer with an error (a lost answer); or lock deletes
     fail. ``faults`` counts down the failures to inject."""
