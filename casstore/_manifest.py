@@ -7,13 +7,12 @@ builds anything, and raises :class:`~casstore.ManifestError` naming the step and
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
+import reprlib
 from typing import Any
 
 import msgpack
-import numpy as np
 import xxhash
 
 from ._chunking import INLINE_LIMIT_BYTES, dtype_from_name
@@ -22,6 +21,7 @@ from ._errors import ManifestError
 from ._format import check_features, check_min_reader, min_reader, unsupported_version
 from ._keypath import MAX_DEPTH, escape_name, is_valid_path
 from ._layout import chunk_key, object_key
+from ._manifest_checks import metadata_problem, sharding_problem, tiling_problem
 
 FORMAT = "casstore.manifest"
 VERSION = 1  # manifests without delta chunks; older readers read them
@@ -33,7 +33,6 @@ MAX_NDIM = 64
 MAX_ARRAY_BYTES = 2**48
 MAX_CREATED = 253402300800  # seconds: 10000-01-01, past what datetime can show
 MAX_SCALAR_BYTES = 2**20
-MAX_GRID_CELLS = 4_000_000
 SCALAR_TYPES = ("bool", "int", "float", "complex", "str", "bytes")
 DIGEST_BYTES = 16  # the manifest's xxh3-128 digest, its last field (format.md §4.1)
 DIGEST_HEADER = b"\xc4\x10"  # msgpack bin 8 of 16 bytes
@@ -84,7 +83,7 @@ class LeafEntry:
       jax: the leaf was a jax.Array.
       key_impl: PRNG implementation name for typed key arrays, else None.
       sharding: the NamedSharding used at save as ``{"mesh": {axis: size}, "spec": [...]}``
-        (format.md §6.1), unvalidated here; ``restore(..., sharding="saved")`` checks it.
+        (format.md §6.1), or None.
       inline: raw bytes of a tiny array stored in the manifest, else None.
       chunks: the chunk refs that tile the array.
       scalar_type, value: a Python scalar's type name and value.
@@ -291,6 +290,8 @@ def decode_manifest(data: bytes, *, run: str, step: int, url: str) -> Manifest:
     created = raw.get("created")
     check(isinstance(created, int | float) and not isinstance(created, bool)
           and 0 <= created < MAX_CREATED, "created is not a time since the epoch")
+    problem = metadata_problem(raw.get("metadata"))
+    check(problem is None, f"bad metadata: {problem}")
     leaves_raw = raw.get("leaves")
     check(isinstance(leaves_raw, list) and len(leaves_raw) <= MAX_LEAVES, "bad leaves list")
     n_refs = sum(len(x["chunks"]) for x in leaves_raw
@@ -375,10 +376,13 @@ def _decode_leaf(x: Any, check: _Check) -> LeafEntry:
         check(isinstance(inline, bytes) and len(inline) == nbytes <= INLINE_LIMIT_BYTES
               and not refs_raw, "bad inline bytes")
     refs = tuple(_decode_ref(r, len(shape), np_dtype.itemsize, check) for r in refs_raw)
-    if inline is None:
-        _check_tiling(tuple(shape), refs, check)
+    problem = None if inline is not None else tiling_problem(tuple(shape), refs)
+    check(problem is None, f"{problem}")
+    sharding = x.get("sharding")
+    problem = sharding_problem(sharding, len(shape))
+    check(problem is None, f"bad saved sharding ({problem}): {reprlib.repr(sharding)}")
     return LeafEntry(path, "array", tuple(shape), dtype, bool(x.get("jax")), key_impl,
-                     x.get("sharding"), inline, refs)
+                     sharding, inline, refs)
 
 
 def _decode_scalar(path: str, x: dict, check: _Check) -> LeafEntry:
@@ -410,27 +414,3 @@ def _decode_ref(r: Any, ndim: int, itemsize: int, check: _Check) -> ChunkRef:
     check(offset + math.prod(block) * itemsize <= raw_bytes,
           f"block of chunk {cid} extends past its raw bytes")
     return ChunkRef(cid, tuple(start), tuple(stop), offset, raw_bytes, stored, base)
-
-
-def _check_tiling(shape: tuple[int, ...], refs: tuple[ChunkRef, ...], check: _Check) -> None:
-    """Checks that the blocks tile ``shape`` exactly: inside it, no overlaps, no gaps."""
-    if math.prod(shape) == 0:
-        check(not refs, "chunks given for an empty array")
-        return
-    check(bool(refs), "array without chunks")
-    if len(refs) == 1:  # most leaves: one block, which must be the whole array
-        check(refs[0].stop == shape and not any(refs[0].start),
-              "chunk blocks overlap or leave gaps" if all(
-                  b <= d for b, d in zip(refs[0].stop, shape)) else "block out of bounds")
-        return
-    check(all(all(b <= d for b, d in zip(r.stop, shape)) for r in refs), "block out of bounds")
-    edges = [sorted({0, d, *(r.start[i] for r in refs), *(r.stop[i] for r in refs)})
-             for i, d in enumerate(shape)]
-    cells = math.prod(len(e) - 1 for e in edges)
-    check(cells <= MAX_GRID_CELLS, "chunk grid too irregular to validate")
-    count = np.zeros([len(e) - 1 for e in edges], dtype=np.int32)  # refs < 2**31: cannot wrap
-    for r in refs:
-        sel = tuple(slice(bisect.bisect_left(e, a), bisect.bisect_left(e, b))
-                    for e, a, b in zip(edges, r.start, r.stop))
-        count[sel] += 1
-    check(bool(np.all(count == 1)), "chunk blocks overlap or leave gaps")

@@ -20,8 +20,7 @@ from ._chunking import dtype_name, is_key_array
 from ._errors import UnsupportedLeafError
 from ._keypath import flatten, is_valid_path
 from ._manifest import LeafEntry
-
-MAX_METADATA_BYTES = 2**20
+from ._manifest_checks import MAX_METADATA_BYTES, metadata_problem, sharding_problem
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -72,7 +71,9 @@ def prepare(tree: Any, metadata: Any = None) -> tuple[Prepared, dict[int, Any]]:
 
     Raises:
       UnsupportedLeafError: a leaf cannot be stored; names its key path.
-      ValueError: ``metadata`` that msgpack cannot encode, or over 1 MiB encoded.
+      ValueError: ``metadata`` that msgpack cannot encode, or that a reader would refuse
+        (format.md §4.1: other types than nil, bool, int, float, str, list and maps with str
+        keys, nested over 256 deep, or over 1 MiB encoded).
     """
     node, leaves = flatten(tree)
     _check_paths([path for path, _ in leaves])
@@ -109,12 +110,14 @@ def _check_paths(paths: list[str]) -> None:
 
 
 def _sharding_info(x: Any) -> dict | None:
-    """The NamedSharding of a jax.Array as ``{"mesh": {axis: size}, "spec": [...]}``."""
+    """The NamedSharding of a jax.Array as ``{"mesh": {axis: size}, "spec": [...]}``; None for
+    other shardings, and for one format.md §6.1 cannot describe (which a reader refuses)."""
     sharding = getattr(x, "sharding", None)
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return None
     spec = [list(p) if isinstance(p, tuple) else p for p in sharding.spec]
-    return {"mesh": {str(k): int(v) for k, v in sharding.mesh.shape.items()}, "spec": spec}
+    info = {"mesh": {str(k): int(v) for k, v in sharding.mesh.shape.items()}, "spec": spec}
+    return None if sharding_problem(info, len(x.shape)) else info
 
 
 def _scalar_entry(path: str, value: Any) -> LeafEntry:
@@ -161,7 +164,9 @@ def snapshot(value: Any, what: str = "metadata") -> Any:
     object does not reach a save in flight.
 
     Raises:
-      ValueError: ``value`` is not msgpack-serializable or over 1 MiB encoded (names ``what``).
+      ValueError: ``value`` is not msgpack-serializable, or not metadata a reader reads
+        (format.md §4.1, :func:`~casstore._manifest_checks.metadata_problem`; names ``what``
+        and where in it).
     """
     try:
         data = msgpack.packb(value, use_bin_type=True, default=_python_scalar)
@@ -169,7 +174,11 @@ def snapshot(value: Any, what: str = "metadata") -> Any:
         raise ValueError(f"{what} is not msgpack-serializable: {e}") from e
     if len(data) > MAX_METADATA_BYTES:
         raise ValueError(f"{what} is {len(data)} bytes encoded; the limit is 1 MiB")
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    copy = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    problem = metadata_problem(copy)
+    if problem is not None:
+        raise ValueError(f"{what} cannot be saved: {problem.replace('metadata', what, 1)}")
+    return copy
 
 
 def _python_scalar(value: Any) -> Any:

@@ -3,8 +3,8 @@
 :func:`saved_target` turns a manifest into an abstract target: each leaf that was a jax.Array
 with a ``NamedSharding`` becomes a ``jax.ShapeDtypeStruct`` on a mesh of the saved axis names
 and sizes over the current devices, with the saved ``PartitionSpec``; the normal target path
-then reads per device only its chunks. The manifest's ``sharding`` field comes from storage, so
-it is validated here before use.
+then reads per device only its chunks. The manifest's ``sharding`` field comes from storage;
+it was validated at decode (:func:`~casstore._manifest_checks.sharding_problem`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from ._chunking import dtype_from_name
 from ._errors import ManifestError, TargetMismatchError
 from ._keypath import unflatten_plain
 from ._manifest import LeafEntry, Manifest
+from ._manifest_checks import sharding_problem
 from .store import Store
-
-MAX_MESH_AXES = 16
 
 
 def saved_target(manifest: Manifest, keep: set[int] | None, store: Store) -> Any:
@@ -72,25 +71,16 @@ def _abstract_leaf(entry: LeafEntry, meshes: dict, manifest: Manifest, store: St
 
 def _parse(entry: LeafEntry, ndim: int, manifest: Manifest,
            store: Store) -> tuple[tuple[tuple[str, int], ...], PartitionSpec]:
-    """The saved mesh axes ``((name, size), ...)`` and PartitionSpec, validated."""
-    def check(ok: bool, what: str) -> None:
-        if not ok:
-            raise ManifestError(f"invalid manifest: bad saved sharding ({what}): "
-                                f"{entry.sharding!r}", url=store.url, run=manifest.run,
-                                step=manifest.step, key_path=entry.path)
-
-    info = entry.sharding
-    check(isinstance(info, dict) and isinstance(info.get("mesh"), dict)
-          and isinstance(info.get("spec"), list), "not a map with mesh and spec")
-    mesh, spec = info["mesh"], info["spec"]
-    check(0 < len(mesh) <= MAX_MESH_AXES and all(
-        isinstance(k, str) and k and isinstance(v, int) and not isinstance(v, bool) and v > 0
-        for k, v in mesh.items()) and math.prod(mesh.values()) <= 2**20, "mesh axes")
-    parts = [tuple(p) if isinstance(p, list) else p for p in spec]
-    used = [a for p in parts for a in (p if isinstance(p, tuple) else (p,)) if a is not None]
-    check(len(parts) <= ndim and all(isinstance(a, str) and a in mesh for a in used)
-          and len(used) == len(set(used)), "partition spec")
-    return tuple(mesh.items()), PartitionSpec(*parts)
+    """The saved mesh axes ``((name, size), ...)`` and PartitionSpec, validated (again: a
+    manifest read from storage was, at decode, by the same rule)."""
+    problem = sharding_problem(entry.sharding, ndim)
+    if problem is not None:
+        raise ManifestError(f"invalid manifest: bad saved sharding ({problem}): "
+                            f"{entry.sharding!r}", url=store.url, run=manifest.run,
+                            step=manifest.step, key_path=entry.path)
+    mesh, spec = entry.sharding["mesh"], entry.sharding["spec"]
+    return tuple(mesh.items()), PartitionSpec(*(tuple(p) if isinstance(p, list) else p
+                                                for p in spec))
 
 
 def _mesh(axes: tuple[tuple[str, int], ...], entry: LeafEntry, manifest: Manifest,

@@ -112,12 +112,17 @@ def test_a_manifest_of_an_impossible_time_is_a_damaged_manifest(delta_repo, crea
     assert "created is not a time since the epoch" in listed["problems"][0]["message"]
 
 
-def test_show_prints_a_sharding_it_cannot_read_instead_of_failing(delta_repo):
+@pytest.mark.parametrize("bad", [{"mesh": "x"}, msgpack.Timestamp(1, 0)])
+def test_show_reports_a_sharding_it_cannot_read_as_a_damaged_manifest(delta_repo, bad):
+    """show failed with 'str' has no attribute 'items' (exit 2); a Timestamp passed, and
+    ``show --json`` failed printing it (exit 2): the field is checked at decode (exit 1)."""
     def damage(doc):
-        next(x for x in doc["leaves"] if x["path"] == "w")["sharding"] = {"mesh": "x"}
+        next(x for x in doc["leaves"] if x["path"] == "w")["sharding"] = bad
 
-    rewrite_manifest(delta_repo, 4, damage)  # show failed: 'str' has no attribute 'items'
-    assert "(not a" in run("show", delta_repo, 4).stdout
+    rewrite_manifest(delta_repo, 4, damage)
+    for args in (["show", delta_repo, "4"], ["show", delta_repo, "4", "--json"]):
+        shown = run(*args, code=1)
+        assert "bad saved sharding" in shown.stdout + shown.stderr
 
 
 def test_a_deleted_base_chunk_is_one_missing_object_with_the_steps_needing_it(delta_repo):

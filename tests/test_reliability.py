@@ -375,6 +375,76 @@ def test_chunk_ids_cannot_name_objects_outside_chunks():
             decode_manifest(repack(doc), run="default", step=1, url="m")
 
 
+def test_chunk_refs_that_each_cover_the_grid_are_refused_in_bounded_time():
+    """The tiling check (format.md §4.3) bounds its work by the refs and the grid cells, not
+    their product: 2,000 refs that each cover a 2000 x 2000 grid (a 0.4 MB manifest) took
+    ~10 s to be refused, and the 256 MiB limit allowed hours, for every read of the step."""
+    d, cid = 2000, "ab" * 16
+
+    def ref(start: list[int], stop: list[int]) -> dict:
+        return {"id": cid, "start": start, "stop": stop, "offset": 0, "raw_bytes": d * d,
+                "stored_bytes": 20}
+
+    doc = valid_manifest()
+    leaf = next(x for x in doc["leaves"] if x["path"] == "a/w")
+    leaf.update(shape=[d, d], dtype="uint8", inline=None, chunks=[
+        ref([i, i], [i + 1, i + 1]) for i in range(d)] + [ref([0, 0], [d, d])] * 2000)
+    data = repack(doc)
+    t0 = time.perf_counter()
+    with pytest.raises(casstore.ManifestError, match="overlap or leave gaps") as info:
+        decode_manifest(data, run="default", step=1, url="m")
+    assert time.perf_counter() - t0 < 2
+    assert info.value.key_path == "a/w"
+    # blocks whose volumes sum to the element count, one overlap making up for one gap
+    leaf.update(shape=[4], chunks=[ref([0], [2]), ref([1], [3])])
+    with pytest.raises(casstore.ManifestError, match="overlap or leave gaps"):
+        decode_manifest(repack(doc), run="default", step=1, url="m")
+    # bricks: blocks of several grid cells that tile the array are read
+    leaf.update(shape=[2, 4], chunks=[ref([0, 0], [1, 1]), ref([0, 1], [1, 4]),
+                                      ref([1, 0], [2, 3]), ref([1, 3], [2, 4])])
+    decode_manifest(repack(doc), run="default", step=1, url="m")
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("metadata", {"when": msgpack.Timestamp(1, 0)}, r"metadata\['when'\] is of type Timestamp"),
+    ("metadata", {"blob": b"\0" * 10}, r"metadata\['blob'\] is of type bytes"),
+    ("metadata", {"ok": [1, {2: "x"}]}, r"metadata\['ok'\]\[1\] has a key of type int"),
+    ("metadata", msgpack.ExtType(5, b"x"), r"metadata is of type ExtType"),
+    ("metadata", functools.reduce(lambda x, _: [x], range(300), 0), "nested over 256 deep"),
+    ("metadata", ["x" * 2**19] * 3, "over 1 MiB encoded"),
+    ("sharding", msgpack.Timestamp(1, 0), r"bad saved sharding \(not a map"),
+    ("sharding", {"mesh": {"x": 0}, "spec": []}, r"bad saved sharding \(mesh axes\)"),
+    ("sharding", {"mesh": {"x": 2}, "spec": ["y"]}, r"bad saved sharding \(partition spec\)"),
+])
+def test_metadata_and_sharding_that_format_md_does_not_allow_are_damage(field, value, message):
+    """``metadata`` (format.md §4.1: nil, bool, int, float, str, list, map with str keys; at
+    most 1 MiB) and a leaf's ``sharding`` (§6.1) are checked at decode like every other field:
+    a Timestamp there passed, and ``casstore cat`` then failed as a usage error (exit 2)."""
+    doc = valid_manifest()
+    where = doc if field == "metadata" else next(x for x in doc["leaves"] if x["path"] == "a/w")
+    where[field] = value
+    with pytest.raises(casstore.ManifestError, match=message) as info:
+        decode_manifest(repack(doc), run="default", step=1, url="m")
+    assert info.value.step == 1
+    assert info.value.key_path == (None if field == "metadata" else "a/w")
+
+
+@pytest.mark.parametrize(("metadata", "message"), [
+    ({"blob": b"x"}, r"metadata\['blob'\] is of type bytes"),
+    ({1: "one"}, "metadata has a key of type int"),
+    ({"when": msgpack.Timestamp(1, 0)}, r"metadata\['when'\] is of type Timestamp"),
+    (functools.reduce(lambda x, _: [x], range(300), 0), "nested over 256 deep"),
+])
+def test_save_refuses_metadata_a_reader_would_refuse(metadata, message):
+    """Never write what a reader refuses: such metadata fails the save before any write."""
+    store = CountingStore(MemoryStore())
+    with pytest.raises(ValueError, match=message):
+        casstore.save(store, 0, {"x": np.ones(3)}, metadata=metadata)
+    assert store.keys_written == []
+    casstore.save(store, 0, {"x": np.ones(3)}, metadata={"t": (1, 2.5, None, True, "s")})
+    assert casstore.read_manifest(store, 0).metadata == {"t": [1, 2.5, None, True, "s"]}
+
+
 # -- read-only access and secrets -----------------------------------------------------------
 
 def test_read_only_operations_never_write():

@@ -172,12 +172,10 @@ def show_command(url: str, step: int | str, run: str, options: dict, as_json: bo
 
 
 def _sharding_str(sharding: Any) -> str:
-    if not isinstance(sharding, dict):
+    if sharding is None:
         return "-"
-    mesh = sharding.get("mesh", {})  # unvalidated in a manifest: restore checks it when used
-    if not isinstance(mesh, dict):
-        return f"(not a sharding: {str(sharding)[:40]})"
-    return f"{','.join(f'{k}={v}' for k, v in mesh.items())} {sharding.get('spec')}"
+    mesh = sharding["mesh"]  # checked when the manifest was read (format.md §6.1)
+    return f"{','.join(f'{k}={v}' for k, v in mesh.items())} {sharding['spec']}"
 
 
 @command("du")
