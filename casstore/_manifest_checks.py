@@ -25,13 +25,14 @@ MAX_MESH_AXES = 16
 MAX_MESH_DEVICES = 2**20
 MAX_GRID_CELLS = 4_000_000
 OVERLAP = "chunk blocks overlap or leave gaps"
-_SCALARS = (type(None), bool, int, float, str)
+_SCALARS = (type(None), bool, int, float, str, bytes)  # msgpack's own, less extension types
 
 
 def metadata_problem(value: Any) -> str | None:
     """What makes ``value`` (as msgpack decodes it) other than format.md §4.1's metadata: nil,
-    bool, int, float, str, list and maps with str keys, nested at most 256 deep (as the tree,
-    §4.2), at most 1 MiB encoded; None if it is that. The work is bounded by 1 MiB of nodes
+    bool, int, float, str, bin, list and maps with keys of those scalar types (what casstore
+    has always written; no extension type, such as a Timestamp), nested at most 256 deep (as
+    the tree, §4.2), at most 1 MiB encoded; None if it is that. The work is bounded by 1 MiB of nodes
     whatever ``value`` holds: every node encodes to at least a byte (a str to one a character),
     so a walk past that many is refused before it goes on or encodes anything.
 
@@ -42,7 +43,7 @@ def metadata_problem(value: Any) -> str | None:
     least = 1  # a lower bound of the encoded size: a byte a node pushed, and each str's chars
     while stack:
         node, at = stack.pop()
-        if type(node) is str:
+        if type(node) in (str, bytes):
             least += len(node)
         if least > MAX_METADATA_BYTES:
             return "metadata is over 1 MiB encoded"
@@ -51,17 +52,18 @@ def metadata_problem(value: Any) -> str | None:
         where = "metadata" + "".join(f"[{k!r}]" for k in at)
         if type(node) not in (list, dict):
             return (f"{where} is of type {type(node).__name__} (format.md §4.1 allows nil, "
-                    "bool, int, float, str, list and maps with str keys)")
+                    "bool, int, float, str, bytes, list and maps)")
         if len(at) >= MAX_DEPTH:
             return f"metadata is nested over {MAX_DEPTH} deep"
         least += len(node)
         if least > MAX_METADATA_BYTES:
             return "metadata is over 1 MiB encoded"
         if type(node) is dict:
-            key = next((k for k in node if type(k) is not str), None)
+            key = next((k for k in node if type(k) not in _SCALARS), None)
             if key is not None:
-                return f"{where} has a key of type {type(key).__name__}; map keys must be str"
-            least += sum(1 + len(k) for k in node)
+                return (f"{where} has a key of type {type(key).__name__}; map keys are nil, "
+                        "bool, int, float, str or bytes")
+            least += sum(1 + len(k) if type(k) in (str, bytes) else 1 for k in node)
             stack.extend((v, (*at, k)) for k, v in node.items())
         else:
             stack.extend((v, (*at, i)) for i, v in enumerate(node))

@@ -123,8 +123,8 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
         keys included), Python bool / int / float / complex / str / bytes, or None.
       run: the run name.
       metadata: user metadata stored in the manifest (format.md §4.1: None, bool, int, float,
-        str, list or tuple, dict with str keys; nested at most 256 deep, at most 1 MiB
-        encoded).
+        str, bytes, list or tuple, dict with keys of those scalar types; nested at most 256
+        deep, at most 1 MiB encoded).
       chunk_size_bytes: the largest chunk, bytes (default 16 MiB).
       pack_threshold_bytes: leaves up to this size are packed (default 64 KiB).
       zstd_level: zstd compression level (the chunk id does not depend on it).
@@ -188,7 +188,7 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
         finite float beyond its range: never wrapped or overflowed); no manifest is written.
       ValueError: invalid ``step``, ``run``, ``chunk_size_bytes`` (an int in [1, 2**31],
         at least one element of every array leaf), ``metadata`` that msgpack cannot encode
-        or format.md §4.1 does not allow (bytes, a non-str key: the message says where),
+        or format.md §4.1 does not allow (an extension type: the message says where),
         a ``dtypes`` prefix that matches no array leaf, or an unknown ``compression``.
       ManifestError: the repository's config object is damaged or of an unknown version.
       StoreTimeoutError: an object store did not answer within its deadline (``open_store``'s

@@ -72,8 +72,8 @@ def prepare(tree: Any, metadata: Any = None) -> tuple[Prepared, dict[int, Any]]:
     Raises:
       UnsupportedLeafError: a leaf cannot be stored; names its key path.
       ValueError: ``metadata`` that msgpack cannot encode, or that a reader would refuse
-        (format.md §4.1: other types than nil, bool, int, float, str, list and maps with str
-        keys, nested over 256 deep, or over 1 MiB encoded).
+        (format.md §4.1: an extension type such as a Timestamp, nested over 256 deep, or
+        over 1 MiB encoded).
     """
     node, leaves = flatten(tree)
     _check_paths([path for path, _ in leaves])

@@ -251,6 +251,16 @@ def test_cat_prints_the_manifest(repo):
         [c.id for c in leaf.chunks] for leaf in m.leaves]
 
 
+def test_cat_prints_metadata_with_bytes_and_keys_other_than_str(tmp_path):
+    """Saves have always stored bytes and map keys other than str in metadata; a bytes key
+    failed `cat` with "keys must be str, int, float, bool or None"."""
+    casstore.save(tmp_path, 0, {"x": np.ones(2)},
+                  metadata={"blob": b"\0\1", "e": {1: "a", 2.5: "b", b"k": None}})
+    out = json.loads(run("cat", tmp_path, 0).stdout)
+    assert out["metadata"] == {"blob": {"base64": "AAE="},
+                               "e": {"1": "a", "2.5": "b", "base64:aw==": None}}
+
+
 def test_json_output_is_strict_json_with_nan_and_infinity_as_strings(tmp_path):
     url = str(tmp_path / "r")
     with casstore.CheckpointManager(url) as mngr:  # a diverged run's loss

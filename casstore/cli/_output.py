@@ -73,8 +73,9 @@ def _finite(obj: Any) -> Any:
     """``obj`` with every non-finite float replaced by its JSON5 name, as a string."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return "NaN" if math.isnan(obj) else "Infinity" if obj > 0 else "-Infinity"
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, dict):  # a bytes key (metadata may have one) as its base64 text
+        return {f"base64:{base64.b64encode(k).decode()}" if isinstance(k, bytes) else k:
+                _finite(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
         return [_finite(v) for v in obj]
     return obj
