@@ -93,6 +93,7 @@ def export_tensors(url: Url, step: int | None, out: str | os.PathLike, *, run: s
     from ._restore import restore
     from ._tensorfile import file_array, write_tensors
 
+    out = os.path.expanduser(out)  # what check_export_path checks is what is written
     fmt = check_export_path(out, force=force)
     as_dtype = _float_dtype(dtype)
     store = open_store(url)
@@ -184,7 +185,7 @@ def import_tensors(file: str | os.PathLike, url: Url, step: int, *,
     tensors = read_tensors(file)
     try:
         tree = tree_of(tensors)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:  # TypeError: a name holding NUL (escape_name)
         raise TensorFileError(f"its tensor names do not make a pytree: {e}", url=str(file)
                               ) from e
     info = save(url, step, tree, run=run)

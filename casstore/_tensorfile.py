@@ -185,8 +185,10 @@ def tree_of(tensors: dict[str, np.ndarray]) -> dict | np.ndarray:
     """Nests tensors by their names' key paths: ``a/b`` -> ``{"a": {"b": ...}}``.
 
     A name that is not a valid key path (format.md §5) is one dict key. A node whose elements
-    are exactly ``[0] .. [n-1]`` becomes a list; ``[=k]``, and ``[k]`` elsewhere, are the int
-    dict key k.
+    are all sequence indices ``[i]`` becomes a list, None where an index has no tensor (an
+    element of the exported tree that held none: ``None``, an optax ``EmptyState``), so the
+    key paths stay those of the exported tree; ``[=k]``, and ``[k]`` beside names or past
+    2**16 missing positions, are the int dict key k.
 
     A file whose one tensor is named ``""`` (an export of a tree that is one array, whose key
     path is empty) is that array, not a dict.
@@ -211,13 +213,19 @@ def tree_of(tensors: dict[str, np.ndarray]) -> dict | np.ndarray:
     return _containers(root)
 
 
+MAX_GAPS = 2**16  # positions without a tensor that one list may have (a name's index is untrusted)
+
+
 def _containers(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
     keys = list(node)
-    if keys and all(re.fullmatch(r"\[(0|[1-9]\d*)\]", k) for k in keys) and sorted(
-            int(k[1:-1]) for k in keys) == list(range(len(keys))):
-        return [_containers(node[f"[{i}]"]) for i in range(len(keys))]
+    if keys and all(re.fullmatch(r"\[(0|[1-9]\d*)\]", k) for k in keys) and (
+            length := 1 + max(int(k[1:-1]) for k in keys)) <= len(keys) + MAX_GAPS:
+        # sequence indices (format.md §5): a missing one held no tensor (None, an optax
+        # EmptyState), so it is None, and the list keeps the positions of the saved tree
+        return [_containers(node[f"[{i}]"]) if f"[{i}]" in node else None
+                for i in range(length)]
     out = {_unescape(k): _containers(v) for k, v in node.items()}
     if len(out) < len(keys) or len({type(k) for k in out}) > 1:
         raise ValueError(f"tensor name elements {sorted(keys)[:6]} at one level name the same "
@@ -227,9 +235,15 @@ def _containers(node: Any) -> Any:
 
 
 def _unescape(element: str) -> Any:
-    """The dict key of a key-path element (format.md §5)."""
+    """The dict key of a key-path element (format.md §5).
+
+    Raises:
+      ValueError: an int key outside 64 bits (a key path holds no other).
+    """
     if m := re.fullmatch(r"\[=?(-?\d+)\]", element):
-        return int(m.group(1))
+        if not -2**63 <= (key := int(m.group(1))) < 2**63:
+            raise ValueError(f"the int key of {element!r} does not fit in 64 bits")
+        return key
     if element == "~3":
         return ""
     return element.replace("~2", "[").replace("~1", "/").replace("~0", "~")

@@ -518,6 +518,50 @@ def test_leaf_names_numpy_or_safetensors_give_a_meaning_keep_their_values(tmp_pa
     assert not (tmp_path / "o.safetensors").exists()
 
 
+def test_an_export_imported_back_restores_into_the_exported_trees_structure(tmp_path):
+    """Elements that hold no tensor (None, optax's EmptyState) leave gaps in a list's indices:
+    the import made such a list a dict of int keys ('opt/[1]/mu' came back as 'opt/[=1]/mu'),
+    so the step no longer restored into the training state's structure."""
+    import optax
+
+    params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    state = {"params": params, "l": [None, np.ones(2)],
+             "opt": optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)).init(params)}
+    url = tmp_path / "r"
+    casstore.save(url, 0, state)
+    for step, suffix in enumerate((".npz", ".safetensors"), 1):
+        casstore.export_tensors(url, 0, tmp_path / f"s{suffix}")
+        casstore.import_tensors(tmp_path / f"s{suffix}", url, step)
+        assert ([leaf.path for leaf in casstore.read_manifest(url, step).leaves]
+                == [leaf.path for leaf in casstore.read_manifest(url, 0).leaves])
+        back = casstore.restore(url, step, target=jax.eval_shape(lambda: state))
+        for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(state), strict=True):
+            np.testing.assert_array_equal(a, b)  # (float64 as the target's float32)
+
+
+def test_import_names_that_are_no_key_path_of_a_pytree_name_the_file(tmp_path):
+    """An index past 64 bits and a NUL raised a bare OverflowError or TypeError."""
+    for name, says in (("layers/[18446744073709551616]/w", "does not fit in 64 bits"),
+                       ("a\0b", "contains NUL")):
+        path = tmp_path / "bad.safetensors"
+        safetensors.numpy.save_file({name: np.ones(2, np.float32)}, str(path))
+        with pytest.raises(casstore.TensorFileError, match=rf"{says}.*url '{path}'"):
+            casstore.import_tensors(path, tmp_path / "r", 0)
+
+
+def test_an_export_to_a_path_under_home_writes_there(tmp_path, monkeypatch):
+    """'~/out.npz' was checked as $HOME/out.npz and written as ./~/out.npz (or failed)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    monkeypatch.chdir(tmp_path)
+    casstore.save(tmp_path / "r", 0, {"w": np.ones(3)})
+    casstore.export_tensors(tmp_path / "r", 0, "~/out.npz")
+    assert (tmp_path / "home" / "out.npz").is_file()
+    assert not (tmp_path / "~").exists()
+    with pytest.raises(FileExistsError, match="exists; pass force=True"):
+        casstore.export_tensors(tmp_path / "r", 0, "~/out.npz")
+
+
 def test_a_tree_that_is_one_array_exports_and_imports_back_as_that_array(tmp_path):
     """Its key path is empty: the file's one tensor is named "", which imports as the array
     itself, not as {"": array}."""
