@@ -1,10 +1,9 @@
 """CheckpointManager: periodic, asynchronous saves with retention (orbax's names and semantics).
 
-The manager is the loop's side of three modules: save decisions and retention are policies
-(``_policies``: orbax's ``save_decision_policy`` / ``preservation_policy``), preemption notices
-come from ``_preemption``, and each save is staged and written in the background by an
-:class:`~casstore.AsyncCheckpointer` (``_async_save``). The manager keeps the list of its run's
-steps and reads it from the store only on construction and :meth:`CheckpointManager.reload`.
+Save decisions and retention are policies (``_policies``: orbax's ``save_decision_policy`` /
+``preservation_policy``), preemption notices come from ``_preemption``, each save is written in
+the background by an :class:`~casstore.AsyncCheckpointer`. The manager keeps its run's steps,
+read from the store on construction and :meth:`CheckpointManager.reload` only.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from typing import Any
 from ._async_save import AsyncCheckpointer
 from ._chunking import DEFAULT_CHUNK_SIZE_BYTES
 from ._codec import DEFAULT_ZSTD_LEVEL
-from ._errors import StepNotFoundError
+from ._errors import StepAlreadyExistsError, StepNotFoundError
 from ._fallback import FallbackStore
 from ._gc import DEFAULT_GRACE_PERIOD_S, RetentionGc
 from ._layout import check_step
@@ -156,8 +155,7 @@ class CheckpointManager:
         self.enable_async_checkpointing = enable_async_checkpointing
         self.gc_after_retention, self.grace_period_s = gc_after_retention, grace_period_s
         self._collect = RetentionGc(self.store, grace_period_s)  # short waits on save locks
-        self._preemption_saved = False
-        self._details: dict[int, tuple[Any, datetime.datetime]] = {}
+        self._preemption_saved, self._details = False, {}  # {step: (metrics, saved at)}
         self._saving: int | None = None  # the step of the save in flight
         self.last_save_blocking_s = self.last_gc_info = self.last_restore_bytes = None
         self._steps: list[int] = list_steps(self.store, run=self.run)
@@ -184,9 +182,8 @@ class CheckpointManager:
     # -- deciding ----------------------------------------------------------------------------
 
     def reached_preemption(self, step: int) -> bool:
-        """True once the job was told it will be stopped (see the class docstring). The loop
-        asks it at every step (every process, with several) and, when true, waits for the
-        save (:meth:`wait_until_finished`) and stops. Makes no request."""
+        """True once the job was told it will be stopped (class docstring): the loop asks it at
+        every step, on every process, then waits for the save and stops. Makes no request."""
         return self._notice.reached(check_step(step))
 
     def should_save(self, step: int) -> bool:
@@ -236,7 +233,8 @@ class CheckpointManager:
             fails it within the store's deadline (StoreTimeoutError naming the step). With a
             persistent tier, a failed persist's error (PersistError or StoreTimeoutError, naming
             step and URL), from the next save that is due; it then saves nothing.
-          StepAlreadyExistsError: ``force`` with an existing step (a persisted one: raised here).
+          StepAlreadyExistsError: ``force`` with a step the manager lists (raised here; orbax too)
+            or that another process saved meanwhile (from the next call).
           UnsupportedLeafError: a leaf cannot be stored (raised here, before any write).
           PermissionError: the first save found the store not writable; nothing was stored.
           RuntimeError: the manager is closed. ValueError: ``step`` is not an int in [0, 10**16).
@@ -256,6 +254,9 @@ class CheckpointManager:
                 preempted = self.reached_preemption(step)  # noted once the save is under way
                 done = self.persister.local_save(step) if self.persister is not None else None
                 self._saver.wait_until_finished()  # the previous save's error, if it failed
+                if step in self._steps:  # else the next call raised it, and saved nothing
+                    raise StepAlreadyExistsError("step already exists", url=self.store.url,
+                                                 run=self.run, step=step)
             self._saving, metrics = step, snapshot(metrics, "metrics")  # the caller may change it
             agreement.propose(metrics, utc_now())  # every process ranks by process 0's
             self._saver._start(step, tree, {"metrics": metrics, "user": metadata},
@@ -431,12 +432,11 @@ class CheckpointManager:
         """
         step = check_step(step)
         self.wait_until_finished()
-        found = step in self.all_steps()
-        found = (self.persister is not None and self.persister.delete(step)) or found
-        found = (processes()[1] == 0 and deleted(self.store, step, self.run)) or found
+        found = [step in self.all_steps(), self.persister is not None and self.persister.delete(
+            step), processes()[1] == 0 and deleted(self.store, step, self.run)]
         self._details.pop(step, None)
         self._steps = [s for s in self._steps if s != step]
-        if not found:
+        if not any(found):
             raise StepNotFoundError("no such step", url=self.store.url, run=self.run, step=step)
 
     def _reader(self) -> Store:

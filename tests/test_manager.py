@@ -93,6 +93,21 @@ def test_should_save_and_interval(tmp_path):
         assert mngr.save(3, state(3), force=True)
 
 
+def test_a_forced_save_of_a_step_the_manager_lists_is_refused_in_that_call(tmp_path):
+    """It returned True, and its StepAlreadyExistsError came from the next save, which then
+    saved nothing (orbax raises in the forced call)."""
+    with casstore.CheckpointManager(tmp_path) as mngr:
+        mngr.save(0, state(0))
+        mngr.save(1, state(1))
+        with pytest.raises(casstore.StepAlreadyExistsError,
+                           match=r"step already exists .*step 1\)"):
+            mngr.save(1, state(9), force=True)
+        assert mngr.save(2, state(2))
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [0, 1, 2]
+        assert mngr.restore(1)["w"].tobytes() == state(1)["w"].tobytes()
+
+
 def test_metadata_and_delete(tmp_path):
     with casstore.CheckpointManager(tmp_path) as mngr:
         mngr.save(0, state(0), metadata={"lr": 0.1}, metrics={"loss": 1.0})
