@@ -32,9 +32,9 @@ def metadata_problem(value: Any) -> str | None:
     """What makes ``value`` (as msgpack decodes it) other than format.md §4.1's metadata: nil,
     bool, int, float, str, bin, list and maps with keys of those scalar types (what casstore
     has always written; no extension type, such as a Timestamp), nested at most 256 deep (as
-    the tree, §4.2), at most 1 MiB encoded; None if it is that. The work is bounded by 1 MiB of nodes
-    whatever ``value`` holds: every node encodes to at least a byte (a str to one a character),
-    so a walk past that many is refused before it goes on or encodes anything.
+    the tree, §4.2), at most 1 MiB encoded; None if it is that. The work is bounded by 1 MiB
+    of nodes whatever ``value`` holds: every node encodes to at least a byte (a str or bytes
+    to one a character or byte), so a walk past that many is refused before it goes on.
 
     Returns:
       The problem, naming where in the metadata it is (``metadata['a'][0]``), or None.
