@@ -306,6 +306,28 @@ def raw_object(raw: memoryview | bytes, pool: BufferPool | None = None) -> bytes
     return memoryview(buffer)
 
 
+def max_object_bytes(raw_length: int) -> int:
+    """The most bytes a valid chunk or delta object of ``raw_length`` raw bytes takes (format.md
+    §3.2, §3.5): the header, then the largest payload of any codec: byte planes (codecs 3, 4,
+    5: a plane table of at most 16 entries, each plane at most its ``n`` bytes, so at most the
+    raw length in all) or one zstd frame (codecs 1, 2: at most zstd's ``ZSTD_COMPRESSBOUND``).
+    A reader reads at most one byte more of an object (:func:`check_size`); the manifest's
+    ``stored_bytes`` is no bound: another writer may have stored the chunk in another codec."""
+    n = raw_length
+    zstd_bound = n + (n >> 8) + ((128 << 10) - n >> 11 if n < 128 << 10 else 0)
+    return HEADER.size + max(4 * MAX_ELEMENT_SIZE + n, zstd_bound)
+
+
+def check_size(data: bytes | memoryview, expected_id: str, raw_length: int) -> None:
+    """Raises CorruptChunkError if ``data`` (an object, or its first
+    ``max_object_bytes(raw_length) + 1`` bytes as read) is larger than any valid encoding of
+    ``raw_length`` raw bytes (:func:`max_object_bytes`)."""
+    if len(data) > (most := max_object_bytes(raw_length)):
+        raise CorruptChunkError(f"object larger than the {most} bytes any encoding of its "
+                                f"{raw_length} raw bytes takes (format.md §3.2; not read "
+                                "further)", chunk_id=expected_id)
+
+
 def refuse_newer(version: int, codec: int, chunk_id: str) -> None:
     """Raises UnsupportedFormatError for a chunk header (magic and non-zero version checked)
     of another version or an unknown codec: a newer writer's, not damage (format.md §10)."""
@@ -322,6 +344,7 @@ def check_header(data: bytes | memoryview, expected_id: str, raw_length: int
     if len(data) < HEADER.size:
         raise CorruptChunkError(f"chunk object of {len(data)} bytes is shorter than its header",
                                 chunk_id=expected_id)
+    check_size(data, expected_id, raw_length)
     magic, version, codec, element_size, length = HEADER.unpack_from(data)
     if magic != MAGIC or version == 0:
         raise CorruptChunkError("bad chunk header", chunk_id=expected_id)

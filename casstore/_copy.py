@@ -34,7 +34,7 @@ import time
 import zlib
 from collections.abc import Callable
 
-from ._delta import DeltaBases, read_again
+from ._delta import DeltaBases, read_again, read_object
 from ._errors import (
     CorruptChunkError,
     ObjectNotFoundError,
@@ -348,11 +348,11 @@ class _Engine:
             if size is not None:
                 self._done(obj, self.sent, size)
                 return
-            data = self.bases.read(obj, cid, base)
+            data = self.bases.read(obj, cid, base, raw_length)
             try:
                 self._check(data, cid, base, raw_length)
             except CorruptChunkError:  # damaged at the source only if it fails again
-                data = self.src.get(obj)  # with verify, its base is read again too
+                data = read_object(self.src, obj, raw_length)  # with verify, its base too
                 if self.verify:
                     read_again(self.src, obj, cid, base, raw_length, data=data)
                 else:

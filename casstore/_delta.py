@@ -36,10 +36,12 @@ from ._codec import (
     VERSION,
     _min_saving,
     buffer_planes,
+    check_size,
     chunk_id,
     decode_chunk,
     encode_planes,
     interleave,
+    max_object_bytes,
     plane_buffer,
     planes_object,
     planes_of,
@@ -141,6 +143,7 @@ def base_bytes(data: bytes | memoryview, base_id: str, raw_length: int,
         length is not ``raw_length``.
     """
     k = element_size
+    check_size(data, base_id, raw_length)
     if len(data) >= HEADER.size:
         magic, version, codec, size, length = HEADER.unpack_from(data)
         payload = memoryview(data)[HEADER.size:]
@@ -278,6 +281,7 @@ def decode_delta(data: bytes | memoryview, base: bytes | memoryview, expected_id
         unusable, or the rebuilt bytes do not hash to ``expected_id`` (the message says
         whether the base alone still decodes to its own id).
     """
+    check_size(data, expected_id, raw_length)
     if len(data) < HEADER.size:
         raise CorruptChunkError(f"delta object of {len(data)} bytes is shorter than its header",
                                 chunk_id=expected_id)
@@ -340,15 +344,17 @@ class DeltaBases:
         self.held: dict[str, cf.Future] = {}
         self.lock = threading.Lock()
 
-    def read(self, key: str, cid: str, base: str | None) -> bytes:
-        """The bytes of object ``key`` (chunk ``cid``, a delta on ``base`` if given), as stored.
+    def read(self, key: str, cid: str, base: str | None, raw_length: int) -> bytes:
+        """The bytes of object ``key`` (chunk ``cid`` of ``raw_length`` raw bytes, a delta on
+        ``base`` if given), as stored: at most one byte more than any valid encoding takes
+        (:func:`read_object`).
 
         Raises:
           ObjectNotFoundError: the object is missing.
         """
         if base is None and cid in self.bases:
-            return self._base(cid)
-        return self._counted(self.store.get(key))
+            return self._base(cid, raw_length)
+        return self._counted(read_object(self.store, key, raw_length))
 
     def _counted(self, data: bytes) -> bytes:
         with self.lock:
@@ -366,9 +372,9 @@ class DeltaBases:
         """
         if base is None:
             return decode_chunk(data, cid, raw_length, out)
-        return decode_delta(data, self._base(base), cid, base, raw_length, out)
+        return decode_delta(data, self._base(base, raw_length), cid, base, raw_length, out)
 
-    def _base(self, base: str) -> bytes:
+    def _base(self, base: str, raw_length: int) -> bytes:
         """The base chunk object's bytes, read once while it has users left."""
         with self.lock:
             future = self.held.get(base)
@@ -377,7 +383,8 @@ class DeltaBases:
                 future = self.held[base] = cf.Future()
         if owner:
             try:
-                future.set_result(self._counted(self.store.get(chunk_key(base))))
+                future.set_result(self._counted(read_object(self.store, chunk_key(base),
+                                                            raw_length)))
             except BaseException as e:
                 future.set_exception(e)
         try:
@@ -401,8 +408,16 @@ def read_again(store: Store, key: str, cid: str, base: str | None, raw_length: i
       CorruptChunkError: the stored object (or its base) is damaged: it failed again.
       FileNotFoundError: it is gone.
     """
-    data = store.get(key) if data is None else data
+    data = read_object(store, key, raw_length) if data is None else data
     raw = (decode_chunk(data, cid, raw_length, out) if base is None else
-           decode_delta(data, store.get(chunk_key(base)), cid, base, raw_length, out))
+           decode_delta(data, read_object(store, chunk_key(base), raw_length), cid, base,
+                        raw_length, out))
     warn_read_again(f"chunk object {key}", store.url)
     return raw
+
+
+def read_object(store: Store, key: str, raw_length: int) -> bytes:
+    """Chunk or delta object ``key`` of a chunk of ``raw_length`` raw bytes, as stored, or its
+    first ``max_object_bytes(raw_length) + 1`` bytes if it is larger than any valid encoding
+    (one read: a damaged object of many GB is not held; its decoder refuses it)."""
+    return store.head(key, max_object_bytes(raw_length) + 1)

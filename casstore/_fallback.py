@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from ._codec import decode_chunk
+from ._codec import decode_chunk, max_object_bytes
 from ._delta import decode_delta, read_again
 from ._errors import (
     CorruptChunkError,
@@ -51,6 +51,11 @@ def _damaged(key: str, data: bytes, url: str) -> bool:
     except ManifestError:
         return True
     return False
+
+
+def _read(store: Store, key: str, nbytes: int | None) -> bytes:
+    """``key``'s bytes in ``store``: the first ``nbytes`` (None: all of them)."""
+    return store.get(key) if nbytes is None else store.head(key, nbytes)
 
 
 class FallbackStore(Store):
@@ -115,14 +120,18 @@ class FallbackStore(Store):
             self.objects_recovered += recovered
 
     def get(self, key: str) -> bytes:
+        return self.head(key, None)
+
+    def head(self, key: str, nbytes: int | None) -> bytes:
+        """As :meth:`get`, of each tier's first ``nbytes`` bytes (None: all of them)."""
         try:
-            data = self.primary.get(key)
+            data = _read(self.primary, key, nbytes)
         except FileNotFoundError:
-            return self.from_fallbacks(key)
+            return self.from_fallbacks(key, nbytes=nbytes)
         self._count(self.primary, len(data))
         if _damaged(key, data, self.primary.url):
             with contextlib.suppress(FileNotFoundError):
-                good = self.from_fallbacks(key)
+                good = self.from_fallbacks(key, nbytes=nbytes)
                 if not _damaged(key, good, self.primary.url):
                     log.warning("casstore: %s of %s is damaged; read another tier's",
                                 "the config object" if key == CONFIG_KEY else f"manifest {key}",
@@ -130,23 +139,26 @@ class FallbackStore(Store):
                     return good
         return data
 
-    def from_fallbacks(self, key: str, skip: int = 0) -> bytes:
-        """``key``'s bytes from the first fallback (after the first ``skip``) that has it; a
-        config object is written back at once if it parses (``write_back``).
+    def from_fallbacks(self, key: str, skip: int = 0, nbytes: int | None = None) -> bytes:
+        """``key``'s bytes (its first ``nbytes`` if given) from the first fallback (after the
+        first ``skip``) that has it; a config object is written back at once if it parses
+        (``write_back``).
 
         Raises:
           ObjectNotFoundError: no fallback has it (the primary's error, naming its URL).
         """
-        data = self._from_fallback(key, skip)[0]
+        data = self._from_fallback(key, skip, nbytes)[0]
         if key == CONFIG_KEY and not _damaged(key, data, self.primary.url):
             self.confirm(key)
         return data
 
-    def get_into(self, key: str, buffer: np.ndarray | None) -> tuple[memoryview, np.ndarray]:
+    def get_into(self, key: str, buffer: np.ndarray | None, max_bytes: int | None = None
+                 ) -> tuple[memoryview, np.ndarray]:
         try:
-            data, buffer = self.primary.get_into(key, buffer)
+            data, buffer = self.primary.get_into(key, buffer, max_bytes)
         except FileNotFoundError:
-            return memoryview(self.from_fallbacks(key)), buffer
+            more = None if max_bytes is None else max_bytes + 1
+            return memoryview(self.from_fallbacks(key, nbytes=more)), buffer
         self._count(self.primary, len(data))
         return data, buffer
 
@@ -159,11 +171,12 @@ class FallbackStore(Store):
         self._count(self.primary, len(head) + memoryview(body).nbytes)
         return True
 
-    def _from_fallback(self, key: str, skip: int = 0) -> tuple[bytes, int]:
+    def _from_fallback(self, key: str, skip: int = 0, nbytes: int | None = None
+                       ) -> tuple[bytes, int]:
         """``(bytes, index of the fallback they came from)``; see :meth:`from_fallbacks`."""
         for i, tier in enumerate(self.fallbacks[skip:], skip):
             try:
-                data = tier.get(key)
+                data = _read(tier, key, nbytes)
             except FileNotFoundError:
                 continue
             self._count(tier, len(data), recovered=True)
@@ -184,13 +197,14 @@ class FallbackStore(Store):
             while total > HELD_BYTES and len(self._held) > 1:
                 total -= len(self._held.pop(next(iter(self._held))))
 
-    def copies(self, key: str) -> list[tuple[Store, bytes]]:
-        """``(tier, bytes)`` of every tier's copy of ``key``, the primary's first; tiers without
-        one, or whose read failed its transfer checksum, are left out."""
+    def copies(self, key: str, nbytes: int | None = None) -> list[tuple[Store, bytes]]:
+        """``(tier, bytes)`` of every tier's copy of ``key`` (its first ``nbytes`` if given),
+        the primary's first; tiers without one, or whose read failed its transfer checksum,
+        are left out."""
         found = []
         for tier in [self.primary, *self.fallbacks]:
             with contextlib.suppress(FileNotFoundError, CorruptChunkError):
-                data = tier.get(key)
+                data = _read(tier, key, nbytes)
                 self._count(tier, len(data), recovered=tier is not self.primary)
                 found.append((tier, data))
         return found
@@ -301,11 +315,12 @@ def reread_chunk(store: Store, key: str, ref: ChunkRef, out: np.ndarray | None,
         except (CorruptChunkError, FileNotFoundError, UnsupportedFormatError):
             return None
     confirm_chunk(store, key, ref.base, ok=False)  # what the first read held failed its checks
+    most = max_object_bytes(ref.raw_bytes) + 1  # a larger object is corrupt: not read whole
     if ref.base is None:
-        pairs = [(c, None) for c in store.copies(key)]
+        pairs = [(c, None) for c in store.copies(key, most)]
     else:
-        bases = store.copies(chunk_key(ref.base))
-        pairs = [(c, b) for c in store.copies(key) for b in bases]
+        bases = store.copies(chunk_key(ref.base), most)
+        pairs = [(c, b) for c in store.copies(key, most) for b in bases]
     for copy, base in pairs:
         try:
             if base is None:

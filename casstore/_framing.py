@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import zstandard
 
-from ._codec import HEADER, MAGIC, MAX_ELEMENT_SIZE, refuse_newer
+from ._codec import HEADER, MAGIC, MAX_ELEMENT_SIZE, check_size, refuse_newer
 from ._errors import CorruptChunkError
 
 _CODEC_RAW, _CODEC_ZSTD, _CODEC_SHUFFLE, _CODEC_DELTA = 0, 1, 2, 3
@@ -18,8 +18,8 @@ _PLANES = (3, 4, 5)
 def check_framing(data: bytes | memoryview, cid: str, raw_length: int, *,
                   delta: bool = False) -> None:
     """Checks a stored chunk or delta object's framing without decoding it (format.md §3.2,
-    §3.5): header, raw length, payload length of a raw chunk, plane table, and the content size
-    of each zstd frame.
+    §3.5): its size (:func:`~casstore._codec.check_size`), header, raw length, payload length
+    of a raw chunk, plane table, and the content size of each zstd frame.
 
     Raises:
       CorruptChunkError: a check fails (names the chunk id).
@@ -28,6 +28,7 @@ def check_framing(data: bytes | memoryview, cid: str, raw_length: int, *,
     def bad(why: str) -> CorruptChunkError:
         return CorruptChunkError(f"bad chunk object: {why}", chunk_id=cid)
 
+    check_size(data, cid, raw_length)
     if len(data) < HEADER.size:
         raise bad(f"{len(data)} bytes, shorter than the header")
     magic, version, codec, k, length = HEADER.unpack_from(data)

@@ -34,6 +34,7 @@ SAVE_LOCK_REFRESH_S = STALE_LOCK_S / 8  # 45 min: two refreshes in a row may fai
 GC_LOCK_REFRESH_S = 60.0
 GC_LOCK_STALE_S = 600.0  # seconds; leaves room for clock skew between hosts and the store
 POLL_S = 0.1
+MAX_LOCK_BYTES = 2**16  # a lock object is about 100 bytes; a reader reads no more (§8)
 WAIT_NOTICE_S = 5.0  # seconds gc waits for saves before it says which locks it waits for
 
 log = logging.getLogger("casstore")
@@ -151,7 +152,7 @@ def _held_by(store: Store, keys: list[str]) -> str:
     now, held = time.time(), []
     for key in keys[:5]:
         try:
-            info = msgpack.unpackb(store.get(key))
+            info = msgpack.unpackb(store.head(key, MAX_LOCK_BYTES + 1))
             held.append(f"{key} (host {info.get('host')!r}, pid {info.get('pid')}, "
                         f"{now - float(info.get('created')):.0f} s old)")
         except Exception:  # gone meanwhile, or not a lock this casstore wrote: its key only

@@ -19,7 +19,7 @@ import numpy as np
 
 from ._buffers import mapped
 from ._chunking import Index
-from ._codec import HEADER, verify_raw
+from ._codec import HEADER, max_object_bytes, verify_raw
 from ._delta import DeltaBases
 from ._errors import (
     CorruptChunkError,
@@ -63,8 +63,9 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
 
     Only the chunks whose blocks overlap a requested region are fetched, each once (a delta
     chunk with its base, format.md §3.5; a base that several deltas share once, held until the
-    last of them is rebuilt), with at most ``2 * max_workers`` in flight, and verified
-    (format.md §3.2) before its blocks are copied into every region they overlap. A chunk that
+    last of them is rebuilt), with at most ``2 * max_workers`` in flight, no further than one
+    byte past the largest encoding of its chunk (format.md §3.2: a larger object is corrupt),
+    and verified before its blocks are copied into every region they overlap. A chunk that
     overlaps in part is read whole.
     Chunks are fetched in leaf order, and as soon as a leaf's last chunk is in, ``place``
     turns its regions into the value returned for it (e.g. jax arrays on their devices) and
@@ -123,7 +124,8 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
                                                                           into):
                 raw = into
             else:
-                data, buffers.read = store.get_into(key, getattr(buffers, "read", None))
+                data, buffers.read = store.get_into(key, getattr(buffers, "read", None),
+                                                    max_object_bytes(first.raw_bytes))
                 raw = bases.decode(data, cid, first.base, first.raw_bytes, into)
                 confirm_chunk(store, key, first.base)  # a tier's copy: now written back
         except (FileNotFoundError, CorruptChunkError, UnsupportedFormatError) as e:

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from ._delta import DeltaBases
+from ._delta import DeltaBases, read_object
 from ._errors import CorruptChunkError, ManifestError, UnsupportedFormatError
 from ._framing import check_framing
 from ._layout import CONFIG_KEY, chunk_key, manifest_key
@@ -27,6 +27,7 @@ from ._repository import (
     Url,
     list_chunk_objects,
     parse_config,
+    read_config_bytes,
     read_manifest_bytes,
 )
 from ._scan import CONFIG, CORRUPT, MANIFEST, MISSING, UNSUPPORTED, Problem
@@ -206,7 +207,7 @@ class _Plan:
         the steps whose manifest was damaged."""
         def send(key: str) -> None:
             cid, base, raw_length, _ = self.info[key]
-            data = self.good.get(key)
+            data = read_object(self.good, key, raw_length)
             check_framing(data, cid, raw_length, delta=base is not None)
             self.damaged.put(key, data)
 
@@ -246,7 +247,7 @@ def _failing(store: Store, keys: set[str], info: dict[str, tuple]) -> set[str]:
     def fails(key: str) -> bool:
         cid, base, raw_length, _ = info[key]
         try:
-            bases.decode(bases.read(key, cid, base), cid, base, raw_length)
+            bases.decode(bases.read(key, cid, base, raw_length), cid, base, raw_length)
         except (CorruptChunkError, FileNotFoundError, UnsupportedFormatError):
             return True
         return False
@@ -259,7 +260,7 @@ def _good_config(good: Store) -> bytes | None:
     """The good copy's config object, or None if it is missing, damaged or of a newer
     format."""
     try:
-        data = good.get(CONFIG_KEY)
+        data = read_config_bytes(good)
         parse_config(data, good.url)
     except (FileNotFoundError, ManifestError):  # UnsupportedFormatError is a ManifestError
         return None

@@ -43,6 +43,7 @@ CONFIG_VERSION = 1
 HASH = "xxh3-128"
 
 Url = str | os.PathLike | Store
+MAX_CONFIG_BYTES = 2**20  # format.md §2.1: a reader reads no more of a config object
 _REPAIR_HINT = ("; `casstore verify` reports it and `casstore repair GOOD_COPY URL` puts another "
                 "copy's config object in its place (docs/recovery.md)")
 
@@ -52,8 +53,12 @@ def parse_config(data: bytes, url: str) -> dict:
 
     Raises:
       UnsupportedFormatError: a version, hash or feature of a newer format (format.md §10).
-      ManifestError: the object is damaged or not a casstore config.
+      ManifestError: the object is damaged, not a casstore config, or larger than
+        ``MAX_CONFIG_BYTES`` (``data`` may be its first ``MAX_CONFIG_BYTES + 1`` bytes).
     """
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ManifestError(f"config object larger than {MAX_CONFIG_BYTES} bytes, the size "
+                            f"limit (not read further){_REPAIR_HINT}", url=url)
     try:
         config = msgpack.unpackb(data, raw=False, max_str_len=4096, max_bin_len=0)
     except Exception as e:  # any msgpack failure means a damaged config
@@ -96,13 +101,19 @@ def _read_again(read: Callable[[], bytes], parse: Callable[[bytes], Any], what: 
     return again, parsed
 
 
+def read_config_bytes(store: Store) -> bytes:
+    """The config object's bytes, or its first ``MAX_CONFIG_BYTES + 1`` if it is larger (one
+    request: a damaged object of many GB is not held; :func:`parse_config` refuses it)."""
+    return store.head(CONFIG_KEY, MAX_CONFIG_BYTES + 1)
+
+
 def _read_config(store: Store) -> None:
     """Reads and validates the config object (:func:`_read_again`).
 
     Raises:
       FileNotFoundError: there is none. ManifestError: as :func:`parse_config`.
     """
-    _read_again(lambda: store.get(CONFIG_KEY), lambda data: parse_config(data, store.url),
+    _read_again(lambda: read_config_bytes(store), lambda data: parse_config(data, store.url),
                 "the config object", store.url)
 
 

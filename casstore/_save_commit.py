@@ -66,7 +66,7 @@ def _put_manifest(store: Store, key: str, manifest: Manifest) -> int:
         # The write may have been stored before the error (a lost response): if the manifest
         # there is ours, the commit happened.
         try:
-            committed = store.get(key) == data
+            committed = store.head(key, len(data) + 1) == data
         except Exception:  # still unknown: report the original error
             committed = False
         if not committed:

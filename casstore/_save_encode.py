@@ -19,7 +19,7 @@ import numpy as np
 
 from ._buffers import BufferPool
 from ._codec import chunk_id, decode_chunk, encode_chunk, raw_object
-from ._delta import RestoreBudget, encode_delta
+from ._delta import RestoreBudget, encode_delta, read_object
 from ._errors import CasstoreError, CorruptChunkError, ManifestError, StepNotFoundError
 from ._layout import chunk_key, delta_key
 from ._manifest import Manifest
@@ -209,7 +209,7 @@ class ChunkWriter:
         saves; ``verify`` reports it)."""
         k = element_size if len(raw) % element_size == 0 else 1
         try:
-            data = self.store.get(chunk_key(base))
+            data = read_object(self.store, chunk_key(base), len(raw))
             checked = np.frombuffer(decode_chunk(data, base, len(raw)), np.uint8)
             return encode_delta(raw, checked, k, self.zstd_level,
                                 self.shuffle if self.compress else None, self.budget,

@@ -246,7 +246,7 @@ def _read_all(store: Store, users: dict[str, _Users], keys: list[str], max_worke
         """(the key at fault, its problem or None)."""
         ref = users[key].ref
         try:
-            data = bases.read(key, ref.id, ref.base)
+            data = bases.read(key, ref.id, ref.base, ref.raw_bytes)
             try:
                 bases.decode(data, ref.id, ref.base, ref.raw_bytes)
             except CorruptChunkError:  # damaged in storage only if it fails again

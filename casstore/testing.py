@@ -53,6 +53,16 @@ class StoreContract:
         with pytest.raises(ObjectNotFoundError, match="no/such/key"):
             store.head("no/such/key", 10)
 
+    def test_get_into_reads_at_most_max_bytes_plus_one(self, store: Store):
+        data = bytes(range(256)) * 40
+        store.put("h/obj", data)
+        for max_bytes, want in ((None, data), (len(data), data), (len(data) - 1, data),
+                                (99, data[:100])):
+            view, _ = store.get_into("h/obj", None, max_bytes)
+            assert bytes(view) == want, max_bytes
+        with pytest.raises(ObjectNotFoundError, match="no/such/key"):
+            store.get_into("no/such/key", None, 10)
+
     def test_put_if_absent_is_create_only(self, store: Store):
         store.put_if_absent("m/1", b"first")
         with pytest.raises(FileExistsError):

@@ -24,6 +24,7 @@ from casstore._codec import (
     chunk_id,
     decode_chunk,
     encode_chunk,
+    max_object_bytes,
     move_sign,
     planes_of,
     shuffle,
@@ -426,3 +427,19 @@ def test_decode_rejects_wrong_length_and_id():
         decode_chunk(data, chunk_id(raw), 299)
     with pytest.raises(CorruptChunkError, match="chunk id"):
         decode_chunk(data, "0" * 32, 300)
+
+
+@pytest.mark.parametrize("n", [0, 16, 32, 48, 160, 4096, 131_056, 131_072, 131_088, 1 << 20])
+def test_no_codec_encodes_random_bytes_past_the_bound_readers_read_to(n):
+    """Every codec's object of incompressible bytes fits max_object_bytes (format.md §3.2), the
+    most a reader reads of a chunk object: zstd (one frame, or codec 2's frame with a block
+    per plane) stays within ZSTD_COMPRESSBOUND, byte planes within the raw length."""
+    raw = memoryview(np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8))
+    for codec, sizes in ((CODEC_ZSTD, [0]), (CODEC_SHUFFLE_ZSTD, [2, 4, 8, 16]),
+                         (CODEC_PLANES, [2, 16]), (CODEC_EXPONENT_PLANES, [2, 4, 16])):
+        for k in sizes:
+            if (k and n % k) or (k and not n):
+                continue
+            assert len(_encode(raw, codec, 1, k)) <= max_object_bytes(n), (codec, k)
+    assert max_object_bytes(0) == 16 + 64
+    assert max_object_bytes(1 << 20) == 16 + (1 << 20) + (1 << 12)

@@ -484,6 +484,13 @@ def test_a_copy_within_one_service_is_server_side(tmp_path, object_servers, monk
 
     monkeypatch.setattr(src.fs, "_cat_file", counting)
     monkeypatch.setattr(dst.fs, "_cat_file", counting)
+    s3_head = casstore.store._clients.s3_head  # S3's reads bounded by a size (FsspecStore.head)
+
+    async def counting_heads(fs, path, *args, **kwargs):
+        chunk_reads.extend([path] if "/chunks/" in path else [])
+        return await s3_head(fs, path, *args, **kwargs)
+
+    monkeypatch.setattr(casstore.store._clients, "s3_head", counting_heads)
     info = casstore.copy(src, dst)
     objects = {o.key: o.size for o in list_chunk_objects(src)}
     assert chunk_reads == []
@@ -548,6 +555,13 @@ def test_the_cli_copies_server_side_and_reads_every_object_with_verify(object_se
         return await cat_file(fs, path, *args, **kwargs)
 
     monkeypatch.setattr(type(src.fs), "_cat_file", spy)
+    s3_head = casstore.store._clients.s3_head  # S3's reads bounded by a size (FsspecStore.head)
+
+    async def spy_heads(fs, path, *args, **kwargs):
+        gets.extend([path] if "/chunks/" in path else [])
+        return await s3_head(fs, path, *args, **kwargs)
+
+    monkeypatch.setattr(casstore.store._clients, "s3_head", spy_heads)
     for flags, reads in (([], 0), (["--verify"], len(objects))):
         dst = server.url()
         gets.clear()

@@ -182,8 +182,11 @@ def test_zstd_bomb_is_rejected_before_decompressing():
 
     from casstore._codec import HEADER, MAGIC, decode_chunk
     bomb = zstandard.ZstdCompressor().compress(b"\0" * (64 * 2**20))  # 64 MiB of zeros
-    data = HEADER.pack(MAGIC, 1, 1, 0, 100) + bomb
+    data = HEADER.pack(MAGIC, 1, 1, 0, 4096) + bomb
     with pytest.raises(casstore.CorruptChunkError, match="declares"):
+        decode_chunk(data, "0" * 32, 4096)
+    data = HEADER.pack(MAGIC, 1, 1, 0, 100) + bomb  # larger than any encoding of 100 bytes
+    with pytest.raises(casstore.CorruptChunkError, match="larger than the 180 bytes"):
         decode_chunk(data, "0" * 32, 100)
 
 

@@ -337,3 +337,110 @@ def test_gc_with_no_grace_period_spares_a_temporary_file_being_written(tmp_path)
     os.utime(in_flight, (time.time() - 3700, time.time() - 3700))
     assert casstore.gc(url, grace_period_s=0).leftover_bytes == 4
     assert not in_flight.exists()
+
+
+_OVERSIZED = r"""
+import json, resource, sys
+import casstore
+root, out = sys.argv[1], {}
+try:
+    out["verify"] = [[p.kind, p.key_path, p.key, p.message] for p in casstore.verify(root).problems]
+    casstore.restore(root, 0)
+except casstore.CorruptChunkError as e:
+    out["restore"] = [e.key_path, str(e)]
+except casstore.ManifestError as e:
+    out["restore"] = [None, str(e)]
+out["peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps(out))
+"""
+
+
+def _oversized(root) -> dict:
+    """verify and restore of repository ``root`` in a process of their own: what they report
+    and the process's peak RSS."""
+    import json
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _OVERSIZED, str(root)], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+def test_an_oversized_chunk_object_is_corrupt_and_not_read_whole(tmp_path):
+    """A chunk object far larger than any encoding of its chunk (format.md §3.2: a 4 MiB chunk
+    in a 3 GB sparse file) is reported corrupt by verify and refused by restore, naming the
+    key path, without reading it: the process stays far below the object's size."""
+    root = tmp_path / "r"
+    x = np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32)
+    casstore.save(root, 0, {"big": x})
+    ref = casstore.read_manifest(root, 0).leaves[0].chunks[0]
+    os.truncate(root / ref.key, 3_000_000_000)  # sparse: no disk used
+    got = _oversized(root)
+    assert [p[:3] for p in got["verify"]] == [["corrupt", "big", ref.key]]
+    assert "larger than" in got["verify"][0][3]
+    assert got["restore"][0] == "big"
+    assert "larger than" in got["restore"][1]
+    assert got["peak"] < 1_000_000_000, got["peak"]
+
+
+def test_an_oversized_config_object_is_refused_and_not_read_whole(tmp_path):
+    """A config object of 2 GB (sparse: the real one, then zeros) is refused by every command
+    with an error naming its size limit, without reading it whole."""
+    root = tmp_path / "r"
+    casstore.save(root, 0, {"x": np.arange(100, dtype=np.float32)})
+    os.truncate(root / "config", 2_000_000_000)
+    got = _oversized(root)
+    assert [p[0] for p in got["verify"]] == ["config"]
+    assert "larger than" in got["verify"][0][3]
+    assert got["restore"][0] is None
+    assert "larger than" in got["restore"][1]
+    assert got["peak"] < 1_000_000_000, got["peak"]
+    store = MemoryStore()
+    casstore.save(store, 0, {"x": np.arange(100, dtype=np.float32)})
+    store.put("config", store.get("config") + bytes(3 << 20))
+    with pytest.raises(casstore.ManifestError, match="larger than"):
+        casstore.list_steps(store)
+
+
+class _Largest(MemoryStore):
+    """A MemoryStore recording the most bytes one read returned."""
+
+    largest = 0
+
+    def _note(self, data):
+        self.largest = max(self.largest, len(data))
+        return data
+
+    def get(self, key):
+        return self._note(super().get(key))
+
+    def head(self, key, nbytes):
+        return self._note(MemoryStore.get(self, key)[:nbytes])  # as a ranged read
+
+
+@pytest.mark.parametrize("which", ["chunk", "delta", "base"])
+def test_an_oversized_chunk_or_delta_object_in_memory_is_corrupt_and_read_bounded(which):
+    """On any store, verify and restore read at most the largest valid encoding of a chunk
+    (plus a byte) of a chunk object, a delta object or a delta's base that is larger."""
+    store = _Largest()
+    x = np.random.default_rng(0).standard_normal(16_384).astype(np.float32)
+    casstore.save(store, 0, {"w": x})
+    y = x.copy()
+    y[:10] += 1
+    casstore.save(store, 1, {"w": y})
+    ref = casstore.read_manifest(store, 1).leaves[0].chunks[0]
+    assert ref.base is not None  # a delta on step 0's chunk
+    key = {"chunk": casstore.read_manifest(store, 0).leaves[0].chunks[0].key, "delta": ref.key,
+           "base": chunk_key(ref.base)}[which]
+    store.put(key, store.get(key) + bytes(16 << 20))
+    store.largest = 0
+    report = casstore.verify(store)
+    assert [(p.kind, p.key_path, p.key) for p in report.problems] == [("corrupt", "w", key)]
+    assert "larger than" in report.problems[0].message
+    step = 1 if which == "delta" else 0
+    with pytest.raises(casstore.CorruptChunkError, match="larger than") as info:
+        casstore.restore(store, step)
+    assert info.value.key_path == "w"
+    assert store.largest < 1 << 20

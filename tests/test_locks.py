@@ -240,3 +240,31 @@ def test_a_save_to_a_read_only_store_warns_of_no_lock_left_behind(tmp_path, capl
             casstore.ReadOnlyStoreError, match="read-only"):
         casstore.save(store, 1, {"w": np.ones(3)})
     assert "lock" not in caplog.text  # none was put, so none stays
+
+
+def test_a_lock_object_is_read_no_further_than_its_size_limit():
+    """Naming who holds a save lock reads at most MAX_LOCK_BYTES + 1 bytes of its object: a
+    damaged lock of many MB is named by its key alone, not read whole (format.md §8)."""
+    import msgpack
+
+    class Recording(MemoryStore):
+        largest = 0
+
+        def get(self, key):
+            data = super().get(key)
+            self.largest = max(self.largest, len(data))
+            return data
+
+        def head(self, key, nbytes):
+            data = MemoryStore.get(self, key)[:nbytes]  # as a ranged read
+            self.largest = max(self.largest, len(data))
+            return data
+
+    store = Recording()
+    lock = msgpack.packb({"kind": "save", "created": time.time(), "host": "h", "pid": 1})
+    store.put("locks/save-" + "0" * 32, lock)
+    store.put("locks/save-" + "1" * 32, lock + bytes(8 << 20))
+    held = _locks._held_by(store, ["locks/save-" + "0" * 32, "locks/save-" + "1" * 32])
+    assert "locks/save-" + "0" * 32 + " (host 'h', pid 1," in held
+    assert held.count("(host") == 1  # the damaged one by its key alone
+    assert store.largest <= _locks.MAX_LOCK_BYTES + 1

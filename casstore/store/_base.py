@@ -161,12 +161,15 @@ class Store(abc.ABC):
         """
         return self.get(key)[:nbytes]
 
-    def get_into(self, key: str, buffer: np.ndarray | None) -> tuple[memoryview, np.ndarray]:
+    def get_into(self, key: str, buffer: np.ndarray | None, max_bytes: int | None = None
+                 ) -> tuple[memoryview, np.ndarray]:
         """Reads an object, into ``buffer`` where the backend can (a uint8 array, reused).
 
         Readers of many large objects (a restore's chunks) pass each thread's buffer back in,
         so reading allocates no new memory per object; the returned view is valid until the
-        buffer is reused. This default returns a view of :meth:`get`'s bytes.
+        buffer is reused. With ``max_bytes``, at most ``max_bytes + 1`` bytes are read (the
+        reader refuses an object that long: a damaged object of many GB is not held). This
+        default returns a view of :meth:`get`'s bytes, or of :meth:`head`'s with ``max_bytes``.
 
         Returns:
           ``(view of the object's bytes, the buffer to pass next time)``.
@@ -174,7 +177,7 @@ class Store(abc.ABC):
         Raises:
           ObjectNotFoundError: ``key`` is absent.
         """
-        data = self.get(key)
+        data = self.get(key) if max_bytes is None else self.head(key, max_bytes + 1)
         return memoryview(data), buffer
 
     def get_split(self, key: str, head: bytearray, body: memoryview | np.ndarray) -> bool:

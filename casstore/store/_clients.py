@@ -103,3 +103,24 @@ class Body(io.BytesIO):
 
     def __len__(self) -> int:
         return self.getbuffer().nbytes
+
+
+async def s3_head(fs, path: str, nbytes: int) -> bytes:
+    """The first ``nbytes`` bytes of S3 object ``path`` (all of it if it is no longer), in one
+    GET without a range: its body is read whole only if its Content-Length is at most
+    ``nbytes`` (botocore then checks it against the checksum the store keeps, which S3 sends
+    for no ranged GET), else only its first ``nbytes`` bytes, and the response is closed."""
+    bucket, key, version = fs.split_path(path)
+    response = await fs._call_s3("get_object", Bucket=bucket, Key=key,
+                                 **({"VersionId": version} if version else {}))
+    body = response["Body"]
+    try:
+        if response.get("ContentLength", 0) <= nbytes:
+            return await body.read()
+        parts, got = [], 0
+        while got < nbytes and (part := await body.read(nbytes - got)):
+            parts.append(part)
+            got += len(part)
+        return b"".join(parts)
+    finally:
+        body.close()

@@ -20,10 +20,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import contextlib
+import functools
 import os
 import posixpath
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -123,19 +124,23 @@ class FsspecStore(Store):
             max_backoff_s=max_backoff_s, request_timeout_s=request_timeout_s,
             operation_timeout_s=operation_timeout_s)
 
-    def _call(self, method: str, *args, timeout: float, **kwargs) -> Any:
+    def _call(self, method: str | Callable, *args, timeout: float, **kwargs) -> Any:
         """``fs.<method>(*args, **kwargs)``; on an async filesystem its coroutine
-        ``fs._<method>`` runs on fsspec's event loop, as fsspec's ``sync`` runs it, cancelled
-        after ``timeout`` seconds or when the calling thread's call is abandoned (Ctrl-C,
-        :class:`~casstore._pool.Scope`), and raises ``FSTimeoutError`` for a timeout (also
-        where the loop, busy, fails to end the request within a second after it)."""
+        ``fs._<method>`` (or ``method(fs, ...)``, a coroutine function) runs on fsspec's event
+        loop, as fsspec's ``sync`` runs it, cancelled after ``timeout`` seconds or when the
+        calling thread's call is abandoned (Ctrl-C, :class:`~casstore._pool.Scope`), and
+        raises ``FSTimeoutError`` for a timeout (also where the loop, busy, fails to end the
+        request within a second after it)."""
         if not isinstance(self.fs, AsyncFileSystem) or self.fs.asynchronous:
             return getattr(self.fs, method)(*args, **kwargs)
         scope = current_scope()
         if scope is not None and scope.abandoned:
-            raise cf.CancelledError(f"the call was stopped (Ctrl-C): {method} not sent")
+            name = getattr(method, "__name__", method)
+            raise cf.CancelledError(f"the call was stopped (Ctrl-C): {name} not sent")
         timeout = max(timeout, 0.001)
-        coro = asyncio.wait_for(getattr(self.fs, f"_{method}")(*args, **kwargs), timeout)
+        call = (getattr(self.fs, f"_{method}") if isinstance(method, str)
+                else functools.partial(method, self.fs))
+        coro = asyncio.wait_for(call(*args, **kwargs), timeout)
         future = asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
         if scope is not None:
             scope.track(future)
@@ -216,9 +221,13 @@ class FsspecStore(Store):
         return self._cat(key)
 
     def head(self, key: str, nbytes: int) -> bytes:
-        """One ranged GET (``Range: bytes=0-{nbytes - 1}``) on S3 and GCS. They refuse every
-        range of an empty object (416), so a refused read of an object that a HEAD finds empty
-        gives ``b""``."""
+        """One GET on S3 whose body is read only up to ``nbytes`` (all of it, so botocore
+        checks it against the checksum the store keeps, where the object is no longer: a
+        ranged GET gets no checksum); one ranged GET (``Range: bytes=0-{nbytes - 1}``) on GCS
+        and elsewhere. GCS refuses every range of an empty object (416), so a refused read of
+        an object that a HEAD finds empty gives ``b""``."""
+        if hasattr(self.fs, "_call_s3") and not self.fs.asynchronous:
+            return self._cat(key, _clients.s3_head, nbytes=nbytes)
         try:
             return self._cat(key, start=0, end=nbytes)
         except (FileNotFoundError, PermissionError, StoreTimeoutError, StoreUnreachableError):
@@ -228,9 +237,9 @@ class FsspecStore(Store):
                 raise
             return b""
 
-    def _cat(self, key: str, **byte_range) -> bytes:
+    def _cat(self, key: str, method: str | Callable = "cat_file", **options) -> bytes:
         path = self._path(check_key(key))
-        read = lambda t: self._call("cat_file", path, timeout=t, **byte_range)  # noqa: E731
+        read = lambda t: self._call(method, path, timeout=t, **options)  # noqa: E731
         try:
             return self.policy.run(key, read)
         except FileNotFoundError:

@@ -96,14 +96,16 @@ class LocalStore(Store):
         return self.head(key, -1)
 
     def head(self, key: str, nbytes: int) -> bytes:
-        """The first ``nbytes`` bytes (-1: all of them)."""
-        fd, _ = _open_regular(self._path(key))
-        with open(fd, "rb") as f:
-            return f.read(nbytes)
-
-    def get_into(self, key: str, buffer: np.ndarray | None) -> tuple[memoryview, np.ndarray]:
+        """The first ``nbytes`` bytes (-1: all of them); no more than the file holds is
+        allocated."""
         fd, info = _open_regular(self._path(key))
-        size = info.st_size
+        with open(fd, "rb") as f:
+            return f.read(nbytes if nbytes < 0 else min(nbytes, info.st_size))
+
+    def get_into(self, key: str, buffer: np.ndarray | None, max_bytes: int | None = None
+                 ) -> tuple[memoryview, np.ndarray]:
+        fd, info = _open_regular(self._path(key))
+        size = info.st_size if max_bytes is None else min(info.st_size, max_bytes + 1)
         with open(fd, "rb", buffering=0) as f:
             if buffer is None or buffer.size < size:
                 buffer = mapped(size)

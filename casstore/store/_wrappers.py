@@ -53,6 +53,12 @@ class CountingStore(Store):
         self._count("get", key, read=len(data))
         return data
 
+    def head(self, key: str, nbytes: int) -> bytes:
+        """The inner store's (counted as a ``get``)."""
+        data = self.inner.head(key, nbytes)
+        self._count("get", key, read=len(data))
+        return data
+
     def exists(self, key: str) -> bool:
         self._count("exists")
         return self.inner.exists(key)
