@@ -138,10 +138,12 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
     # after its manifest was read, is no damage: both are looked up again before reporting
     missing = sorted(k for k in users if k not in present and _still_missing(store, k, users[k]))
     problems += [_problem(k, users[k], "chunk missing", MISSING) for k in missing]
-    problems += [_problem(k, u, f"the manifests give it {len(u.lengths)} raw lengths "
-                          f"({', '.join(map(str, sorted(u.lengths)))} bytes): a damaged "
-                          "manifest; a restore refuses it", MANIFEST)
-                 for k, u in users.items() if len(u.lengths) > 1]
+    disagree = [_problem(k, u, f"the manifests give it {len(u.lengths)} raw lengths ("
+                         + "; ".join(f"{n} bytes: {', '.join(f'{r}@{s}' for r, s in sorted(at))}"
+                                     for n, at in sorted(u.lengths.items()))
+                         + "): a damaged manifest, whose step a restore refuses", MANIFEST)
+                for k, u in users.items() if len(u.lengths) > 1]
+    problems += disagree
     blocked = [k for k, u in users.items() if k in present and u.ref is not None
                and u.ref.base is not None and chunk_key(u.ref.base) not in present]
     found, bytes_read, on_bad_base = [], 0, 0
@@ -160,7 +162,7 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
                         chunks_ok=len(users) - n_missing - n_corrupt - n_unsupported
                         - n_unchecked, chunks_missing=n_missing, chunks_corrupt=n_corrupt,
                         chunks_unchecked=n_unchecked, chunks_unsupported=n_unsupported,
-                        manifests_damaged=len(scan.damaged) - n_newer,
+                        manifests_damaged=len(scan.damaged) - n_newer + len(disagree),
                         manifests_unsupported=n_newer)
 
 
@@ -189,7 +191,8 @@ class _Users:
     key_path: str
     steps: set[tuple[str, int]]
     chunk_id: str
-    lengths: set[int] = dataclasses.field(default_factory=set)  # raw lengths the refs give
+    # the raw lengths the refs give, and the steps that give each
+    lengths: dict[int, set[tuple[str, int]]] = dataclasses.field(default_factory=dict)
 
 
 def _users(manifests: tuple[Manifest, ...]) -> dict[str, _Users]:
@@ -205,7 +208,8 @@ def _users(manifests: tuple[Manifest, ...]) -> dict[str, _Users]:
                     u = users.setdefault(key, _Users(reader, leaf.path, set(), cid))
                     u.ref = u.ref or reader
                     u.steps.add((m.run, m.step))
-                    u.lengths.add(ref.raw_bytes)  # a base has its deltas' raw length
+                    # a base has its deltas' raw length
+                    u.lengths.setdefault(ref.raw_bytes, set()).add((m.run, m.step))
     return users
 
 

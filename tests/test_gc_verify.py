@@ -280,9 +280,15 @@ def test_verify_reports_refs_that_disagree_on_an_objects_length():
     for read_data in (True, False):
         report = casstore.verify(store, read_data=read_data)
         assert [(p.kind, p.chunk_id) for p in report.problems] == [("manifest", refs[0]["id"])]
-        assert "2 raw lengths (600, 604 bytes)" in report.problems[0].message
+        assert report.manifests_damaged == 1  # was 0: a problem counted nowhere
     with pytest.raises(casstore.CorruptChunkError, match="disagree on the chunk's length"):
         casstore.restore(store, 0)
+    # across steps, the message says which steps give which length
+    casstore.save(store, 1, {"layer": {"b": np.ones(100, np.float32),
+                                       "s": np.arange(50, dtype=np.int32)}})
+    [problem] = casstore.verify(store).problems
+    assert "2 raw lengths (600 bytes: default@0, default@1; 604 bytes: default@0)" in (
+        problem.message)
 
 
 def test_verify_of_a_live_repository_reports_no_step_committed_during_it(monkeypatch):
