@@ -315,6 +315,11 @@ def gc_when(store: Store, key: str, locks: bool, monkeypatch, before=lambda: Non
             self._race(k)
             return data
 
+        def head(self, k, nbytes):  # a manifest is read by head (bounded), not get
+            data = super().head(k, nbytes)
+            self._race(k)
+            return data
+
     racing = Racing(store)
     racing.outcome = outcome
     return racing
