@@ -397,12 +397,13 @@ class DeltaBases:
 
 
 def read_again(store: Store, key: str, cid: str, base: str | None, raw_length: int,
-               out: np.ndarray | None = None, data: bytes | None = None) -> memoryview:
+               out: np.ndarray | None = None, data: bytes | None = None,
+               warn: bool = True) -> memoryview:
     """Chunk object ``key`` (a delta on ``base`` if given), which failed its checks as first
     read, read from ``store`` once more (its base too; ``data``: the object's bytes, read
     again by the caller) and decoded: a body damaged or cut short on its way (a response
-    without Content-Length that ended early) passes now, and a warning says so. Returns the
-    raw bytes (as :func:`decode_chunk`, ``out`` likewise).
+    without Content-Length that ended early) passes now, and a warning says so (unless
+    ``warn`` is False). Returns the raw bytes (as :func:`decode_chunk`, ``out`` likewise).
 
     Raises:
       CorruptChunkError: the stored object (or its base) is damaged: it failed again.
@@ -412,7 +413,8 @@ def read_again(store: Store, key: str, cid: str, base: str | None, raw_length: i
     raw = (decode_chunk(data, cid, raw_length, out) if base is None else
            decode_delta(data, read_object(store, chunk_key(base), raw_length), cid, base,
                         raw_length, out))
-    warn_read_again(f"chunk object {key}", store.url)
+    if warn:
+        warn_read_again(f"chunk object {key}", store.url)
     return raw
 
 

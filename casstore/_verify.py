@@ -10,10 +10,12 @@ corrupt cannot be rebuilt: the base is the one problem, the delta counts in
 from __future__ import annotations
 
 import dataclasses
+import struct
 import threading
 import time
 from collections.abc import Callable
 
+from ._codec import HEADER, MAX_RAW_LENGTH
 from ._delta import DeltaBases, read_again
 from ._errors import CasstoreError, CorruptChunkError, ManifestError, UnsupportedFormatError
 from ._layout import CONFIG_KEY, chunk_key, manifest_key
@@ -109,9 +111,12 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
 
     Returns:
       A :class:`VerifyReport` naming each damaged manifest and object, and the steps that
-      need it. A damaged config object (format.md §2.1), or a missing one where steps exist,
-      is a problem of kind ``"config"`` (every reader refuses such a repository; its steps
-      are checked all the same, and :func:`~casstore.repair` restores the config object from
+      need it. An object that decodes to its chunk id with the raw length of its own header,
+      where a manifest gives another, is whole: the manifest is reported damaged (kind
+      ``"manifest"``), as are refs of several steps that disagree on an object's length.
+      A damaged config object (format.md §2.1), or a missing one where steps exist, is a
+      problem of kind ``"config"`` (every reader refuses such a repository; its steps are
+      checked all the same, and :func:`~casstore.repair` restores the config object from
       another copy); one of a newer format is the one problem, of kind ``"unsupported"``.
 
     Raises:
@@ -153,6 +158,7 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
                                                    progress)
         problems += found
     n_missing = len(missing) + sum(p.kind == MISSING for p in found)  # gone since the listing
+    n_wrong_length = sum(p.kind == MANIFEST for p in found)  # whole objects, manifest wrong
     n_corrupt = sum(p.kind == CORRUPT for p in found)
     n_unsupported = sum(p.kind == UNSUPPORTED for p in found)
     n_unchecked = len(blocked) + on_bad_base
@@ -162,7 +168,8 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
                         chunks_ok=len(users) - n_missing - n_corrupt - n_unsupported
                         - n_unchecked, chunks_missing=n_missing, chunks_corrupt=n_corrupt,
                         chunks_unchecked=n_unchecked, chunks_unsupported=n_unsupported,
-                        manifests_damaged=len(scan.damaged) - n_newer + len(disagree),
+                        manifests_damaged=len(scan.damaged) - n_newer + len(disagree)
+                        + n_wrong_length,
                         manifests_unsupported=n_newer)
 
 
@@ -219,6 +226,20 @@ def _still_missing(store: Store, key: str, u: _Users) -> bool:
         store.exists(manifest_key(run, step)) for run, step in sorted(u.steps))
 
 
+def _intact_length(store: Store, key: str, ref: ChunkRef) -> int | None:
+    """The raw length in the header of object ``key`` if it is not the one ``ref`` gives and
+    the object decodes to ``ref``'s id with it (the object is whole; the manifest that gave
+    ``ref`` is wrong); else None."""
+    try:
+        length = HEADER.unpack_from(store.head(key, HEADER.size))[4]
+        if length == ref.raw_bytes or length > MAX_RAW_LENGTH:
+            return None
+        read_again(store, key, ref.id, ref.base, length, warn=False)
+    except (CasstoreError, FileNotFoundError, struct.error):
+        return None
+    return length
+
+
 def _problem(key: str, u: _Users, message: str, kind: str) -> Problem:
     """The one problem of object ``key``; run and step are set where only one step needs it."""
     run, step = next(iter(u.steps)) if len(u.steps) == 1 else (None, None)
@@ -268,6 +289,11 @@ def _read_all(store: Store, users: dict[str, _Users], keys: list[str], max_worke
             if ref.base is not None and f"base chunk {ref.base} is corrupt" in str(e):
                 key = chunk_key(ref.base)  # the base is at fault, not this delta
             found = _problem(key, users[key], f"chunk corrupt: {e}", CORRUPT)
+            if key == ref.key and (length := _intact_length(store, key, ref)) is not None:
+                found = None if len(users[key].lengths) > 1 else _problem(  # (reported above)
+                    key, users[key], f"the manifest gives the chunk {ref.raw_bytes} raw bytes; "
+                    f"the object holds {length}, which decode to its id: a damaged manifest, "
+                    "whose step a restore refuses", MANIFEST)
         if progress is not None:
             with lock:
                 done[0] += ref.stored_bytes

@@ -291,6 +291,39 @@ def test_verify_reports_refs_that_disagree_on_an_objects_length():
         problem.message)
 
 
+@pytest.mark.parametrize("wrong", [0, 1])
+def test_verify_of_one_step_calls_a_wrong_raw_length_a_damaged_manifest(wrong, caplog):
+    """A manifest (with a valid digest) gives a whole chunk 4 raw bytes more than it holds.
+    ``verify(url, step)`` sees only that step's ref, so no refs disagree: it decoded the chunk
+    with the manifest's length and called the healthy object corrupt. Now the object decodes to
+    its id with its header's length, so the manifest is the problem; checking every step, the
+    disagreement is the one problem whichever step's ref verify reads the object with."""
+    import msgpack
+
+    store = MemoryStore()
+    for step in (0, 1):
+        casstore.save(store, step, {"s": np.arange(100_000, dtype=np.int32)})
+    key = manifest_key("default", wrong)
+    doc = msgpack.unpackb(store.get(key))
+    [ref] = doc["leaves"][0]["chunks"]
+    ref["raw_bytes"] += 4
+    store.delete(key)
+    store.put(key, repack(doc))
+    report = casstore.verify(store, wrong)
+    assert [(p.kind, p.step) for p in report.problems] == [("manifest", wrong)]
+    assert "gives the chunk 400004 raw bytes; the object holds 400000" in (
+        report.problems[0].message)
+    assert (report.manifests_damaged, report.chunks_corrupt) == (1, 0)
+    assert report.chunks_ok == report.chunks_checked == 1
+    assert "failed its checks" not in caplog.text  # no read-again warning: nothing was damaged
+    assert casstore.verify(store, 1 - wrong).ok
+    [problem] = casstore.verify(store).problems
+    assert problem.kind == "manifest"
+    assert "2 raw lengths" in problem.message
+    with pytest.raises(casstore.CorruptChunkError, match="manifest says 400004"):
+        casstore.restore(store, wrong)
+
+
 def test_verify_of_a_live_repository_reports_no_step_committed_during_it(monkeypatch):
     """verify lists the chunks, then reads the manifests: a step committed in between named
     chunks the listing lacked, and was reported missing (exit 1) though whole."""
