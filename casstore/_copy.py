@@ -121,8 +121,10 @@ def copy(src_url: Url, dst_url: Url, *, steps: list[int] | None = None,
     destination lacks (delta objects and their bases included) through one pool of
     ``max_workers`` threads across all steps, and writes each step's manifest create-only, in
     step order, once its objects are in. The lock keeps the destination's garbage collection
-    out meanwhile. Between two paths of one S3 or GCS service (same endpoint, credentials) the
-    service copies each object unless ``verify``: :meth:`~casstore.store.Store.server_side_copy`.
+    out meanwhile. An object the destination holds under its key is not sent again, even
+    damaged (:func:`~casstore.verify` finds it, :func:`~casstore.repair` replaces it). Between
+    two paths of one S3 or GCS service (same endpoint, credentials) the service copies each
+    object unless ``verify``: :meth:`~casstore.store.Store.server_side_copy`.
 
     Args:
       src_url, dst_url: paths, fsspec URLs or Stores.
@@ -294,8 +296,7 @@ def _plan(src: Store, dst: Store, selected: list[tuple[str, int]],
 
 
 def _manifests_there(dst: Store, keys: list[str]) -> dict[str, bytes]:
-    """The destination's manifest objects at ``keys``, less those deleted since they were
-    listed (retention or another process: those steps are copied)."""
+    """The destination's manifests at ``keys``, less those deleted since listed (then copied)."""
     try:
         return dst.get_many(keys)
     except ObjectNotFoundError:
@@ -303,8 +304,7 @@ def _manifests_there(dst: Store, keys: list[str]) -> dict[str, bytes]:
 
 
 def _same_step(dst: Store, run: str, step: int, there: bytes, ours: bytes) -> None:
-    """Raises StepAlreadyExistsError unless ``there``, the destination's manifest of the step,
-    is ``ours``, the source's."""
+    """Raises StepAlreadyExistsError unless the destination's manifest ``there`` is ``ours``."""
     if there != ours:
         raise StepAlreadyExistsError(
             "the destination has another step of this number (its manifest differs from the "
