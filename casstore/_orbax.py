@@ -137,7 +137,10 @@ def _read(ocp, kind: str, path, target: Any) -> Any:
     if target is not None:
         return ocp.StandardCheckpointer().restore(path, target)
     checkpointer = ocp.PyTreeCheckpointer()
-    tree_metadata = checkpointer.metadata(path).item_metadata.tree
+    item_metadata = checkpointer.metadata(path).item_metadata  # None: orbax could not read it
+    if item_metadata is None:
+        raise ValueError(f"its tree metadata ({str(path / _METADATA)!r}) does not read")
+    tree_metadata = item_metadata.tree
     restore_args = jax.tree.map(
         lambda m: ocp.RestoreArgs(restore_type=np.ndarray)
         if isinstance(m, ocp.metadata.ArrayMetadata) else ocp.RestoreArgs(), tree_metadata)
