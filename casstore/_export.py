@@ -106,6 +106,11 @@ def export_tensors(url: Url, step: int | None, out: str | os.PathLike, *, run: s
     if not wanted:
         raise ValueError(f"no array leaf of step {manifest.step} is selected (paths "
                          f"{list(paths or [])}, exclude {list(exclude or [])})")
+    for leaf in chosen:  # a dtype the file cannot hold is refused before any chunk is read
+        if leaf.path in wanted and leaf.kind in ("array", "scalar"):
+            probe = (np.empty(0, dtype_from_name(leaf.dtype)) if leaf.kind == "array"
+                     else leaf.value)
+            file_array(leaf.path, _cast(leaf.path, probe, as_dtype), fmt)
     values = _leaves(restore(store, manifest.step, run=run, paths=wanted,
                              max_workers=max_workers))
     arrays = {p: file_array(p, _cast(p, values[p], as_dtype), fmt) for p in wanted}

@@ -494,6 +494,22 @@ def test_export_refuses_an_unknown_dtype_and_values_it_would_overflow(tmp_path):
             result.stderr)
 
 
+def test_export_refuses_a_dtype_the_file_cannot_hold_before_reading_any_chunk(tmp_path):
+    """The refusal came after the whole step was read (minutes for a large model); the chunks
+    here are deleted, so a read would raise MissingChunkError instead."""
+    url = tmp_path / "r"
+    casstore.save(url, 0, {"a": np.ones((256, 256), np.float32), "v": np.ones(3),
+                           "z": np.zeros(8, ml_dtypes.float4_e2m1fn)})
+    shutil.rmtree(url / "chunks")
+    for out in ("out.safetensors", "out.npz"):
+        with pytest.raises(casstore.UnsupportedLeafError,
+                           match=r"hold dtype float4_e2m1fn.*key path 'z'"):
+            casstore.export_tensors(url, 0, tmp_path / out)
+    with pytest.raises(casstore.MissingChunkError):  # cast, it fits: the step is read
+        casstore.export_tensors(url, 0, tmp_path / "out.npz", dtype="float32")
+    assert not list(tmp_path.glob("out.*"))
+
+
 def test_leaf_names_numpy_or_safetensors_give_a_meaning_keep_their_values(tmp_path):
     """np.load found member 'x.npy' (tensor x) for the name 'x.npy'; np.savez took 'file' and
     'allow_pickle' for its own arguments; '__metadata__' is the safetensors header's key."""
