@@ -70,12 +70,13 @@ def run(args) -> dict:
         raise SystemExit("storage_cost.py: --steps and --pretrain-steps must be >= 2")
     result = {"scenarios": list(args.scenarios), "repeat": args.repeat, "codecs": args.codecs,
               "drop_caches_requested": args.drop_caches, "targets": TARGETS,
-              "limit": h.limit.measure(64 << 20, base_dir=args.dir, drop=args.drop_caches)}
+              "limit": h.limit.measure((8 if args.tiny else 64) << 20, base_dir=args.dir,
+                                       drop=args.drop_caches)}
     lrs = [float(x) for x in args.lrs.split(",")]
     if "finetune" not in args.scenarios:  # the restore scenario alone: the first lr's run
         lrs = lrs[:1] if "restore" in args.scenarios else []
     for i, lr in enumerate(lrs):
-        state, step, batch_size = training.finetuning(lr, 8 if args.tiny else 32)
+        state, step, batch_size = training.finetuning(lr, 8 if args.tiny else 32, args.tiny)
         with h.scratch(args.dir, f"storage-cost-finetune-{i}") as root:
             ft = run_steps(args, root, args.steps, state, step, result["limit"],
                            "chain" if i == 0 and "restore" in args.scenarios else None)

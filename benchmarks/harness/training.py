@@ -87,12 +87,14 @@ def pretraining(size: str, lr: float, text: pathlib.Path = TEXT) -> tuple[dict, 
     return {"params": params, "opt_state": opt_state}, step
 
 
-def finetuning(lr: float, batch_size: int) -> tuple[dict, Callable, int]:
-    """All of MiniLM under adam at ``lr`` (the example's ``--full``), its step on a random batch
-    of the training data (leaves changed: -1, not counted) and the batch size."""
+def finetuning(lr: float, batch_size: int, tiny: bool = False) -> tuple[dict, Callable, int]:
+    """All of MiniLM (``tiny``: its first encoder layer only) under adam at ``lr`` (the example's
+    ``--full``), its step on a random batch of the training data (leaves changed: -1, not
+    counted) and the batch size."""
     ex = load_module("finetune_minilm", EXAMPLE)
     train, _ = ex.load_data(ex.Tokenizer.from_file(str(ex.model_dir() / "tokenizer.json")))
     params = ex.load_params(ex.model_dir(), num_labels=2, seed=0)
+    params["layers"] = params["layers"][:1 if tiny else None]
     labels = ex.trainable_labels(params, full=True)
     optimizer = ex.make_optimizer(labels, lr, full=True)
     train_step, rng = ex.make_train_step(labels, optimizer), np.random.default_rng(0)
