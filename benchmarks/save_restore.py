@@ -1,8 +1,6 @@
 """casstore vs orbax-checkpoint vs safetensors: save and restore a GPT-2-small train state.
 
-On local disk: step 1, a changed state, the same state again (and its copies), then a restore,
-checked bit-exact. README.md's ``save_restore.py`` section describes every figure.
-"""
+README.md's ``save_restore.py`` section describes every figure."""
 
 import functools
 import pathlib
@@ -34,7 +32,6 @@ FIGURES = [  # (key, label, unit): seconds "s", bytes "B", multiples "x"
     ("save_rss_extra_bytes", "5. peak extra RSS, first save", "B"),
     ("restore_rss_extra_bytes", "5. peak extra RSS, restore", "B"),
 ]
-FIGURE_KEYS = [key for key, _, _ in FIGURES]
 TARGETS = [  # (text, key, scale: casstore's figure / scale, or None: casstore / orbax; limit)
     ("changed save writes <= 1.1x the changed leaves' zstd-1 bytes",
      "changed_save_vs_changed_zstd", 1, 1.1),
