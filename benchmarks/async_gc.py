@@ -1,10 +1,6 @@
 """casstore vs orbax-checkpoint: blocking time of an asynchronous save; casstore GC of 50 steps.
 
-Part 1: steps 1..3 of ``harness.train_state`` saved asynchronously by both, then a proof step
-whose buffers are donated while it saves, all restored bit-exact; part 2: 50 steps, 40 of them
-deleted, GC timed (dry run and real) and checked to delete exactly the chunks only the deleted
-steps referenced. README.md's ``async_gc.py`` section.
-"""
+README.md's ``async_gc.py`` section says what each part saves, checks and times."""
 
 import inspect
 import math
@@ -105,7 +101,7 @@ def save_medians(runs: list[dict]) -> dict:
 
 
 def bench_gc(root: pathlib.Path, size: str, drop: bool) -> dict:
-    """50 steps, each with some matrices and biases new; deletes 40, times GC and checks it."""
+    """50 steps, some matrices and biases new in each; deletes 40, times GC and checks it."""
     matrices, elements, bias, changed = GC_SIZES[size]
     rng, layers, states = np.random.default_rng(0), [None] * matrices, []
     repo, chunk_dir = str(root / "gc-repo"), root / "gc-repo" / "chunks"
@@ -156,7 +152,6 @@ def bench_gc(root: pathlib.Path, size: str, drop: bool) -> dict:
 
 
 def gc_table(g: dict) -> list[str]:
-    """The GC figures (medians of :func:`bench_gc`'s) and notes."""
     return [f"GC of a repository of {g['steps']} steps of {g['state_bytes'] / 1e6:.1f} MB "
             f"({g['deleted_steps']} deleted, {len(g['kept_steps'])} kept; built in "
             f"{g['build_s']:.1f} s):", "",

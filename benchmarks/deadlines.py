@@ -1,11 +1,6 @@
 """Time to failure of ``casstore.save`` on a misbehaving object store, per backend and fault.
 
-S3 and GCS on loopback behind tests/faultproxy.py; each save must raise StoreTimeoutError (else
-the table says what it raised). docs/reliability.md has the figures.
-
-    python benchmarks/deadlines.py                # the defaults (20 s / 60 s): several minutes
-    python benchmarks/deadlines.py --request-timeout-s 0.5 --operation-timeout-s 2   # tests'
-"""
+README.md's ``deadlines.py`` section; docs/reliability.md has the figures."""
 
 import argparse
 import contextlib

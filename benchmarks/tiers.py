@@ -1,8 +1,5 @@
 """Tiered checkpoints (issue 31): persisting, restoring through tiers, copying; as ratios.
 
-10 steps of a 256 MiB frozen base plus a 16 MiB new head, on local disk and two S3 servers;
-``casstore.copy`` against ``rclone copy --transfers 16`` where rclone is on PATH; each save,
-restore and copy also as a fraction of the machine's limit (local disk and both servers).
 README.md's ``tiers.py`` section says what each figure means."""
 
 import functools
@@ -39,12 +36,6 @@ TARGETS = [  # (ratio key, numerator, denominator: figures of one run; descripti
 ]
 
 
-def check(got: dict, want: dict, what: str) -> None:
-    """AssertionError naming ``what`` unless the restored ``base`` and ``head`` are bit-exact."""
-    for k in ("base", "head"):
-        h.check(np.asarray(got[k]).tobytes() == want[k].tobytes(), f"{what}: {k} differs")
-
-
 def tiers(root: pathlib.Path, persistent, cfg, out: dict) -> pathlib.Path:
     """Figures 1-4; returns the local repository of every step, saved without persisting."""
     for on in h.rotated((False, True), cfg.r):
@@ -71,15 +62,16 @@ def tiers(root: pathlib.Path, persistent, cfg, out: dict) -> pathlib.Path:
     last, want = done[-1], cfg.trees[done[-1]]
     fresh = casstore.CheckpointManager(root / "replaced", persistent=persistent)
     for key in h.rotated(("restore_lost_local_s", "restore_plain_s"), cfg.r):
-        check(h.phase(out, key, (lambda: fresh.restore(last)) if "lost" in key else (
-            lambda: casstore.restore(persistent, last)), warm=cfg.warm), want, key)
+        h.verify_equal(want, h.phase(out, key, (lambda: fresh.restore(last)) if "lost" in key
+                                     else (lambda: casstore.restore(persistent, last)),
+                                     warm=cfg.warm), key)
     fresh.close()
     local = casstore.open_store(str(root / "on"))
     keys = sorted({c.key for leaf in manifests[-1].leaves for c in leaf.chunks})
     for key in keys[::2]:
         local.delete(key)
     tiered = casstore.FallbackStore(local, [persistent])
-    check(casstore.restore(tiered, last), want, "restore with half the chunks gone")
+    h.verify_equal(want, casstore.restore(tiered, last), "restore with half the chunks gone")
     out.update(half_gone_deleted_objects=len(keys[::2]), half_gone_objects=len(keys),
                half_gone_remote_bytes=sum(v for k, v in tiered.bytes_read.items()
                                           if k != tiered.url))

@@ -1,10 +1,6 @@
 """casstore's settings side by side: chunk size, codec and zstd level, workers (docs/tuning.md).
 
-Each variant changes one setting from the defaults: a save, a changed save, a restore (checked
-bit-exact), peak extra RSS (save, restore and, for the default, exports). Saves and restores also
-as fractions of the machine's limit on local disk, measured in the same run. README.md's
-``tuning.py`` section.
-"""
+README.md's ``tuning.py`` section describes every figure."""
 
 import functools
 import os
@@ -37,7 +33,7 @@ LIMITED = [("save_s", "save"), ("changed_save_s", "changed save"), ("restore_s",
 
 
 def bench(name: str, root: pathlib.Path, states: list, drop: bool, warm: int) -> dict:
-    """One variant's figures (module doc)."""
+    """One variant's save, changed save, restore (checked bit-exact) and the default's exports."""
     options, out, repo = VARIANTS[name], {}, str(root / "repo")
     phase = functools.partial(h.phase, out, warm=warm, drop=drop)
     phase("save_s", lambda: casstore.save(repo, 1, states[0], **options),

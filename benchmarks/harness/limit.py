@@ -1,6 +1,5 @@
-"""The machine's limit, measured in the same run as the figures it judges (issue 33 item 1):
-the rates of README.md's "The machine's limit", and the fastest save, restore and copy they
-allow. A figure's fraction of the limit is ``limit_s / figure_s``: 1.0 runs at the limit."""
+"""The machine's limit (README.md, "The machine's limit"), measured in the same run as the
+figures it judges: its rates, and the fastest save, restore and copy they allow."""
 
 import concurrent.futures as cf
 import contextlib
@@ -15,11 +14,6 @@ from casstore._codec import chunk_id, decode_chunk, encode_chunk
 
 from .storage import fsync_path, scratch
 from .timing import drop_caches, interleave
-
-
-def workers() -> int:
-    """The cores this process may run on (``os.sched_getaffinity``)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def _rate(nbytes: int, fn: Callable[[], object], tries: int = 3) -> float:
@@ -60,7 +54,8 @@ def measure(nbytes: int, *, base_dir: str | None = None, drop: bool = False, fs:
     ``base_dir`` from ``2 x workers`` threads (at least 4; reads also from twice as many, the
     faster), the page cache dropped with ``drop`` where permitted (``read_cold``); or an S3
     filesystem ``fs``'s under ``prefix`` (removed afterwards), one ``fs.pipe`` and ``fs.cat``."""
-    n_workers, threads = workers(), max(4, 2 * workers())
+    n_workers = len(os.sched_getaffinity(0))  # the cores this process may run on
+    threads = max(4, 2 * n_workers)
     nbytes = min(nbytes, 256 << 20)
     size = max(64 << 10, min(16 << 20, nbytes // 4)) // 4 * 4
     count = max(4, nbytes // size)

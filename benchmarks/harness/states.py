@@ -1,6 +1,4 @@
-"""The states benchmarks save: GPT-2-shaped train states (HF names, adam ``mu`` and ``nu``, an
-int32 ``count``) made with numpy or, for ``gpt2-xl``, with ``jax.random`` on the device; and the
-bit-exact checks of what comes back."""
+"""The GPT-2-shaped train states benchmarks save, and the bit-exact checks of what comes back."""
 
 import functools
 import itertools
@@ -26,7 +24,7 @@ KINDS = ("params", "mu", "nu")
 
 def _gpt2_tree(make: Callable[[tuple[int, ...]], Any], vocab: int, ctx: int, width: int,
                blocks: int) -> dict:
-    """GPT-2's parameters, each leaf ``make(shape)``."""
+    """GPT-2's parameters (HF names), each leaf ``make(shape)``."""
     ln = lambda: {"g": make((width,)), "b": make((width,))}  # noqa: E731
     dense = lambda n, m: {"w": make((n, m)), "b": make((m,))}  # noqa: E731
     block = lambda: {"ln_1": ln(), "attn": {"c_attn": dense(width, 3 * width),  # noqa: E731
@@ -122,7 +120,6 @@ def changed_zstd_bytes(old: dict, new: dict) -> tuple[int, int, int]:
 
 
 def state_bytes(tree: Any) -> int:
-    """Raw bytes of all leaves (no host copy of device arrays)."""
     return sum(int(x.nbytes) for x in jax.tree.leaves(tree))
 
 
@@ -145,7 +142,7 @@ def to_jax(states: list[Any], dev: jax.Device, copy: bool = False) -> list[Any]:
 
 
 def abstract_of(tree: Any, dev: jax.Device) -> Any:
-    """``jax.ShapeDtypeStruct`` leaves on ``dev``: a restore target."""
+    """A restore target: ``jax.ShapeDtypeStruct`` leaves on ``dev``."""
     sharding = jax.sharding.SingleDeviceSharding(dev)
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding),
                         tree)
@@ -168,6 +165,7 @@ def same_bytes(a: Any, b: Any) -> bool:
     accelerator where either is there, without a host copy."""
     if a is b:
         return True
+    a, b = (x if hasattr(x, "dtype") else np.asarray(x) for x in (a, b))  # a Python scalar
     if np.dtype(a.dtype) != np.dtype(b.dtype) or np.shape(a) != np.shape(b):
         return False
     on_device = [x for x in (a, b) if isinstance(x, jax.Array)
