@@ -182,11 +182,8 @@ def run(args) -> dict:
         delete_arrays(state)
         return h.limit.measure(logical, base_dir=args.dir)
 
-    def one(system: str) -> dict:
-        with h.scratch(args.dir, system) as root:
-            return bench_async(system, root, np_states, proof_state, dev, args.drop_caches)
-
-    runs, _, lim = h.limit.interleaved(args, logical, SYSTEMS, one, limit)
+    runs, _, lim = h.limit.interleaved(args, logical, SYSTEMS, lambda system, root: bench_async(
+        system, root, np_states, proof_state, dev, args.drop_caches), limit)
     gc_runs = []
     for _ in range(args.repeat):
         with h.scratch(args.dir, "gc") as root:

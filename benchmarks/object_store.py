@@ -87,7 +87,7 @@ def run(args) -> dict:
             buckets.append(h.new_bucket(options))
             return fn(options, buckets[-1])
 
-    runs, res, lim = h.limit.interleaved(args, logical, SYSTEMS, lambda system: on_server(
+    runs, res, lim = h.limit.interleaved(args, logical, SYSTEMS, lambda system, _: on_server(
         lambda o, b: bench(system, o, b, np_states, warm, args.drop_caches)),
         lambda: on_server(lambda o, b: h.limit.measure(logical, fs=h.s3_fs(o),
                                                        prefix=f"{b}/limit")))

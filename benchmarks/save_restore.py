@@ -72,11 +72,8 @@ def run(args) -> dict:
     logical = result["logical_bytes"]
     warm = 0 if args.no_warm else min(3 * logical, 8 << 30)  # gpt2-xl: 3x is 56 GB
 
-    def one(system: str) -> dict:
-        with h.scratch(args.dir, system) as root:
-            return bench(system, root, source, dev, args, warm, result["changed_zstd_bytes"])
-
-    runs, res, lim = h.limit.interleaved(args, logical, args.systems, one)
+    runs, res, lim = h.limit.interleaved(args, logical, args.systems, lambda system, root: bench(
+        system, root, source, dev, args, warm, result["changed_zstd_bytes"]))
     dropped = all(r["dropped_caches"] for rs in runs.values() for r in rs)
     ours = next((res[s] for s in SYSTEMS[:3] if s in res), {})  # the bytes casstore stores
     stored = lambda k, raw: ours.get(f"{k}_written_bytes", raw * lim["encoded_fraction"])  # noqa

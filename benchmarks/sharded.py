@@ -96,12 +96,9 @@ def run(args) -> dict:
     made = state_and_targets(args.tiny)
     state_bytes = h.state_bytes(made[0])
 
-    def one(system: str) -> dict:
-        with h.scratch(args.dir, f"sharded-{system}") as root:
-            return bench(system, root, made, 0 if args.tiny else 2 * state_bytes,
-                         args.drop_caches)
-
-    runs, figures, lim = h.limit.interleaved(args, state_bytes, SYSTEMS, one)
+    warm = 0 if args.tiny else 2 * state_bytes
+    runs, figures, lim = h.limit.interleaved(args, state_bytes, SYSTEMS, lambda system, root: bench(
+        system, root, made, warm, args.drop_caches))
     stored = figures["casstore"]["stored_bytes"]
     restore = h.limit.restore_s(lim, state_bytes, stored, cold=args.drop_caches and
                                 lim["read_cold"])

@@ -60,11 +60,8 @@ def run(args) -> dict:
     logical = result["logical_bytes"]
     warm = 0 if args.no_warm else 3 * logical
 
-    def one(name: str) -> dict:
-        with h.scratch(args.dir, "tuning") as root:
-            return bench(name, root, states, args.drop_caches, warm)
-
-    runs, res, lim = h.limit.interleaved(args, logical, tuple(VARIANTS), one)
+    runs, res, lim = h.limit.interleaved(args, logical, tuple(VARIANTS), lambda name, root: bench(
+        name, root, states, args.drop_caches, warm))
     dropped, d = all(r["dropped_caches"] for rs in runs.values() for r in rs), res["default"]
     limits = {  # every variant judged by what the default stores
         "save_s": h.limit.save_s(lim, logical, d["stored_bytes"]),

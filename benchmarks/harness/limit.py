@@ -120,13 +120,19 @@ def move_s(nbytes: float, src: dict, dst: dict) -> float:
     return nbytes / min(src["read_bps"], dst["write_bps"])
 
 
-def interleaved(args: Any, nbytes: int, systems: tuple[str, ...], run_one: Callable[[str], dict],
+def interleaved(args: Any, nbytes: int, systems: tuple[str, ...],
+                run_one: Callable[[str, Any], dict],
                 measure_one: Callable[[], dict] | None = None) -> tuple[dict, dict, dict]:
-    """:func:`harness.timing.interleave` with the limit measured once per repeat (by default on
-    local disk under ``args.dir``): (runs, medians, the median of each rate)."""
+    """:func:`harness.timing.interleave` of ``run_one(system, root)``, ``root`` a fresh scratch
+    directory under ``args.dir``, with the limit measured once per repeat (by default on local
+    disk under ``args.dir``): (runs, medians, the median of each rate)."""
+    def in_scratch(system: str) -> dict:
+        with scratch(args.dir, system.replace(" ", "-")) as root:
+            return run_one(system, root)
+
     measure_one = measure_one or (lambda: measure(nbytes, base_dir=args.dir,
                                                   drop=args.drop_caches))
-    runs, res, limits = interleave(systems, args.repeat, run_one, measure_one)
+    runs, res, limits = interleave(systems, args.repeat, in_scratch, measure_one)
     rates = {k: float(np.median([lim[k] for lim in limits])) for k in limits[-1]
              if k.endswith("_bps")}
     return runs, res, {**limits[-1], **rates}
