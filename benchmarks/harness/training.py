@@ -5,7 +5,6 @@ store by kind of leaf (params, adam ``mu`` and ``nu``)."""
 
 import collections
 import math
-import pathlib
 from collections.abc import Callable
 
 import jax
@@ -22,20 +21,6 @@ from .storage import HERE, load_module
 EXAMPLE = HERE.parent / "examples" / "finetune_minilm.py"
 TEXT = EXAMPLE.parent / "data" / "sentiment.tsv"  # pretraining's tokens: its bytes
 GRADIENTS = "real: GPT-2 next-token cross-entropy on the bytes of examples/data/sentiment.tsv"
-
-
-def adam_state(state: dict, optimizer: optax.GradientTransformation) -> tuple[dict, tuple]:
-    """``(params, opt_state)`` of a ``train_state`` as jax arrays, its adam ``mu``, ``nu`` and
-    ``count`` in ``optax.adam``'s state; AssertionError if it does not fit ``optimizer``'s."""
-    params, opt = jax.tree.map(jnp.asarray, state["params"]), state["opt_state"]
-    opt_state = (optax.ScaleByAdamState(count=jnp.asarray(opt["count"]),
-                                        mu=jax.tree.map(jnp.asarray, opt["mu"]),
-                                        nu=jax.tree.map(jnp.asarray, opt["nu"])),
-                 optax.EmptyState())
-    check(jax.tree.structure(opt_state)
-          == jax.tree.structure(jax.eval_shape(optimizer.init, params)),
-          "the harness's adam state does not fit optax.adam's")
-    return params, opt_state
 
 
 def gpt2_loss(params: dict, tokens: jax.Array) -> jax.Array:
@@ -64,12 +49,16 @@ def gpt2_loss(params: dict, tokens: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def pretraining(size: str, lr: float, text: pathlib.Path = TEXT) -> tuple[dict, Callable]:
-    """A ``train_state(size)`` in ``optax.adam(lr)``'s form, and its step: adam on two random
-    windows of up to 64 tokens of ``text``'s bytes."""
-    optimizer = optax.adam(lr)
-    params, opt_state = adam_state(train_state(size), optimizer)
-    data = np.frombuffer(text.read_bytes(), np.uint8)
+def pretraining(size: str, lr: float) -> tuple[dict, Callable]:
+    """A ``train_state(size)`` as jax arrays in ``optax.adam(lr)``'s form (AssertionError if it
+    does not fit), and its step: adam on two random windows of up to 64 tokens of TEXT's bytes."""
+    optimizer, state = optax.adam(lr), jax.tree.map(jnp.asarray, train_state(size))
+    params, opt = state["params"], state["opt_state"]
+    opt_state = (optax.ScaleByAdamState(opt["count"], opt["mu"], opt["nu"]), optax.EmptyState())
+    check(jax.tree.structure(opt_state)
+          == jax.tree.structure(jax.eval_shape(optimizer.init, params)),
+          "the harness's adam state does not fit optax.adam's")
+    data = np.frombuffer(TEXT.read_bytes(), np.uint8)
     n, rng = min(65, SIZES[size]["ctx"] + 1), np.random.default_rng(0)
 
     @jax.jit
