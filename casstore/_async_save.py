@@ -210,7 +210,7 @@ class AsyncCheckpointer:
         # their host copies are made in the background (_device_staging)
         arrays, later = copy_on_device(arrays)
         inline, jobs = plan_jobs(prepared, arrays, self.chunk_size_bytes,
-                                 DEFAULT_PACK_THRESHOLD_BYTES, whole, later)
+                                 DEFAULT_PACK_THRESHOLD_BYTES, whole, later, agreement.per_host)
         del arrays
         # Lost chunks are staged with their bytes; the writer checks again under the save lock
         # (a collection in between may lose more: such a save fails and the next stages all).

@@ -189,27 +189,31 @@ def is_host_data(data: Any) -> bool:
     return isinstance(data.source if isinstance(data, CastView) else data, np.ndarray)
 
 
-def unique_shards(leaf: np.ndarray | jax.Array | CastView) -> list[tuple[tuple[int, ...], Any]]:
+def unique_shards(leaf: np.ndarray | jax.Array | CastView, replicas: bool = False
+                  ) -> list[tuple[tuple[int, ...], Any]]:
     """The unique addressable shards of a leaf as ``(origin, data)`` pairs, by origin.
 
     ``origin`` is the shard's first index in the global array. ``data`` is a numpy array for a
     numpy leaf (the leaf itself) and for a CPU device's shard (a read-only zero-copy view), and
     the shard's single-device jax.Array on an accelerator, to be copied block by block with
     :func:`start_host_copy`. Only ``replica_id == 0`` shards are returned; shards held only by
-    other processes are not. A CastView gives a CastView of each of its source's shards.
+    other processes are not. With ``replicas``, every addressable shard of a distinct origin
+    instead, its lowest ``replica_id`` (a ``local_per_host`` save: each process stores what it
+    needs to restore its own shards). A CastView gives a CastView of each of its source's
+    shards.
     """
     if isinstance(leaf, CastView):
         return [(o, CastView(data, leaf.dtype, leaf.path))
-                for o, data in unique_shards(leaf.source)]
+                for o, data in unique_shards(leaf.source, replicas)]
     if not isinstance(leaf, jax.Array):
         return [((0,) * leaf.ndim, leaf)]
-    out = []
-    for shard in leaf.addressable_shards:
-        if shard.replica_id == 0:
-            origin = tuple(s.indices(d)[0] for s, d in zip(shard.index, leaf.shape))
+    out = {}
+    for shard in sorted(leaf.addressable_shards, key=lambda shard: shard.replica_id):
+        origin = tuple(s.indices(d)[0] for s, d in zip(shard.index, leaf.shape))
+        if (shard.replica_id == 0 or replicas) and origin not in out:
             data = shard.data
-            out.append((origin, np.asarray(data) if on_host(data) else data))
-    return sorted(out, key=lambda item: item[0])
+            out[origin] = np.asarray(data) if on_host(data) else data
+    return sorted(out.items(), key=lambda item: item[0])
 
 
 def start_host_copy(x: jax.Array, start: tuple[int, ...], stop: tuple[int, ...]) -> jax.Array:

@@ -6,7 +6,9 @@ commit. Every process writes the chunks of its own shards, then posts its chunk 
 error) to the ``jax.distributed`` coordinator's key-value store. Process 0 waits for every
 process, and only if all succeeded writes the manifest; it then posts the outcome, which the
 others wait for. A process that dies before posting makes process 0 time out: no manifest is
-written. This follows orbax's use of the same key-value store for its multi-host barriers.
+written. With per-host local tiers (``SaveAgreement(per_host=True)``) process 0 sends the
+committed manifest's bytes with the outcome, for each process to write to its own. This
+follows orbax's use of the same key-value store for its multi-host barriers.
 In a single-process job every step of the exchange is a no-op.
 
 A save runs its chunk and commit stages inside :meth:`SaveAgreement.committing` and calls
@@ -81,8 +83,12 @@ class SaveAgreement:
     refuses a save that the processes do not all describe alike, as when they are out of step.
     """
 
-    def __init__(self):
+    def __init__(self, per_host: bool = False):
         self.count, self.index = processes()
+        # each process saves to a local tier of its own (docs/tiers.md, "Per-host local
+        # tiers"): no check_shared, refs deduplicated, the manifest's bytes sent to the others
+        self.per_host = per_host and self.count > 1
+        self.manifest: bytes | None = None  # the committed manifest (per_host)
         self.tag = f"casstore/save/{next(_save_counter)}" if self.count > 1 else ""
         self._posted = False  # this process posted its refs (or its error)
         self._started = False  # this process posted how its save call went (start_verdict)
@@ -260,7 +266,9 @@ class SaveAgreement:
         Args:
           refs: this process's chunk refs, by leaf index (extended in place on process 0).
           store: the repository saved to; on process 0's first save to it, one chunk of each
-            other process is looked up there (:func:`check_shared`).
+            other process is looked up there (:func:`check_shared`), unless ``per_host``:
+            then a block several processes stored (a replica, a leaf every process saves) is
+            taken once, from the lowest process.
 
         Returns:
           On process 0, ``refs`` with every other process's refs added (after waiting for all
@@ -268,15 +276,21 @@ class SaveAgreement:
 
         Raises:
           CasstoreError: on process 0, another process reported an error or did not report
-            within :func:`timeout_ms`, or process 0 does not see its chunks.
+            within :func:`timeout_ms`, or process 0 does not see its chunks, or (``per_host``)
+            two processes stored one block of a leaf with different bytes.
         """
         if self.is_primary:
+            seen = {(i, r.start): r for i, rs in refs.items() for r in rs}
             for p, posted in enumerate(self.gather([], None)[1:], 1):
                 theirs = [(i, ChunkRef(ref[0], tuple(ref[1]), tuple(ref[2]), *ref[3:]))
                           for i, *ref in posted]
-                if theirs:
+                if theirs and not self.per_host:
                     check_shared(store, p, theirs[0][1].key)
                 for i, ref in theirs:
+                    if self.per_host and (i, ref.start) in seen:
+                        _same_block(seen[i, ref.start], ref, p, self.save)
+                        continue
+                    seen[i, ref.start] = ref
                     refs.setdefault(i, []).append(ref)
             return refs
         self.gather([[i, r.id, r.start, r.stop, r.offset, r.raw_bytes, r.stored_bytes, r.base]
@@ -287,13 +301,17 @@ class SaveAgreement:
         """Process 0 tells the others whether the manifest was committed, naming the save."""
         if self.count > 1 and self.is_primary and not self._published:
             self._published = True
-            self._client().key_value_set_bytes(f"{self.tag}/outcome", msgpack.packb(
+            client, sent = self._client(), False
+            if self.per_host and error is None and self.manifest is not None:
+                set_large(client, f"{self.tag}/manifest", self.manifest)
+                sent = True
+            client.key_value_set_bytes(f"{self.tag}/outcome", msgpack.packb(
                 {"error": error, "save": self.save, "details": self.details and [
-                    self.details[0], self.details[1].timestamp()]}))
+                    self.details[0], self.details[1].timestamp()], "manifest": sent}))
 
     def wait_outcome(self) -> None:
         """Other processes wait for process 0's commit, and take the details it proposed
-        (:meth:`propose`).
+        (:meth:`propose`) and (``per_host``) the manifest's bytes, :attr:`manifest`.
 
         Raises:
           CasstoreError: it failed, it was of another save, or no outcome came in time.
@@ -315,6 +333,49 @@ class SaveAgreement:
             metrics, timestamp = outcome["details"]
             self.details = (metrics, datetime.datetime.fromtimestamp(timestamp,
                                                                      datetime.timezone.utc))
+        if outcome.get("manifest"):
+            self.manifest = get_large(self._client(), f"{self.tag}/manifest")
+
+
+def _same_block(ours: ChunkRef, theirs: ChunkRef, process: int, save: list) -> None:
+    """Process 0 of a ``per_host`` save: refuses two refs of one block with different chunks
+    (the processes saved different values where they must be equal: the manifest would name
+    one, and the other's local tier would lack it)."""
+    if (ours.id, ours.base) != (theirs.id, theirs.base):
+        raise CasstoreError(
+            f"process {process} stored the block at {list(theirs.start)} of a leaf with other "
+            f"bytes than process 0 (chunk {theirs.id} against {ours.id}; run {save[0]!r}, "
+            f"step {save[1]}): with local_per_host every process must save equal values of "
+            "each numpy leaf and replica; no manifest written")
+
+
+PART_BYTES = 4 << 20  # a value's part on the coordinator's key-value store
+
+
+def set_large(client, key: str, data: bytes) -> None:
+    """Sets ``data`` on the coordinator's key-value store in parts of at most ``PART_BYTES``
+    (``key/0``, ``key/1``, ..., then their number at ``key/n``): a manifest of many leaves,
+    or the list of a step's objects, is several MiB, and each part is one gRPC message."""
+    count = max(1, -(-len(data) // PART_BYTES))
+    for n in range(count):
+        client.key_value_set_bytes(f"{key}/{n}", data[n * PART_BYTES:(n + 1) * PART_BYTES])
+    client.key_value_set_bytes(f"{key}/n", msgpack.packb(count))
+
+
+def get_large(client, key: str) -> bytes:
+    """The value :func:`set_large` set under ``key``, waiting for it at most
+    :func:`timeout_ms`.
+
+    Raises:
+      CasstoreError: it did not come in time.
+    """
+    try:
+        count = msgpack.unpackb(client.blocking_key_value_get_bytes(f"{key}/n", timeout_ms()))
+        return b"".join(client.blocking_key_value_get_bytes(f"{key}/{n}", timeout_ms())
+                        for n in range(count))
+    except Exception as e:  # jax's runtime error for a timeout or a dead peer
+        raise CasstoreError(f"no value at {key!r} on the coordinator within "
+                            f"{timeout_ms() / 1000:g} s ({e})") from e
 
 
 def _per_process(spread: list[list[str]]) -> list[str]:

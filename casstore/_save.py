@@ -36,7 +36,7 @@ from ._locks import refuse_read_only, save_lock
 from ._manifest import Manifest
 from ._multihost import SaveAgreement
 from ._repository import Url, ensure_config, list_runs, still_committed
-from ._save_commit import check_absent, commit
+from ._save_commit import check_absent, commit, put_manifest_bytes
 from ._save_encode import ChunkWriter, previous_manifest
 from ._save_leaves import Prepared, prepare
 from ._save_plan import Job, plan_jobs
@@ -246,26 +246,31 @@ def write(store: Store, step: int, prepared: Prepared, inline: dict[int, bytes],
         created = time.time()
         check_absent(store, run, step)
     manifest_bytes = 0
-    with agreement.early(), save_lock(store) as lease, agreement.committing():
-        if agreement.is_primary:
-            ensure_config(store)
-        if previous is not None and not still_committed(store, previous):
-            previous = None  # deleted (or saved again) since: its chunks are not known stored
-        previous = previous or previous_manifest(store, run, previous_step)
-        # No committed step anywhere: no chunk to reuse, so none is looked up (one HEAD per
-        # chunk saved on an object store).
-        lookup = previous is not None or bool(list_runs(store))
-        # 3. encoding, as each job's bytes are read
-        writer = ChunkWriter(store, previous, zstd_level, shuffle, delta, lookup, compress,
-                             window)
-        # 4. uploads: every chunk this process stores, before any manifest
-        refs = store_chunks(jobs, writer, max_workers, window, prepared.paths)
-        # 5. the agreement: every process's refs on process 0, None on the others
-        every_refs = agreement.gather_refs(refs, store)
-        # 6. the commit, on process 0 (the outcome is posted as `committing` ends)
-        if every_refs is not None:
-            lease.check()  # GC kept off the chunks all along
-            manifest_bytes = commit(store, step, run, created, prepared, inline, every_refs)
+    with agreement.early(), save_lock(store) as lease:
+        with agreement.committing():
+            if agreement.is_primary or agreement.per_host:  # per_host: each its own tier
+                ensure_config(store)
+            if previous is not None and not still_committed(store, previous):
+                previous = None  # deleted (or saved again) since: its chunks not known stored
+            previous = previous or previous_manifest(store, run, previous_step)
+            # No committed step anywhere: no chunk to reuse, so none is looked up (one HEAD per
+            # chunk saved on an object store).
+            lookup = previous is not None or bool(list_runs(store))
+            # 3. encoding, as each job's bytes are read
+            writer = ChunkWriter(store, previous, zstd_level, shuffle, delta, lookup, compress,
+                                 window)
+            # 4. uploads: every chunk this process stores, before any manifest
+            refs = store_chunks(jobs, writer, max_workers, window, prepared.paths)
+            # 5. the agreement: every process's refs on process 0, None on the others
+            every_refs = agreement.gather_refs(refs, store)
+            # 6. the commit, on process 0 (the outcome is posted as `committing` ends)
+            if every_refs is not None:
+                lease.check()  # GC kept off the chunks all along
+                agreement.manifest = commit(store, step, run, created, prepared, inline,
+                                            every_refs)
+                manifest_bytes = len(agreement.manifest)
+        if agreement.per_host and not agreement.is_primary:  # process 0's manifest, locally
+            manifest_bytes = put_manifest_bytes(store, run, step, agreement.manifest)
     return SaveInfo(step, run, prepared.logical_bytes, writer.written + manifest_bytes,
                     writer.new, writer.reused, manifest_bytes, time.perf_counter() - t0,
                     writer.deltas, writer.delta_saved)

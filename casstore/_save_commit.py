@@ -4,13 +4,14 @@ Takes the :class:`~casstore._save_leaves.Prepared` tree, the bytes of its inline
 the chunk refs of every array leaf (from all processes, after the agreement of
 :mod:`casstore._multihost`); gives the committed step: the manifest (format.md §4) is
 encoded, decoded again as a reader would (§4.4), and written create-only after every chunk it
-references is stored (§7). Only process 0 runs this stage.
+references is stored (§7). Only process 0 runs this stage; with per-host local tiers the
+others then write its bytes to their own (:func:`put_manifest_bytes`).
 """
 
 from __future__ import annotations
 
 from ._chunking import dtype_name
-from ._errors import StepAlreadyExistsError
+from ._errors import CasstoreError, StepAlreadyExistsError
 from ._layout import manifest_key
 from ._manifest import ChunkRef, LeafEntry, Manifest, decode_manifest, encode_manifest
 from ._save_leaves import Prepared
@@ -26,8 +27,8 @@ def check_absent(store: Store, run: str, step: int) -> None:
 
 
 def commit(store: Store, step: int, run: str, created: float, prepared: Prepared,
-           inline: dict[int, bytes], refs: dict[int, list[ChunkRef]]) -> int:
-    """Writes the manifest of ``step``; returns its size, bytes.
+           inline: dict[int, bytes], refs: dict[int, list[ChunkRef]]) -> bytes:
+    """Writes the manifest of ``step``; returns its bytes.
 
     Args:
       created: the save's start, seconds since the epoch.
@@ -53,15 +54,35 @@ def _entries(prepared: Prepared, refs: dict, inline: dict) -> tuple[LeafEntry, .
     return tuple(entries[i] for i in range(len(prepared.paths)))
 
 
-def _put_manifest(store: Store, key: str, manifest: Manifest) -> int:
+def put_manifest_bytes(store: Store, run: str, step: int, data: bytes | None) -> int:
+    """A process other than 0 of a ``local_per_host`` save: writes the manifest process 0
+    committed (``data``, its bytes) to this process's own local tier, create-only, after
+    checking it decodes as ``step`` of ``run``; returns its size, bytes.
+
+    Raises:
+      CasstoreError: no manifest came from process 0. As :func:`commit` otherwise.
+    """
+    if data is None:
+        raise CasstoreError(f"process 0 sent no manifest of step {step} (run {run!r}) for "
+                            f"the local tier {store.url!r}")
+    decode_manifest(data, run=run, step=step, url=store.url)
+    return len(_put_bytes(store, manifest_key(run, step), data, run, step))
+
+
+def _put_manifest(store: Store, key: str, manifest: Manifest) -> bytes:
     """Writes the manifest create-only after checking it decodes (format.md §4.4, §7)."""
     data = encode_manifest(manifest)
     decode_manifest(data, run=manifest.run, step=manifest.step, url=store.url)
+    return _put_bytes(store, key, data, manifest.run, manifest.step)
+
+
+def _put_bytes(store: Store, key: str, data: bytes, run: str, step: int) -> bytes:
+    """Writes the checked manifest ``data`` create-only (format.md §7); returns it."""
     try:
         store.put_if_absent(key, data)
     except FileExistsError:
         raise StepAlreadyExistsError("step was committed by a concurrent save", url=store.url,
-                                     run=manifest.run, step=manifest.step) from None
+                                     run=run, step=step) from None
     except Exception:
         # The write may have been stored before the error (a lost response): if the manifest
         # there is ours, the commit happened.
@@ -71,4 +92,4 @@ def _put_manifest(store: Store, key: str, manifest: Manifest) -> int:
             committed = False
         if not committed:
             raise
-    return len(data)
+    return data

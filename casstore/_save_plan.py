@@ -77,7 +77,8 @@ class Job:
 
 def plan_jobs(prepared: Prepared, arrays: dict[int, Any], chunk_size_bytes: int,
               pack_threshold_bytes: int, whole_shard_bytes: int = 0,
-              later: Collection[int] = frozenset()) -> tuple[dict[int, bytes], Iterator[Job]]:
+              later: Collection[int] = frozenset(), per_host: bool = False
+              ) -> tuple[dict[int, bytes], Iterator[Job]]:
     """This process's chunk jobs; returns ``(inline bytes by leaf index, jobs)``.
 
     Inline leaves are read now. Packs and larger leaves become a lazy stream of jobs: a pack
@@ -94,7 +95,10 @@ def plan_jobs(prepared: Prepared, arrays: dict[int, Any], chunk_size_bytes: int,
     at its first block's read, a larger one block by block; a pack of them at its read).
     Arrays that span several processes are
     written by every process for its own ``replica_id == 0`` shards; everything else (numpy,
-    fully addressable jax arrays) only by process 0.
+    fully addressable jax arrays) only by process 0. With ``per_host`` (each process saves to
+    a local tier of its own) every process writes what it needs to restore its own part: all
+    its addressable shards (replicas too, one per origin) and every numpy leaf; jax arrays on
+    process 0's devices only (not spread) stay process 0's.
     """
     primary = processes()[1] == 0
     infos = prepared.arrays
@@ -103,7 +107,8 @@ def plan_jobs(prepared: Prepared, arrays: dict[int, Any], chunk_size_bytes: int,
             raise ValueError(f"chunk_size_bytes={chunk_size_bytes} is smaller than one element "
                              f"of key path {prepared.paths[i]!r} ({info.dtype}, "
                              f"{info.dtype.itemsize} bytes)")
-    mine = {i: a for i, a in arrays.items() if infos[i].spread or primary}
+    mine = {i: a for i, a in arrays.items()
+            if infos[i].spread or primary or (per_host and not infos[i].is_jax)}
     small = {i: a for i, a in mine.items() if not infos[i].spread
              and infos[i].nbytes <= min(pack_threshold_bytes, chunk_size_bytes)}
     inline = _small_bytes({i: a for i, a in small.items()
@@ -111,9 +116,9 @@ def plan_jobs(prepared: Prepared, arrays: dict[int, Any], chunk_size_bytes: int,
     packs = _pack_jobs({i: a for i, a in small.items() if i not in inline}, prepared.paths,
                        infos, chunk_size_bytes, later)
     large = [(i, a) for i, a in mine.items() if i not in small]
-    blocks = (_whole_shard_jobs(large, chunk_size_bytes, whole_shard_bytes, later)
+    blocks = (_whole_shard_jobs(large, chunk_size_bytes, whole_shard_bytes, later, per_host)
               if whole_shard_bytes else (job for i, a in large for job in _block_jobs(
-                  i, a, chunk_size_bytes, i in later)))
+                  i, a, chunk_size_bytes, i in later, per_host)))
     return inline, _chain(packs, blocks)
 
 
@@ -143,25 +148,27 @@ def _small_bytes(small: dict[int, Any], started: dict[int, jax.Array] | None = N
             for i in small}
 
 
-def _block_jobs(i: int, array: Any, chunk_size_bytes: int, later: bool = False
-                ) -> Iterator[Job]:
+def _block_jobs(i: int, array: Any, chunk_size_bytes: int, later: bool = False,
+                replicas: bool = False) -> Iterator[Job]:
     """One job per block of every unique shard of a large array (format.md §3.3), lazily; with
-    ``later``, each block copied to the host when the pipeline reads it."""
-    for origin, shard in unique_shards(array):
+    ``later``, each block copied to the host when the pipeline reads it; ``replicas``: as
+    :func:`unique_shards`'."""
+    for origin, shard in unique_shards(array, replicas):
         yield from _shard_jobs(i, array, shard, _blocks(array, origin, shard, chunk_size_bytes),
                                later=True if later else None)
 
 
 def _whole_shard_jobs(large: list[tuple[int, Any]], chunk_size_bytes: int,
-                      whole_shard_bytes: int, later: Collection[int] = frozenset()
-                      ) -> Iterator[Job]:
+                      whole_shard_bytes: int, later: Collection[int] = frozenset(),
+                      replicas: bool = False) -> Iterator[Job]:
     """The jobs of ``large``'s blocks, each accelerator shard of at most ``whole_shard_bytes``
     copied whole (no slice per block), the copies of up to ``WHOLE_SHARDS_PER_CALL`` such
     shards started in one ``jax.device_put``: with a call per shard, staging GPT-2-XL's 1,741
     shards of new arrays blocked ``save()`` 0.85 s on an H100 machine. For a staging without a
     cap, which holds every copy until it is stored. The shards of ``later``'s arrays are copied
     when the pipeline reads them (:func:`plan_jobs`)."""
-    shards = [(i, a, origin, shard) for i, a in large for origin, shard in unique_shards(a)]
+    shards = [(i, a, origin, shard) for i, a in large
+              for origin, shard in unique_shards(a, replicas)]
     cuts: dict[int, list] = {}  # each shard's _blocks, worked out once
 
     def cuts_of(k: int) -> list:
