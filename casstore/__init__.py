@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Any
 # public name -> the private module that defines it
 _WHERE = {
     "CopyInfo": "_copy", "CopyProgress": "_copy", "copy": "_copy",
-    "FallbackStore": "_fallback", "PersistError": "_tiers",
+    "FallbackStore": "_fallback",
     **dict.fromkeys(["AccessDeniedError", "CasstoreError", "CorruptChunkError", "ManifestError",
-                     "MissingChunkError", "ObjectNotFoundError", "ReadOnlyStoreError",
-                     "StepAlreadyExistsError", "StepNotFoundError", "StoreTimeoutError",
-                     "StoreUnreachableError", "TargetMismatchError", "TensorFileError",
-                     "UnsupportedFormatError", "UnsupportedLeafError"], "_errors"),
+                     "MissingChunkError", "ObjectNotFoundError", "PersistError",
+                     "ReadOnlyStoreError", "StepAlreadyExistsError", "StepNotFoundError",
+                     "StoreTimeoutError", "StoreUnreachableError", "TargetMismatchError",
+                     "TensorFileError", "UnsupportedFormatError", "UnsupportedLeafError"],
+                    "_errors"),
     **dict.fromkeys(["ExportInfo", "ImportInfo", "check_export_path", "export_tensors",
                      "import_tensors"], "_export"),
     **dict.fromkeys(["LeafDiff", "LeafInfo", "StepInfo", "diff_manifests", "diff_steps",
@@ -80,6 +81,7 @@ if TYPE_CHECKING:  # the names as static tools see them
     from ._errors import ManifestError as ManifestError
     from ._errors import MissingChunkError as MissingChunkError
     from ._errors import ObjectNotFoundError as ObjectNotFoundError
+    from ._errors import PersistError as PersistError
     from ._errors import ReadOnlyStoreError as ReadOnlyStoreError
     from ._errors import StepAlreadyExistsError as StepAlreadyExistsError
     from ._errors import StepNotFoundError as StepNotFoundError
@@ -145,7 +147,6 @@ if TYPE_CHECKING:  # the names as static tools see them
     from ._scan import scan_manifests as scan_manifests
     from ._target import PLACEHOLDER as PLACEHOLDER
     from ._target import abstract_tree as abstract_tree
-    from ._tiers import PersistError as PersistError
     from ._usage import RepositoryUsage as RepositoryUsage
     from ._usage import RunUsage as RunUsage
     from ._usage import StepUsage as StepUsage

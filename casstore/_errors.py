@@ -155,3 +155,27 @@ class UnsupportedFormatError(ManifestError):
         upgrade = f"casstore >= {needs} reads it" if needs else "a newer casstore may read it"
         super().__init__(f"unsupported format {feature}: this casstore reads the format of "
                          f"casstore {reader}; {upgrade}", **where)
+
+
+class PersistError(CasstoreError, OSError):
+    """Persisting a step to the persistent tier failed; ``step`` and ``url`` say which and
+    where (the cause is chained). The local tier has the step; a later persist or a reopened
+    manager tries the newest steps again."""
+
+    def __init__(self, message: str, *, step: int | None, url: str, run: str):
+        self.step, self.url, self.run = step, url, run
+        where = f", step {step}" if step is not None else ""
+        super().__init__(f"{message} (url {url!r}, run {run!r}{where})")
+
+
+def located(e: BaseException, step: int | None, url: str, run: str) -> BaseException:
+    """The error to surface for a failed persist of ``step`` to ``url``, naming the step and
+    URL (a tiered manager's, ``_tiers``)."""
+    if isinstance(e, StoreTimeoutError):
+        return e.at(run=run, step=step)
+    if isinstance(e, PersistError):
+        return e
+    error = PersistError(f"persisting to the persistent tier failed: {type(e).__name__}: {e}",
+                         step=step, url=url, run=run)
+    error.__cause__ = e
+    return error

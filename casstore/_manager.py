@@ -25,13 +25,11 @@ from ._policies import (
     DecisionContext,
     PolicyCheckpointInfo,
     PreemptionCheckpointingPolicy,
-    PreservationContext,
     PreservationPolicy,
     SaveDecisionPolicy,
     best_of,
     find,
     manager_policies,
-    manifest_details,
     persistent_preservation,
     split_metadata,
     utc_now,
@@ -39,9 +37,11 @@ from ._policies import (
 from ._preemption import PreemptionNotice
 from ._repository import Url, deleted, list_steps, read_manifest
 from ._restore import restore
+from ._retention import StepDetails, retain
 from ._save import SaveInfo
 from ._save_leaves import snapshot
-from ._tiers import PersistPolicy, start_persister
+from ._tiers import PersistPolicy
+from ._tiers_open import start_persister
 from .store import Store, open_store, split_options
 
 
@@ -74,7 +74,8 @@ class CheckpointManager:
 
     Thread-safety: NOT thread-safe (one training loop). An in-flight save is finished at
     interpreter exit; a killed one leaves no partial step. Multi-process: every process calls
-    ``save`` with the same steps in order, on one repository; process 0 commits and deletes.
+    ``save`` with the same steps in order, on one repository (process 0 commits and deletes),
+    or with ``local_per_host`` each on a local tier of its own.
 
     Args:
       url: a path, an fsspec URL or a Store.
@@ -109,12 +110,19 @@ class CheckpointManager:
       persistent_preservation_policy: which persisted steps the persistent tier keeps, as
         ``preservation_policy`` (e.g. ``BestN`` on the metrics saved with each step); not with
         the two arguments above.
+      local_per_host: with several ``jax.distributed`` processes, ``url`` is each process's own
+        local tier (docs/tiers.md, "Per-host local tiers"), holding the manifest and what the
+        process needs to restore its part (its shards, replicas too, and numpy leaves); at
+        construction each deletes its local steps not on every process. Needs ``persistent``;
+        no deltas. False: one local tier all processes read (disks of their own fail a save).
       **storage_options: passed to fsspec for ``url`` and ``persistent``, each where it is an
         fsspec URL (e.g. a local path and ``s3://...``: to the persistent tier only).
 
     Raises:
       ValueError: a retention or staging argument is out of range, a policy is given
-        together with the keyword arguments it replaces, or the two tiers overlap.
+        together with the keyword arguments it replaces, the two tiers overlap, or
+        ``local_per_host`` comes without ``persistent`` or a local filesystem as ``url``.
+      CasstoreError: (``local_per_host``) a process did not post its local steps in time.
 
     Example:
       >>> import numpy as np, casstore
@@ -142,20 +150,25 @@ class CheckpointManager:
                  persistent_max_to_keep: int | None = None,
                  persistent_keep_period: int | None = None,
                  persistent_preservation_policy: PreservationPolicy | None = None,
-                 **storage_options):
+                 local_per_host: bool = False, **storage_options):
+        if local_per_host and persistent is None:
+            raise ValueError("local_per_host=True needs a persistent tier (persistent=...)")
         self.save_decision_policy, self.preservation_policy = manager_policies(
             save_decision_policy, preservation_policy, save_interval_steps=save_interval_steps,
             max_to_keep=max_to_keep, keep_period=keep_period, best_fn=best_fn,
             best_mode=best_mode, keep_checkpoints_without_metrics=keep_checkpoints_without_metrics)
         local_options, remote_options = split_options(storage_options, url, persistent)
         self._saver = AsyncCheckpointer(url, run=run, max_staging_bytes=max_staging_bytes,
-                                        chunk_size_bytes=chunk_size_bytes,
-                                        zstd_level=zstd_level, delta=delta, **local_options)
+                                        chunk_size_bytes=chunk_size_bytes, zstd_level=zstd_level,
+                                        delta=delta and not local_per_host, **local_options)
         self.store, self.run = self._saver.store, run  # the Store of ``url``
         self.enable_async_checkpointing = enable_async_checkpointing
         self.gc_after_retention, self.grace_period_s = gc_after_retention, grace_period_s
+        self.local_per_host = local_per_host  # each process deletes on its own local tier
         self._collect = RetentionGc(self.store, grace_period_s)  # short waits on save locks
-        self._preemption_saved, self._details = False, {}  # {step: (metrics, saved at)}
+        self._preemption_saved = False
+        self._details = StepDetails(  # {step: (metrics, saved at)}
+            lambda step: read_manifest(self._reader(), step, run=self.run), self._forget)
         self._saving: int | None = None  # the step of the save in flight
         self.last_save_blocking_s = self.last_gc_info = self.last_restore_bytes = None
         self._steps: list[int] = list_steps(self.store, run=self.run)
@@ -164,7 +177,9 @@ class CheckpointManager:
             self.store, open_store(persistent, **remote_options), run, self._steps, PersistPolicy(
                 persist_interval_steps, persistent_preservation(
                     persistent_preservation_policy, persistent_max_to_keep,
-                    persistent_keep_period), gc_after_retention, grace_period_s))
+                    persistent_keep_period), gc_after_retention, grace_period_s,
+                local_per_host=local_per_host))
+        self._steps = self.persister.local_steps if self.persister else self._steps  # agreed
         # last: a signal handler is installed only once nothing else can fail
         preemption = find(self.save_decision_policy, PreemptionCheckpointingPolicy)
         self._notice = PreemptionNotice(preemption.signals if preemption else ())
@@ -246,7 +261,7 @@ class CheckpointManager:
             if not self._saver.is_saving_in_progress():
                 self._saver.wait_until_finished()  # a failed save's error, though not due
             return False
-        agreement, done = SaveAgreement(), None  # an error from here fails it on every process
+        agreement, done = SaveAgreement(self.local_per_host), None  # an error: on every process
         try:  # persists yield to this save until its commit (_tiers)
             with agreement.early():
                 if self.persister is not None:  # a failed persist's error (maybe process 0)
@@ -278,10 +293,13 @@ class CheckpointManager:
         self._details[step] = (metrics, started)
         if self.persister is not None:  # queued on process 0, noted on the others
             self.persister.submit(step)
-        try:
-            deleted = self._apply_retention()
-            if self.gc_after_retention and processes()[1] == 0:
-                self.last_gc_info = self._collect(bool(deleted)) or self.last_gc_info
+        try:  # retention (:meth:`_deletes`; every process forgets): pending persists stay
+            doomed = retain(self.store, self.run, self.preservation_policy, self._steps,
+                            self._details, self.persister.pending() if self.persister else set(),
+                            self._deletes())
+            self._steps = [s for s in self._steps if s not in doomed]
+            if self.gc_after_retention and self._deletes():
+                self.last_gc_info = self._collect(bool(doomed)) or self.last_gc_info
         except Exception as e:  # raised by a later call: it must not read as a failed save
             e.add_note(f"casstore: step {step} was committed; retention or GC then failed")
             raise
@@ -335,33 +353,15 @@ class CheckpointManager:
 
     # -- retention ---------------------------------------------------------------------------
 
-    def _step_details(self, step: int) -> tuple[Any, datetime.datetime]:
-        """(metrics, save time) of ``step``: remembered, or read from its manifest once."""
-        if step not in self._details:
-            try:
-                manifest = read_manifest(self._reader(), step, run=self.run)
-            except StepNotFoundError:  # deleted by another process: forget it, rank it as new
-                self._steps = [s for s in self._steps if s != step]
-                return None, utc_now()
-            self._details[step] = manifest_details(manifest)
-        return self._details[step]
+    def _deletes(self) -> bool:  # on the local tier: process 0, or each with local_per_host
+        return self.local_per_host or processes()[1] == 0
+
+    def _forget(self, step: int) -> None:
+        """Forgets ``step``, deleted by another process (its details rank it as new)."""
+        self._steps = [s for s in self._steps if s != step]
 
     def _infos(self, steps: list[int] | None = None) -> list[PolicyCheckpointInfo]:
-        return [PolicyCheckpointInfo(s, details=self._step_details) for s in steps or self._steps]
-
-    def _apply_retention(self) -> list[int]:
-        """Deletes the steps the policy drops (process 0 only; every process forgets them)."""
-        infos = self._infos()  # local steps; a step whose persist is pending is kept
-        keep = self.preservation_policy.should_preserve(infos, context=PreservationContext())
-        pending = self.persister.pending() if self.persister is not None else set()
-        doomed = [info.step for info, kept in zip(infos, keep, strict=True)
-                  if not kept and info.step not in pending]
-        for step in doomed:
-            if processes()[1] == 0:
-                deleted(self.store, step, self.run)  # already gone: the same outcome
-            self._details.pop(step, None)
-        self._steps = [s for s in self._steps if s not in doomed]
-        return doomed
+        return [PolicyCheckpointInfo(s, details=self._details) for s in steps or self._steps]
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -433,7 +433,7 @@ class CheckpointManager:
         step = check_step(step)
         self.wait_until_finished()
         found = [step in self.all_steps(), self.persister is not None and self.persister.delete(
-            step), processes()[1] == 0 and deleted(self.store, step, self.run)]
+            step), self._deletes() and deleted(self.store, step, self.run)]
         self._details.pop(step, None)
         self._steps = [s for s in self._steps if s != step]
         if not any(found):

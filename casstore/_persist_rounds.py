@@ -19,10 +19,11 @@ from collections.abc import Callable
 
 import msgpack
 
-from ._copy import CopyInfo, copy_selected
+from ._copy import CopyInfo, copy_selected, share_of
 from ._errors import CasstoreError, ManifestError, StepNotFoundError
 from ._locks import Lease, save_lock
-from ._multihost import kv_client, processes, timeout_ms
+from ._manifest import needed_objects
+from ._multihost import get_large, kv_client, processes, set_large, timeout_ms
 from ._repository import read_manifest
 from .store import Store
 
@@ -73,7 +74,8 @@ class Rounds:
         """
         client, k = kv_client(), self.k
         self.k += 1
-        forget = [f"{self.tag}/{part}/{k - 1}" for part in ("round", "done", "outcome")]
+        forget = [f"{self.tag}/{part}/{k - 1}"
+                  for part in ("round", "done", "outcome", "held")]
         present, chunks, nbytes, failed = {}, 0, 0, []
         for p in range(1, self.count):
             try:
@@ -140,10 +142,92 @@ class Rounds:
              "bytes": info.bytes_copied if info else 0}))
         self.k += 1
 
+    def agree(self, value: object) -> list:
+        """Every process's ``value`` (msgpack), in process order: posts this process's and
+        waits for the others' (at most the multi-process timeout). A manager's exchange at
+        open, once (``local_per_host``: the local steps each process holds).
+
+        Raises:
+          CasstoreError: a process did not post within the timeout, naming it.
+        """
+        client = kv_client()
+        client.key_value_set_bytes(f"{self.tag}/open/{self.index}", msgpack.packb(value))
+        values = []
+        for p in range(self.count):
+            try:
+                values.append(msgpack.unpackb(client.blocking_key_value_get_bytes(
+                    f"{self.tag}/open/{p}", timeout_ms())))
+            except Exception as e:  # jax's runtime error for a timeout or a dead peer
+                raise CasstoreError(f"process {p} did not say which steps its local tier "
+                                    f"holds within {timeout_ms() / 1000:g} s ({e})") from e
+        return values
+
+    def holders(self, held: list[str] | None, error: str | None) -> dict[str, int] | None:
+        """``local_per_host``: posts which of this round's objects this process's local tier
+        holds (``held``), or its error, and gathers every process's post; returns which
+        process sends each object held somewhere (of its holders, the one a CRC32 of the key
+        picks: :func:`share_of`), so each is sent once. None where another process failed,
+        on a process other than 0 (process 0 raises it).
+
+        Raises:
+          CasstoreError: on process 0, a process failed or did not post within the timeout.
+        """
+        client, key = kv_client(), f"{self.tag}/held/{self.k}"
+        set_large(client, f"{key}/{self.index}", msgpack.packb({"held": held, "error": error}))
+        posts, failed = [], []
+        for p in range(self.count):
+            try:
+                posts.append(msgpack.unpackb(get_large(client, f"{key}/{p}")))
+            except CasstoreError as e:
+                posts.append({"held": [], "error": f"no answer ({e})"})
+            if posts[-1]["error"]:
+                failed.append(f"process {p}: {posts[-1]['error']}")
+        if failed:
+            if not self.is_leader:
+                return None
+            raise CasstoreError("processes could not say which objects their local tiers "
+                                "hold; no manifest written: " + "; ".join(failed))
+        by: dict[str, list[int]] = {}
+        for p, post in enumerate(posts):
+            for k in post["held"]:
+                by.setdefault(k, []).append(p)
+        return {k: ps[share_of(k, len(ps))] for k, ps in by.items()}
+
+
+def _send_held(rounds: Rounds, local: Store, persistent: Store, run: str, step: int,
+               present: dict[str, int], gate: Callable[[], None]
+               ) -> tuple[CopyInfo | None, dict[str, int], set[str]]:
+    """``local_per_host``: finds which of ``step``'s objects not in ``present`` (known on the
+    persistent tier) this process's own local tier holds, agrees with the others who sends
+    each (:meth:`Rounds.holders`) and sends its own; returns ``(its counts, the objects it
+    sent or found there, the step's objects held by no process)``. ``(None, {}, set())``
+    where another process failed (on a process other than 0).
+
+    Raises:
+      what failed here (posted first), or (process 0) another process's failure.
+    """
+    try:
+        needed = needed_objects(read_manifest(local, step, run=run))
+        held = sorted(k for k in needed if k not in present and local.exists(k))
+    except BaseException as e:
+        rounds.holders(None, f"{type(e).__name__}: {e}")
+        raise
+    owner = rounds.holders(held, None)
+    if owner is None:
+        return None, {}, set()
+    mine = {k for k, p in owner.items() if p == rounds.index}
+    # the engine sends what is not in `present`: every object but this process's is put there
+    others = dict(present) | {k: 0 for k in needed if k not in mine and k not in present}
+    info = copy_selected(local, persistent, [(run, step)], others, probe=True, share=(0, 1),
+                         gate=gate)
+    return info, {k: others[k] for k in mine if k in others}, {
+        k for k in needed if k not in owner and k not in present}
+
 
 def persist_shared(rounds: Rounds, local: Store, persistent: Store, run: str, step: int,
                    present: dict[str, int], known: int | None, persisted: set[int],
-                   gate: Callable[[], None], lease: Lease | None = None) -> CopyInfo:
+                   gate: Callable[[], None], lease: Lease | None = None,
+                   per_host: bool = False) -> CopyInfo:
     """Process 0's part of a shared persist of ``step`` of ``run`` from ``local`` to
     ``persistent``: a round, its own share, the others' posts, then the manifest (every object
     in ``present`` by then: no transfer), then the round's outcome.
@@ -153,6 +237,9 @@ def persist_shared(rounds: Rounds, local: Store, persistent: Store, run: str, st
       known: the persisted step whose objects ``present`` holds, told to the others.
       persisted: the steps on the persistent tier as process 0 knows them, told to the others.
       gate: runs before each object's transfer (the persist yields to local saves).
+      per_host: each process reads its own local tier (``local_per_host``): each object is
+        sent by one of the processes that hold it (:func:`_send_held`), and an object held
+        by none must be on the persistent tier already.
 
     Raises:
       what failed: a process's share (CasstoreError naming it), or the manifest's write; the
@@ -161,15 +248,27 @@ def persist_shared(rounds: Rounds, local: Store, persistent: Store, run: str, st
     t0 = time.perf_counter()
     rounds.start(step, known, persisted)
     try:
+        unheld: set[str] = set()
         try:
-            own = copy_selected(local, persistent, [(run, step)], present, probe=True,
-                                share=(0, rounds.count), gate=gate)
+            if per_host:
+                own, sent, unheld = _send_held(rounds, local, persistent, run, step,
+                                               dict(present), gate)
+                present.update(sent)
+            else:
+                own = copy_selected(local, persistent, [(run, step)], present, probe=True,
+                                    share=(0, rounds.count), gate=gate)
         except BaseException:
             with contextlib.suppress(Exception):  # the round ends either way: no manifest
                 rounds.gather()
             raise
         theirs, chunks, nbytes = rounds.gather()  # raises if one failed: no manifest
         present.update(theirs)
+        for k in sorted(unheld):  # on no process's local tier: the persistent tier has it?
+            if not persistent.exists(k):
+                raise CasstoreError(f"object {k!r} of step {step} is on no process's local "
+                                    f"tier and not on the persistent tier {persistent.url!r}"
+                                    "; no manifest written")
+            present[k] = 0
         last = copy_selected(local, persistent, [(run, step)], present, probe=True,
                              lease=lease)
     except BaseException as e:
@@ -187,9 +286,10 @@ def persist_shared(rounds: Rounds, local: Store, persistent: Store, run: str, st
 
 
 def send_share(rounds: Rounds, local: Store, persistent: Store, run: str, step: int,
-               known: int | None, gate: Callable[[], None]) -> CopyInfo:
+               known: int | None, gate: Callable[[], None], per_host: bool = False
+               ) -> CopyInfo:
     """A process other than 0: sends its share of the round for ``step`` and posts what it
-    sent; returns its share's counts.
+    sent; returns its share's counts. ``per_host``: as :func:`persist_shared`'s.
 
     Raises:
       its share's error (posted first: process 0 names it).
@@ -198,12 +298,17 @@ def send_share(rounds: Rounds, local: Store, persistent: Store, run: str, step: 
         with save_lock(persistent):
             present = objects_of(persistent, run, known)  # what process 0 assumes there
             assumed = set(present)
-            info = copy_selected(local, persistent, [(run, step)], present, probe=True,
-                                 gate=gate, share=(rounds.index, rounds.count))
+            if per_host:
+                info, sent, _ = _send_held(rounds, local, persistent, run, step, present, gate)
+                info = info or CopyInfo((), (), 0, 0, 0, 0, 0.0)
+            else:
+                info = copy_selected(local, persistent, [(run, step)], present, probe=True,
+                                     gate=gate, share=(rounds.index, rounds.count))
+                sent = {k: n for k, n in present.items() if k not in assumed}
     except BaseException as e:
         rounds.post({}, None, f"{type(e).__name__}: {e}")
         raise
-    rounds.post({k: n for k, n in present.items() if k not in assumed}, info, None)
+    rounds.post(sent, info, None)
     return info
 
 

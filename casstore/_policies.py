@@ -40,7 +40,7 @@ class PolicyCheckpointInfo:
                  *, details: Callable[[int], tuple[Any, datetime.datetime]] | None = None):
         self.step = step
         self._details = details
-        self._values = None if details else (metrics, time or utc_now())
+        self._values = None if details is not None else (metrics, time or utc_now())
 
     def _get(self) -> tuple[Any, datetime.datetime]:
         if self._values is None:

@@ -19,8 +19,10 @@ all, so saves that never pause still let it through.
 
 Several ``jax.distributed`` processes share each persist (:class:`Rounds`, docs/tiers.md
 "Limits"): each sends its share of the step's missing objects, and process 0 writes the
-manifest once every process has posted without error (format.md §7). The local tier must be
-one that every process reads (one machine or a shared filesystem).
+manifest once every process has posted without error (format.md §7). The local tier is one
+that every process reads (one machine or a shared filesystem), or with
+``PersistPolicy.local_per_host`` one per process, each holding that process's part of every
+step: then each object is sent by one of the processes that hold it.
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ from collections.abc import Callable
 
 from ._copy import CopyInfo, copy_selected
 from ._errors import (
-    CasstoreError,
     ManifestError,
+    PersistError,
     StepAlreadyExistsError,
     StepNotFoundError,
-    StoreTimeoutError,
+    located,
 )
 from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, RetentionGc
 from ._layout import manifest_key
@@ -50,27 +52,14 @@ from ._manifest import Manifest, needed_objects
 from ._multihost import processes, timeout_ms
 from ._persist_rounds import Rounds, persist_shared, send_share
 from ._policies import (
-    PolicyCheckpointInfo,
-    PreservationContext,
     PreservationPolicy,
     manifest_details,
-    utc_now,
 )
 from ._repository import deleted, ensure_config, list_steps, read_manifest, still_committed
-from .store import Store, open_store
+from ._retention import StepDetails, dropped
+from .store import Store
 
 log = logging.getLogger("casstore")
-
-
-class PersistError(CasstoreError, OSError):
-    """Persisting a step to the persistent tier failed; ``step`` and ``url`` say which and
-    where (the cause is chained). The local tier has the step; a later persist or a reopened
-    manager tries the newest steps again."""
-
-    def __init__(self, message: str, *, step: int | None, url: str, run: str):
-        self.step, self.url, self.run = step, url, run
-        where = f", step {step}" if step is not None else ""
-        super().__init__(f"{message} (url {url!r}, run {run!r}{where})")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -80,13 +69,16 @@ class PersistPolicy:
     ``PreservationPolicy`` as the manager's local one, e.g. ``LatestN``, ``EveryNSteps``,
     ``BestN``; None keeps all), ``gc_after_retention`` and ``grace_period_s`` (garbage
     collection of the persistent tier after its retention deleted steps), ``yield_s`` (the most
-    seconds a step's persist waits, in all, for local saves to finish: module docstring)."""
+    seconds a step's persist waits, in all, for local saves to finish: module docstring),
+    ``local_per_host`` (each process of a ``jax.distributed`` job has a local tier of its own:
+    docs/tiers.md, "Per-host local tiers")."""
 
     interval_steps: int = 1
     preservation_policy: PreservationPolicy | None = None
     gc_after_retention: bool = False
     grace_period_s: float = DEFAULT_GRACE_PERIOD_S
     yield_s: float = 60.0
+    local_per_host: bool = False
 
     def __post_init__(self):
         value = self.interval_steps
@@ -112,7 +104,7 @@ class Persister:
     """
 
     def __init__(self, local: Store, persistent: Store, run: str, policy: PersistPolicy,
-                 remote_steps: set[int] | BaseException):
+                 remote_steps: set[int] | BaseException, rounds: Rounds | None = None):
         self.local, self.persistent, self.run, self.policy = local, persistent, run, policy
         self.persisted: dict[int, CopyInfo] = {}
         self.dropped: list[int] = []
@@ -126,16 +118,23 @@ class Persister:
         # (the last persisted step's manifest, its objects): assumed on the persistent tier
         # while that manifest is there (the copy writes the local manifest's bytes as they are)
         self._known: tuple[Manifest | None, dict[str, int]] = (None, {})
-        self._details: dict[int, tuple] = {}  # step -> (metrics, save time), for retention
+        # step -> (metrics, save time), for retention: a step's manifest there read once; one
+        # damaged there, or deleted there by someone else (then forgotten), ranks as new
+        self._details = StepDetails(lambda step: read_manifest(persistent, step, run=run),
+                                    lambda step: self._remote_steps.discard(step),
+                                    (StepNotFoundError, ManifestError))
         self._running: int | None = None
         self._queued: int | None = None
         self._local_saves = 0  # running on the local tier: persists yield to them
         # another process: the newest step it expects process 0 to persist, and the newest
         # round process 0 has ended (committed or failed)
         self._expected, self._through = None, -1.0
+        self._noted: set[int] = set()  # local_per_host, another process: steps it may persist
+        # the local steps (with local_per_host: those every process holds; start_persister)
+        self.local_steps: list[int] = []
         self._closed = self._configured = False
         self._cond = threading.Condition()
-        self.rounds = Rounds(run) if processes()[0] > 1 else None
+        self.rounds = rounds or (Rounds(run) if processes()[0] > 1 else None)
         follower = self.rounds is not None and not self.rounds.is_leader
         self._thread = threading.Thread(target=self._follow if follower else self._loop,
                                         name="casstore-persist", daemon=True)
@@ -158,6 +157,7 @@ class Persister:
         if self.rounds is not None and not self.rounds.is_leader:
             with self._cond:
                 self._expected = max(step, self._expected or step)
+                self._noted |= {step} if self.policy.local_per_host else set()
             return
         with self._cond:
             if self._queued is not None and self._queued != step:
@@ -213,9 +213,12 @@ class Persister:
         self._remote_steps = set(list_steps(self.persistent, run=self.run))
 
     def pending(self) -> set[int]:
-        """The steps persisting or queued: local retention must keep them."""
+        """The steps persisting or queued: local retention must keep them (with
+        ``local_per_host``, on a process other than 0: the steps it noted that no round has
+        passed yet, since process 0 may persist any of them)."""
         with self._cond:
-            return {s for s in (self._running, self._queued) if s is not None}
+            noted = {s for s in self._noted if s > self._through}
+            return noted | {s for s in (self._running, self._queued) if s is not None}
 
     def delete(self, step: int) -> bool:
         """For the manager's ``delete``: drops ``step`` from the backlog, waits for its persist,
@@ -293,7 +296,7 @@ class Persister:
 
     def _fail(self, e: BaseException, step: int) -> None:
         """Records a failed persist of ``step``: it surfaces on the next save()."""
-        error = _located(e, step, self.persistent.url, self.run)
+        error = located(e, step, self.persistent.url, self.run)
         log.warning("casstore: %s", error)
         with self._cond:
             self._error = error
@@ -315,7 +318,8 @@ class Persister:
             else:
                 info = persist_shared(self.rounds, self.local, self.persistent, self.run,
                                       step, present, self._known[0].step if present else None,
-                                      self.steps(), self._yielder(), lease)
+                                      self.steps(), self._yielder(), lease,
+                                      self.policy.local_per_host)
         self.persisted[step] = info
         self._remote_steps.add(step)
         manifest = read_manifest(self.local, step, run=self.run)
@@ -341,10 +345,7 @@ class Persister:
         if (policy := self.policy.preservation_policy) is None:
             return
         self._remote_steps &= set(list_steps(self.persistent, run=self.run))  # others deleted
-        steps = sorted(self._remote_steps)
-        infos = [PolicyCheckpointInfo(step, details=self._step_details) for step in steps]
-        keep = policy.should_preserve(infos, context=PreservationContext())
-        doomed = [step for step, kept in zip(steps, keep, strict=True) if not kept]
+        doomed = dropped(policy, sorted(self._remote_steps), self._details)
         for step in doomed:
             deleted(self.persistent, step, self.run)  # already gone: the same outcome
             self._remote_steps.discard(step)
@@ -367,7 +368,8 @@ class Persister:
                 self._running = step
             try:
                 self.persisted[step] = send_share(self.rounds, self.local, self.persistent,
-                                                  self.run, step, known, self._yielder())
+                                                  self.run, step, known, self._yielder(),
+                                                  self.policy.local_per_host)
                 if self.rounds.wait_outcome() is None:  # else process 0 raises it
                     self._remote_steps.add(step)
             except BaseException as e:  # it also surfaces here on save()
@@ -375,71 +377,11 @@ class Persister:
             finally:
                 with self._cond:
                     self._running, self._through = None, step
+                    self._noted = {s for s in self._noted if s > step}
                     self._cond.notify_all()
         with self._cond:
             self._through = math.inf  # no round left to wait for
             self._cond.notify_all()
-
-    def _step_details(self, step: int) -> tuple:
-        """(metrics, save time) of a persisted step: remembered from its persist, or read from
-        its manifest on the persistent tier once (a step an earlier manager persisted); one
-        damaged there, or deleted there by someone else (then forgotten), ranks as new."""
-        if step not in self._details:
-            try:
-                manifest = read_manifest(self.persistent, step, run=self.run)
-            except (StepNotFoundError, ManifestError) as e:
-                self._remote_steps -= {step} if isinstance(e, StepNotFoundError) else set()
-                return None, utc_now()
-            self._details[step] = manifest_details(manifest)
-        return self._details[step]
-
-
-def start_persister(local: Store, persistent, run: str, local_steps: list[int],
-                    policy: PersistPolicy) -> Persister:
-    """A :class:`Persister` from ``local`` to ``persistent`` (a URL or Store), which has
-    queued the eligible ``local_steps`` a killed manager left unpersisted.
-
-    With several ``jax.distributed`` processes every process sends its share of each step
-    (:class:`Rounds`); process 0 decides which steps (the backlog, resuming) and writes their
-    manifests. Every process must read the local tier where the others write (one machine, or
-    a shared filesystem).
-
-    Raises:
-      ValueError: a policy value is out of range, or the two tiers are one repository, or
-        one lies inside the other (local retention would delete persisted steps).
-      PersistError: the persistent tier cannot be listed and ``local_steps`` is empty (else
-        that error surfaces on the next save; the tier is listed again before a persist).
-    """
-    persistent = open_store(persistent)
-    a, b = local.location(), persistent.location()
-    if a.startswith(b) or b.startswith(a):
-        raise ValueError(f"the persistent tier {persistent.url!r} and the local tier "
-                         f"{local.url!r} must be two repositories, neither inside the other")
-    try:
-        remote: set[int] | BaseException = set(list_steps(persistent, run=run))
-    except Exception as e:
-        remote = _located(e, None, persistent.url, run)
-        if not local_steps:  # a replaced node would start over and reuse persisted steps' numbers
-            raise PersistError(
-                "the persistent tier could not be listed and the local tier has no step: a "
-                "manager on an empty local tier (a replaced node) resumes from the persistent "
-                f"tier's steps, so it cannot start without them; retry once it answers ({e})",
-                step=None, url=persistent.url, run=run) from e
-    persister = Persister(local, persistent, run, policy, remote)
-    persister.resume(local_steps)  # process 0 queues them, the others note them
-    return persister
-
-
-def _located(e: BaseException, step: int | None, url: str, run: str) -> BaseException:
-    """The error to surface for a failed persist of ``step``, naming the step and URL."""
-    if isinstance(e, StoreTimeoutError):
-        return e.at(run=run, step=step)
-    if isinstance(e, PersistError):
-        return e
-    error = PersistError(f"persisting to the persistent tier failed: {type(e).__name__}: {e}",
-                         step=step, url=url, run=run)
-    error.__cause__ = e
-    return error
 
 
 def _drain_at_exit(ref: weakref.ref) -> None:

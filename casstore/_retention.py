@@ -1,0 +1,70 @@
+"""Retention: the steps a preservation policy drops, and the details it ranks them by.
+
+The metrics and save time of each step (:class:`StepDetails`) are kept by a manager for its
+local steps and by its persister for the persisted ones (``docs/tiers.md``): remembered from
+each save or persist, or read once from the step's manifest (a step an earlier manager wrote).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from typing import Any
+
+from ._errors import StepNotFoundError
+from ._manifest import Manifest
+from ._policies import (
+    PolicyCheckpointInfo,
+    PreservationContext,
+    PreservationPolicy,
+    manifest_details,
+    utc_now,
+)
+from ._repository import deleted
+from .store import Store
+
+
+class StepDetails(dict):
+    """``{step: (metrics, save time in UTC)}``, filled on demand: calling it with a step it
+    lacks reads that step's manifest once (``read(step)``). A step whose manifest is gone
+    (:class:`StepNotFoundError`) is passed to ``forget`` (deleted by someone else) and, as
+    one whose manifest raises one of ``tolerate``, ranks as new: ``(None, now)``, not kept.
+    NOT thread-safe."""
+
+    def __init__(self, read: Callable[[int], Manifest], forget: Callable[[int], None],
+                 tolerate: tuple[type[BaseException], ...] = (StepNotFoundError,)):
+        super().__init__()
+        self.read, self.forget, self.tolerate = read, forget, tolerate
+
+    def __call__(self, step: int) -> tuple[Any, datetime.datetime]:
+        if step not in self:
+            try:
+                manifest = self.read(step)
+            except self.tolerate as e:
+                if isinstance(e, StepNotFoundError):
+                    self.forget(step)
+                return None, utc_now()
+            self[step] = manifest_details(manifest)
+        return self[step]
+
+
+def dropped(policy: PreservationPolicy, steps: list[int], details: StepDetails,
+            pending: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """The steps of ``steps`` (ascending) that ``policy`` does not keep, ranked by
+    ``details``, but those in ``pending`` (persisting or queued)."""
+    infos = [PolicyCheckpointInfo(step, details=details) for step in steps]
+    keep = policy.should_preserve(infos, context=PreservationContext())
+    return [s for s, kept in zip(steps, keep, strict=True) if not kept and s not in pending]
+
+
+def retain(store: Store, run: str, policy: PreservationPolicy, steps: list[int],
+           details: StepDetails, pending: set[int], delete: bool) -> list[int]:
+    """A manager's local retention after a save: the steps :func:`dropped` gives are deleted
+    from ``store`` (their manifests; already gone: the same outcome) where ``delete`` (the
+    process that deletes there) and forgotten from ``details``; returns them."""
+    doomed = dropped(policy, steps, details, pending)
+    for step in doomed:
+        if delete:
+            deleted(store, step, run)
+        details.pop(step, None)
+    return doomed

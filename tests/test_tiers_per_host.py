@@ -1,0 +1,149 @@
+"""Tiered checkpoints with a local tier per host (``local_per_host=True``, docs/tiers.md
+"Per-host local tiers"): two ``jax.distributed`` processes, each with a local directory of its
+own (tests/tiers_per_host_worker.py), persisting to SeaweedFS."""
+
+import json
+import pathlib
+import shutil
+import socket
+
+import numpy as np
+import pytest
+from forkserver import LazyForkServer, multihost_env
+
+import casstore
+from casstore._layout import is_object_key
+from casstore.store import MemoryStore
+
+from conftest import object_store
+
+# the processes of a job, forked after jax's import
+JOBS = LazyForkServer(lambda: multihost_env(CASSTORE_MULTIHOST_TIMEOUT_S="20"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_the_fork_server():
+    yield
+    JOBS.close()
+
+
+def two_hosts(tmp_path, server, remote, mode: str) -> list[str]:
+    """The outputs of the two processes of tests/tiers_per_host_worker.py (each exited with
+    0), process ``i`` saving into ``tmp_path / f"local-{i}"`` and persisting to ``remote``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = pathlib.Path(__file__).with_name("tiers_per_host_worker.py")
+    processes = [[worker, port, i, tmp_path, remote.url, json.dumps(server.storage_options),
+                  mode] for i in range(2)]
+    results = JOBS.run(processes, [tmp_path / f"{mode}-{i}.txt" for i in range(2)],
+                       timeout_s=180)
+    for code, out in results:
+        assert code == 0, out[-3000:]
+        assert "\nOK" in out, out[-3000:]
+    return [out for _, out in results]
+
+
+def lines(out: str, prefix: str) -> list[str]:
+    """The lines of a worker's output that start with ``prefix``, without it."""
+    return [x[len(prefix) + 1:] for x in out.splitlines() if x.startswith(prefix + " ")]
+
+
+def objects(path) -> set[str]:
+    return {info.key for info in casstore.open_store(path).list("") if is_object_key(info.key)}
+
+
+def test_each_host_stores_its_part_restores_locally_and_sends_each_object_once(
+        tmp_path, object_servers):
+    server = object_servers["seaweedfs"]
+    remote = object_store(server)
+    outs = two_hosts(tmp_path, server, remote, "save")
+    # each local tier holds the step's manifest and its own part: process 0 rows 0-31 of
+    # state/w, process 1 rows 32-63, both the replicated state/b and the numpy state/n
+    manifests = [casstore.read_manifest(tmp_path / f"local-{i}", 3) for i in range(2)]
+    assert manifests[0] == manifests[1]
+    held = [objects(tmp_path / f"local-{i}") for i in range(2)]
+    for leaf in manifests[0].leaves:
+        for ref in leaf.chunks:
+            if leaf.path == "state/w":
+                owner = 0 if ref.start[0] < 32 else 1
+                assert ref.key in held[owner], (leaf.path, ref.start)
+                assert ref.key not in held[1 - owner], (leaf.path, ref.start)
+            else:
+                assert ref.key in held[0], leaf.path
+                assert ref.key in held[1], leaf.path
+    # so verify on one host's directory reports the other host's chunks missing (by design)
+    report = casstore.verify(tmp_path / "local-1")
+    assert {p.kind for p in report.problems} == {"missing"}
+    assert {p.key_path for p in report.problems} == {"state/w"}
+    # step 3 restores bit-exact on both hosts from their local tiers alone
+    for out in outs:
+        assert lines(out, "RESTORED") == ["3 True 0"], out[-3000:]
+        assert lines(out, "STEPS")[-1] == "[0, 1, 2, 3]"
+        assert lines(out, "PERSISTED") == ["[0, 2]"]
+    assert casstore.list_steps(remote) == [0, 2]
+    assert casstore.verify(remote).ok
+    # every object there was sent once, by one of the hosts that hold it; both sent some
+    stored = {info.key: info.size for info in remote.list("") if is_object_key(info.key)}
+    sent = [[int(n) for n in lines(out, "SENT")[0].split()] for out in outs]
+    assert sent[0] == [len(stored), sum(stored.values())], (sent, len(stored))
+    assert 0 < sent[1][0] < sent[0][0], sent
+    for step in (0, 2):
+        assert (casstore.read_manifest(remote, step)
+                == casstore.read_manifest(tmp_path / "local-0", step))
+
+    # (b) host 1 is replaced: its local directory is empty when the job restarts
+    shutil.rmtree(tmp_path / "local-1")
+    outs = two_hosts(tmp_path, server, remote, "reopen")
+    for i, out in enumerate(outs):
+        assert lines(out, "LATEST") == ["2"], out[-3000:]  # the newest persisted step
+        assert lines(out, "STEPS")[0] == "[0, 2]"
+        step, exact, remote_bytes = lines(out, "RESTORED")[0].split()
+        assert (step, exact) == ("2", "True"), out[-3000:]
+        # host 0 still has its chunks (step 2's manifest there was dropped: not on host 1)
+        assert (int(remote_bytes) > 10_000) == (i == 1), (i, remote_bytes)
+        # steps 3 and 4 are saved again from there, 4 persisted
+        assert lines(out, "STEPS")[-1] == "[0, 2, 3, 4]"
+    assert casstore.list_steps(remote) == [0, 2, 4]
+    assert casstore.verify(remote).ok
+    restored = casstore.restore(remote, 4)
+    assert restored["state"]["w"].tobytes() == (
+        np.arange(64 * 48, dtype=np.float32).reshape(64, 48) * 5).tobytes()
+
+
+def test_an_object_on_no_host_and_not_persisted_fails_the_persist_naming_it(
+        tmp_path, object_servers):
+    server = object_servers["seaweedfs"]
+    remote = object_store(server)
+    outs = two_hosts(tmp_path, server, remote, "hide")
+    hidden = lines(outs[0], "HIDDEN")[0]
+    error = lines(outs[0], "PERSIST-ERROR")
+    assert error, outs[0][-3000:]
+    assert hidden in error[0], error  # the object, the step and the URL
+    assert "step 0" in error[0], error
+    assert remote.url in error[0], error
+    assert casstore.list_steps(remote) == []  # no manifest written
+    assert lines(outs[0], "PERSISTED") == ["[]"]  # (process 1 counts its share's sends)
+    for out in outs:  # both list the local steps only
+        assert lines(out, "STEPS")[-1] == "[0, 1]", out[-3000:]
+
+
+def test_local_per_host_needs_a_persistent_tier_and_a_local_filesystem(tmp_path):
+    with pytest.raises(ValueError, match="local_per_host=True needs a persistent tier"):
+        casstore.CheckpointManager(tmp_path / "local", local_per_host=True)
+    with pytest.raises(ValueError, match="local_per_host needs a local tier on a local file"):
+        casstore.CheckpointManager(MemoryStore(), persistent=tmp_path / "remote",
+                                   local_per_host=True)
+
+
+def test_local_per_host_in_one_process_saves_and_persists_as_without_it(tmp_path):
+    remote = MemoryStore()
+    with casstore.CheckpointManager(tmp_path / "local", persistent=remote,
+                                    persist_interval_steps=2, local_per_host=True) as mngr:
+        for step in range(3):
+            mngr.save(step, {"w": np.full((64, 64), step, np.float32)})
+        mngr.wait_until_persisted()
+        assert mngr.all_steps() == [0, 1, 2]
+        assert casstore.list_steps(remote) == [0, 2]
+        assert mngr.restore(2)["w"].tobytes() == np.full((64, 64), 2, np.float32).tobytes()
+        assert casstore.verify(tmp_path / "local").ok

@@ -1,0 +1,107 @@
+"""One process of a two-process JAX job saving through a tiered manager whose local tier is a
+directory of its own (``local_per_host=True``); launched by test_tiers_per_host.py.
+
+Usage: tiers_per_host_worker.py PORT PROCESS_ID LOCAL_BASE PERSISTENT_URL OPTIONS_JSON MODE
+Process ``i`` saves into ``LOCAL_BASE/local-i``. MODE ``save``: saves steps 0 to 3, every
+other one persisted, then restores step 3 on this process's devices. MODE ``reopen`` (after
+``save``, e.g. with one local directory deleted: a replaced host): restores the latest step,
+then saves steps 3 and 4 again. MODE ``hide``: saves steps 0 and 1 to local tiers that say
+they lack the chunk of step 0's numpy leaf, so no process holds it, and prints
+``PERSIST-ERROR <message>`` for the persist error its manager raised. Prints ``STEPS
+<all_steps()>``, ``LATEST <latest_step()>``, ``RESTORED <step> <bit-exact: True/False> <bytes
+read from the persistent tier>``, ``PERSISTED <steps>``, ``SENT <chunks> <bytes>`` (process
+0: every process's) and ``OK``.
+"""
+
+import json
+import os
+import sys
+
+port, pid, base, url, options, mode = sys.argv[1:]
+pid = int(pid)
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import casstore  # noqa: E402
+from casstore._codec import chunk_id  # noqa: E402
+from casstore._layout import chunk_key  # noqa: E402
+from casstore.store import LocalStore  # noqa: E402
+
+
+class Hiding(LocalStore):
+    """Says it lacks ``hidden`` (``hide``: the object is on no process's local tier)."""
+
+    hidden = ""
+
+    def exists(self, key):
+        return key != self.hidden and super().exists(key)
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                           process_id=pid)
+# process 0's 4 devices hold rows 0-31 of "w", process 1's rows 32-63; "b" is on all 8
+mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+SHARDINGS = {"w": NamedSharding(mesh, P("data", "model")), "b": NamedSharding(mesh, P())}
+
+
+def expected(step: int) -> dict:
+    """The state's values at ``step``, the same on every process."""
+    return {"w": np.arange(64 * 48, dtype=np.float32).reshape(64, 48) * (step + 1),
+            "b": np.full(48 * 64, step, np.float32),
+            "n": np.arange(128 * 160, dtype=np.int32).reshape(128, 160) + step}
+
+
+def tree(step: int) -> dict:
+    values = expected(step)
+    state = {k: jax.make_array_from_callback(values[k].shape, s, lambda idx, v=values[k]: v[idx])
+             for k, s in SHARDINGS.items()}
+    return {"state": {**state, "n": values["n"]}, "step": step}
+
+
+def restored_exactly(mngr, step: int) -> bool:
+    """Restores ``step`` onto this process's devices; True if every value is bit-exact."""
+    got = mngr.restore(step, target=casstore.abstract_tree(tree(step)))
+    values, ok = expected(step), got["step"] == step
+    for k in SHARDINGS:
+        for shard in got["state"][k].addressable_shards:
+            ok &= np.asarray(shard.data).tobytes() == values[k][shard.index].tobytes()
+    return bool(ok and got["state"]["n"].tobytes() == values["n"].tobytes())
+
+
+persistent = casstore.open_store(url, **json.loads(options))
+local = os.path.join(base, f"local-{pid}")
+if mode == "hide":
+    local = Hiding(local)
+    local.hidden = chunk_key(chunk_id(expected(0)["n"].tobytes()))
+    print("HIDDEN", local.hidden, flush=True)
+mngr = casstore.CheckpointManager(local, persistent=persistent, persist_interval_steps=2,
+                                  local_per_host=True)
+print("STEPS", mngr.all_steps(), flush=True)
+print("LATEST", mngr.latest_step(), flush=True)
+if mode == "reopen":
+    latest = mngr.latest_step()
+    exact = restored_exactly(mngr, latest)
+    print("RESTORED", latest, exact, mngr.last_restore_bytes.get(persistent.url, 0),
+          flush=True)
+steps = {"save": range(4), "reopen": range(3, 5), "hide": range(2)}[mode]
+for step in steps:
+    assert mngr.save(step, tree(step), force=True)
+try:
+    mngr.wait_until_persisted()
+except casstore.PersistError as e:
+    print("PERSIST-ERROR", str(e).replace("\n", " "), flush=True)
+if mode == "save":
+    exact = restored_exactly(mngr, 3)
+    print("RESTORED", 3, exact, mngr.last_restore_bytes.get(persistent.url, 0), flush=True)
+mngr.close()
+infos = mngr.persister.persisted
+print("PERSISTED", sorted(infos), flush=True)
+print("SENT", sum(i.chunks_copied for i in infos.values()),
+      sum(i.bytes_copied for i in infos.values()), flush=True)
+print("STEPS", mngr.all_steps(), flush=True)
+jax.distributed.shutdown()
+print("OK", flush=True)
