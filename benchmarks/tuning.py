@@ -12,10 +12,9 @@ import casstore
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import harness as h
 
-MiB = 2**20
 VARIANTS = {  # name -> casstore.save / restore keyword arguments
-    "default": {}, "chunk 4 MiB": {"chunk_size_bytes": 4 * MiB},
-    "chunk 64 MiB": {"chunk_size_bytes": 64 * MiB}, "compression bytes": {"compression": "bytes"},
+    "default": {}, "chunk 4 MiB": {"chunk_size_bytes": 4 << 20},
+    "chunk 64 MiB": {"chunk_size_bytes": 64 << 20}, "compression bytes": {"compression": "bytes"},
     "bytes, zstd 3": {"compression": "bytes", "zstd_level": 3},
     "bytes, zstd 9": {"compression": "bytes", "zstd_level": 9},
     "1 worker": {"max_workers": 1}, "4 workers": {"max_workers": 4},

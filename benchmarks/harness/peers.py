@@ -1,6 +1,5 @@
-"""The systems a benchmark compares, behind one interface (:class:`Peer`): casstore (``save`` /
-``restore``, or its ``CheckpointManager``), orbax (``StandardCheckpointer``), safetensors and
-plain s3fs; cold and warm restores from each; the probes of an S3 phase."""
+"""The systems a benchmark compares, behind one interface (:class:`Peer`); cold and warm
+restores from each; the probes of an S3 phase."""
 
 import collections
 import contextlib

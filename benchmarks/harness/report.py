@@ -1,5 +1,4 @@
-"""What a benchmark prints and writes: markdown tables, targets, the machine and JSON;
-and the command line every benchmark shares (:func:`command`)."""
+"""What a benchmark prints and writes (tables, targets, JSON), and its command line."""
 
 import argparse
 import contextlib

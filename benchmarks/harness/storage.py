@@ -1,5 +1,4 @@
-"""Where benchmarks write: scratch directories, sizes on disk, fsync, an S3 server and fast
-PUTs to it, rclone."""
+"""Where benchmarks write: scratch directories, sizes on disk, fsync, an S3 server, rclone."""
 
 import concurrent.futures as cf
 import contextlib

@@ -1,6 +1,4 @@
-"""How a benchmark times a phase: wall and CPU time, bytes read from disk, peak extra RSS and
-probes, after settling (page cache dropped, memory warmed); systems interleaved in a rotating
-order across repeats, and medians."""
+"""How a benchmark times a phase, settles before it, interleaves systems and takes medians."""
 
 import collections
 import contextlib

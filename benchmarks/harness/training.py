@@ -1,7 +1,5 @@
 """storage_cost.py's models, each a train state and ``step(state, i) -> (state, loss, leaves
-changed)``: GPT-2 pretraining on the harness's train states (next-token loss on a text's bytes)
-and a full fine-tune of MiniLM (examples/finetune_minilm.py); and what a repository's steps
-store by kind of leaf (params, adam ``mu`` and ``nu``)."""
+changed)``, and what a repository's steps store by kind of leaf (params, adam ``mu``, ``nu``)."""
 
 import collections
 import math
