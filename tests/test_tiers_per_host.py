@@ -13,6 +13,7 @@ from forkserver import LazyForkServer, multihost_env
 
 import casstore
 from casstore._layout import is_object_key
+from casstore._multihost import PART_BYTES, get_large, set_large
 from casstore.store import MemoryStore
 
 from conftest import object_store
@@ -128,6 +129,18 @@ def test_an_object_on_no_host_and_not_persisted_fails_the_persist_naming_it(
         assert lines(out, "STEPS")[-1] == "[0, 1]", out[-3000:]
 
 
+def test_without_local_per_host_a_disk_per_host_fails_the_first_save_as_before(
+        tmp_path, object_servers):
+    server = object_servers["seaweedfs"]
+    remote = object_store(server)
+    outs = two_hosts(tmp_path, server, remote, "plain")
+    errors = [lines(out, "SAVE-ERROR") for out in outs]
+    assert "process 0 does not see it" in errors[0][0], errors
+    assert "process 0 did not commit the step" in errors[1][0], errors
+    assert casstore.list_steps(tmp_path / "local-0") == []
+    assert casstore.list_steps(remote) == []
+
+
 def test_local_per_host_needs_a_persistent_tier_and_a_local_filesystem(tmp_path):
     with pytest.raises(ValueError, match="local_per_host=True needs a persistent tier"):
         casstore.CheckpointManager(tmp_path / "local", local_per_host=True)
@@ -147,3 +160,31 @@ def test_local_per_host_in_one_process_saves_and_persists_as_without_it(tmp_path
         assert casstore.list_steps(remote) == [0, 2]
         assert mngr.restore(2)["w"].tobytes() == np.full((64, 64), 2, np.float32).tobytes()
         assert casstore.verify(tmp_path / "local").ok
+
+
+class FakeKv:
+    """The coordinator's key-value store, as the few calls casstore makes see it."""
+
+    def __init__(self):
+        self.values = {}
+
+    def key_value_set_bytes(self, key, value):
+        assert len(value) <= PART_BYTES or key.endswith("/n")
+        self.values[key] = bytes(value)
+
+    def blocking_key_value_get_bytes(self, key, timeout_ms):
+        if key not in self.values:
+            raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
+        return self.values[key]
+
+
+def test_a_manifest_larger_than_a_part_goes_over_the_key_value_store_in_parts(monkeypatch):
+    monkeypatch.setenv("CASSTORE_MULTIHOST_TIMEOUT_S", "0.01")
+    kv, data = FakeKv(), np.random.default_rng(0).bytes(2 * PART_BYTES + 5)
+    set_large(kv, "casstore/save/7/manifest", data)
+    assert len(kv.values) == 4  # 3 parts and their number
+    assert get_large(kv, "casstore/save/7/manifest") == data
+    set_large(kv, "empty", b"")
+    assert get_large(kv, "empty") == b""
+    with pytest.raises(casstore.CasstoreError, match="no value at 'missing' on the coordinator"):
+        get_large(kv, "missing")

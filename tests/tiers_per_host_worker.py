@@ -7,7 +7,9 @@ other one persisted, then restores step 3 on this process's devices. MODE ``reop
 ``save``, e.g. with one local directory deleted: a replaced host): restores the latest step,
 then saves steps 3 and 4 again. MODE ``hide``: saves steps 0 and 1 to local tiers that say
 they lack the chunk of step 0's numpy leaf, so no process holds it, and prints
-``PERSIST-ERROR <message>`` for the persist error its manager raised. Prints ``STEPS
+``PERSIST-ERROR <message>`` for the persist error its manager raised. MODE ``plain``: the
+same directories without ``local_per_host``; saves step 0 and prints ``SAVE-ERROR <message>``
+for the error its manager raised. Prints ``STEPS
 <all_steps()>``, ``LATEST <latest_step()>``, ``RESTORED <step> <bit-exact: True/False> <bytes
 read from the persistent tier>``, ``PERSISTED <steps>``, ``SENT <chunks> <bytes>`` (process
 0: every process's) and ``OK``.
@@ -79,7 +81,7 @@ if mode == "hide":
     local.hidden = chunk_key(chunk_id(expected(0)["n"].tobytes()))
     print("HIDDEN", local.hidden, flush=True)
 mngr = casstore.CheckpointManager(local, persistent=persistent, persist_interval_steps=2,
-                                  local_per_host=True)
+                                  local_per_host=mode != "plain")
 print("STEPS", mngr.all_steps(), flush=True)
 print("LATEST", mngr.latest_step(), flush=True)
 if mode == "reopen":
@@ -87,13 +89,15 @@ if mode == "reopen":
     exact = restored_exactly(mngr, latest)
     print("RESTORED", latest, exact, mngr.last_restore_bytes.get(persistent.url, 0),
           flush=True)
-steps = {"save": range(4), "reopen": range(3, 5), "hide": range(2)}[mode]
+steps = {"save": range(4), "reopen": range(3, 5), "hide": range(2), "plain": range(1)}[mode]
 for step in steps:
     assert mngr.save(step, tree(step), force=True)
 try:
     mngr.wait_until_persisted()
 except casstore.PersistError as e:
     print("PERSIST-ERROR", str(e).replace("\n", " "), flush=True)
+except casstore.CasstoreError as e:
+    print("SAVE-ERROR", str(e).replace("\n", " "), flush=True)
 if mode == "save":
     exact = restored_exactly(mngr, 3)
     print("RESTORED", 3, exact, mngr.last_restore_bytes.get(persistent.url, 0), flush=True)
