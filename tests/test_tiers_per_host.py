@@ -80,6 +80,11 @@ def test_each_host_stores_its_part_restores_locally_and_sends_each_object_once(
     # step 3 restores bit-exact on both hosts from their local tiers alone
     for out in outs:
         assert lines(out, "RESTORED") == ["3 True 0"], out[-3000:]
+        # whole on one process (another topology): the other host's 32 rows of state/w (6,144
+        # raw bytes, and the objects' headers) from the persistent tier, the rest local
+        step, exact, remote_bytes = lines(out, "WHOLE")[0].split()
+        assert (step, exact) == ("2", "True"), out[-3000:]
+        assert 32 * 48 * 4 < int(remote_bytes) < 32 * 48 * 4 + 200, remote_bytes
         assert lines(out, "STEPS")[-1] == "[0, 1, 2, 3]"
         assert lines(out, "PERSISTED") == ["[0, 2]"]
     assert casstore.list_steps(remote) == [0, 2]

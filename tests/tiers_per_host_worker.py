@@ -9,10 +9,10 @@ then saves steps 3 and 4 again. MODE ``hide``: saves steps 0 and 1 to local tier
 they lack the chunk of step 0's numpy leaf, so no process holds it, and prints
 ``PERSIST-ERROR <message>`` for the persist error its manager raised. MODE ``plain``: the
 same directories without ``local_per_host``; saves step 0 and prints ``SAVE-ERROR <message>``
-for the error its manager raised. Prints ``STEPS
-<all_steps()>``, ``LATEST <latest_step()>``, ``RESTORED <step> <bit-exact: True/False> <bytes
-read from the persistent tier>``, ``PERSISTED <steps>``, ``SENT <chunks> <bytes>`` (process
-0: every process's) and ``OK``.
+for the error its manager raised. Prints ``STEPS <all_steps()>``, ``LATEST <latest_step()>``,
+``RESTORED <step> <bit-exact: True/False> <bytes read from the persistent tier>`` (``WHOLE``:
+step 2 restored whole, as numpy), ``PERSISTED <steps>``, ``SENT <chunks> <bytes>`` (process 0:
+every process's) and ``OK``.
 """
 
 import json
@@ -101,6 +101,11 @@ except casstore.CasstoreError as e:
 if mode == "save":
     exact = restored_exactly(mngr, 3)
     print("RESTORED", 3, exact, mngr.last_restore_bytes.get(persistent.url, 0), flush=True)
+    # another topology: every value on this process, as numpy (the other host's rows of
+    # state/w come from the persistent tier)
+    got, values = mngr.restore(2)["state"], expected(2)
+    exact = all(got[k].tobytes() == values[k].tobytes() for k in values)
+    print("WHOLE", 2, exact, mngr.last_restore_bytes.get(persistent.url, 0), flush=True)
 mngr.close()
 infos = mngr.persister.persisted
 print("PERSISTED", sorted(infos), flush=True)
