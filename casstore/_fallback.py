@@ -37,15 +37,22 @@ log = logging.getLogger("casstore")
 HELD_BYTES = 512 << 20
 
 
+def _check(key: str, data: bytes, url: str) -> None:
+    """Raises as a reader of ``url`` would if ``data`` is the config object or a manifest and
+    not a valid one (ManifestError, naming ``url``; UnsupportedFormatError for a newer
+    format); nothing for any other object (a chunk is checked by its reader)."""
+    step = parse_manifest_key(key)
+    if key == CONFIG_KEY:
+        parse_config(data, url)
+    elif step is not None:
+        decode_manifest(data, run=step[0], step=step[1], url=url)
+
+
 def _damaged(key: str, data: bytes, url: str) -> bool:
     """True if ``data`` is the config object or a manifest and not a valid one (one of a newer
     format is not damaged); False for any other object (a chunk is checked by its reader)."""
-    step = parse_manifest_key(key)
     try:
-        if key == CONFIG_KEY:
-            parse_config(data, url)
-        elif step is not None:
-            decode_manifest(data, run=step[0], step=step[1], url=url)
+        _check(key, data, url)
     except UnsupportedFormatError:
         return False
     except ManifestError:
@@ -123,21 +130,50 @@ class FallbackStore(Store):
         return self.head(key, None)
 
     def head(self, key: str, nbytes: int | None) -> bytes:
-        """As :meth:`get`, of each tier's first ``nbytes`` bytes (None: all of them)."""
+        """As :meth:`get`, of each tier's first ``nbytes`` bytes (None: all of them).
+
+        Raises:
+          ManifestError: the config object or manifest ``key`` is damaged in the tier it
+            was read from, a fallback (named), or in every tier that has it (all named);
+            UnsupportedFormatError: of a newer format in the fallback it was read from.
+        """
         try:
             data = _read(self.primary, key, nbytes)
         except FileNotFoundError:
-            return self.from_fallbacks(key, nbytes=nbytes)
+            data, i = self._from_fallback(key, nbytes=nbytes)
+            self._checked(key, data, self.fallbacks[i].url)
+            return data
         self._count(self.primary, len(data))
         if _damaged(key, data, self.primary.url):
-            with contextlib.suppress(FileNotFoundError):
-                good = self.from_fallbacks(key, nbytes=nbytes)
-                if not _damaged(key, good, self.primary.url):
-                    log.warning("casstore: %s of %s is damaged; read another tier's",
-                                "the config object" if key == CONFIG_KEY else f"manifest {key}",
-                                self.primary.url)
-                    return good
+            try:
+                good, i = self._from_fallback(key, nbytes=nbytes)
+            except FileNotFoundError:
+                return data  # its reader's error names the primary, the one tier with it
+            if _damaged(key, good, self.fallbacks[i].url):
+                urls = ", ".join(t.url for t in [self.primary, self.fallbacks[i]])
+                try:
+                    _check(key, data, self.primary.url)
+                except ManifestError as e:
+                    raise ManifestError(f"{e.message}; damaged in every tier that has it "
+                                        f"({urls})", url=e.url, run=e.run, step=e.step) from e
+            log.warning("casstore: %s of %s is damaged; read another tier's",
+                        "the config object" if key == CONFIG_KEY else f"manifest {key}",
+                        self.primary.url)
+            self._checked(key, good, self.fallbacks[i].url)
+            return good
         return data
+
+    def _checked(self, key: str, data: bytes, url: str) -> None:
+        """Checks the config object or a manifest read from the fallback at ``url`` as its
+        reader would, naming ``url`` (:func:`_check`); a config object that parses is
+        written back (``write_back``)."""
+        try:
+            _check(key, data, url)
+        except BaseException:
+            self.confirm(key, keep=False)
+            raise
+        if key == CONFIG_KEY:
+            self.confirm(key)
 
     def from_fallbacks(self, key: str, skip: int = 0, nbytes: int | None = None) -> bytes:
         """``key``'s bytes (its first ``nbytes`` if given) from the first fallback (after the

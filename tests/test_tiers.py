@@ -322,6 +322,30 @@ def test_a_chunk_no_tier_has_intact_fails_naming_it(tmp_path, remote):
         casstore.restore(local, 1, fallback=remote)
 
 
+def test_a_manifest_or_config_damaged_on_the_persistent_tier_is_named_there(tmp_path, remote):
+    """Errors about them named the local tier, healthy or without the step (a replaced node),
+    and the advice to repair pointed there."""
+    local = LocalStore(tmp_path / "local")
+    casstore.save(local, 0, tree_for(0), chunk_size_bytes=CHUNK)
+    casstore.copy(local, remote)
+    key = manifest_key("default", 0)
+    local.delete(key)
+    remote.delete(key)
+    remote.put(key, b"\x00junk")
+    with pytest.raises(casstore.ManifestError, match=rf"url '{re.escape(remote.url)}'") as e:
+        casstore.restore(local, 0, fallback=remote)
+    assert e.value.url == remote.url
+    local.put(key, b"\x01junk")
+    with pytest.raises(casstore.ManifestError, match="damaged in every tier that has it "
+                       rf"\({re.escape(local.url)}, {re.escape(remote.url)}\)"):
+        casstore.restore(local, 0, fallback=remote)
+    remote.delete("config")
+    remote.put("config", b"\x00junk")
+    with pytest.raises(casstore.ManifestError,
+                       match=rf"config object.*repair.*url '{re.escape(remote.url)}'"):
+        casstore.restore(tmp_path / "replaced", 0, fallback=remote)
+
+
 def test_a_stalled_persistent_tier_never_blocks_save_and_its_error_names_step_and_url(
         tmp_path, object_servers):
     server = object_servers["seaweedfs"]
