@@ -216,7 +216,8 @@ def table(result: dict) -> list[str]:
             *gc_table(result["gc"])]
 
 
-main = h.command(__doc__, run, table, "dir", "repeat", "tiny", "drop-caches", "device",
+main = h.command(__doc__, run, table, "dir", "repeat", "tiny", "drop-caches", "device", "plot",
+                 plot_of=("casstore", "orbax", "async"),
                  extra=(("--size", {"choices": ("gpt2", "gpt2-xl", "tiny"), "default": "gpt2"}),))
 
 if __name__ == "__main__":

@@ -126,7 +126,7 @@ def table(result: dict) -> list[str]:
 
 
 main = h.command(__doc__, run, table, "repeat", "tiny", "dir", "drop-caches", "no-warm",
-                 "endpoint", "key", "secret")
+                 "endpoint", "key", "secret", "plot", plot_of=("casstore", "s3fs", "results"))
 
 if __name__ == "__main__":
     main()

@@ -111,7 +111,7 @@ def table(result: dict) -> list[str]:
 
 
 main = h.command(__doc__, run, table, "dir", "repeat", "tiny", "drop-caches", "no-warm",
-                 "device", extra=(
+                 "device", "plot", plot_of=("casstore", "orbax", "results"), extra=(
                      ("--size", {"choices": tuple(h.SIZES), "default": "gpt2"}),
                      ("--systems", {"type": h.subset(SYSTEMS), "default": ",".join(SYSTEMS)})))
 

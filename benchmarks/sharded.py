@@ -127,7 +127,8 @@ def table(result: dict) -> list[str]:
                     [*rows, ["single / whole", f"{c['single_over_whole']:.4f}", "", ""]])]
 
 
-main = h.command(__doc__, run, table, "dir", "repeat", "tiny", "drop-caches")
+main = h.command(__doc__, run, table, "dir", "repeat", "tiny", "drop-caches", "plot",
+                 plot_of=("casstore", "orbax", "figures"))
 
 if __name__ == "__main__":
     sys.exit(0 if main()["checks_passed"] else 1)

@@ -1,4 +1,4 @@
-"""What a benchmark prints and writes (tables, targets, JSON), and its command line."""
+"""What a benchmark prints and writes (tables, targets, JSON, a plot), and its command line."""
 
 import argparse
 import contextlib
@@ -155,15 +155,16 @@ OPTIONS = {  # the command-line options benchmarks share: name -> argparse keywo
     "endpoint": {"help": "an existing S3 server's URL (default: SeaweedFS on loopback)"},
     "key": {"help": "with --endpoint: access key (default anonymous)"},
     "secret": {"help": "with --endpoint: secret key"},
+    "plot": {"help": "also plot the ratios and fractions of the limit here (PNG)"},
 }
 
 
 def command(doc: str, run: Callable[[argparse.Namespace], dict],
-            table: Callable[[dict], list[str]], *names: str,
-            extra: tuple = ()) -> Callable[[list[str] | None], dict]:
+            table: Callable[[dict], list[str]], *names: str, extra: tuple = (),
+            plot_of: tuple[str, ...] = ()) -> Callable[[list[str] | None], dict]:
     """A benchmark's ``main(argv)``: parses the shared options ``names``, the ``extra`` flags
     ``(flag, argparse keywords)`` and ``--json``; prints ``table(run(args))`` and the machine,
-    writes ``--json``."""
+    writes ``--json`` and ``--plot`` (``plot_of``: :func:`plot`'s ``ours, ref, where``)."""
     def main(argv: list[str] | None = None) -> dict:
         ap = argparse.ArgumentParser(description=doc.splitlines()[0])
         for flag, kw in (*((f"--{n}", OPTIONS[n]) for n in names), *extra,
@@ -182,7 +183,29 @@ def command(doc: str, run: Callable[[argparse.Namespace], dict],
                          f"{env['casstore_git'] or env['versions'].get('casstore')}"]))
         if args.json:
             pathlib.Path(args.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
+        if getattr(args, "plot", None) and set(plot_of[:2]) <= set(result[plot_of[2]]):
+            plot(result, args.plot, *plot_of)
         return result
 
     return main
 
+
+def plot(result: dict, path: str, ours: str, ref: str, where: str) -> None:
+    """Bars of ``ours``'s ratio to ``ref`` and its limit / figure for each figure of
+    ``result["limits"]`` (``result[where][system][key]``), a line at 1.0, saved as ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    a, b = result[where][ours], result[where][ref]
+    bars = {**{f"{k} / {ref}": ratio(a[k], b[k]) for k in result["limits"]},
+            **{f"limit / {k}": ratio(v, a[k]) for k, v in result["limits"].items()}}
+    fig, ax = plt.subplots(figsize=(8, 0.4 * len(bars) + 1.2))
+    ax.barh(list(bars), [0 if math.isnan(v) else v for v in bars.values()])
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.invert_yaxis()
+    ax.set_title(pathlib.Path(path).stem)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
