@@ -158,6 +158,7 @@ class Persister:
             with self._cond:
                 self._expected = max(step, self._expected or step)
                 self._noted |= {step} if self.policy.local_per_host else set()
+                self._cond.notify_all()
             return
         with self._cond:
             if self._queued is not None and self._queued != step:
@@ -359,13 +360,17 @@ class Persister:
         (or, after the manager closed, stops answering); takes process 0's persisted steps as
         its own at each round and at the end. Process 0 raises a failed persist (the save
         agreement fails that save everywhere); this process raises its own share's error, or
-        the lack of an outcome."""
+        the lack of an outcome. With ``local_per_host`` it waits for its own copy of the step
+        (:meth:`submit` after its save: it writes the manifest once process 0 committed, when
+        process 0 may have started the round already), at most the multi-process timeout."""
         while (got := self.rounds.next_step(lambda: self._closed)) is not None:
             step, known, self._remote_steps = got
             if step is None:
                 break
             with self._cond:
                 self._running = step
+                if self.policy.local_per_host:  # its copy of the manifest first (its save's)
+                    self._cond.wait_for(lambda s=step: s in self._noted, timeout_ms() / 1000)
             try:
                 self.persisted[step] = send_share(self.rounds, self.local, self.persistent,
                                                   self.run, step, known, self._yielder(),

@@ -134,6 +134,20 @@ def test_an_object_on_no_host_and_not_persisted_fails_the_persist_naming_it(
         assert lines(out, "STEPS")[-1] == "[0, 1]", out[-3000:]
 
 
+def test_a_host_whose_copy_of_the_manifest_lands_late_still_takes_part_in_its_persist(
+        tmp_path, object_servers):
+    # process 0 starts step 0's persist as soon as it committed; process 1 writes its copy of
+    # the manifest 2 s later and must wait for it before it says what it holds
+    server = object_servers["seaweedfs"]
+    remote = object_store(server)
+    outs = two_hosts(tmp_path, server, remote, "slow1")
+    for out in outs:
+        assert not lines(out, "PERSIST-ERROR"), out[-3000:]
+        assert lines(out, "PERSISTED") == ["[0]"], out[-3000:]
+    assert casstore.list_steps(remote) == [0]
+    assert casstore.verify(remote).ok
+
+
 def test_without_local_per_host_a_disk_per_host_fails_the_first_save_as_before(
         tmp_path, object_servers):
     server = object_servers["seaweedfs"]

@@ -9,7 +9,8 @@ then saves steps 3 and 4 again. MODE ``hide``: saves steps 0 and 1 to local tier
 they lack the chunk of step 0's numpy leaf, so no process holds it, and prints
 ``PERSIST-ERROR <message>`` for the persist error its manager raised. MODE ``plain``: the
 same directories without ``local_per_host``; saves step 0 and prints ``SAVE-ERROR <message>``
-for the error its manager raised. Prints ``STEPS <all_steps()>``, ``LATEST <latest_step()>``,
+for the error its manager raised. MODE ``slow1``: saves steps 0 and 1, process 1's copy of each
+manifest written 2 s late. Prints ``STEPS <all_steps()>``, ``LATEST <latest_step()>``,
 ``RESTORED <step> <bit-exact: True/False> <bytes read from the persistent tier>`` (``WHOLE``:
 step 2 restored whole, as numpy), ``PERSISTED <steps>``, ``SENT <chunks> <bytes>`` (process 0:
 every process's) and ``OK``.
@@ -18,6 +19,7 @@ every process's) and ``OK``.
 import json
 import os
 import sys
+import time
 
 port, pid, base, url, options, mode = sys.argv[1:]
 pid = int(pid)
@@ -32,6 +34,16 @@ import casstore  # noqa: E402
 from casstore._codec import chunk_id  # noqa: E402
 from casstore._layout import chunk_key  # noqa: E402
 from casstore.store import LocalStore  # noqa: E402
+
+
+class SlowManifests(LocalStore):
+    """Writes each manifest 2 s late (``slow1``: process 1's copy lands after process 0 has
+    started the step's persist)."""
+
+    def put_if_absent(self, key, data):
+        if key.endswith(".manifest"):
+            time.sleep(2)
+        return super().put_if_absent(key, data)
 
 
 class Hiding(LocalStore):
@@ -76,6 +88,8 @@ def restored_exactly(mngr, step: int) -> bool:
 
 persistent = casstore.open_store(url, **json.loads(options))
 local = os.path.join(base, f"local-{pid}")
+if mode == "slow1" and pid == 1:
+    local = SlowManifests(local)
 if mode == "hide":
     local = Hiding(local)
     local.hidden = chunk_key(chunk_id(expected(0)["n"].tobytes()))
@@ -89,7 +103,8 @@ if mode == "reopen":
     exact = restored_exactly(mngr, latest)
     print("RESTORED", latest, exact, mngr.last_restore_bytes.get(persistent.url, 0),
           flush=True)
-steps = {"save": range(4), "reopen": range(3, 5), "hide": range(2), "plain": range(1)}[mode]
+steps = {"save": range(4), "reopen": range(3, 5), "hide": range(2), "plain": range(1),
+         "slow1": range(2)}[mode]
 for step in steps:
     assert mngr.save(step, tree(step), force=True)
 try:
