@@ -12,7 +12,10 @@ from conftest import load_benchmark
 def test_save_restore_benchmark_reports_every_figure_for_every_system(tmp_path, capsys):
     bench = load_benchmark("save_restore")
     out = tmp_path / "result.json"
-    result = bench.main(["--tiny", "--dir", str(tmp_path / "work"), "--json", str(out)])
+    plot = tmp_path / "ratios.png"
+    result = bench.main(["--tiny", "--dir", str(tmp_path / "work"), "--json", str(out),
+                         "--plot", str(plot)])
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the bar chart was drawn
 
     n_leaves = result["leaves"]
     for system in bench.SYSTEMS:
