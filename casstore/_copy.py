@@ -63,7 +63,8 @@ from .store import Store, open_store
 @dataclasses.dataclass(frozen=True, slots=True)
 class CopyInfo:
     """What one :func:`copy` did. Each chunk object the selected steps need is counted once:
-    either copied, or skipped because the destination had it before the copy began.
+    either copied, or skipped because the destination had it before the copy began (an object
+    that a step the destination has lacks there is copied).
 
     Attributes:
       steps_copied: ``(run, step)`` pairs whose manifests were written at the destination.
@@ -183,7 +184,7 @@ def select_steps(src: Store, *, steps: list[int] | None = None,
             raise StepNotFoundError(f"run {run!r} has no committed step in the source "
                                     f"(runs there: {', '.join(all_runs) or 'none'})",
                                     url=src.url, run=run)
-    selected = [(run, step) for run in (runs if runs is not None else all_runs)
+    selected = [(run, step) for run in (dict.fromkeys(runs) if runs is not None else all_runs)
                 for step in list_steps(src, run=run) if steps is None or step in steps]
     for step in steps or ():
         if not any(s == step for _, s in selected):
@@ -211,10 +212,13 @@ def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
     t0 = time.perf_counter()
     plan, skipped_steps, kept = _plan(src, dst, selected, manifests)
     needed: dict[str, tuple[str, str | None, int, str, _Step]] = {}
-    for s in plan:
+    # a step the destination has may lack objects there (deleted or lost): they go first
+    there = [_Step(m.run, m.step, m, b"", set()) for m in kept]
+    for s in there + plan:
         for obj, (cid, base, raw, path) in needed_objects(s.manifest).items():
-            needed.setdefault(obj, (cid, base, raw, path, s))
-    order = {id(s): i for i, s in enumerate(plan)}
+            if s in plan or obj not in present:
+                needed.setdefault(obj, (cid, base, raw, path, s))
+    order = {id(s): i for i, s in enumerate(there + plan)}
     # In step order (a step's manifest goes up as soon as its objects are in), and within a
     # step a base beside the deltas on it.
     missing = sorted((k for k in needed if k not in present
@@ -222,7 +226,7 @@ def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
                      key=lambda k: (order[id(needed[k][4])], needed[k][1] or needed[k][0]))
     skipped = [k for k in needed if k in present]  # and those of the steps already there:
     skipped += [k for k in dict.fromkeys(k for m in kept for k in needed_objects(m))
-                if k not in needed and k in present]
+                if k not in needed]
     for s in plan:
         s.waiting = {k for k in needed_objects(s.manifest) if k not in present}
     engine = _Engine(src, dst, plan if share is None else [], needed, len(missing), verify,
@@ -253,8 +257,7 @@ def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
 
 def read_manifests(src: Store, selected: list[tuple[str, int]]
                    ) -> list[tuple[bytes, Manifest]]:
-    """The selected steps' manifests as stored and decoded (validated), all requests in flight
-    at once (a copy of many steps from a store far away).
+    """The selected steps' manifests as stored and decoded (validated), all read at once.
 
     Raises:
       StepNotFoundError: a step was deleted from the source since it was listed.
@@ -274,10 +277,9 @@ def read_manifests(src: Store, selected: list[tuple[str, int]]
 def _plan(src: Store, dst: Store, selected: list[tuple[str, int]],
           manifests: list[tuple[bytes, Manifest]] | None
           ) -> tuple[list[_Step], list[tuple[str, int]], list[Manifest]]:
-    """Reads (unless given) and validates the manifests of the selected steps; a step the
-    destination has is skipped if its manifest is the source's, byte for byte (a copy writes
-    them as is), else StepAlreadyExistsError (another step of that number is there).
-    Returns ``(steps to copy, steps skipped, the skipped steps' manifests)``."""
+    """Reads (unless given) and validates the selected steps' manifests; a step the destination
+    has is skipped if its manifest is the source's, byte for byte (a copy writes them as is),
+    else StepAlreadyExistsError. Returns ``(steps to copy, steps skipped, their manifests)``."""
     have = {(run, step) for run in dict.fromkeys(r for r, _ in selected)
             for step in list_steps(dst, run=run)}
     if manifests is None:
@@ -318,17 +320,15 @@ class _Engine:
     def __init__(self, src: Store, dst: Store, plan: list[_Step], needed: dict, total: int,
                  verify: bool, progress: Callable[[CopyProgress], None] | None, probe: bool,
                  gate: Callable[[], None] | None, lease: Lease | None):
-        self.src, self.dst, self.plan, self.needed, self.gate = src, dst, plan, needed, gate
-        self.lease = lease
+        self.src, self.dst, self.plan, self.needed = src, dst, plan, needed
+        self.gate, self.lease = gate, lease
         self.total, self.verify, self.progress, self.probe = total, verify, progress, probe
         self.bases: DeltaBases | None = None
         self.sizes: dict[str, int] = {}  # stored bytes of the objects the manifests give
-        self.sent: dict[str, int] = {}
-        self.bytes_sent = 0
+        self.sent, self.bytes_sent = {}, 0  # stored bytes of each object sent, and their sum
         self.recheck = False  # a step may have become ready while another thread committed
         self.found: dict[str, int] = {}  # probed and found at the destination
-        self.committed: list[tuple[str, int]] = []
-        self.raced: list[tuple[str, int]] = []
+        self.committed, self.raced = [], []  # (run, step) written, and written by another
         self.unusable: dict[str, tuple[str, dict]] = {}  # source objects: (message, where)
         self.not_copied: list[tuple[str, int]] = []  # steps that need an unusable object
         self.next = 0  # index in plan of the next manifest to write

@@ -109,6 +109,31 @@ def test_counts_each_needed_object_once_copied_or_already_there(tmp_path, dst):
             np.testing.assert_array_equal(restored[key], value)
 
 
+def test_a_copy_sends_again_the_objects_a_step_there_lost_and_counts_each_once(tmp_path, dst):
+    """A step the destination has (same manifest) is skipped, but its objects missing there
+    (deleted, lost) were counted neither copied nor skipped, and the destination stayed
+    unrestorable while the copy reported success. A run named twice was copied, then reported
+    skipped too (its manifests "written concurrently")."""
+    src = LocalStore(tmp_path / "src")
+    trees = shared_steps(src, n=2)
+    casstore.copy(src, dst)
+    [lost, *_] = sorted(casstore.read_manifest(src, 1).object_keys()
+                        - casstore.read_manifest(src, 0).object_keys())
+    dst.delete(lost)
+    assert not casstore.verify(dst, read_data=False).ok
+    again = casstore.copy(src, dst, runs=["default", "default"])
+    objects = {i.key: i.size for i in list_chunk_objects(src)}
+    assert (again.steps_copied, again.steps_skipped) == ((), (("default", 0), ("default", 1)))
+    assert (again.chunks_copied, again.bytes_copied) == (1, objects[lost])
+    assert again.chunks_skipped == len(objects) - 1
+    assert again.bytes_skipped == sum(objects.values()) - objects[lost]
+    assert casstore.verify(dst).ok
+    restored = casstore.restore(dst, 1)
+    assert restored["head"].tobytes() == trees[1]["head"].tobytes()
+    fresh = casstore.copy(src, tmp_path / "fresh", runs=["default", "default"])
+    assert (fresh.steps_copied, fresh.steps_skipped) == ((("default", 0), ("default", 1)), ())
+
+
 def test_a_later_copy_skips_what_an_earlier_one_sent(tmp_path):
     src, dst = LocalStore(tmp_path / "src"), LocalStore(tmp_path / "dst")
     shared_steps(src)
