@@ -8,10 +8,11 @@ each save or persist, or read once from the step's manifest (a step an earlier m
 from __future__ import annotations
 
 import datetime
+import logging
 from collections.abc import Callable
 from typing import Any
 
-from ._errors import StepNotFoundError
+from ._errors import ManifestError, StepNotFoundError
 from ._manifest import Manifest
 from ._policies import (
     PolicyCheckpointInfo,
@@ -23,26 +24,32 @@ from ._policies import (
 from ._repository import deleted
 from .store import Store
 
+log = logging.getLogger("casstore")
+
 
 class StepDetails(dict):
     """``{step: (metrics, save time in UTC)}``, filled on demand: calling it with a step it
     lacks reads that step's manifest once (``read(step)``). A step whose manifest is gone
     (:class:`StepNotFoundError`) is passed to ``forget`` (deleted by someone else) and, as
-    one whose manifest raises one of ``tolerate``, ranks as new: ``(None, now)``, not kept.
-    NOT thread-safe."""
+    one whose manifest does not read (:class:`ManifestError`: damaged, or of a newer
+    format; a warning names it), ranks as new: ``(None, now)``, not kept. So one damaged
+    step does not stop retention, or the saves after which it runs. NOT thread-safe."""
 
-    def __init__(self, read: Callable[[int], Manifest], forget: Callable[[int], None],
-                 tolerate: tuple[type[BaseException], ...] = (StepNotFoundError,)):
+    def __init__(self, read: Callable[[int], Manifest], forget: Callable[[int], None]):
         super().__init__()
-        self.read, self.forget, self.tolerate = read, forget, tolerate
+        self.read, self.forget, self.warned = read, forget, set()
 
     def __call__(self, step: int) -> tuple[Any, datetime.datetime]:
         if step not in self:
             try:
                 manifest = self.read(step)
-            except self.tolerate as e:
+            except (StepNotFoundError, ManifestError) as e:
                 if isinstance(e, StepNotFoundError):
                     self.forget(step)
+                elif step not in self.warned:  # once
+                    self.warned.add(step)
+                    log.warning("casstore: retention ranks step %d as new, without metrics: "
+                                "%s", step, e)
                 return None, utc_now()
             self[step] = manifest_details(manifest)
         return self[step]

@@ -39,10 +39,8 @@ from collections.abc import Callable
 
 from ._copy import CopyInfo, copy_selected
 from ._errors import (
-    ManifestError,
     PersistError,
     StepAlreadyExistsError,
-    StepNotFoundError,
     located,
 )
 from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, RetentionGc
@@ -121,8 +119,7 @@ class Persister:
         # step -> (metrics, save time), for retention: a step's manifest there read once; one
         # damaged there, or deleted there by someone else (then forgotten), ranks as new
         self._details = StepDetails(lambda step: read_manifest(persistent, step, run=run),
-                                    lambda step: self._remote_steps.discard(step),
-                                    (StepNotFoundError, ManifestError))
+                                    lambda step: self._remote_steps.discard(step))
         self._running: int | None = None
         self._queued: int | None = None
         self._local_saves = 0  # running on the local tier: persists yield to them

@@ -82,6 +82,29 @@ def test_best_fn_keeps_the_best_steps():
         assert mngr.all_steps() == [1]
 
 
+def test_a_damaged_manifest_of_an_old_step_does_not_stop_best_fn_retention(tmp_path, caplog):
+    """Reopened with best_fn, the manager read the damaged step's metrics for retention after
+    each save: every other save() raised its ManifestError and saved nothing, and best_step()
+    raised too. Now the step ranks as one without metrics (kept: nothing unreadable is
+    deleted), with one warning naming it, and every other step works."""
+    kwargs = {"max_to_keep": 2, "best_fn": lambda m: m["loss"], "best_mode": "min"}
+    with casstore.CheckpointManager(tmp_path, **kwargs) as mngr:
+        for step in range(3):
+            mngr.save(step, state(step), metrics={"loss": 1.0 / (step + 1)})
+    path = tmp_path / "runs" / "default" / "steps" / f"{1:016d}.manifest"
+    path.write_bytes(path.read_bytes()[:40])
+    with casstore.CheckpointManager(tmp_path, **kwargs) as mngr:
+        for step, loss in zip(range(3, 7), [0.04, 0.01, 0.03, 0.02]):
+            assert mngr.save(step, state(step), metrics={"loss": loss})
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [1, 4, 6]
+        assert mngr.best_step() == 4
+    assert casstore.list_steps(tmp_path) == [1, 4, 6]
+    warnings = [r.getMessage() for r in caplog.records if "ranks step 1" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "not msgpack" in warnings[0]
+
+
 def test_should_save_and_interval(tmp_path):
     with casstore.CheckpointManager(tmp_path, save_interval_steps=5) as mngr:
         saved = [step for step in range(12) if mngr.save(step, state(step))]
