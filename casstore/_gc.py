@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import time
 
-from ._errors import CasstoreError
+from ._errors import CasstoreError, ManifestError
 from ._locks import GcBusyError, Lease, gc_lock
 from ._pool import bounded_map
 from ._repository import Url, check_config, list_chunk_objects
@@ -144,7 +144,10 @@ class RetentionGc:
     a background thread: it waits at most ``LOCK_WAIT_S`` for save locks (the other processes
     of a multi-process save release theirs just after the commit; a process killed while
     saving leaves one for up to 6 hours), so a busy repository is left for the next
-    retention, which tries again even if it deletes nothing.
+    retention, which tries again even if it deletes nothing. A GC that refuses because a
+    manifest does not read (:class:`ManifestError`, naming it) is also left for the next
+    retention, with a warning once per message: the saves and retention go on (the save
+    after which it ran is committed; nothing is deleted that the manifest may need).
 
     Args:
       store: the tier.
@@ -155,6 +158,7 @@ class RetentionGc:
 
     def __init__(self, store: Store, grace_period_s: float):
         self.store, self.grace_period_s, self.due = store, grace_period_s, False
+        self.refusals: set[str] = set()  # warned of
 
     def __call__(self, deleted: bool) -> GcInfo | None:
         """Collects if ``deleted`` or a collection is still due; None if none ran."""
@@ -166,6 +170,11 @@ class RetentionGc:
                       lock_timeout_s=self.LOCK_WAIT_S)
         except GcBusyError as e:
             log.info("casstore: gc after retention postponed: %s", e)
+            return None
+        except ManifestError as e:  # a damaged manifest (in any run): collect nothing
+            if str(e) not in self.refusals:
+                self.refusals.add(str(e))
+                log.warning("casstore: gc after retention skipped: %s", e)
             return None
         self.due = False
         return info

@@ -105,6 +105,31 @@ def test_a_damaged_manifest_of_an_old_step_does_not_stop_best_fn_retention(tmp_p
     assert "not msgpack" in warnings[0]
 
 
+def test_gc_after_retention_skips_while_a_manifest_does_not_read_and_saves_go_on(tmp_path,
+                                                                              caplog):
+    """GC refuses while any manifest (here another run's) does not read; after retention
+    that refusal failed every other save() (raised by the next call, which saved nothing).
+    Now GC is skipped with one warning, and runs once the manifest is gone."""
+    casstore.save(tmp_path, 0, {"w": np.ones(1000)}, run="other")
+    path = tmp_path / "runs" / "other" / "steps" / f"{0:016d}.manifest"
+    path.write_bytes(path.read_bytes()[:30])
+    with casstore.CheckpointManager(tmp_path, max_to_keep=1, gc_after_retention=True,
+                                    grace_period_s=0) as mngr:
+        for step in range(4):
+            assert mngr.save(step, state(step))
+            mngr.wait_until_finished()
+        assert mngr.all_steps() == [3]
+        assert mngr.last_gc_info is None
+        skipped = [r for r in caplog.records if "gc after retention skipped" in r.getMessage()]
+        assert len(skipped) == 1
+        assert "other@0" in skipped[0].getMessage()
+        path.unlink()
+        mngr.save(4, state(4))
+        mngr.wait_until_finished()
+        assert mngr.last_gc_info.deleted_chunks > 0  # the steps retention deleted meanwhile
+    assert casstore.verify(tmp_path).ok
+
+
 def test_should_save_and_interval(tmp_path):
     with casstore.CheckpointManager(tmp_path, save_interval_steps=5) as mngr:
         saved = [step for step in range(12) if mngr.save(step, state(step))]
