@@ -96,6 +96,11 @@ class SaveAgreement:
         self.save: list = []  # [run, step, tree digest], as describe() gives it
         self.spread: list[str] = []  # describe()
         self.details: tuple | None = None  # a manager's (metrics, save time): propose()
+        # this process's (written bytes, new, reused, delta chunks, delta-saved bytes), posted
+        # with its refs; their sums over every process, which process 0 posts with the outcome
+        self.counts: list[int] = [0] * 5
+        self.totals: list[int] | None = None
+        self.manifest_bytes = 0  # process 0's manifest, as it posts it with the outcome
 
     @property
     def is_primary(self) -> bool:
@@ -138,7 +143,8 @@ class SaveAgreement:
         self._posted = True
         client.key_value_set_bytes(f"{self.tag}/refs/{self.index}",
                                    msgpack.packb({"error": error, "refs": refs,
-                                                  "save": self.save, "spread": self.spread}))
+                                                  "save": self.save, "spread": self.spread,
+                                                  "counts": self.counts}))
         if not self.is_primary:
             return []
         posts = [msgpack.unpackb(self._wait(client, f"{self.tag}/refs/{p}", p),
@@ -155,6 +161,7 @@ class SaveAgreement:
         if failed:
             raise CasstoreError("save failed on other processes; no manifest written: "
                                 + "; ".join(failed))
+        self.totals = [sum(c) for c in zip(*(post["counts"] for post in posts))]
         return [post["refs"] for post in posts]
 
     def _forget_earlier(self, client) -> None:
@@ -307,7 +314,8 @@ class SaveAgreement:
                 sent = True
             client.key_value_set_bytes(f"{self.tag}/outcome", msgpack.packb(
                 {"error": error, "save": self.save, "details": self.details and [
-                    self.details[0], self.details[1].timestamp()], "manifest": sent}))
+                    self.details[0], self.details[1].timestamp()], "manifest": sent,
+                 "totals": self.totals, "manifest_bytes": self.manifest_bytes}))
 
     def wait_outcome(self) -> None:
         """Other processes wait for process 0's commit, and take the details it proposed
@@ -333,6 +341,7 @@ class SaveAgreement:
             metrics, timestamp = outcome["details"]
             self.details = (metrics, datetime.datetime.fromtimestamp(timestamp,
                                                                      datetime.timezone.utc))
+        self.totals, self.manifest_bytes = outcome["totals"], outcome["manifest_bytes"]
         if outcome.get("manifest"):
             self.manifest = get_large(self._client(), f"{self.tag}/manifest")
 

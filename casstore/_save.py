@@ -47,15 +47,17 @@ from .store import Store, open_store
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SaveInfo:
-    """What one :func:`save` did.
+    """What one :func:`save` did; with several ``jax.distributed`` processes, the whole save
+    (every process's chunks), the same on every process.
 
     Attributes:
       step, run: the checkpoint written.
       logical_bytes: raw bytes of all array leaves, in their stored dtypes.
-      written_bytes: bytes actually uploaded: new chunk objects plus the manifest.
+      written_bytes: bytes actually uploaded: new chunk objects plus the manifest (once per
+        local tier with a manager's ``local_per_host``).
       new_chunks: chunks uploaded by this save.
-      reused_chunks: chunk refs satisfied by chunks already stored (or uploaded earlier in the
-        same save).
+      reused_chunks: chunks the save cut its leaves into (a pack of small leaves is one) that
+        were stored already, or uploaded earlier in the same save (identical blocks).
       manifest_bytes: size of the manifest object.
       seconds: wall time of the save.
       delta_chunks: new chunks stored as deltas against the run's previous step (format.md
@@ -245,7 +247,6 @@ def write(store: Store, step: int, prepared: Prepared, inline: dict[int, bytes],
         shuffle, compress = chunk_settings(store, shuffle, compression, max_workers)
         created = time.time()
         check_absent(store, run, step)
-    manifest_bytes = 0
     with agreement.early(), save_lock(store) as lease:
         with agreement.committing():
             if agreement.is_primary or agreement.per_host:  # per_host: each its own tier
@@ -261,16 +262,20 @@ def write(store: Store, step: int, prepared: Prepared, inline: dict[int, bytes],
                                  window)
             # 4. uploads: every chunk this process stores, before any manifest
             refs = store_chunks(jobs, writer, max_workers, window, prepared.paths)
-            # 5. the agreement: every process's refs on process 0, None on the others
+            # 5. the agreement: every process's refs (and counts) on process 0
+            agreement.counts = [writer.written, writer.new, writer.reused, writer.deltas,
+                                writer.delta_saved]
             every_refs = agreement.gather_refs(refs, store)
             # 6. the commit, on process 0 (the outcome is posted as `committing` ends)
             if every_refs is not None:
                 lease.check()  # GC kept off the chunks all along
                 agreement.manifest = commit(store, step, run, created, prepared, inline,
                                             every_refs)
-                manifest_bytes = len(agreement.manifest)
+                agreement.manifest_bytes = len(agreement.manifest)
         if agreement.per_host and not agreement.is_primary:  # process 0's manifest, locally
-            manifest_bytes = put_manifest_bytes(store, run, step, agreement.manifest)
-    return SaveInfo(step, run, prepared.logical_bytes, writer.written + manifest_bytes,
-                    writer.new, writer.reused, manifest_bytes, time.perf_counter() - t0,
-                    writer.deltas, writer.delta_saved)
+            put_manifest_bytes(store, run, step, agreement.manifest)
+    written, new, reused, deltas, saved = agreement.totals or agreement.counts
+    manifest_bytes = agreement.manifest_bytes  # written once, or to each tier (per_host)
+    written += manifest_bytes * (agreement.count if agreement.per_host else 1)
+    return SaveInfo(step, run, prepared.logical_bytes, written, new, reused, manifest_bytes,
+                    time.perf_counter() - t0, deltas, saved)

@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -52,7 +53,14 @@ def assert_ok(results):
 
 def test_save_with_2_and_4_processes_restore_with_4_2_and_1(tmp_path):
     repo = tmp_path / "repo"
-    assert_ok(run_job(2, "save", repo, 1))
+    results = run_job(2, "save", repo, 1)
+    assert_ok(results)
+    # SaveInfo is the whole save's on every process (it was each process's own chunks, beside
+    # the whole state's logical bytes): here, everything the new repository holds.
+    chunks = [p.stat().st_size for p in (repo / "chunks").rglob("*") if p.is_file()]
+    manifest = (repo / "runs" / "default" / "steps" / f"{1:016d}.manifest").stat().st_size
+    assert {re.search(r"^saved .*", out, re.M).group() for _, out in results} == {
+        f"saved {len(chunks)} {sum(chunks) + manifest}"}
     results = run_job(4, "save", repo, 2, "restore", 1)  # the restore reads what is stored
     assert_ok(results)
     assert all("restored 1" in out for _, out in results), results
