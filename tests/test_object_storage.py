@@ -215,3 +215,18 @@ def test_a_plain_http_endpoint_loads_no_ca_bundle_and_https_keeps_verification(
     mine = FsspecStore.from_url("s3://bucket/repo", endpoint_url="http://127.0.0.1:1",
                                 client_kwargs={"verify": "/my/ca.pem"}, key="k", secret="s")
     assert mine.fs.client_kwargs["verify"] == "/my/ca.pem"
+
+
+@pytest.mark.parametrize("name", ["seaweedfs", "moto", "fake-gcs"])
+def test_a_create_only_write_above_gcsfs_chunk_size_still_refuses_an_existing_object(
+        object_servers, name):
+    """A manifest may take up to 256 MiB; gcsfs sends 50 MiB or more as a resumable upload,
+    whose ifGenerationMatch=0 fake-gcs-server ignores: two concurrent saves of one step with
+    a 55 MiB manifest both returned there, the second replacing the first. Every create-only
+    write to GCS is now one request."""
+    store = object_store(object_servers[name])
+    first = np.random.default_rng(0).bytes(51 * 2**20)
+    store.put_if_absent("big", first)
+    with pytest.raises(FileExistsError):
+        store.put_if_absent("big", b"x" + first)
+    assert store.get("big") == first
