@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import logging
 
+import xxhash
+
 from ._errors import PersistError, located
+from ._layout import manifest_key
 from ._multihost import processes
 from ._persist_rounds import Rounds
 from ._repository import deleted, list_steps
@@ -59,9 +62,12 @@ def start_persister(local: Store, persistent, run: str, local_steps: list[int],
     rounds = Rounds(run) if processes()[0] > 1 else None
     held = local_steps
     if policy.local_per_host and rounds is not None:
-        posts = rounds.agree([local_steps, None if isinstance(remote, BaseException)
-                              else sorted(remote)])
-        held = sorted(set.intersection(*(set(steps) for steps, _ in posts)))
+        # each step's manifest as a digest: a step of one number saved twice (a host's old
+        # disk back after its replacement saved the step again) is not the same step
+        posts = rounds.agree([_digests(local, run, local_steps),
+                              None if isinstance(remote, BaseException) else sorted(remote)])
+        held = sorted(set.intersection(*({tuple(d) for d in digests} for digests, _ in posts)))
+        held = [step for step, _ in held]
         remote = remote if posts[0][1] is None else set(posts[0][1])  # process 0's
     if isinstance(remote, BaseException) and not held:
         # a replaced node would start over and reuse persisted steps' numbers
@@ -72,10 +78,22 @@ def start_persister(local: Store, persistent, run: str, local_steps: list[int],
             step=None, url=persistent.url, run=run) from cause
     for step in sorted(set(local_steps) - set(held)):
         log.warning("casstore: step %d is on this process's local tier %s but not on every "
-                    "process's; deleted there (persisted steps stay on %s)", step, local.url,
-                    persistent.url)
+                    "process's, or another save of that step is; deleted there (persisted "
+                    "steps stay on %s)", step, local.url, persistent.url)
         deleted(local, step, run)
     persister = Persister(local, persistent, run, policy, remote, rounds)
     persister.local_steps = held
     persister.resume(held)  # process 0 queues them, the others note them
     return persister
+
+
+def _digests(local: Store, run: str, steps: list[int]) -> list[list]:
+    """``[step, xxh3-64 of its manifest's bytes]`` of each of ``steps`` on ``local`` (one
+    deleted since it was listed is left out)."""
+    found = []
+    for step in steps:
+        try:
+            found.append([step, xxhash.xxh3_64_hexdigest(local.get(manifest_key(run, step)))])
+        except FileNotFoundError:
+            continue
+    return found

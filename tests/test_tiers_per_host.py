@@ -99,7 +99,7 @@ def test_each_host_stores_its_part_restores_locally_and_sends_each_object_once(
                 == casstore.read_manifest(tmp_path / "local-0", step))
 
     # (b) host 1 is replaced: its local directory is empty when the job restarts
-    shutil.rmtree(tmp_path / "local-1")
+    shutil.move(tmp_path / "local-1", tmp_path / "old-1")
     outs = two_hosts(tmp_path, server, remote, "reopen")
     for i, out in enumerate(outs):
         assert lines(out, "LATEST") == ["2"], out[-3000:]  # the newest persisted step
@@ -115,6 +115,15 @@ def test_each_host_stores_its_part_restores_locally_and_sends_each_object_once(
     restored = casstore.restore(remote, 4)
     assert restored["state"]["w"].tobytes() == (
         np.arange(64 * 48, dtype=np.float32).reshape(64, 48) * 5).tobytes()
+
+    # (c) host 1's old disk comes back: its step 3 is the first job's, host 0's the second's.
+    # Both listed step 3, and each host restored its own save of it; a step is on every host
+    # only where every host holds the same manifest.
+    shutil.rmtree(tmp_path / "local-1")
+    shutil.move(tmp_path / "old-1", tmp_path / "local-1")
+    for out in two_hosts(tmp_path, server, remote, "look"):
+        assert lines(out, "STEPS")[0] == "[0, 2, 4]", out[-3000:]
+        assert lines(out, "RESTORED")[0].split()[:2] == ["4", "True"], out[-3000:]
 
 
 def test_an_object_on_no_host_and_not_persisted_fails_the_persist_naming_it(
