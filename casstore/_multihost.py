@@ -95,6 +95,7 @@ class SaveAgreement:
         self._published = False  # process 0 posted the outcome
         self.save: list = []  # [run, step, tree digest], as describe() gives it
         self.spread: list[str] = []  # describe()
+        self.paths: list[str] = []  # describe(): the key path of each leaf
         self.details: tuple | None = None  # a manager's (metrics, save time): propose()
         # this process's (written bytes, new, reused, delta chunks, delta-saved bytes), posted
         # with its refs; their sums over every process, which process 0 posts with the outcome
@@ -113,6 +114,7 @@ class SaveAgreement:
         ``paths``, and each array leaf's shape, dtype and key implementation)."""
         shapes = [[i, list(a.shape), a.dtype.name, a.key_impl] for i, a in sorted(arrays.items())]
         self.save = [run, step, xxhash.xxh3_64_hexdigest(msgpack.packb([node, paths, shapes]))]
+        self.paths = paths
         # jax leaves whose shards this process writes itself: alike on every process for a
         # global array; a per-process one (jnp.asarray(0) on each) is spread on some only
         self.spread = sorted(paths[i] for i, a in arrays.items() if a.is_jax and a.spread)
@@ -295,7 +297,7 @@ class SaveAgreement:
                     check_shared(store, p, theirs[0][1].key)
                 for i, ref in theirs:
                     if self.per_host and (i, ref.start) in seen:
-                        _same_block(seen[i, ref.start], ref, p, self.save)
+                        _same_block(seen[i, ref.start], ref, p, self.save, self.paths[i])
                         continue
                     seen[i, ref.start] = ref
                     refs.setdefault(i, []).append(ref)
@@ -346,16 +348,17 @@ class SaveAgreement:
             self.manifest = get_large(self._client(), f"{self.tag}/manifest")
 
 
-def _same_block(ours: ChunkRef, theirs: ChunkRef, process: int, save: list) -> None:
+def _same_block(ours: ChunkRef, theirs: ChunkRef, process: int, save: list, path: str
+                ) -> None:
     """Process 0 of a ``per_host`` save: refuses two refs of one block with different chunks
     (the processes saved different values where they must be equal: the manifest would name
     one, and the other's local tier would lack it)."""
     if (ours.id, ours.base) != (theirs.id, theirs.base):
         raise CasstoreError(
-            f"process {process} stored the block at {list(theirs.start)} of a leaf with other "
-            f"bytes than process 0 (chunk {theirs.id} against {ours.id}; run {save[0]!r}, "
-            f"step {save[1]}): with local_per_host every process must save equal values of "
-            "each numpy leaf and replica; no manifest written")
+            f"process {process} stored the block at {list(theirs.start)} of key path {path!r} "
+            f"with other bytes than process 0 (chunk {theirs.id} against {ours.id}; run "
+            f"{save[0]!r}, step {save[1]}): with local_per_host every process must save equal "
+            "values of each numpy leaf and replica; no manifest written")
 
 
 PART_BYTES = 4 << 20  # a value's part on the coordinator's key-value store

@@ -113,9 +113,12 @@ def plan_jobs(prepared: Prepared, arrays: dict[int, Any], chunk_size_bytes: int,
              and infos[i].nbytes <= min(pack_threshold_bytes, chunk_size_bytes)}
     inline = _small_bytes({i: a for i, a in small.items()
                            if infos[i].nbytes <= INLINE_LIMIT_BYTES})
-    packs = _pack_jobs({i: a for i, a in small.items() if i not in inline}, prepared.paths,
-                       infos, chunk_size_bytes, later)
-    large = [(i, a) for i, a in mine.items() if i not in small]
+    # per_host: packs of the leaves every process writes (numpy) only, so that every process
+    # cuts the same packs; a small jax leaf only process 0 holds is a chunk of its own
+    packed = {i: a for i, a in small.items()
+              if i not in inline and not (per_host and infos[i].is_jax)}
+    packs = _pack_jobs(packed, prepared.paths, infos, chunk_size_bytes, later)
+    large = [(i, a) for i, a in mine.items() if i not in inline and i not in packed]
     blocks = (_whole_shard_jobs(large, chunk_size_bytes, whole_shard_bytes, later, per_host)
               if whole_shard_bytes else (job for i, a in large for job in _block_jobs(
                   i, a, chunk_size_bytes, i in later, per_host)))

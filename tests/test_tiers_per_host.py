@@ -157,6 +157,17 @@ def test_a_host_whose_copy_of_the_manifest_lands_late_still_takes_part_in_its_pe
     assert casstore.verify(remote).ok
 
 
+def test_a_small_leaf_on_process_0_only_beside_packed_numpy_leaves_saves_and_restores(
+        tmp_path, object_servers):
+    """Process 0 packed its own small jax leaf with the numpy leaves, the other process the
+    numpy leaves alone: their packs differed, and every save failed as if the processes had
+    saved different numpy values (exploratory session's repro). (That refusal now names the
+    key path too.)"""
+    server = object_servers["seaweedfs"]
+    for out in two_hosts(tmp_path, server, object_store(server), "stages"):
+        assert lines(out, "STAGES") == ["True True True"], out[-3000:]
+
+
 def test_without_local_per_host_a_disk_per_host_fails_the_first_save_as_before(
         tmp_path, object_servers):
     server = object_servers["seaweedfs"]

@@ -10,7 +10,10 @@ they lack the chunk of step 0's numpy leaf, so no process holds it, and prints
 ``PERSIST-ERROR <message>`` for the persist error its manager raised. MODE ``plain``: the
 same directories without ``local_per_host``; saves step 0 and prints ``SAVE-ERROR <message>``
 for the error its manager raised. MODE ``slow1``: saves steps 0 and 1, process 1's copy of each
-manifest written 2 s late. Prints ``STEPS <all_steps()>``, ``LATEST <latest_step()>``,
+manifest written 2 s late. MODE ``stages``: saves steps 0 and 1 with a small jax leaf on
+process 0's devices only and a small numpy leaf beside the state, and prints ``STAGES`` and
+whether step 1 restores bit-exact (state, numpy leaf, the jax leaf's shards). Prints
+``STEPS <all_steps()>``, ``LATEST <latest_step()>``,
 ``RESTORED <step> <bit-exact: True/False> <bytes read from the persistent tier>`` (``WHOLE``:
 step 2 restored whole, as numpy), ``PERSISTED <steps>``, ``SENT <chunks> <bytes>`` (process 0:
 every process's) and ``OK``.
@@ -103,8 +106,28 @@ if mode in ("reopen", "look"):
     exact = restored_exactly(mngr, latest)
     print("RESTORED", latest, exact, mngr.last_restore_bytes.get(persistent.url, 0),
           flush=True)
+if mode == "stages":  # a pipeline's layout: a small leaf on process 0's devices only
+    stage = NamedSharding(Mesh(np.array(jax.devices()[:4]), ("x",)), P())
+    assert {d.process_index for d in stage.device_set} == {0}
+
+    def staged(step: int) -> dict:
+        return {**tree(step), "small": np.full(300, step, np.float32),  # packed
+                "stage0": jax.make_array_from_callback(  # (packed with it before: refused)
+                    (256,), stage, lambda i: np.arange(256, dtype=np.float32)[i] + step,
+                    dtype=np.float32)}
+
+    for step in range(2):
+        assert mngr.save(step, staged(step))
+    got, values = mngr.restore(1, target=casstore.abstract_tree(staged(1))), expected(1)
+    stage0 = np.arange(256, dtype=np.float32) + 1
+    print("STAGES", all(np.asarray(s.data).tobytes() == values[k][s.index].tobytes()
+                        for k in SHARDINGS for s in got["state"][k].addressable_shards)
+          and got["state"]["n"].tobytes() == values["n"].tobytes(),
+          got["small"].tobytes() == np.full(300, 1, np.float32).tobytes(),
+          all(np.asarray(s.data).tobytes() == stage0[s.index].tobytes()
+              for s in got["stage0"].addressable_shards), flush=True)
 steps = {"save": range(4), "reopen": range(3, 5), "hide": range(2), "plain": range(1),
-         "slow1": range(2), "look": range(0)}[mode]
+         "slow1": range(2), "look": range(0), "stages": range(0)}[mode]
 for step in steps:
     assert mngr.save(step, tree(step), force=True)
 try:
