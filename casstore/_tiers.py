@@ -108,6 +108,7 @@ class Persister:
         self.dropped: list[int] = []
         self.last_gc_info: GcInfo | None = None
         self._error: BaseException | None = None
+        self._deleted: set[int] = set()  # by delete(): their persists' errors do not count
         self._unlisted = isinstance(remote_steps, BaseException)  # listed before a persist
         if self._unlisted:  # the local tier works on; surfaces on save()
             self._error, remote_steps = remote_steps, set()
@@ -180,6 +181,7 @@ class Persister:
                                          url=self.persistent.url, run=self.run, step=step)
         with self._cond:
             self._local_saves += 1
+            self._deleted.discard(step)  # a save of that number again: its persist counts
         return lambda future: self._local_done() if future is None else (
             future.add_done_callback(self._local_done))
 
@@ -220,8 +222,11 @@ class Persister:
 
     def delete(self, step: int) -> bool:
         """For the manager's ``delete``: drops ``step`` from the backlog, waits for its persist,
-        deletes it there (process 0), then forgets it; returns whether it was there."""
+        deletes it there (process 0), then forgets it; returns whether it was there. A
+        persist of it that fails meanwhile (with several processes, another one may have
+        deleted its part first) does not fail the next save."""
         with self._cond:
+            self._deleted.add(step)
             if step in (self._queued, self._expected):  # _expected: process 0 drops it too
                 self._queued = None if self._queued == step else self._queued
                 self._expected = None if self._expected == step else self._expected
@@ -295,8 +300,11 @@ class Persister:
     def _fail(self, e: BaseException, step: int) -> None:
         """Records a failed persist of ``step``: it surfaces on the next save()."""
         error = located(e, step, self.persistent.url, self.run)
-        log.warning("casstore: %s", error)
         with self._cond:
+            if step in self._deleted:
+                log.info("casstore: step %s was deleted while it persisted: %s", step, error)
+                return
+            log.warning("casstore: %s", error)
             self._error = error
 
     def _persist(self, step: int) -> None:

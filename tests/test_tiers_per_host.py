@@ -168,6 +168,19 @@ def test_a_small_leaf_on_process_0_only_beside_packed_numpy_leaves_saves_and_res
         assert lines(out, "STAGES") == ["True True True"], out[-3000:]
 
 
+def test_a_step_deleted_on_every_process_while_it_persists_fails_no_save(tmp_path,
+                                                                         object_servers):
+    """Process 1 deleted its copy of step 2 before its part of the step's persist round: the
+    persist failed, and its error (then process 1's own) failed the next two saves on every
+    process, which saved nothing (exploratory session's repro)."""
+    server = object_servers["seaweedfs"]
+    remote = object_store(server)
+    for out in two_hosts(tmp_path, server, remote, "delete"):
+        assert "ERROR" not in out, out[-3000:]
+        assert lines(out, "STEPS")[-1] == "[0, 1, 3, 4]", out[-3000:]
+    assert casstore.list_steps(remote) == [0, 4]
+
+
 def test_without_local_per_host_a_disk_per_host_fails_the_first_save_as_before(
         tmp_path, object_servers):
     server = object_servers["seaweedfs"]

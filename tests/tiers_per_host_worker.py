@@ -10,7 +10,8 @@ they lack the chunk of step 0's numpy leaf, so no process holds it, and prints
 ``PERSIST-ERROR <message>`` for the persist error its manager raised. MODE ``plain``: the
 same directories without ``local_per_host``; saves step 0 and prints ``SAVE-ERROR <message>``
 for the error its manager raised. MODE ``slow1``: saves steps 0 and 1, process 1's copy of each
-manifest written 2 s late. MODE ``stages``: saves steps 0 and 1 with a small jax leaf on
+manifest written 2 s late. MODE ``delete``: saves steps 0 to 2, deletes step 2 at once,
+then saves steps 3 and 4. MODE ``stages``: saves steps 0 and 1 with a small jax leaf on
 process 0's devices only and a small numpy leaf beside the state, and prints ``STAGES`` and
 whether step 1 restores bit-exact (state, numpy leaf, the jax leaf's shards). Prints
 ``STEPS <all_steps()>``, ``LATEST <latest_step()>``,
@@ -126,8 +127,15 @@ if mode == "stages":  # a pipeline's layout: a small leaf on process 0's devices
           got["small"].tobytes() == np.full(300, 1, np.float32).tobytes(),
           all(np.asarray(s.data).tobytes() == stage0[s.index].tobytes()
               for s in got["stage0"].addressable_shards), flush=True)
+if mode == "delete":  # step 2 deleted on every process right after its save
+    for step in range(3):
+        assert mngr.save(step, tree(step))
+        if step == 0:
+            mngr.wait_until_persisted()
+    mngr.wait_until_finished()
+    mngr.delete(2)
 steps = {"save": range(4), "reopen": range(3, 5), "hide": range(2), "plain": range(1),
-         "slow1": range(2), "look": range(0), "stages": range(0)}[mode]
+         "slow1": range(2), "look": range(0), "stages": range(0), "delete": range(3, 5)}[mode]
 for step in steps:
     assert mngr.save(step, tree(step), force=True)
 try:
