@@ -60,9 +60,18 @@ class Rounds:
         the persisted steps as :meth:`start` does."""
         self._announce(None, None, persisted)
 
-    def _announce(self, step: int | None, known: int | None, persisted: set[int]) -> None:
+    def abort(self, step: int, persisted: set[int]) -> None:
+        """Process 0: its persist of ``step`` failed before the round began (the persistent
+        tier's config object or lock): the others pass that round without sending (process 0
+        raises the error), so their ``wait_until_persisted`` returns."""
+        self._announce(step, None, persisted, aborted=True)
+        self.k += 1
+
+    def _announce(self, step: int | None, known: int | None, persisted: set[int],
+                  aborted: bool = False) -> None:
         kv_client().key_value_set_bytes(f"{self.tag}/round/{self.k}", msgpack.packb(
-            {"step": step, "known": known, "persisted": sorted(persisted)}))
+            {"step": step, "known": known, "persisted": sorted(persisted),
+             "aborted": aborted}))
 
     def gather(self) -> tuple[dict[str, int], int, int]:
         """Process 0: the other processes' posts of this round: ``(objects there, chunks
@@ -96,10 +105,11 @@ class Rounds:
             client.key_value_delete(key)
         return present, chunks, nbytes
 
-    def next_step(self, closed) -> tuple[int | None, int | None, set[int]] | None:
-        """Another process: ``(step, known, persisted)`` of the next round (:meth:`start`),
-        waiting for it; ``step`` is None once process 0 ends the rounds (:meth:`stop`). None
-        if the timeout after ``closed()`` turned true passed first."""
+    def next_step(self, closed) -> tuple[int | None, int | None, set[int], bool] | None:
+        """Another process: ``(step, known, persisted, aborted)`` of the next round
+        (:meth:`start`; :meth:`abort`: aborted, then passed here), waiting for it; ``step`` is
+        None once process 0 ends the rounds (:meth:`stop`). None if the timeout after
+        ``closed()`` turned true passed first."""
         client, gave_up = kv_client(), None
         while True:
             try:
@@ -112,7 +122,8 @@ class Rounds:
                 time.sleep(0.05)
                 continue
             got = msgpack.unpackb(value)  # as start() or stop() announced it
-            return got["step"], got["known"], set(got["persisted"])
+            self.k += got["aborted"]  # a round without posts
+            return got["step"], got["known"], set(got["persisted"]), got["aborted"]
 
     def outcome(self, error: str | None) -> None:
         """Process 0, after :meth:`gather`: the round's outcome, its manifest written (None) or

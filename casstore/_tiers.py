@@ -28,6 +28,7 @@ step: then each object is sent by one of the processes that hold it.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -281,10 +282,13 @@ class Persister:
                 if self._queued is None:
                     return
                 self._running, self._queued = self._queued, None
-            step = self._running
+            step, k = self._running, self.rounds and self.rounds.k
             try:
                 self._persist(step)
             except BaseException as e:  # surfaces on the next save()
+                if self.rounds is not None and self.rounds.k == k:  # failed before its round
+                    with contextlib.suppress(Exception):
+                        self.rounds.abort(step, self.steps())
                 self._fail(e, step)
             finally:
                 with self._cond:
@@ -369,9 +373,15 @@ class Persister:
         (:meth:`submit` after its save: it writes the manifest once process 0 committed, when
         process 0 may have started the round already), at most the multi-process timeout."""
         while (got := self.rounds.next_step(lambda: self._closed)) is not None:
-            step, known, self._remote_steps = got
+            step, known, self._remote_steps, aborted = got
             if step is None:
                 break
+            if aborted:  # process 0's persist failed before the round: it raises that
+                with self._cond:
+                    self._through = step
+                    self._noted = {s for s in self._noted if s > step}
+                    self._cond.notify_all()
+                continue
             with self._cond:
                 self._running = step
                 if self.policy.local_per_host:  # its copy of the manifest first (its save's)

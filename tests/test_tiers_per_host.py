@@ -181,6 +181,19 @@ def test_a_step_deleted_on_every_process_while_it_persists_fails_no_save(tmp_pat
     assert casstore.list_steps(remote) == [0, 4]
 
 
+def test_wait_until_persisted_returns_everywhere_when_process_0_fails_before_the_round(
+        tmp_path, object_servers):
+    """Process 0's persist failed before it started the step's round (the persistent tier
+    refused its config object): the other process's wait_until_persisted() waited for a round
+    that never came (here 12 s, then False; without a timeout, for ever)."""
+    server = object_servers["seaweedfs"]
+    outs = two_hosts(tmp_path, server, object_store(server), "down")
+    assert lines(outs[0], "WAITED") == [], outs[0][-3000:]  # process 0 raised its error
+    result, seconds = lines(outs[1], "WAITED")[0].split()
+    assert result == "True", outs[1][-3000:]
+    assert float(seconds) < 4, seconds  # process 0 closes (ends the rounds) after 6 s
+
+
 def test_without_local_per_host_a_disk_per_host_fails_the_first_save_as_before(
         tmp_path, object_servers):
     server = object_servers["seaweedfs"]

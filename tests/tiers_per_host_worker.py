@@ -11,15 +11,18 @@ they lack the chunk of step 0's numpy leaf, so no process holds it, and prints
 same directories without ``local_per_host``; saves step 0 and prints ``SAVE-ERROR <message>``
 for the error its manager raised. MODE ``slow1``: saves steps 0 and 1, process 1's copy of each
 manifest written 2 s late. MODE ``delete``: saves steps 0 to 2, deletes step 2 at once,
-then saves steps 3 and 4. MODE ``stages``: saves steps 0 and 1 with a small jax leaf on
-process 0's devices only and a small numpy leaf beside the state, and prints ``STAGES`` and
-whether step 1 restores bit-exact (state, numpy leaf, the jax leaf's shards). Prints
+then saves steps 3 and 4. MODE ``down``: process 0 cannot write to the persistent tier;
+saves step 0 and prints ``WAITED <wait_until_persisted(timeout_s=12)> <seconds>``. MODE
+``stages``: saves steps 0 and 1 with a small jax leaf on process 0's devices only and a
+small numpy leaf beside the state, and prints ``STAGES`` and whether step 1 restores
+bit-exact (state, numpy leaf, the jax leaf's shards). Prints
 ``STEPS <all_steps()>``, ``LATEST <latest_step()>``,
 ``RESTORED <step> <bit-exact: True/False> <bytes read from the persistent tier>`` (``WHOLE``:
 step 2 restored whole, as numpy), ``PERSISTED <steps>``, ``SENT <chunks> <bytes>`` (process 0:
 every process's) and ``OK``.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -38,6 +41,7 @@ import casstore  # noqa: E402
 from casstore._codec import chunk_id  # noqa: E402
 from casstore._layout import chunk_key  # noqa: E402
 from casstore.store import LocalStore  # noqa: E402
+from casstore.testing import FaultyStore  # noqa: E402
 
 
 class SlowManifests(LocalStore):
@@ -91,6 +95,9 @@ def restored_exactly(mngr, step: int) -> bool:
 
 
 persistent = casstore.open_store(url, **json.loads(options))
+if mode == "down" and pid == 0:  # process 0 cannot write there: its persists fail at once
+    persistent = FaultyStore(persistent, seed=0, rate=1.0, ops=("put", "put_if_absent"),
+                             kinds=("error",))
 local = os.path.join(base, f"local-{pid}")
 if mode == "slow1" and pid == 1:
     local = SlowManifests(local)
@@ -127,6 +134,20 @@ if mode == "stages":  # a pipeline's layout: a small leaf on process 0's devices
           got["small"].tobytes() == np.full(300, 1, np.float32).tobytes(),
           all(np.asarray(s.data).tobytes() == stage0[s.index].tobytes()
               for s in got["stage0"].addressable_shards), flush=True)
+if mode == "down":  # process 0's persist of step 0 fails before its round
+    assert mngr.save(0, tree(0))
+    mngr.wait_until_finished()
+    t0 = time.monotonic()
+    with contextlib.suppress(casstore.PersistError):  # process 0's
+        print("WAITED", mngr.wait_until_persisted(timeout_s=12), time.monotonic() - t0,
+              flush=True)
+    if pid == 0:
+        time.sleep(6)  # closing ends the rounds, which lets the others' waits return too
+    with contextlib.suppress(casstore.PersistError):
+        mngr.close()
+    jax.distributed.shutdown()
+    print("OK", flush=True)
+    sys.exit(0)
 if mode == "delete":  # step 2 deleted on every process right after its save
     for step in range(3):
         assert mngr.save(step, tree(step))
