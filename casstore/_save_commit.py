@@ -60,13 +60,23 @@ def put_manifest_bytes(store: Store, run: str, step: int, data: bytes | None) ->
     checking it decodes as ``step`` of ``run``; returns its size, bytes.
 
     Raises:
-      CasstoreError: no manifest came from process 0. As :func:`commit` otherwise.
+      CasstoreError: no manifest came from process 0, or this local tier holds process 0's
+        own write of it (one directory given to several processes). As :func:`commit`
+        otherwise.
     """
     if data is None:
         raise CasstoreError(f"process 0 sent no manifest of step {step} (run {run!r}) for "
                             f"the local tier {store.url!r}")
     decode_manifest(data, run=run, step=step, url=store.url)
-    return len(_put_bytes(store, manifest_key(run, step), data, run, step))
+    try:
+        return len(_put_bytes(store, manifest_key(run, step), data, run, step))
+    except StepAlreadyExistsError as e:
+        if store.head(manifest_key(run, step), len(data) + 1) != data:
+            raise
+        raise CasstoreError(  # process 0's own write, seen here
+            f"the local tier {store.url!r} already holds process 0's manifest of step {step} "
+            f"(run {run!r}), byte for byte: with local_per_host each process needs a "
+            "directory of its own, and this one looks shared with process 0") from e
 
 
 def _put_manifest(store: Store, key: str, manifest: Manifest) -> bytes:

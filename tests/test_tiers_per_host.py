@@ -253,3 +253,20 @@ def test_a_manifest_larger_than_a_part_goes_over_the_key_value_store_in_parts(mo
     assert get_large(kv, "empty") == b""
     with pytest.raises(casstore.CasstoreError, match="no value at 'missing' on the coordinator"):
         get_large(kv, "missing")
+
+
+def test_a_directory_shared_by_mistake_is_named_as_such(tmp_path):
+    """Process 1 writing process 0's manifest into a directory process 0 also uses found it
+    there: "step was committed by a concurrent save", on every save (exploratory session's
+    repro). Its own bytes there now mean one directory given to both."""
+    from casstore._layout import manifest_key
+    from casstore._save_commit import put_manifest_bytes
+
+    casstore.save(tmp_path, 0, {"w": np.ones(4)})
+    data = (tmp_path / manifest_key("default", 0)).read_bytes()
+    with pytest.raises(casstore.CasstoreError, match="looks shared with process 0"):
+        put_manifest_bytes(casstore.open_store(tmp_path), "default", 0, data)
+    casstore.save(tmp_path / "other", 0, {"w": np.zeros(4)})
+    other = (tmp_path / "other" / manifest_key("default", 0)).read_bytes()
+    with pytest.raises(casstore.StepAlreadyExistsError, match="concurrent save"):
+        put_manifest_bytes(casstore.open_store(tmp_path), "default", 0, other)
