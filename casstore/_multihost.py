@@ -185,13 +185,14 @@ class SaveAgreement:
         return ("saves another tree (key paths, shapes or dtypes differ): every process must "
                 "save the same tree")
 
-    @staticmethod
-    def _wait(client, key: str, process: int, what: str = "report its chunks") -> bytes:
+    def _wait(self, client, key: str, process: int, what: str = "report its chunks") -> bytes:
         try:
             return client.blocking_key_value_get_bytes(key, timeout_ms())
         except Exception as e:  # jax raises its runtime error type for timeouts and dead peers
+            run, step = self.save[:2] if self.save else (None, None)
             raise CasstoreError(f"process {process} did not {what} within "
-                                f"{timeout_ms() / 1000:g} s; no manifest written") from e
+                                f"{timeout_ms() / 1000:g} s; no manifest written (run "
+                                f"{run!r}, step {step})") from e
 
     @contextlib.contextmanager
     def early(self) -> Iterator[None]:

@@ -90,6 +90,7 @@ def test_a_process_killed_before_commit_leaves_no_step(tmp_path):
     assert results[1][0] == 17, results[1][1][-2000:]
     assert results[0][0] == 3, results[0][1][-2000:]
     assert "save failed" in results[0][1], results[0][1][-2000:]
+    assert "no manifest written (run 'default', step 3)" in results[0][1], results[0][1][-2000:]
     assert casstore.list_steps(repo) == [1]
     # Step 1 unharmed: every object it names is there and matches its hash, and its values
     # are the saved ones (test_save_with_2_and_4_processes... restores it on 1, 2 and 4).
