@@ -21,7 +21,7 @@ from ._delta import DeltaBases, read_object
 from ._errors import CorruptChunkError, ManifestError, UnsupportedFormatError
 from ._framing import check_framing
 from ._layout import CONFIG_KEY, chunk_key, manifest_key
-from ._manifest import decode_manifest, needed_objects
+from ._manifest import DIGEST_BYTES, decode_manifest, needed_objects
 from ._pool import bounded_map
 from ._repository import (
     Url,
@@ -217,19 +217,26 @@ class _Plan:
 
 
 _CREATED = b"\xa7created\xcb"  # a manifest's created key, then its float64 (format.md §4)
+_DIGEST = b"\xa6digest\xc4\x10"  # its digest key, then 16 bytes: the manifest's last field
 
 
 def _damaged_copy(damaged: bytes, good: bytes) -> bool:
     """True if ``damaged`` is ``good`` damaged: cut short after its ``created`` time (a prefix
     that holds it: before it, two saves' manifests of a step look alike) or with at most 1 byte
-    in 100 changed (the same length). Anything else may be another step of this number: repair
-    leaves it (docs/recovery.md)."""
+    in 100 changed (the same length) and its ``created`` time or its digest (format.md §4.1)
+    as in ``good`` (two saves of one tree give manifests of one length that differ in a few
+    bytes: those, and the chunk ids of the leaves that changed). Anything else may be another
+    step of this number: repair leaves it (docs/recovery.md)."""
+    at = good.find(_CREATED)
     if len(damaged) != len(good):
-        at = good.find(_CREATED)
         return at >= 0 and at + len(_CREATED) + 8 <= len(damaged) < len(good) and (
             good.startswith(damaged))
     changed = np.count_nonzero(np.frombuffer(damaged, np.uint8) != np.frombuffer(good, np.uint8))
-    return changed <= max(1, len(good) // 100)
+    created = slice(at + len(_CREATED), at + len(_CREATED) + 8)
+    same_created = at >= 0 and damaged[created] == good[created]
+    same_digest = good[-DIGEST_BYTES - 9:-DIGEST_BYTES] == _DIGEST and (
+        damaged[-DIGEST_BYTES:] == good[-DIGEST_BYTES:])
+    return changed <= max(1, len(good) // 100) and (same_created or same_digest)
 
 
 def _object_problem(p: Problem) -> bool:

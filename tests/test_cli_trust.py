@@ -769,6 +769,36 @@ def test_repair_refuses_a_good_copy_whose_step_is_another_step(tmp_path):
     assert (damaged / manifest_key("default", 1)).read_bytes() == before
 
 
+def test_repair_tells_a_flipped_byte_from_another_save_of_the_same_tree(tmp_path):
+    """Two saves of one tree (one leaf of 40 changed) give manifests of one length that differ
+    in under 1 byte in 100: a bit flipped in one, repair took the other save's manifest for
+    it and the step restored the other save's values, with ok=True (exploratory session's
+    repro). A copy damaged in its created time or its digest is still mended."""
+    good, damaged = tmp_path / "good", tmp_path / "damaged"
+    trees = [{f"layer{i}": np.full(16, float(i + (i == 0) * k), np.float32) for i in range(40)}
+             for k in (1, 2)]
+    casstore.save(damaged, 5, trees[0])
+    casstore.save(good, 5, trees[1])
+    key = damaged / manifest_key("default", 5)
+    data = bytearray(key.read_bytes())
+    other = (good / manifest_key("default", 5)).read_bytes()
+    assert len(data) == len(other)
+    assert sum(a != b for a, b in zip(data, other)) <= len(data) // 100
+    data[len(data) // 2] ^= 1
+    key.write_bytes(bytes(data))
+    info = casstore.repair(good, damaged)
+    assert (info.steps, info.ok) == ((), False)
+    assert key.read_bytes() == bytes(data)  # left as it was
+    # a true copy damaged where two saves differ: its created time, or its digest
+    for at in (other.index(b"\xa7created\xcb") + 12, len(other) - 3):
+        copy = bytearray(other)
+        copy[at] ^= 1
+        key.write_bytes(bytes(copy))
+        info = casstore.repair(good, damaged)
+        assert (info.steps, info.ok) == ((("default", 5),), True), at
+        assert key.read_bytes() == other
+
+
 def test_repair_of_a_damaged_manifest_checks_the_objects_of_its_step(delta_repo, tmp_path):
     """verify cannot read the objects of a step whose manifest is damaged; repair reads them
     after taking the good copy's manifest, and replaces one that is corrupt."""
