@@ -32,20 +32,25 @@ DELTA_RETRY = 4
 
 
 def lost_chunks(store: Store, manifest: Manifest) -> set[str]:
-    """Ids of the chunks ``manifest`` references whose object, or for a delta chunk whose
-    base's chunk object (format.md §3.5), ``store`` no longer has: one ``exists`` per object.
-    For a store with :attr:`~casstore.store.Store.cheap_stat` (local disk), where that costs
-    microseconds: a save then writes a lost chunk again instead of committing a step that
-    references it (format.md §7 lets a writer reuse the latest step's chunks unchecked)."""
-    present: dict[str, bool] = {}
+    """Ids of the chunks ``manifest`` references whose object ``store`` no longer has, or has
+    in another size than the manifest gives (cut short), or for a delta chunk whose base's
+    chunk object (format.md §3.5) it no longer has: one ``stat`` per object. For a store with
+    :attr:`~casstore.store.Store.cheap_stat` (local disk), where that costs microseconds: a
+    save then writes such a chunk again instead of committing a step that references it
+    (format.md §7 lets a writer reuse the latest step's chunks unchecked)."""
+    sizes: dict[str, int | None] = {}
 
-    def has(key: str) -> bool:
-        if key not in present:
-            present[key] = store.exists(key)
-        return present[key]
+    def size(key: str) -> int | None:
+        if key not in sizes:
+            try:
+                sizes[key] = store.stat(key).size
+            except FileNotFoundError:
+                sizes[key] = None
+        return sizes[key]
 
     return {r.id for leaf in manifest.leaves for r in leaf.chunks
-            if not has(r.key) or (r.base is not None and not has(chunk_key(r.base)))}
+            if size(r.key) != r.stored_bytes
+            or (r.base is not None and size(chunk_key(r.base)) is None)}
 
 
 class ChunkWriter:
@@ -71,6 +76,7 @@ class ChunkWriter:
     def __init__(self, store: Store, previous: Manifest | None, zstd_level: int, shuffle: bool,
                  delta: bool, lookup: bool = True, compress: bool = True, window: int = 16):
         lost = lost_chunks(store, previous) if previous and store.cheap_stat else set()
+        self.lost = {chunk_key(cid) for cid in lost}  # written again, without a lookup
         refs = [(leaf.path, r) for leaf in previous.leaves for r in leaf.chunks
                 if r.id not in lost] if previous else []
         self.store, self.zstd_level, self.shuffle, self.lookup = store, zstd_level, shuffle, lookup
@@ -153,7 +159,7 @@ class ChunkWriter:
         """``(stored bytes, base, (key, object) to upload or None)``; a stored chunk is not
         re-encoded."""
         key = chunk_key(cid)
-        if self.lookup:
+        if self.lookup and key not in self.lost:
             try:
                 size = self.store.stat(key).size
                 self.budget.add_whole(size)

@@ -243,6 +243,27 @@ def test_a_save_on_local_disk_writes_again_a_chunk_lost_since_the_previous_step(
     assert casstore.save(memory, 1, state, chunk_size_bytes=CHUNK).new_chunks == 0
 
 
+def test_a_save_on_local_disk_writes_again_a_chunk_cut_short_since_the_previous_step(
+        tmp_path):
+    """A chunk object of the latest step cut short (a crash of the disk, not of casstore):
+    the save found it by its key and committed a step whose restore raised CorruptChunkError
+    (an exploratory session's fuzz). Its size is not the manifest's: written again."""
+    root = tmp_path / "repo"
+    state = train_state(1)
+    casstore.save(str(root), 0, state, chunk_size_bytes=CHUNK)
+    ref = next(leaf for leaf in casstore.read_manifest(str(root), 0).leaves
+               if leaf.path == "params/base/embed").chunks[0]
+    path = root / ref.key
+    path.write_bytes(path.read_bytes()[: ref.stored_bytes // 2])
+    info = casstore.save(str(root), 1, state, chunk_size_bytes=CHUNK)
+    assert info.new_chunks == 1
+    assert path.stat().st_size == ref.stored_bytes
+    assert casstore.verify(str(root), 1).ok
+    restored = casstore.restore(str(root), 1)
+    np.testing.assert_array_equal(restored["params"]["base"]["embed"],
+                                  state["params"]["base"]["embed"])
+
+
 def test_a_manager_on_local_disk_writes_again_a_chunk_lost_since_its_last_step(tmp_path):
     """The same through an asynchronous manager, for numpy leaves (their blocks are hashed at
     staging) and jax leaves (handed over by remembered chunk id, without a copy)."""
