@@ -149,17 +149,18 @@ class FallbackStore(Store):
                 good, i = self._from_fallback(key, nbytes=nbytes)
             except FileNotFoundError:
                 return data  # its reader's error names the primary, the one tier with it
-            if _damaged(key, good, self.fallbacks[i].url):
+            try:
+                self._checked(key, good, self.fallbacks[i].url)
+            except UnsupportedFormatError:
+                raise  # a newer format there: not damage, named there
+            except ManifestError as e:
                 urls = ", ".join(t.url for t in [self.primary, self.fallbacks[i]])
-                try:
-                    _check(key, data, self.primary.url)
-                except ManifestError as e:
-                    raise ManifestError(f"{e.message}; damaged in every tier that has it "
-                                        f"({urls})", url=e.url, run=e.run, step=e.step) from e
+                raise ManifestError(f"{e.message}; damaged in every tier that has it "
+                                    f"({urls})", url=self.primary.url, run=e.run,
+                                    step=e.step) from e
             log.warning("casstore: %s of %s is damaged; read another tier's",
                         "the config object" if key == CONFIG_KEY else f"manifest {key}",
                         self.primary.url)
-            self._checked(key, good, self.fallbacks[i].url)
             return good
         return data
 
