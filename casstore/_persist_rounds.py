@@ -125,15 +125,17 @@ class Rounds:
             self.k += got["aborted"]  # a round without posts
             return got["step"], got["known"], set(got["persisted"]), got["aborted"]
 
-    def outcome(self, error: str | None) -> None:
+    def outcome(self, error: str | None, persisted: set[int] | None = None) -> None:
         """Process 0, after :meth:`gather`: the round's outcome, its manifest written (None) or
-        why not."""
-        kv_client().key_value_set_bytes(f"{self.tag}/outcome/{self.k - 1}",
-                                        msgpack.packb({"error": error}))
+        why not, and the steps on the persistent tier after its retention there (None: not
+        known, the others add the step to theirs)."""
+        kv_client().key_value_set_bytes(f"{self.tag}/outcome/{self.k - 1}", msgpack.packb(
+            {"error": error, "persisted": None if persisted is None else sorted(persisted)}))
 
-    def wait_outcome(self) -> str | None:
-        """Another process, after :meth:`post`: process 0's outcome of that round (None: the
-        step is committed), waiting at most the multi-process timeout.
+    def wait_outcome(self) -> tuple[str | None, set[int] | None]:
+        """Another process, after :meth:`post`: process 0's outcome of that round, ``(error,
+        persisted)`` (:meth:`outcome`'s; error None: the step is committed), waiting at most
+        the multi-process timeout.
 
         Raises:
           CasstoreError: process 0 posted none within the timeout.
@@ -144,7 +146,8 @@ class Rounds:
         except Exception as e:  # jax's runtime error for a timeout or a dead coordinator
             raise CasstoreError(f"process 0 posted no outcome of the persist within "
                                 f"{timeout_ms() / 1000:g} s ({e})") from e
-        return msgpack.unpackb(value)["error"]
+        got = msgpack.unpackb(value)
+        return got["error"], None if got["persisted"] is None else set(got["persisted"])
 
     def post(self, present: dict[str, int], info: CopyInfo | None, error: str | None) -> None:
         """Another process: what it sent or found for this round, or its error."""
@@ -238,10 +241,11 @@ def _send_held(rounds: Rounds, local: Store, persistent: Store, run: str, step: 
 def persist_shared(rounds: Rounds, local: Store, persistent: Store, run: str, step: int,
                    present: dict[str, int], known: int | None, persisted: set[int],
                    gate: Callable[[], None], lease: Lease | None = None,
-                   per_host: bool = False) -> CopyInfo:
+                   per_host: bool = False, committed: Callable[[], set[int]] | None = None
+                   ) -> CopyInfo:
     """Process 0's part of a shared persist of ``step`` of ``run`` from ``local`` to
     ``persistent``: a round, its own share, the others' posts, then the manifest (every object
-    in ``present`` by then: no transfer), then the round's outcome.
+    in ``present`` by then: no transfer), ``committed()``, then the round's outcome.
 
     Args:
       present: the objects known to be on the persistent tier; updated with the others'.
@@ -251,10 +255,14 @@ def persist_shared(rounds: Rounds, local: Store, persistent: Store, run: str, st
       per_host: each process reads its own local tier (``local_per_host``): each object is
         sent by one of the processes that hold it (:func:`_send_held`), and an object held
         by none must be on the persistent tier already.
+      committed: runs once the manifest is written (retention there); returns the steps on
+        the persistent tier then, which the outcome tells the others (so their lists drop
+        what retention deleted). If it raises, the outcome still says committed.
 
     Raises:
       what failed: a process's share (CasstoreError naming it), or the manifest's write; the
-        others are told, and nothing is committed.
+        others are told, and nothing is committed. What ``committed`` raised, after the
+        outcome.
     """
     t0 = time.perf_counter()
     rounds.start(step, known, persisted)
@@ -286,7 +294,11 @@ def persist_shared(rounds: Rounds, local: Store, persistent: Store, run: str, st
         with contextlib.suppress(Exception):
             rounds.outcome(f"{type(e).__name__}: {e}")
         raise
-    rounds.outcome(None)
+    persisted_now = None
+    try:
+        persisted_now = committed() if committed else None
+    finally:
+        rounds.outcome(None, persisted_now)
     chunks += own.chunks_copied + last.chunks_copied
     nbytes += own.bytes_copied + last.bytes_copied
     return dataclasses.replace(

@@ -118,6 +118,7 @@ class Persister:
         # (the last persisted step's manifest, its objects): assumed on the persistent tier
         # while that manifest is there (the copy writes the local manifest's bytes as they are)
         self._known: tuple[Manifest | None, dict[str, int]] = (None, {})
+        self._doomed = False  # the last retention deleted steps: GC due
         # step -> (metrics, save time), for retention: a step's manifest there read once; one
         # damaged there, or deleted there by someone else (then forgotten), ranks as new
         self._details = StepDetails(lambda step: read_manifest(persistent, step, run=run),
@@ -325,22 +326,40 @@ class Persister:
             if self.rounds is None:
                 info = copy_selected(self.local, self.persistent, [(self.run, step)], present,
                                      probe=True, gate=self._yielder(), lease=lease)
-            else:
+                self._committed(step, present)
+            else:  # the others learn the steps there after retention (its round's outcome)
                 info = persist_shared(self.rounds, self.local, self.persistent, self.run,
                                       step, present, self._known[0].step if present else None,
                                       self.steps(), self._yielder(), lease,
-                                      self.policy.local_per_host)
+                                      self.policy.local_per_host,
+                                      functools.partial(self._committed, step, present))
         self.persisted[step] = info
+        if self.policy.gc_after_retention:  # outside the save lock, which GC waits for
+            try:
+                self.last_gc_info = self._collect(self._doomed) or self.last_gc_info
+            except Exception as e:
+                raise PersistError(f"step {step} is persisted; GC there then failed: {e!r}",
+                                   step=step, url=self.persistent.url, run=self.run) from e
+
+    def _committed(self, step: int, present: dict[str, int]) -> set[int]:
+        """After ``step``'s manifest is written: notes it, runs retention on the persistent
+        tier (which may delete this very step; GC follows in :meth:`_persist`); returns the
+        steps there.
+
+        Raises:
+          PersistError: retention failed (the step is persisted).
+        """
         self._remote_steps.add(step)
         manifest = read_manifest(self.local, step, run=self.run)
         self._details[step] = manifest_details(manifest)
         known = {k: present[k] for k in needed_objects(manifest) if k in present}
         try:
-            self._retain()  # may drop this very step, and its objects with GC
+            self._doomed = self._retain()
         except Exception as e:
-            raise PersistError(f"step {step} is persisted; retention or GC there then failed: "
+            raise PersistError(f"step {step} is persisted; retention there then failed: "
                                f"{e!r}", step=step, url=self.persistent.url, run=self.run) from e
         self._known = (manifest, known) if step in self._remote_steps else (None, {})
+        return self.steps()
 
     def _still_there(self) -> dict[str, int]:
         """The objects of the last step persisted, if its manifest is still the one on the
@@ -351,17 +370,17 @@ class Persister:
             return {}
         return dict(objects)
 
-    def _retain(self) -> None:
+    def _retain(self) -> bool:
+        """Deletes the persisted steps the persistent policy drops; returns whether any."""
         if (policy := self.policy.preservation_policy) is None:
-            return
+            return False
         self._remote_steps &= set(list_steps(self.persistent, run=self.run))  # others deleted
         doomed = dropped(policy, sorted(self._remote_steps), self._details)
         for step in doomed:
             deleted(self.persistent, step, self.run)  # already gone: the same outcome
             self._remote_steps.discard(step)
             self._details.pop(step, None)
-        if self.policy.gc_after_retention:
-            self.last_gc_info = self._collect(bool(doomed)) or self.last_gc_info
+        return bool(doomed)
 
     def _follow(self) -> None:
         """A process other than 0: sends its share of each step process 0 starts a round for
@@ -390,8 +409,10 @@ class Persister:
                 self.persisted[step] = send_share(self.rounds, self.local, self.persistent,
                                                   self.run, step, known, self._yielder(),
                                                   self.policy.local_per_host)
-                if self.rounds.wait_outcome() is None:  # else process 0 raises it
-                    self._remote_steps.add(step)
+                error, persisted = self.rounds.wait_outcome()
+                if error is None:  # else process 0 raises it
+                    self._remote_steps = self._remote_steps | {step} if persisted is None \
+                        else persisted  # after process 0's retention there
             except BaseException as e:  # it also surfaces here on save()
                 self._fail(e, step)
             finally:
