@@ -24,7 +24,7 @@ import contextlib
 import datetime
 import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -319,6 +319,37 @@ class SaveAgreement:
                 {"error": error, "save": self.save, "details": self.details and [
                     self.details[0], self.details[1].timestamp()], "manifest": sent,
                  "totals": self.totals, "manifest_bytes": self.manifest_bytes}))
+
+    def confirm_copies(self, write: Callable[[], object], withdraw: Callable[[], None]) -> None:
+        """``per_host``, after the commit: writes this process's copy of the manifest (``write``;
+        process 0's is the commit), posts whether it could and waits for every process's post;
+        where one could not (a full disk), all withdraw theirs (``withdraw``): they list alike.
+
+        Raises:
+          CasstoreError: a process could not write its copy, or did not post within
+            :func:`timeout_ms`, naming it and its error (the step is withdrawn everywhere).
+        """
+        failed, client = [], self._client()
+        try:
+            write()
+        except BaseException as e:
+            failed.append(f"process {self.index}: {type(e).__name__}: {e}")
+        client.key_value_set_bytes(f"{self.tag}/copied/{self.index}", msgpack.packb(failed))
+        for p in set(range(self.count)) - {self.index}:
+            try:
+                failed += msgpack.unpackb(self._wait(client, f"{self.tag}/copied/{p}", p,
+                                                     "write its copy of the manifest"))
+            except CasstoreError as e:
+                failed.append(f"process {p}: {e}")
+        if failed:
+            try:
+                withdraw()
+            except Exception as e:  # this process's list then differs until it reopens
+                failed.append(f"process {self.index} could not withdraw its copy: {e!r}")
+            raise CasstoreError(f"not every process could write its copy of the manifest of "
+                                f"step {self.save[1]} (run {self.save[0]!r}) to its local tier,"
+                                " so the step is withdrawn from every process's local tier: "
+                                + "; ".join(failed))
 
     def wait_outcome(self) -> None:
         """Other processes wait for process 0's commit, and take the details it proposed

@@ -36,7 +36,7 @@ from ._locks import refuse_read_only, save_lock
 from ._manifest import Manifest
 from ._multihost import SaveAgreement
 from ._repository import Url, ensure_config, list_runs, still_committed
-from ._save_commit import check_absent, commit, put_manifest_bytes
+from ._save_commit import check_absent, commit, put_manifest_bytes, withdraw_manifest
 from ._save_encode import ChunkWriter, previous_manifest
 from ._save_leaves import Prepared, prepare
 from ._save_plan import Job, plan_jobs
@@ -272,8 +272,11 @@ def write(store: Store, step: int, prepared: Prepared, inline: dict[int, bytes],
                 agreement.manifest = commit(store, step, run, created, prepared, inline,
                                             every_refs)
                 agreement.manifest_bytes = len(agreement.manifest)
-        if agreement.per_host and not agreement.is_primary:  # process 0's manifest, locally
-            put_manifest_bytes(store, run, step, agreement.manifest)
+        if agreement.per_host:  # process 0's manifest on every process's tier, or on none
+            agreement.confirm_copies(
+                lambda: agreement.is_primary or put_manifest_bytes(store, run, step,
+                                                                   agreement.manifest),
+                lambda: withdraw_manifest(store, run, step, agreement.manifest))
     written, new, reused, deltas, saved = agreement.totals or agreement.counts
     manifest_bytes = agreement.manifest_bytes  # written once, or to each tier (per_host)
     written += manifest_bytes * (agreement.count if agreement.per_host else 1)

@@ -10,6 +10,8 @@ others then write its bytes to their own (:func:`put_manifest_bytes`).
 
 from __future__ import annotations
 
+import contextlib
+
 from ._chunking import dtype_name
 from ._errors import CasstoreError, StepAlreadyExistsError
 from ._layout import manifest_key
@@ -77,6 +79,16 @@ def put_manifest_bytes(store: Store, run: str, step: int, data: bytes | None) ->
             f"the local tier {store.url!r} already holds process 0's manifest of step {step} "
             f"(run {run!r}), byte for byte: with local_per_host each process needs a "
             "directory of its own, and this one looks shared with process 0") from e
+
+
+def withdraw_manifest(store: Store, run: str, step: int, data: bytes | None) -> None:
+    """Deletes this tier's manifest of ``step`` of ``run`` if it is ``data``, byte for byte
+    (format.md §8: the step's chunks stay for GC): a ``local_per_host`` save that another
+    process could not copy is withdrawn from every process's tier, so that none lists it."""
+    key = manifest_key(run, step)
+    with contextlib.suppress(FileNotFoundError):  # (another process's, in a shared one)
+        if data is not None and store.head(key, len(data) + 1) == data:
+            store.delete(key)
 
 
 def _put_manifest(store: Store, key: str, manifest: Manifest) -> bytes:

@@ -181,6 +181,37 @@ def test_a_step_deleted_on_every_process_while_it_persists_fails_no_save(tmp_pat
     assert casstore.list_steps(remote) == [0, 4]
 
 
+def test_a_manifest_copy_one_host_cannot_write_withdraws_the_step_on_every_host(
+        tmp_path, object_servers):
+    """Process 1's disk could not take its copy of step 1's manifest: its save failed while
+    process 0's succeeded, so the processes listed different steps (process 0: [0, 1, 2])."""
+    server = object_servers["seaweedfs"]
+    remote = object_store(server)
+    for out in two_hosts(tmp_path, server, remote, "full1"):
+        error = lines(out, "SAVE-ERROR")
+        assert len(error) == 1, out[-3000:]
+        assert error[0].startswith("1 "), error
+        assert "process 1: OSError" in error[0], error
+        assert "No space left" in error[0], error
+        assert "withdrawn from every process" in error[0], error
+        assert lines(out, "LISTED") == ["[0, 2]"], out[-3000:]
+        assert lines(out, "STEPS")[-1] == "[0, 2]", out[-3000:]
+        assert lines(out, "PERSISTED") in (["[0, 2]"], ["[]"]), out[-3000:]
+    assert casstore.list_steps(remote) == [0, 2]
+
+
+def test_every_process_stops_listing_a_step_as_soon_as_persistent_retention_deletes_it(
+        tmp_path, object_servers):
+    """Process 0 runs the persistent tier's retention; the other process listed the steps it
+    deleted there until the next persist round (after step 2's persist: [0, 2])."""
+    server = object_servers["seaweedfs"]
+    remote = object_store(server)
+    for out in two_hosts(tmp_path, server, remote, "retain"):
+        assert lines(out, "REMOTE") == ["0 [0]", "1 [0]", "2 [2]", "3 [2]", "4 [4]"], \
+            out[-3000:]
+    assert casstore.list_steps(remote) == [4]
+
+
 def test_wait_until_persisted_returns_everywhere_when_process_0_fails_before_the_round(
         tmp_path, object_servers):
     """Process 0's persist failed before it started the step's round (the persistent tier

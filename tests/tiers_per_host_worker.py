@@ -15,8 +15,11 @@ then saves steps 3 and 4. MODE ``down``: process 0 cannot write to the persisten
 saves step 0 and prints ``WAITED <wait_until_persisted(timeout_s=12)> <seconds>``. MODE
 ``stages``: saves steps 0 and 1 with a small jax leaf on process 0's devices only and a
 small numpy leaf beside the state, and prints ``STAGES`` and whether step 1 restores
-bit-exact (state, numpy leaf, the jax leaf's shards). Prints
-``STEPS <all_steps()>``, ``LATEST <latest_step()>``,
+bit-exact (state, numpy leaf, the jax leaf's shards). MODE ``full1``: process 1's local
+tier cannot write step 1's manifest (no space); saves steps 0 to 2, printing ``SAVE-ERROR
+<step> <message>`` for step 1's. MODE ``retain``: the persistent tier keeps 1 step; saves
+steps 0 to 4, waits for each persist, and prints ``REMOTE <step> <the persisted steps this
+process lists>``. Prints ``STEPS <all_steps()>``, ``LATEST <latest_step()>``,
 ``RESTORED <step> <bit-exact: True/False> <bytes read from the persistent tier>`` (``WHOLE``:
 step 2 restored whole, as numpy), ``PERSISTED <steps>``, ``SENT <chunks> <bytes>`` (process 0:
 every process's) and ``OK``.
@@ -51,6 +54,15 @@ class SlowManifests(LocalStore):
     def put_if_absent(self, key, data):
         if key.endswith(".manifest"):
             time.sleep(2)
+        return super().put_if_absent(key, data)
+
+
+class FullAtStep1(LocalStore):
+    """Has no space for step 1's manifest (``full1``)."""
+
+    def put_if_absent(self, key, data):
+        if key.endswith("1.manifest"):
+            raise OSError(28, "No space left on device", key)
         return super().put_if_absent(key, data)
 
 
@@ -101,12 +113,15 @@ if mode == "down" and pid == 0:  # process 0 cannot write there: its persists fa
 local = os.path.join(base, f"local-{pid}")
 if mode == "slow1" and pid == 1:
     local = SlowManifests(local)
+if mode == "full1" and pid == 1:
+    local = FullAtStep1(local)
 if mode == "hide":
     local = Hiding(local)
     local.hidden = chunk_key(chunk_id(expected(0)["n"].tobytes()))
     print("HIDDEN", local.hidden, flush=True)
 mngr = casstore.CheckpointManager(local, persistent=persistent, persist_interval_steps=2,
-                                  local_per_host=mode != "plain")
+                                  local_per_host=mode != "plain",
+                                  persistent_max_to_keep=1 if mode == "retain" else None)
 print("STEPS", mngr.all_steps(), flush=True)
 print("LATEST", mngr.latest_step(), flush=True)
 if mode in ("reopen", "look"):
@@ -148,6 +163,19 @@ if mode == "down":  # process 0's persist of step 0 fails before its round
     jax.distributed.shutdown()
     print("OK", flush=True)
     sys.exit(0)
+if mode == "full1":  # step 1 is on no process's list: each raises its save's error
+    for step in range(3):
+        assert mngr.save(step, tree(step))
+        try:
+            mngr.wait_until_finished()
+        except casstore.CasstoreError as e:
+            print("SAVE-ERROR", step, str(e).replace("\n", " "), flush=True)
+    print("LISTED", casstore.list_steps(os.path.join(base, f"local-{pid}")), flush=True)
+if mode == "retain":  # process 0's retention there: every process's list drops the step
+    for step in range(5):
+        assert mngr.save(step, tree(step))
+        assert mngr.wait_until_persisted(timeout_s=60)
+        print("REMOTE", step, sorted(mngr.persister.steps()), flush=True)
 if mode == "delete":  # step 2 deleted on every process right after its save
     for step in range(3):
         assert mngr.save(step, tree(step))
@@ -156,7 +184,8 @@ if mode == "delete":  # step 2 deleted on every process right after its save
     mngr.wait_until_finished()
     mngr.delete(2)
 steps = {"save": range(4), "reopen": range(3, 5), "hide": range(2), "plain": range(1),
-         "slow1": range(2), "look": range(0), "stages": range(0), "delete": range(3, 5)}[mode]
+         "slow1": range(2), "look": range(0), "stages": range(0), "retain": range(0),
+         "full1": range(0), "delete": range(3, 5)}[mode]
 for step in steps:
     assert mngr.save(step, tree(step), force=True)
 try:
