@@ -32,8 +32,8 @@ from typing import Any
 import jax
 
 from ._chunking import INLINE_LIMIT_BYTES, on_host
+from ._coordinator import processes
 from ._known_chunks import remembered, stand_in
-from ._multihost import processes
 
 log = logging.getLogger("casstore")
 

@@ -2,8 +2,8 @@
 
 Save decisions and retention are policies (``_policies``: orbax's ``save_decision_policy`` /
 ``preservation_policy``), preemption notices come from ``_preemption``, each save is written in
-the background by an :class:`~casstore.AsyncCheckpointer`. The manager keeps its run's steps,
-read from the store on construction and :meth:`CheckpointManager.reload` only.
+the background by an :class:`~casstore.AsyncCheckpointer`. The run's steps are listed from the
+store when the manager is made and by :meth:`CheckpointManager.reload`, not on every call.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ from typing import Any
 from ._async_save import AsyncCheckpointer
 from ._chunking import DEFAULT_CHUNK_SIZE_BYTES
 from ._codec import DEFAULT_ZSTD_LEVEL
+from ._coordinator import processes
 from ._errors import StepAlreadyExistsError, StepNotFoundError
 from ._fallback import FallbackStore
 from ._gc import DEFAULT_GRACE_PERIOD_S, RetentionGc
 from ._layout import check_step
-from ._multihost import SaveAgreement, processes
+from ._multihost import SaveAgreement
 from ._policies import (
     DecisionContext,
     PolicyCheckpointInfo,
@@ -58,8 +59,7 @@ class CheckpointManager:
     steps whose metrics score best (``best_mode`` ``"max"`` or ``"min"``), plus the steps
     without metrics if ``keep_checkpoints_without_metrics``; without it the ``max_to_keep``
     latest; steps divisible by ``keep_period`` always. Policies are casstore's classes with
-    orbax's names (``LatestN``, ``BestN``, ``EveryNSteps``, ``FixedIntervalPolicy``, ...),
-    composable with ``|``.
+    orbax's names (``LatestN``, ``BestN``, ``EveryNSteps``, ...), composable with ``|``.
 
     Preemption: :meth:`reached_preemption` tells the loop the job will be stopped (jax's sync
     point; in one process, SIGTERM, with ``PreemptionCheckpointingPolicy()`` in the save

@@ -23,55 +23,20 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
-import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import jax
 import msgpack
 import xxhash
 
+from ._coordinator import get_large, kv_client, posted, processes, set_large, timeout_ms
 from ._errors import CasstoreError
 from ._manifest import ChunkRef
 from .store import Store
 
 _save_counter = itertools.count()  # SPMD: every process calls save() in the same order
 _forgotten = [0]  # saves numbered below this have no key left on the coordinator (process 0)
-
-
-def timeout_ms() -> int:
-    """How long to wait for the other processes: ``CASSTORE_MULTIHOST_TIMEOUT_S`` (default 600)."""
-    return int(float(os.environ.get("CASSTORE_MULTIHOST_TIMEOUT_S", "600")) * 1000)
-
-
-def processes() -> tuple[int, int]:
-    """This process's ``(jax.process_count(), jax.process_index())``, without starting jax's
-    backends where nothing has.
-
-    A process that has not started them and has not called ``jax.distributed.initialize``
-    holds no jax array, so it is one process of one: ``(1, 0)``. Asking jax there would start
-    every backend, on a GPU machine the GPU's client, which by jax's default preallocates 75% of
-    the GPU's memory, in a process that only saves numpy leaves (a data loader, an evaluation
-    on the CPU). A multi-process save needs ``jax.distributed`` anyway (its key-value store:
-    :func:`kv_client`), so a job of several processes without it (a TPU pod whose processes
-    never call it) is refused once its backend has started, as before.
-    """
-    from jax._src import distributed, xla_bridge  # no public way to ask without starting them
-    if distributed.global_state.client is None and not xla_bridge.backends_are_initialized():
-        return 1, 0
-    return jax.process_count(), jax.process_index()
-
-
-def kv_client():
-    """The ``jax.distributed`` coordinator's key-value store client.
-
-    Raises:
-      CasstoreError: ``jax.distributed`` is not initialized.
-    """
-    from jax._src.distributed import global_state  # the only handle on the KV store
-    if global_state.client is None:
-        raise CasstoreError("jax.distributed is not initialized in a multi-process job")
-    return global_state.client
 
 
 class SaveAgreement:
@@ -322,34 +287,39 @@ class SaveAgreement:
 
     def confirm_copies(self, write: Callable[[], object], withdraw: Callable[[], None]) -> None:
         """``per_host``, after the commit: writes this process's copy of the manifest (``write``;
-        process 0's is the commit), posts whether it could and waits for every process's post;
-        where one could not (a full disk), all withdraw theirs (``withdraw``): they list alike.
+        process 0's is the commit) and posts whether it could; process 0 takes every post, at
+        most :func:`timeout_ms` in all, and posts the verdict, which the others wait for (twice
+        that long). Where a copy failed or came late, every process withdraws its own
+        (``withdraw``): they all list the same steps and fail this save alike.
 
         Raises:
-          CasstoreError: a process could not write its copy, or did not post within
-            :func:`timeout_ms`, naming it and its error (the step is withdrawn everywhere).
+          CasstoreError: a process could not write its copy or did not say so in time, naming
+            it and its error (the step is withdrawn everywhere).
         """
         failed, client = [], self._client()
         try:
             write()
         except BaseException as e:
             failed.append(f"process {self.index}: {type(e).__name__}: {e}")
-        client.key_value_set_bytes(f"{self.tag}/copied/{self.index}", msgpack.packb(failed))
-        for p in set(range(self.count)) - {self.index}:
-            try:
-                failed += msgpack.unpackb(self._wait(client, f"{self.tag}/copied/{p}", p,
-                                                     "write its copy of the manifest"))
-            except CasstoreError as e:
-                failed.append(f"process {p}: {e}")
+        if self.is_primary:
+            end = time.monotonic() + timeout_ms() / 1000
+            for p in range(1, self.count):
+                failed += posted(client, f"{self.tag}/copied/{p}", end,
+                                  f"process {p} did not say whether it wrote its copy")
+            client.key_value_set_bytes(f"{self.tag}/verdict", msgpack.packb(failed))
+        else:
+            client.key_value_set_bytes(f"{self.tag}/copied/{self.index}", msgpack.packb(failed))
+            failed += posted(client, f"{self.tag}/verdict", time.monotonic() + 2 * timeout_ms()
+                              / 1000, "process 0 did not say whether every copy is written")
         if failed:
             try:
                 withdraw()
             except Exception as e:  # this process's list then differs until it reopens
                 failed.append(f"process {self.index} could not withdraw its copy: {e!r}")
-            raise CasstoreError(f"not every process could write its copy of the manifest of "
-                                f"step {self.save[1]} (run {self.save[0]!r}) to its local tier,"
-                                " so the step is withdrawn from every process's local tier: "
-                                + "; ".join(failed))
+            raise CasstoreError(f"not every process wrote its copy of the manifest of step "
+                                f"{self.save[1]} (run {self.save[0]!r}) in time, so the step is"
+                                " withdrawn from every process's local tier: "
+                                + "; ".join(dict.fromkeys(failed)))
 
     def wait_outcome(self) -> None:
         """Other processes wait for process 0's commit, and take the details it proposed
@@ -391,35 +361,6 @@ def _same_block(ours: ChunkRef, theirs: ChunkRef, process: int, save: list, path
             f"with other bytes than process 0 (chunk {theirs.id} against {ours.id}; run "
             f"{save[0]!r}, step {save[1]}): with local_per_host every process must save equal "
             "values of each numpy leaf and replica; no manifest written")
-
-
-PART_BYTES = 4 << 20  # a value's part on the coordinator's key-value store
-
-
-def set_large(client, key: str, data: bytes) -> None:
-    """Sets ``data`` on the coordinator's key-value store in parts of at most ``PART_BYTES``
-    (``key/0``, ``key/1``, ..., then their number at ``key/n``): a manifest of many leaves,
-    or the list of a step's objects, is several MiB, and each part is one gRPC message."""
-    count = max(1, -(-len(data) // PART_BYTES))
-    for n in range(count):
-        client.key_value_set_bytes(f"{key}/{n}", data[n * PART_BYTES:(n + 1) * PART_BYTES])
-    client.key_value_set_bytes(f"{key}/n", msgpack.packb(count))
-
-
-def get_large(client, key: str) -> bytes:
-    """The value :func:`set_large` set under ``key``, waiting for it at most
-    :func:`timeout_ms`.
-
-    Raises:
-      CasstoreError: it did not come in time.
-    """
-    try:
-        count = msgpack.unpackb(client.blocking_key_value_get_bytes(f"{key}/n", timeout_ms()))
-        return b"".join(client.blocking_key_value_get_bytes(f"{key}/{n}", timeout_ms())
-                        for n in range(count))
-    except Exception as e:  # jax's runtime error for a timeout or a dead peer
-        raise CasstoreError(f"no value at {key!r} on the coordinator within "
-                            f"{timeout_ms() / 1000:g} s ({e})") from e
 
 
 def _per_process(spread: list[list[str]]) -> list[str]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ._multihost import processes
+from ._coordinator import processes
 
 
 class PolicyCheckpointInfo:

@@ -12,7 +12,7 @@ import signal
 import threading
 from collections.abc import Sequence
 
-from ._multihost import processes
+from ._coordinator import processes
 
 
 def reached_sync_point(step: int) -> bool:

@@ -33,8 +33,8 @@ from ._chunking import (
     start_host_copy,
     unique_shards,
 )
+from ._coordinator import processes
 from ._known_chunks import Members, known, members
-from ._multihost import processes
 from ._save_leaves import ArrayInfo, Prepared
 
 # Shards whose host copies one jax.device_put call starts (async staging without a cap).

@@ -38,6 +38,7 @@ import time
 import weakref
 from collections.abc import Callable
 
+from ._coordinator import processes, timeout_ms
 from ._copy import CopyInfo, copy_selected
 from ._errors import (
     PersistError,
@@ -48,7 +49,6 @@ from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, RetentionGc
 from ._layout import manifest_key
 from ._locks import save_lock
 from ._manifest import Manifest, needed_objects
-from ._multihost import processes, timeout_ms
 from ._persist_rounds import Rounds, persist_shared, send_share
 from ._policies import (
     PreservationPolicy,
@@ -392,7 +392,8 @@ class Persister:
         (:meth:`submit` after its save: it writes the manifest once process 0 committed, when
         process 0 may have started the round already), at most the multi-process timeout."""
         while (got := self.rounds.next_step(lambda: self._closed)) is not None:
-            step, known, self._remote_steps, aborted = got
+            step, known, persisted, aborted = got
+            self._remote_steps = persisted - self._deleted  # (its own delete() may be newer)
             if step is None:
                 break
             if aborted:  # process 0's persist failed before the round: it raises that
@@ -411,8 +412,8 @@ class Persister:
                                                   self.policy.local_per_host)
                 error, persisted = self.rounds.wait_outcome()
                 if error is None:  # else process 0 raises it
-                    self._remote_steps = self._remote_steps | {step} if persisted is None \
-                        else persisted  # after process 0's retention there
+                    self._remote_steps = (self._remote_steps | {step} if persisted is None
+                                          else persisted) - self._deleted  # after retention
             except BaseException as e:  # it also surfaces here on save()
                 self._fail(e, step)
             finally:

@@ -12,9 +12,9 @@ import logging
 
 import xxhash
 
+from ._coordinator import processes
 from ._errors import PersistError, located
 from ._layout import manifest_key
-from ._multihost import processes
 from ._persist_rounds import Rounds
 from ._repository import deleted, list_steps
 from ._tiers import Persister, PersistPolicy

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import casstore  # noqa: E402
-from casstore._multihost import kv_client  # noqa: E402
+from casstore._coordinator import kv_client  # noqa: E402
 from casstore.store import LocalStore  # noqa: E402
 
 if nproc > 1:

@@ -17,9 +17,10 @@ saves step 0 and prints ``WAITED <wait_until_persisted(timeout_s=12)> <seconds>`
 small numpy leaf beside the state, and prints ``STAGES`` and whether step 1 restores
 bit-exact (state, numpy leaf, the jax leaf's shards). MODE ``full1``: process 1's local
 tier cannot write step 1's manifest (no space); saves steps 0 to 2, printing ``SAVE-ERROR
-<step> <message>`` for step 1's. MODE ``retain``: the persistent tier keeps 1 step; saves
-steps 0 to 4, waits for each persist, and prints ``REMOTE <step> <the persisted steps this
-process lists>``. Prints ``STEPS <all_steps()>``, ``LATEST <latest_step()>``,
+<step> <message>`` for step 1's; ``slowcopy`` likewise, process 1's copy of step 1's manifest
+written 9 s late (the multi-process timeout is 6 s). MODE ``retain``: the persistent tier
+keeps 1 step; saves steps 0 to 4, waits for each persist, and prints ``REMOTE <step> <the
+persisted steps this process lists>``. Prints ``STEPS <all_steps()>``, ``LATEST <latest_step()>``,
 ``RESTORED <step> <bit-exact: True/False> <bytes read from the persistent tier>`` (``WHOLE``:
 step 2 restored whole, as numpy), ``PERSISTED <steps>``, ``SENT <chunks> <bytes>`` (process 0:
 every process's) and ``OK``.
@@ -34,6 +35,8 @@ import time
 port, pid, base, url, options, mode = sys.argv[1:]
 pid = int(pid)
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+if mode == "slowcopy":
+    os.environ["CASSTORE_MULTIHOST_TIMEOUT_S"] = "6"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -58,11 +61,13 @@ class SlowManifests(LocalStore):
 
 
 class FullAtStep1(LocalStore):
-    """Has no space for step 1's manifest (``full1``)."""
+    """Has no space for step 1's manifest (``full1``), or writes it 9 s late (``slowcopy``)."""
 
     def put_if_absent(self, key, data):
-        if key.endswith("1.manifest"):
+        if key.endswith("1.manifest") and mode == "full1":
             raise OSError(28, "No space left on device", key)
+        if key.endswith("1.manifest"):
+            time.sleep(9)
         return super().put_if_absent(key, data)
 
 
@@ -113,7 +118,7 @@ if mode == "down" and pid == 0:  # process 0 cannot write there: its persists fa
 local = os.path.join(base, f"local-{pid}")
 if mode == "slow1" and pid == 1:
     local = SlowManifests(local)
-if mode == "full1" and pid == 1:
+if mode in ("full1", "slowcopy") and pid == 1:
     local = FullAtStep1(local)
 if mode == "hide":
     local = Hiding(local)
@@ -163,7 +168,7 @@ if mode == "down":  # process 0's persist of step 0 fails before its round
     jax.distributed.shutdown()
     print("OK", flush=True)
     sys.exit(0)
-if mode == "full1":  # step 1 is on no process's list: each raises its save's error
+if mode in ("full1", "slowcopy"):  # step 1 is on no process's list: each raises its save's error
     for step in range(3):
         assert mngr.save(step, tree(step))
         try:
@@ -185,7 +190,7 @@ if mode == "delete":  # step 2 deleted on every process right after its save
     mngr.delete(2)
 steps = {"save": range(4), "reopen": range(3, 5), "hide": range(2), "plain": range(1),
          "slow1": range(2), "look": range(0), "stages": range(0), "retain": range(0),
-         "full1": range(0), "delete": range(3, 5)}[mode]
+         "full1": range(0), "slowcopy": range(0), "delete": range(3, 5)}[mode]
 for step in steps:
     assert mngr.save(step, tree(step), force=True)
 try:
