@@ -204,8 +204,13 @@ def _check_digest(raw: dict, data: bytes, check: _Check) -> None:
     """Checks the ``digest`` of a manifest that has one (written since 2026-11-28, format.md
     §4.1): the last field, 16 bytes, equal to the xxh3-128 of the bytes before them. Inline
     arrays and scalars live in the manifest, where no chunk id covers them: a flipped bit there
-    would otherwise restore as another value."""
+    would otherwise restore as another value. A last field of 16 bytes under another name is
+    a digest whose name is damaged (the word ``digest`` has no check of its own; no older
+    manifest ends so)."""
     if "digest" not in raw:
+        last = raw[next(reversed(raw))] if raw else None
+        check(not (isinstance(last, bytes) and len(last) == DIGEST_BYTES),
+              "bad digest field (its name is damaged)")
         return
     digest = raw["digest"]
     check(next(reversed(raw)) == "digest" and isinstance(digest, bytes)

@@ -245,3 +245,23 @@ def test_a_newer_manifest_is_counted_and_exits_as_newer_never_as_damage(tmp_path
     casstore.save(store, 3, {"n": 3})
     (tmp_path / "repo" / "runs" / "default" / "steps" / f"{3:016d}.manifest").write_bytes(b"x")
     assert cli("verify").exit_code == 1  # damage as well: 1 wins
+
+
+def test_a_damaged_name_of_the_digest_never_turns_its_check_off(store):
+    """A flipped bit in the word ``digest`` made the manifest read as one written before the
+    digest existed: a second flipped bit, in an inline value, then restored as another value
+    with no error, and verify called it sound (exploratory session's repro)."""
+    casstore.save(store, 7, {"small": np.arange(4, dtype=np.float32)})
+    key = manifest_key("default", 7)
+    data = store.get(key)
+    name = data.rindex(b"digest")
+    value = data.index(np.arange(4, dtype=np.float32).tobytes())
+    for bit in range(6 * 8):
+        damaged = bytearray(data)
+        damaged[name + bit // 8] ^= 1 << bit % 8
+        damaged[value + 5] ^= 0x04  # 1.0 -> 1.0019531
+        store.delete(key)
+        store.put(key, bytes(damaged))
+        with pytest.raises(casstore.ManifestError, match="invalid manifest: (not msgpack|bad d)"):
+            casstore.restore(store, 7)
+        assert not casstore.verify(store).ok
