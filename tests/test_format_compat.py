@@ -262,6 +262,6 @@ def test_a_damaged_name_of_the_digest_never_turns_its_check_off(store):
         damaged[value + 5] ^= 0x04  # 1.0 -> 1.0019531
         store.delete(key)
         store.put(key, bytes(damaged))
-        with pytest.raises(casstore.ManifestError, match="invalid manifest: (not msgpack|bad d)"):
+        with pytest.raises(casstore.ManifestError, match=r"invalid manifest: (not msgpack|bad d)"):
             casstore.restore(store, 7)
         assert not casstore.verify(store).ok
