@@ -288,9 +288,17 @@ def _narrowed(entry: LeafEntry, wanted: Any) -> np.dtype | None:
         return None
     wanted = np.dtype(wanted)
     held = np.dtype(jax.dtypes.canonicalize_dtype(wanted))
-    if held == wanted or np.can_cast(_saved_dtype(entry), held, "safe"):
+    if held == wanted or _fits(entry, held):
         return None
     return held
+
+
+def _fits(entry: LeafEntry, held: np.dtype) -> bool:
+    """Whether a saved leaf's values fit ``held`` exactly: an int scalar by its value (100000
+    fits int32, though numpy's smallest type for it is uint32), else by a safe cast."""
+    if entry.kind == "scalar" and isinstance(entry.value, int) and held.kind in "iu":
+        return np.iinfo(held).min <= entry.value <= np.iinfo(held).max
+    return bool(np.can_cast(_saved_dtype(entry), held, "safe"))
 
 
 def _saved_dtype(entry: LeafEntry) -> np.dtype:

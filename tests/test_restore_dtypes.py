@@ -113,6 +113,25 @@ def test_64_bit_leaves_that_fit_32_bits_need_no_x64():
         casstore.restore(store, 0, target=t)
 
 
+@pytest.mark.parametrize(("value", "wanted"), [
+    (65536, np.int64), (100_000, np.int64), (2**31 - 1, np.int64), (-(2**31), np.int64),
+    (2**32 - 1, np.uint64), (True, np.int64)])
+def test_python_ints_that_fit_32_bits_need_no_x64(value, wanted):
+    """A step counter of 100000 asked for as int64 (x64 off) fits int32: numpy's smallest type
+    for it, uint32, does not cast safely to int32, and such ints were refused on a sharding
+    and returned as numpy without one (exploratory session's repro)."""
+    store = MemoryStore()
+    casstore.save(store, 0, {"step": value, "big": 2**31 if wanted == np.int64 else 2**32})
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    got = casstore.restore(store, 0, target={"step": jax.ShapeDtypeStruct(
+        (), wanted, sharding=sharding)}, partial=True)["step"]
+    assert isinstance(got, jax.Array)
+    assert int(got) == value
+    with pytest.raises(casstore.TargetMismatchError, match=r"(?s)'big'.*jax_enable_x64"):
+        casstore.restore(store, 0, target={"big": jax.ShapeDtypeStruct(
+            (), wanted, sharding=sharding)}, partial=True)
+
+
 def test_python_floats_are_narrowed_by_precision_not_range_without_x64():
     """0.1 needs float64 (min_scalar_type called it float16): numpy, or refused on a sharding;
     0.5 and NaN fit float32 exactly: a jax array."""
