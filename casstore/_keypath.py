@@ -52,14 +52,16 @@ def element_str(key: Any) -> str:
     """The storage form of one jax key-path entry (DictKey, GetAttrKey, SequenceKey, ...).
 
     Raises:
-      TypeError: a dict key that is neither str nor int.
+      TypeError: a dict key that is neither str nor int, or an int beyond a signed 64-bit one.
     """
     if isinstance(key, tu.DictKey):
         k = key.key
         if isinstance(k, str):
             return escape_name(k)
-        if isinstance(k, int) and not isinstance(k, bool):
+        if isinstance(k, int) and not isinstance(k, bool) and -2**63 <= k < 2**63:
             return f"[={k}]"
+        if isinstance(k, int) and not isinstance(k, bool):  # (format.md §4.2)
+            raise TypeError(f"dict key {k} does not fit in a signed 64-bit int")
         raise TypeError(f"dict key {k!r} of type {type(k).__name__} is not str or int")
     if isinstance(key, tu.GetAttrKey):
         return escape_name(key.name)

@@ -127,6 +127,12 @@ def _scalar_entry(path: str, value: Any) -> LeafEntry:
         raise UnsupportedLeafError("int does not fit in 64 bits", key_path=path)
     if kind in (str, bytes) and len(value) > 2**20:
         raise UnsupportedLeafError(f"{kind.__name__} longer than 1 MiB", key_path=path)
+    if kind is str and not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError as e:
+            raise UnsupportedLeafError(f"str is not valid Unicode ({e.reason} at position "
+                                       f"{e.start})", key_path=path) from None
     stored = [float(value.real), float(value.imag)] if kind is complex else kind(value)
     return LeafEntry(path, "scalar", scalar_type=kind.__name__, value=stored)
 

@@ -70,6 +70,26 @@ def test_nul_in_a_key_is_refused(tmp_path):
         casstore.save(tmp_path, 0, {"a\0b": np.ones(1)})
 
 
+@pytest.mark.parametrize(("tree", "message"), [
+    ({"vocab": {2**63: np.ones(3)}}, r"dict key 9223372036854775808 does not fit in a signed "
+                                     r"64-bit int \(key path 'vocab'\)"),
+    ({"meta": {"name": "run-\ud800"}}, r"str is not valid Unicode.*\(key path 'meta/name'\)")])
+def test_a_key_or_str_msgpack_cannot_store_is_refused_naming_its_key_path(tmp_path, tree,
+                                                                           message):
+    """Both raised msgpack's OverflowError / UnicodeEncodeError, naming no key path, and from
+    a manager's background save, after save() had returned True (exploratory session); a key
+    from 2**63 to 2**64 - 1 was saved in a manifest that no reader takes (format.md §4.2)."""
+    with pytest.raises(casstore.UnsupportedLeafError, match=message):
+        casstore.save(tmp_path, 0, tree)
+    with casstore.CheckpointManager(tmp_path / "m") as mngr, pytest.raises(
+            casstore.UnsupportedLeafError, match=message):
+        mngr.save(0, tree)
+    assert casstore.list_steps(tmp_path) == []
+    casstore.save(tmp_path, 0, {"vocab": {-2**63: np.ones(3), 2**63 - 1: np.ones(3)},
+                                "name": "run-\u00e9"})
+    assert list(casstore.restore(tmp_path, 0)["vocab"]) == [-2**63, 2**63 - 1]
+
+
 def test_saved_paths_match_jax_key_paths(tmp_path):
     tree = {"a": [np.ones(2), {"b": np.zeros(3)}], "z": (np.ones(1),), "i": {3: np.ones(1)}}
     casstore.save(tmp_path, 0, tree)
