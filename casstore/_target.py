@@ -123,7 +123,7 @@ def match_target(manifest: Manifest, flat: list, store: Store, *, paths, partial
             missing.append((path, "not in the checkpoint" if not fill_missing else
                             f"not in the checkpoint, and the target leaf ({type(t).__name__}) "
                             "is abstract: fill_missing needs a concrete array or scalar"))
-        elif (problem := _compatibility_problem(manifest.leaves[i], t, strict)
+        elif (problem := _compatibility_problem(manifest.leaves[i], t := _struct_of(t), strict)
               or (t := _on_concrete_mesh(t))[1]) is not None:
             mismatched.append((path, problem))
         else:
@@ -135,6 +135,18 @@ def match_target(manifest: Manifest, flat: list, store: Store, *, paths, partial
     if missing or extra or mismatched:
         raise _mismatch_report(manifest, store, missing, extra, mismatched)
     return plan
+
+
+def _struct_of(t: Any) -> Any:
+    """A ``jax.core.ShapedArray`` target leaf (what ``jax.typeof(x)`` gives) as the
+    ``jax.ShapeDtypeStruct`` of its fields, without its sharding where that names no mesh axes
+    (its mesh is empty); any other leaf as it is."""
+    if not isinstance(t, jax.core.ShapedArray):
+        return t
+    sharding = getattr(t, "sharding", None)
+    if sharding is not None and getattr(getattr(sharding, "mesh", None), "empty", True):
+        sharding = None
+    return jax.ShapeDtypeStruct(t.shape, t.dtype, weak_type=t.weak_type, sharding=sharding)
 
 
 def _on_concrete_mesh(t: Any) -> tuple[Any, str | None]:

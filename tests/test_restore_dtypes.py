@@ -472,3 +472,15 @@ def test_nan_and_infinities_keep_their_value_where_the_target_has_them():
     got = casstore.restore(store, 0, target={"f8": np.zeros(3, np.float16)}, partial=True)
     assert got["f8"].tolist()[:2] == [1.0, -2.0]
     assert np.isnan(got["f8"][2])
+
+
+def test_a_shaped_array_target_leaf_restores_as_a_shape_dtype_struct():
+    """``jax.typeof(x)`` gives a ShapedArray whose sharding is on an empty AbstractMesh: it was
+    refused with advice about jax.set_mesh that did not help (exploratory session)."""
+    store = MemoryStore()
+    x = jnp.arange(8, dtype=jnp.float32)
+    casstore.save(store, 0, {"a": x})
+    got = casstore.restore(store, 0, target={"a": jax.typeof(x)})["a"]
+    assert isinstance(got, jax.Array)
+    assert got.dtype == jnp.float32
+    assert np.asarray(got).tobytes() == np.asarray(x).tobytes()
