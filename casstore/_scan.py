@@ -19,7 +19,7 @@ from ._errors import (
     UnsupportedFormatError,
 )
 from ._format import READER_VERSION
-from ._layout import RUNS_PREFIX, parse_manifest_key
+from ._layout import RUNS_PREFIX, manifest_key, parse_manifest_key
 from ._manifest import Manifest
 from ._pool import bounded_map
 from ._repository import Url, check_config, read_decoded
@@ -145,8 +145,13 @@ def _read(store: Store, parsed: tuple[str, int], size: int) -> Manifest | Proble
         return read_decoded(store, run, step, size)[1]
     except STORE_FAILURES:
         raise
-    except FileNotFoundError:
-        return None
+    except FileNotFoundError as e:  # deleted since, unless still listed (a FIFO, a dead link)
+        key = manifest_key(run, step)
+        if not any(info.key == key for info in store.list(key)):
+            return None
+        return manifest_problem(run, step, ManifestError(
+            f"listed, but no object that reads (not a regular file?): {e}", url=store.url,
+            run=run, step=step))
     except (CasstoreError, ValueError) as e:
         return manifest_problem(run, step, e)
 

@@ -485,3 +485,31 @@ def test_an_oversized_chunk_or_delta_object_in_memory_is_corrupt_and_read_bounde
         casstore.restore(store, step)
     assert info.value.key_path == "w"
     assert store.largest < 1 << 20
+
+
+@pytest.mark.parametrize("kind", ["dangling link", "fifo"])
+def test_a_manifest_that_is_no_regular_file_is_damage_and_gc_keeps_its_chunks(tmp_path, kind):
+    """A manifest replaced by a link to an unmounted volume, or by a FIFO: ls and verify left
+    its step out (exit 0), and gc deleted the step's chunks, lost when the volume came back
+    (exploratory session's repro)."""
+    casstore.save(tmp_path, 0, {"w": np.zeros(1000, np.float32)})
+    casstore.save(tmp_path, 1, {"w": np.ones(1000, np.float32)})
+    path = tmp_path / manifest_key("default", 1)
+    kept = path.read_bytes()
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        os.symlink(tmp_path / "elsewhere", path)
+    chunks = sorted(p.name for p in (tmp_path / "chunks").rglob("*") if p.is_file())
+    assert casstore.list_steps(tmp_path) == [0, 1]
+    report = casstore.verify(tmp_path)
+    assert not report.ok
+    assert [(p.kind, p.step) for p in report.problems] == [("manifest", 1)]
+    assert "no object that reads" in report.problems[0].message
+    with pytest.raises(casstore.ManifestError, match=r"gc refused.*default@1"):
+        casstore.gc(tmp_path, grace_period_s=0)
+    assert sorted(p.name for p in (tmp_path / "chunks").rglob("*") if p.is_file()) == chunks
+    path.unlink()
+    path.write_bytes(kept)  # the volume came back: the step restores
+    assert casstore.restore(tmp_path, 1)["w"].tolist() == [1.0] * 1000

@@ -169,10 +169,12 @@ class LocalStore(Store):
                 key = name if rel == "." else f"{rel}/{name}"
                 if name.startswith(".") or not key.startswith(prefix):
                     continue
-                try:
-                    st = os.stat(os.path.join(dirpath, name))
-                except FileNotFoundError:  # deleted while listing
-                    continue
+                try:  # a name that is no regular file (a FIFO, a link to nothing) is listed
+                    st = os.lstat(os.path.join(dirpath, name))  # too: a reader names it
+                    st = os.stat(os.path.join(dirpath, name)) if stat.S_ISLNK(st.st_mode) else st
+                except FileNotFoundError:  # deleted while listing, or a link to nothing
+                    if not os.path.lexists(os.path.join(dirpath, name)):
+                        continue
                 yield ObjectInfo(key, st.st_size, st.st_mtime)
 
     def _put(self, key: str, data: bytes | memoryview, *, exclusive: bool) -> None:
