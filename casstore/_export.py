@@ -89,7 +89,7 @@ def export_tensors(url: Url, step: int | None, out: str | os.PathLike, *, run: s
         dtype the format cannot hold (names it and suggests ``dtype``), or whose values
         overflow ``dtype``. TypeError: ``paths`` or ``exclude`` is one string, not a list.
     """
-    from ._keypath import matches
+    from ._keypath import prefix_matcher
     from ._restore import restore
     from ._tensorfile import file_array, write_tensors
 
@@ -98,8 +98,9 @@ def export_tensors(url: Url, step: int | None, out: str | os.PathLike, *, run: s
     as_dtype = _float_dtype(dtype)
     store = open_store(url)
     manifest = read_manifest(store, step, run=run)
-    chosen = [leaf for leaf in manifest.leaves if matches(leaf.path, paths or None)
-              and not (exclude and matches(leaf.path, exclude))]
+    chosen_by, excluded_by = prefix_matcher(paths or None), prefix_matcher(exclude or [])
+    chosen = [leaf for leaf in manifest.leaves
+              if chosen_by(leaf.path) and not (exclude and excluded_by(leaf.path))]
     skipped = tuple((leaf.path, f"a {leaf.scalar_type} leaf") for leaf in chosen
                     if leaf.kind == "scalar" and leaf.scalar_type in ("str", "bytes"))
     wanted = [leaf.path for leaf in chosen if leaf.path not in dict(skipped)]

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 
 from ._fallback import log_tiers, with_fallback
-from ._keypath import matches, unflatten_plain
+from ._keypath import prefix_matcher, unflatten_plain, unmatched
 from ._known_chunks import remember_restored
 from ._manifest import Manifest
 from ._place import off_host, place, plain_value, saved_dtype
@@ -136,8 +136,7 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
     if target is None:
         if transforms is not None or fill_missing:
             raise ValueError("transforms and fill_missing need a target")
-        selected = [i for i, leaf in enumerate(manifest.leaves) if matches(leaf.path, paths)]
-        _check_paths_found(manifest, paths, selected, store)
+        selected = _selected(manifest, paths, store)
         arrays = [i for i in selected if manifest.leaves[i].kind == "array"]
         regions = read_regions(store, manifest, {i: regions_for(manifest.leaves[i], None)
                                                  for i in arrays}, workers)
@@ -181,12 +180,18 @@ def _saved_sharding_target(manifest: Manifest, paths, store: Store, sharding: An
     if sharding != "saved" or target is not None:
         raise ValueError(f"sharding must be None or 'saved' without a target, got {sharding!r}"
                          + (" with a target" if target is not None else ""))
-    selected = [i for i, leaf in enumerate(manifest.leaves) if matches(leaf.path, paths)]
-    _check_paths_found(manifest, paths, selected, store)
+    selected = _selected(manifest, paths, store)
     return saved_target(manifest, None if paths is None else set(selected), store)
 
 
-def _check_paths_found(manifest: Manifest, paths, selected: list[int], store: Store) -> None:
-    for p in paths or ():
-        if not any(matches(manifest.leaves[i].path, [p]) for i in selected):
-            raise mismatch("no leaf matches the requested path", manifest, store, p)
+def _selected(manifest: Manifest, paths, store: Store) -> list[int]:
+    """The indices of the saved leaves ``paths`` selects (all for None).
+
+    Raises:
+      TargetMismatchError: a path selects no leaf, naming it.
+    """
+    match = prefix_matcher(paths)
+    selected = [i for i, leaf in enumerate(manifest.leaves) if match(leaf.path)]
+    for p in unmatched(paths, (manifest.leaves[i].path for i in selected))[:1]:
+        raise mismatch("no leaf matches the requested path", manifest, store, p)
+    return selected

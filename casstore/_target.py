@@ -19,7 +19,7 @@ import numpy as np
 
 from ._chunking import dtype_from_name, dtype_name
 from ._errors import TargetMismatchError
-from ._keypath import SCALAR_TYPES, matches, path_str
+from ._keypath import SCALAR_TYPES, path_str, prefix_matcher, unmatched
 from ._manifest import LeafEntry, Manifest
 from .store import Store
 
@@ -102,10 +102,10 @@ def match_target(manifest: Manifest, flat: list, store: Store, *, paths, partial
       TargetMismatchError: every missing, extra and mismatched key path in one error; no chunk
         is read before the whole target matches.
     """
-    for p in paths or ():  # a typo would return the target as it is, abstract leaves and all
-        if not any(matches(path_str(keys), [p]) for keys, _ in flat):
-            raise mismatch("no leaf of the target matches the requested path", manifest, store,
-                           p)
+    # a typo would return the target as it is, abstract leaves and all
+    for p in unmatched(paths, (path_str(keys) for keys, _ in flat))[:1]:
+        raise mismatch("no leaf of the target matches the requested path", manifest, store, p)
+    selects = prefix_matcher(paths)
     by_path = _saved_by_target_path(manifest, transforms, store)
     plan: list[tuple[Any, int | None]] = []
     missing: list[tuple[str, str]] = []
@@ -117,7 +117,7 @@ def match_target(manifest: Manifest, flat: list, store: Store, *, paths, partial
         if t is PLACEHOLDER:
             plan.append((t, None))
             skipped.append(path)
-        elif not matches(path, paths) or (i is None and fill_missing and is_concrete(t)):
+        elif not selects(path) or (i is None and fill_missing and is_concrete(t)):
             plan.append((t, None))
         elif i is None:
             missing.append((path, "not in the checkpoint" if not fill_missing else
@@ -129,9 +129,9 @@ def match_target(manifest: Manifest, flat: list, store: Store, *, paths, partial
         else:
             plan.append((t[0], i))
     used = {i for _, i in plan if i is not None} | {by_path[p] for p, _ in mismatched}
+    skips = prefix_matcher(skipped)
     extra = [] if partial else [(manifest.leaves[i].path, p) for p, i in by_path.items()
-                                if i not in used and matches(p, paths)
-                                and not matches(p, skipped)]
+                                if i not in used and selects(p) and not skips(p)]
     if missing or extra or mismatched:
         raise _mismatch_report(manifest, store, missing, extra, mismatched)
     return plan
