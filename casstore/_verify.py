@@ -18,7 +18,7 @@ from collections.abc import Callable
 from ._codec import HEADER, MAX_RAW_LENGTH
 from ._delta import DeltaBases, read_again
 from ._errors import CasstoreError, CorruptChunkError, ManifestError, UnsupportedFormatError
-from ._layout import CONFIG_KEY, chunk_key, manifest_key
+from ._layout import CONFIG_KEY, check_step, chunk_key, manifest_key
 from ._manifest import ChunkRef, Manifest
 from ._pool import bounded_map
 from ._repository import Url, check_config, list_chunk_objects, run_names
@@ -122,8 +122,10 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
     Raises:
       StoreTimeoutError, StoreUnreachableError, AccessDeniedError: the store did not
         answer or refused (not reported as damage).
+      ValueError: ``step`` is not a non-negative int (as every other function refuses it).
     """
     t0 = time.perf_counter()
+    step = None if step is None else check_step(step)
     store = open_store(url)
     config = _config_problem(store, run, step)
     if config is not None and config.kind != CONFIG:  # a newer format, or no repository

@@ -711,6 +711,18 @@ def test_gcs_credentials_google_auth_cannot_find_exit_as_refused_access():
         assert "check the credentials" in _app.describe(error)
 
 
+def test_a_read_only_filesystem_exits_as_refused_access():
+    """gc, import, copy and rm into a repository on a read-only mount exited 2 ("usage or
+    input error") with EROFS (exploratory session's repro); exit 12 means a store that refuses
+    writes (``EXIT_CODES``), as EACCES does."""
+    import errno
+
+    from casstore.cli import _app
+    error = OSError(errno.EROFS, "Read-only file system", "/mnt/ckpt/chunks/ab")
+    assert _app.exit_code_of(error) == cli.EXIT_ACCESS_DENIED
+    assert _app.exit_code_of(OSError(errno.EIO, "I/O error")) == cli.EXIT_USAGE
+
+
 def test_copy_and_repair_refuse_storage_options_no_path_takes(repo, tmp_path):
     for command in ("copy", "repair"):
         result = run(command, repo, tmp_path / f"{command}-dst", "-o", "anon=true", code=2)

@@ -513,3 +513,13 @@ def test_a_manifest_that_is_no_regular_file_is_damage_and_gc_keeps_its_chunks(tm
     path.unlink()
     path.write_bytes(kept)  # the volume came back: the step restores
     assert casstore.restore(tmp_path, 1)["w"].tolist() == [1.0] * 1000
+
+
+@pytest.mark.parametrize("step", [True, 1.0, -1, 2.5, "1"])
+def test_verify_refuses_a_step_every_other_function_refuses(tmp_path, step):
+    """verify(url, True) and verify(url, 1.0) checked step 1; -1 and 2.5 gave a "no such
+    step" problem (exploratory session)."""
+    casstore.save(tmp_path, 1, {"w": np.ones(3)})
+    with pytest.raises(ValueError, match="invalid step"):
+        casstore.verify(tmp_path, step)
+    assert casstore.verify(tmp_path, np.int64(1)).ok

@@ -4,6 +4,7 @@ API only, imported on first use so ``casstore --help`` does not import jax."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -73,7 +74,8 @@ def exit_code_of(e: BaseException) -> int:
         return EXIT_BUSY
     if isinstance(e, casstore.UnsupportedFormatError):
         return EXIT_NEWER
-    if isinstance(e, PermissionError) or type(e).__name__ in _NO_CREDENTIALS:
+    if (isinstance(e, PermissionError) or type(e).__name__ in _NO_CREDENTIALS
+            or getattr(e, "errno", None) == errno.EROFS):  # a read-only filesystem too
         return EXIT_ACCESS_DENIED  # AccessDeniedError, ReadOnlyStoreError, no credentials
     if isinstance(e, (casstore.ManifestError, casstore.CorruptChunkError,
                       casstore.MissingChunkError)):
