@@ -258,7 +258,35 @@ def test_cat_prints_metadata_with_bytes_and_keys_other_than_str(tmp_path):
                   metadata={"blob": b"\0\1", "e": {1: "a", 2.5: "b", b"k": None}})
     out = json.loads(run("cat", tmp_path, 0).stdout)
     assert out["metadata"] == {"blob": {"base64": "AAE="},
-                               "e": {"1": "a", "2.5": "b", "base64:aw==": None}}
+                               "e": {"map": [[1, "a"], [2.5, "b"], [{"base64": "aw=="}, None]]}}
+
+
+def test_cat_keeps_every_metadata_entry_when_keys_render_alike(tmp_path):
+    """int 1 and str "1" both printed as the JSON key "1" (a parser keeps one), and the bytes
+    key b"x" as "base64:eA==", the text of another str key: a map with a key other than str
+    prints as {"map": [[key, value], ...]} with typed keys; a str-keyed map as before, unless
+    its one key is "base64" or "map" (it would read as bytes or as such a map)."""
+    meta = {1: "int", "1": "str", b"x": "bytes", "base64:eA==": "lookalike",
+            "plain": {"a": [1, b"\1"]}, "like": {"base64": "eA=="}, "blob": b"x",
+            "tag": {"map": []}, "odd": {None: 0, True: 1, 2.5: 2}}
+    casstore.save(tmp_path, 0, {"w": np.ones(2)}, metadata=meta)
+    assert casstore.read_manifest(tmp_path, 0).metadata == meta
+    text = run("cat", tmp_path, 0).stdout
+
+    def unique(pairs):
+        keys = [k for k, _ in pairs]
+        assert len(keys) == len(set(keys)), keys  # no JSON key printed twice
+        return dict(pairs)
+
+    out = json.loads(text, object_pairs_hook=unique)
+    assert out["metadata"] == {"map": [
+        [1, "int"], ["1", "str"], [{"base64": "eA=="}, "bytes"], ["base64:eA==", "lookalike"],
+        ["plain", {"a": [1, {"base64": "AQ=="}]}], ["like", {"map": [["base64", "eA=="]]}],
+        ["blob", {"base64": "eA=="}], ["tag", {"map": [["map", []]]}],
+        ["odd", {"map": [[None, 0], [True, 1], [2.5, 2]]}]]}
+    casstore.save(tmp_path, 1, {"w": np.ones(2)}, metadata={"lr": 0.1, "m": {"a": b"x"}})
+    assert json.loads(run("cat", tmp_path, 1).stdout)["metadata"] == {  # str keys: as before
+        "lr": 0.1, "m": {"a": {"base64": "eA=="}}}
 
 
 def test_json_output_is_strict_json_with_nan_and_infinity_as_strings(tmp_path):

@@ -53,7 +53,10 @@ def rows_of(items: Any) -> list[dict]:
 def emit_json(obj: Any, *, versioned: bool = True) -> None:
     """Prints ``obj`` as JSON (RFC 8259); a dict gets ``schema_version`` first. Bytes print as
     ``{"base64": ...}``, and a float NaN or infinity (a diverged loss) as the string ``"NaN"``,
-    ``"Infinity"`` or ``"-Infinity"``, which strict parsers accept."""
+    ``"Infinity"`` or ``"-Infinity"``, which strict parsers accept. A map with a key other than
+    str (user metadata may have int, float, bool, nil and bytes keys), or whose one key is
+    ``"base64"`` or ``"map"``, prints as ``{"map": [[key, value], ...]}``, its keys typed as
+    values are: JSON keys are str, so ``1`` and ``"1"`` would print as one key twice."""
     if versioned and isinstance(obj, dict):
         obj = {"schema_version": JSON_SCHEMA_VERSION, **obj}
 
@@ -69,13 +72,18 @@ def emit_json(obj: Any, *, versioned: bool = True) -> None:
         console.on_broken_pipe()
 
 
+_TAGS = {"base64", "map"}  # the one key of a JSON object that stands for bytes or a map
+
+
 def _finite(obj: Any) -> Any:
-    """``obj`` with every non-finite float replaced by its JSON5 name, as a string."""
+    """``obj`` with every non-finite float replaced by its JSON5 name, as a string, and every
+    map that JSON object keys cannot tell apart as ``{"map": [[key, value], ...]}``."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return "NaN" if math.isnan(obj) else "Infinity" if obj > 0 else "-Infinity"
-    if isinstance(obj, dict):  # a bytes key (metadata may have one) as its base64 text
-        return {f"base64:{base64.b64encode(k).decode()}" if isinstance(k, bytes) else k:
-                _finite(v) for k, v in obj.items()}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj) and not (len(obj) == 1 and set(obj) & _TAGS):
+            return {k: _finite(v) for k, v in obj.items()}
+        return {"map": [[_finite(k), _finite(v)] for k, v in obj.items()]}
     if isinstance(obj, list | tuple):
         return [_finite(v) for v in obj]
     return obj

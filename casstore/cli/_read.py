@@ -281,7 +281,10 @@ def cat_command(url: str, step: int | str, run: str, options: dict) -> None:
     """Prints the decoded manifest of STEP as JSON (format.md §4; bytes as base64).
 
     Its output is the manifest itself, so it carries no schema_version (format.md
-    versions it).
+    versions it). Bytes print as {"base64": TEXT}. A map with a key other than str
+    (metadata may have int, float, bool, null and bytes keys), or whose one key is
+    "base64" or "map", prints as {"map": [[KEY, VALUE], ...]}, each key typed as a
+    value is (1 and "1" stay two entries); other maps print as JSON objects.
 
     \b
     Examples:
