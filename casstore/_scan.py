@@ -43,7 +43,7 @@ class Problem:
     Attributes:
       run, step: the step at fault (a damaged manifest, or an object only it needs), or
         None for an object several steps need (see ``needed_by``).
-      key_path: a key path that needs the object, or None.
+      key_path: a key path that needs the object (the first of ``key_paths``), or None.
       chunk_id: the chunk at fault, or None for a manifest.
       message: what is wrong, one line.
       kind: ``"missing"``, ``"corrupt"``, ``"manifest"``, ``"config"`` (the repository's
@@ -52,6 +52,9 @@ class Problem:
         this casstore: upgrade, the data is not damaged) or ``"not found"``.
       needed_by: ``(run, step)`` of every checked step that needs the object, sorted.
       key: the damaged object's store key (format.md §2), or None for a manifest.
+      key_paths: every key path that needs the object, in the checked steps' leaf order: the
+        members of a pack chunk (format.md §3.4), leaves of equal bytes, the leaves whose
+        delta chunks need a base; ``(key_path,)`` when only that one is known, else empty.
     """
 
     run: str | None
@@ -62,10 +65,21 @@ class Problem:
     kind: str = CORRUPT
     needed_by: tuple[tuple[str, int], ...] = ()
     key: str | None = None
+    key_paths: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.key_paths and self.key_path is not None:
+            object.__setattr__(self, "key_paths", (self.key_path,))
 
     def __str__(self) -> str:
-        where = ", ".join(f"{k} {v!r}" for k, v in (("run", self.run), ("step", self.step), (
-            "key path", self.key_path), ("chunk", self.chunk_id)) if v is not None)
+        named = [f"{k} {v!r}" for k, v in (("run", self.run), ("step", self.step)) if v is not None]
+        if len(self.key_paths) > 1:  # one --exclude each recovers the rest (docs/recovery.md)
+            named.append("key paths " + ", ".join(map(repr, self.key_paths)))
+        elif self.key_path is not None:
+            named.append(f"key path {self.key_path!r}")
+        if self.chunk_id is not None:
+            named.append(f"chunk {self.chunk_id!r}")
+        where = ", ".join(named)
         if self.needed_by:
             where += ("; " if where else "") + "needed by " + ", ".join(
                 f"{r}@{s}" for r, s in self.needed_by)

@@ -194,7 +194,8 @@ def _config_problem(store: Store, run: str | None = None, step: int | None = Non
 @dataclasses.dataclass(slots=True)
 class _Users:
     """Who needs one object: a ref that reads it (None for a base no step references whole),
-    the first key path that needs it, and every (run, step) that does."""
+    the first key path that needs it, and every (run, step) and key path that do (the
+    members of a pack chunk, format.md §3.4: each needs an --exclude of its own)."""
 
     ref: ChunkRef | None
     key_path: str
@@ -202,6 +203,7 @@ class _Users:
     chunk_id: str
     # the raw lengths the refs give, and the steps that give each
     lengths: dict[int, set[tuple[str, int]]] = dataclasses.field(default_factory=dict)
+    key_paths: dict[str, None] = dataclasses.field(default_factory=dict)  # in leaf order
 
 
 def _users(manifests: tuple[Manifest, ...]) -> dict[str, _Users]:
@@ -217,6 +219,7 @@ def _users(manifests: tuple[Manifest, ...]) -> dict[str, _Users]:
                     u = users.setdefault(key, _Users(reader, leaf.path, set(), cid))
                     u.ref = u.ref or reader
                     u.steps.add((m.run, m.step))
+                    u.key_paths[leaf.path] = None
                     # a base has its deltas' raw length
                     u.lengths.setdefault(ref.raw_bytes, set()).add((m.run, m.step))
     return users
@@ -246,7 +249,7 @@ def _problem(key: str, u: _Users, message: str, kind: str) -> Problem:
     """The one problem of object ``key``; run and step are set where only one step needs it."""
     run, step = next(iter(u.steps)) if len(u.steps) == 1 else (None, None)
     return Problem(run, step, u.key_path, u.chunk_id, message, kind, tuple(sorted(u.steps)),
-                   key)
+                   key, tuple(u.key_paths))
 
 
 def _read_all(store: Store, users: dict[str, _Users], keys: list[str], max_workers: int | None,

@@ -334,6 +334,29 @@ def test_verify_exit_codes_and_json(repo):
         "chunk missing")
 
 
+def test_verify_names_every_key_path_of_a_damaged_pack_so_one_export_excludes_them(tmp_path):
+    """A pack chunk holds several small leaves (format.md §3.4): verify named one of them, so
+    the recovery (export --exclude each damaged key path) failed once per other member."""
+    url = str(tmp_path / "r")
+    small = [np.full(1000, i, np.float32) for i in range(3)]
+    casstore.save(url, 0, {"a": small[0], "b": {"c": small[1]}, "d": small[2],
+                           "big": np.ones(100_000, np.float32)})
+    leaves = casstore.read_manifest(url, 0).leaves
+    (pack,) = {leaf.chunks[0].id for leaf in leaves if leaf.path != "big"}
+    victim = pathlib.Path(url) / "chunks" / pack[:2] / pack[2:]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 1
+    victim.write_bytes(bytes(data))
+    (problem,) = casstore.verify(url).problems
+    assert (problem.key_path, problem.key_paths) == ("a", ("a", "b/c", "d"))
+    assert "key paths 'a', 'b/c', 'd'" in run("verify", url, code=1).stdout
+    (found,) = run_json("verify", url, code=1)["problems"]
+    assert (found["key_path"], found["key_paths"]) == ("a", ["a", "b/c", "d"])
+    out = tmp_path / "out.npz"
+    run("export", url, 0, out, *[a for k in found["key_paths"] for a in ("--exclude", k)])
+    assert list(np.load(out)) == ["big"]
+
+
 def test_gc_and_rm(repo):
     result = run("rm", repo, 0, 1)
     assert "deleted run 'default' step 1" in result.stdout
