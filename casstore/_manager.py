@@ -273,7 +273,7 @@ class CheckpointManager:
                     raise StepAlreadyExistsError("step already exists", url=self.store.url,
                                                  run=self.run, step=step)
             self._saving, metrics = step, snapshot(metrics, "metrics")  # the caller may change it
-            agreement.propose(metrics, utc_now())  # every process ranks by process 0's
+            agreement.propose(metrics, utc_now(), self.persister and self.persister.pending)
             self._saver._start(step, tree, {"metrics": metrics, "user": metadata},
                               previous_step=self._steps[-1] if self._steps else None,
                               then=lambda _: self._committed(step, *agreement.agreed()),
@@ -287,12 +287,12 @@ class CheckpointManager:
         self.last_save_blocking_s = time.perf_counter() - t0  # a synchronous save's included
         return True
 
-    def _committed(self, step: int, metrics: Any, started: datetime.datetime) -> None:
+    def _committed(self, step: int, metrics: Any, started: datetime.datetime, pending) -> None:
         """After the commit, on the background thread: the step list, retention and GC."""
         self._steps = sorted({*self._steps, step})
         self._details[step] = (metrics, started)
-        if self.persister is not None:  # queued on process 0, noted on the others
-            self.persister.submit(step)
+        if self.persister is not None:  # queued on process 0, noted on the others (pending:
+            self.persister.submit(step, pending)  # process 0's pending persists, there)
         try:  # retention (:meth:`_deletes`; every process forgets): pending persists stay
             doomed = retain(self.store, self.run, self.preservation_policy, self._steps,
                             self._details, self.persister.pending() if self.persister else set(),

@@ -24,7 +24,7 @@ import contextlib
 import datetime
 import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import msgpack
@@ -67,6 +67,8 @@ class SaveAgreement:
         self.counts: list[int] = [0] * 5
         self.totals: list[int] | None = None
         self.manifest_bytes = 0  # process 0's manifest, as it posts it with the outcome
+        self.pending_of: Callable[[], Collection[int]] | None = None  # propose()
+        self.pending: list[int] | None = None  # process 0's pending persists, as posted
 
     @property
     def is_primary(self) -> bool:
@@ -84,15 +86,18 @@ class SaveAgreement:
         # global array; a per-process one (jnp.asarray(0) on each) is spread on some only
         self.spread = sorted(paths[i] for i, a in arrays.items() if a.is_jax and a.spread)
 
-    def propose(self, metrics: Any, started: datetime.datetime) -> None:
-        """A manager's save: its ``metrics`` and save time. Process 0 posts its own with the
-        outcome and the others take them (:meth:`agreed`), so every process ranks and ages
-        the step alike even where the metrics each process computed differ."""
-        self.details = (metrics, started)
+    def propose(self, metrics: Any, started: datetime.datetime,
+                pending_of: Callable[[], Collection[int]] | None = None) -> None:
+        """A manager's save: its ``metrics``, save time and (with a persistent tier) how to
+        read its pending persists. Process 0 posts its own with the outcome and the others
+        take them (:meth:`agreed`), so every process ranks and ages the step alike even where
+        the metrics each process computed differ, and retains what process 0 may persist."""
+        self.details, self.pending_of = (metrics, started), pending_of
 
-    def agreed(self) -> tuple[Any, datetime.datetime]:
-        """The committed save's metrics and save time (UTC): process 0's, after the commit."""
-        return self.details
+    def agreed(self) -> tuple[Any, datetime.datetime, list[int] | None]:
+        """The committed save's metrics, save time (UTC) and pending persists: process 0's,
+        after the commit (the pending ones None on process 0, which has its own)."""
+        return (*self.details, self.pending)
 
     def _client(self):
         return kv_client()
@@ -283,7 +288,8 @@ class SaveAgreement:
             client.key_value_set_bytes(f"{self.tag}/outcome", msgpack.packb(
                 {"error": error, "save": self.save, "details": self.details and [
                     self.details[0], self.details[1].timestamp()], "manifest": sent,
-                 "totals": self.totals, "manifest_bytes": self.manifest_bytes}))
+                 "totals": self.totals, "manifest_bytes": self.manifest_bytes,
+                 "pending": sorted(self.pending_of()) if self.pending_of else None}))
 
     def confirm_copies(self, write: Callable[[], object], withdraw: Callable[[], None]) -> None:
         """``per_host``, after the commit: writes this process's copy of the manifest (``write``;
@@ -346,6 +352,7 @@ class SaveAgreement:
             self.details = (metrics, datetime.datetime.fromtimestamp(timestamp,
                                                                      datetime.timezone.utc))
         self.totals, self.manifest_bytes = outcome["totals"], outcome["manifest_bytes"]
+        self.pending = outcome["pending"]
         if outcome.get("manifest"):
             self.manifest = get_large(self._client(), f"{self.tag}/manifest")
 

@@ -31,12 +31,13 @@ import concurrent.futures as cf
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from ._coordinator import processes, timeout_ms
 from ._copy import CopyInfo, copy_selected
@@ -129,7 +130,9 @@ class Persister:
         # another process: the newest step it expects process 0 to persist, and the newest
         # round process 0 has ended (committed or failed)
         self._expected, self._through = None, -1.0
-        self._noted: set[int] = set()  # local_per_host, another process: steps it may persist
+        # local_per_host, another process: the steps it may persist -> the order noted in
+        self._noted: dict[int, int] = {}
+        self._notes = itertools.count()
         # the local steps (with local_per_host: those every process holds; start_persister)
         self.local_steps: list[int] = []
         self._closed = self._configured = False
@@ -147,17 +150,24 @@ class Persister:
         """Whether ``step`` is one the policy persists."""
         return step % self.policy.interval_steps == 0
 
-    def submit(self, step: int) -> None:
+    def submit(self, step: int, before: Collection[int] | None = None) -> None:
         """Queues a committed local step for persisting if the policy says so (see the module
         docstring for the backlog rule). Never waits on the persistent tier. On a process other
         than 0 (which runs the backlog), notes the step: :meth:`wait` waits until process 0 has
-        ended its round or a later one."""
+        ended its round or a later one; ``before``: process 0's :meth:`pending` steps when it
+        committed ``step``, the only noted ones it may still persist (it dropped the others
+        from its backlog), so this process's retention keeps no more than process 0's."""
+        follower = self.rounds is not None and not self.rounds.is_leader
+        if follower and before is not None:
+            with self._cond:
+                self._noted = {s: n for s, n in self._noted.items() if s in before}
         if not self.eligible(step) or step in self._remote_steps:
             return
-        if self.rounds is not None and not self.rounds.is_leader:
+        if follower:
             with self._cond:
                 self._expected = max(step, self._expected or step)
-                self._noted |= {step} if self.policy.local_per_host else set()
+                if self.policy.local_per_host:
+                    self._noted[step] = next(self._notes)
                 self._cond.notify_all()
             return
         with self._cond:
@@ -216,11 +226,10 @@ class Persister:
 
     def pending(self) -> set[int]:
         """The steps persisting or queued: local retention must keep them (with
-        ``local_per_host``, on a process other than 0: the steps it noted that no round has
-        passed yet, since process 0 may persist any of them)."""
+        ``local_per_host``, on a process other than 0: the steps it noted that process 0 may
+        still persist, see :meth:`submit` and :meth:`_passed`)."""
         with self._cond:
-            noted = {s for s in self._noted if s > self._through}
-            return noted | {s for s in (self._running, self._queued) if s is not None}
+            return {*self._noted, *(s for s in (self._running, self._queued) if s is not None)}
 
     def delete(self, step: int) -> bool:
         """For the manager's ``delete``: drops ``step`` from the backlog, waits for its persist,
@@ -382,6 +391,12 @@ class Persister:
             self._details.pop(step, None)
         return bool(doomed)
 
+    def _passed(self, step: int) -> None:
+        """Another process, under the lock: process 0 ended the round of ``step``, so it no
+        longer persists that step, nor any noted before it (dropped from its backlog)."""
+        if (n := self._noted.pop(step, None)) is not None:
+            self._noted = {s: m for s, m in self._noted.items() if m > n}
+
     def _follow(self) -> None:
         """A process other than 0: sends its share of each step process 0 starts a round for
         (:func:`send_share`) and waits for process 0's outcome, until process 0 ends the rounds
@@ -399,7 +414,7 @@ class Persister:
             if aborted:  # process 0's persist failed before the round: it raises that
                 with self._cond:
                     self._through = step
-                    self._noted = {s for s in self._noted if s > step}
+                    self._passed(step)
                     self._cond.notify_all()
                 continue
             with self._cond:
@@ -419,7 +434,7 @@ class Persister:
             finally:
                 with self._cond:
                     self._running, self._through = None, step
-                    self._noted = {s for s in self._noted if s > step}
+                    self._passed(step)
                     self._cond.notify_all()
         with self._cond:
             self._through = math.inf  # no round left to wait for

@@ -204,6 +204,20 @@ def test_a_manifest_copy_one_host_cannot_write_withdraws_the_step_on_every_host(
     assert casstore.list_steps(remote) == [0, 2]
 
 
+def test_a_step_process_0_drops_from_its_backlog_leaves_every_host_alike(tmp_path,
+                                                                         object_servers):
+    """The persistent tier slower than the saves: process 0 dropped steps from its backlog
+    (the newest pending step wins) and its retention deleted them, while the other process
+    kept every step noted since the last round (10 of 10 against process 0's 2 in an
+    exploratory session's run), so the hosts listed different steps."""
+    server = object_servers["seaweedfs"]
+    outs = two_hosts(tmp_path, server, object_store(server), "behind")
+    assert lines(outs[0], "DROPPED") not in (["[]"], []), outs[0][-3000:]
+    disks = [lines(out, "DISK") for out in outs]
+    assert disks[0] == disks[1], disks
+    assert [lines(out, "STEPS")[-1] for out in outs] == [disks[0][0]] * 2
+
+
 def test_every_process_stops_listing_a_step_as_soon_as_persistent_retention_deletes_it(
         tmp_path, object_servers):
     """Process 0 runs the persistent tier's retention; the other process listed the steps it

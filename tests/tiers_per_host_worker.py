@@ -18,7 +18,10 @@ small numpy leaf beside the state, and prints ``STAGES`` and whether step 1 rest
 bit-exact (state, numpy leaf, the jax leaf's shards). MODE ``full1``: process 1's local
 tier cannot write step 1's manifest (no space); saves steps 0 to 2, printing ``SAVE-ERROR
 <step> <message>`` for step 1's; ``slowcopy`` likewise, process 1's copy of step 1's manifest
-written 9 s late (the multi-process timeout is 6 s). MODE ``retain``: the persistent tier
+written 9 s late (the multi-process timeout is 6 s). MODE ``behind``: every write to the persistent
+tier takes 1 s longer and local retention keeps 2 steps; saves steps 0 to 5, waits for the
+persists, and prints ``DROPPED <steps process 0 dropped from its backlog>`` and ``DISK <the
+steps on this process's local tier>``. MODE ``retain``: the persistent tier
 keeps 1 step; saves steps 0 to 4, waits for each persist, and prints ``REMOTE <step> <the
 persisted steps this process lists>``. Prints ``STEPS <all_steps()>``, ``LATEST <latest_step()>``,
 ``RESTORED <step> <bit-exact: True/False> <bytes read from the persistent tier>`` (``WHOLE``:
@@ -112,6 +115,9 @@ def restored_exactly(mngr, step: int) -> bool:
 
 
 persistent = casstore.open_store(url, **json.loads(options))
+if mode == "behind":  # a persistent tier slower than the saves: process 0 drops steps
+    persistent = FaultyStore(persistent, seed=0, rate=1.0, ops=("put", "put_if_absent"),
+                             kinds=("slow",), delay_s=1.0)
 if mode == "down" and pid == 0:  # process 0 cannot write there: its persists fail at once
     persistent = FaultyStore(persistent, seed=0, rate=1.0, ops=("put", "put_if_absent"),
                              kinds=("error",))
@@ -126,7 +132,8 @@ if mode == "hide":
     print("HIDDEN", local.hidden, flush=True)
 mngr = casstore.CheckpointManager(local, persistent=persistent, persist_interval_steps=2,
                                   local_per_host=mode != "plain",
-                                  persistent_max_to_keep=1 if mode == "retain" else None)
+                                  persistent_max_to_keep=1 if mode == "retain" else None,
+                                  max_to_keep=2 if mode == "behind" else None)
 print("STEPS", mngr.all_steps(), flush=True)
 print("LATEST", mngr.latest_step(), flush=True)
 if mode in ("reopen", "look"):
@@ -176,6 +183,13 @@ if mode in ("full1", "slowcopy"):  # step 1 is on no process's list: each raises
         except casstore.CasstoreError as e:
             print("SAVE-ERROR", step, str(e).replace("\n", " "), flush=True)
     print("LISTED", casstore.list_steps(os.path.join(base, f"local-{pid}")), flush=True)
+if mode == "behind":  # every process keeps what process 0 keeps
+    for step in range(6):
+        assert mngr.save(step, tree(step))
+        mngr.wait_until_finished()
+    assert mngr.wait_until_persisted(timeout_s=60)
+    print("DROPPED", sorted(mngr.persister.dropped), flush=True)
+    print("DISK", casstore.list_steps(os.path.join(base, f"local-{pid}")), flush=True)
 if mode == "retain":  # process 0's retention there: every process's list drops the step
     for step in range(5):
         assert mngr.save(step, tree(step))
@@ -190,7 +204,8 @@ if mode == "delete":  # step 2 deleted on every process right after its save
     mngr.delete(2)
 steps = {"save": range(4), "reopen": range(3, 5), "hide": range(2), "plain": range(1),
          "slow1": range(2), "look": range(0), "stages": range(0), "retain": range(0),
-         "full1": range(0), "slowcopy": range(0), "delete": range(3, 5)}[mode]
+         "full1": range(0), "slowcopy": range(0), "behind": range(0),
+         "delete": range(3, 5)}[mode]
 for step in steps:
     assert mngr.save(step, tree(step), force=True)
 try:
