@@ -296,8 +296,7 @@ class CheckpointManager:
         try:  # retention (:meth:`_deletes`; every process forgets): pending persists stay
             doomed = retain(self.store, self.run, self.preservation_policy, self._steps,
                             self._details, self.persister.pending() if self.persister else set(),
-                            self._deletes())
-            self._steps = [s for s in self._steps if s not in doomed]
+                            self._deletes(), self._forget)
             if self.gc_after_retention and self._deletes():
                 self.last_gc_info = self._collect(bool(doomed)) or self.last_gc_info
         except Exception as e:  # raised by a later call: it must not read as a failed save
@@ -357,7 +356,7 @@ class CheckpointManager:
         return self.local_per_host or processes()[1] == 0
 
     def _forget(self, step: int) -> None:
-        """Forgets ``step``, deleted by another process (its details rank it as new)."""
+        """Forgets ``step``, deleted by retention or by another process."""
         self._steps = [s for s in self._steps if s != step]
 
     def _infos(self, steps: list[int] | None = None) -> list[PolicyCheckpointInfo]:
@@ -384,6 +383,7 @@ class CheckpointManager:
         another process, or ``casstore.delete``, may have saved or deleted steps of this run."""
         self.wait_until_finished()
         self._steps = list_steps(self.store, run=self.run)
+        self._details.clear()  # a step saved again elsewhere ranks by its new metrics
         if self.persister is not None:
             self.persister.reload()
 

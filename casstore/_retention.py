@@ -65,13 +65,17 @@ def dropped(policy: PreservationPolicy, steps: list[int], details: StepDetails,
 
 
 def retain(store: Store, run: str, policy: PreservationPolicy, steps: list[int],
-           details: StepDetails, pending: set[int], delete: bool) -> list[int]:
+           details: StepDetails, pending: set[int], delete: bool,
+           forget: Callable[[int], None]) -> list[int]:
     """A manager's local retention after a save: the steps :func:`dropped` gives are deleted
     from ``store`` (their manifests; already gone: the same outcome) where ``delete`` (the
-    process that deletes there) and forgotten from ``details``; returns them."""
+    process that deletes there), and each, once deleted, forgotten from ``details`` and passed
+    to ``forget`` (so a delete that fails midway leaves no deleted step listed); returns
+    them."""
     doomed = dropped(policy, steps, details, pending)
     for step in doomed:
         if delete:
             deleted(store, step, run)
         details.pop(step, None)
+        forget(step)
     return doomed

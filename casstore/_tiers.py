@@ -130,8 +130,7 @@ class Persister:
         # another process: the newest step it expects process 0 to persist, and the newest
         # round process 0 has ended (committed or failed)
         self._expected, self._through = None, -1.0
-        # local_per_host, another process: the steps it may persist -> the order noted in
-        self._noted: dict[int, int] = {}
+        self._noted: dict[int, int] = {}  # local_per_host, another process: step -> order
         self._notes = itertools.count()
         # the local steps (with local_per_host: those every process holds; start_persister)
         self.local_steps: list[int] = []
@@ -221,8 +220,10 @@ class Persister:
                 self.submit(step)
 
     def reload(self) -> None:
-        """Re-lists the persistent tier's steps (another process may have changed them)."""
+        """Re-lists the persistent tier's steps, whose metrics are then read again (another
+        process may have changed them)."""
         self._remote_steps = set(list_steps(self.persistent, run=self.run))
+        self._details.clear()
 
     def pending(self) -> set[int]:
         """The steps persisting or queued: local retention must keep them (with

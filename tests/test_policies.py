@@ -372,3 +372,71 @@ def test_metrics_and_metadata_are_taken_as_they_are_at_save():
         assert (mngr.all_steps(), mngr.best_step()) == ([0, 1], 0)
         assert casstore.read_manifest(mngr.store, 0).metadata == {
             "metrics": {"loss": 1.0}, "user": {"lr": 0.1}}
+
+
+def test_after_reload_a_step_saved_again_elsewhere_ranks_by_its_new_metrics(tmp_path):
+    """Another writer deleted step 1 (acc 0.9) and saved it again with acc 0.0: after reload()
+    the manager still ranked it by 0.9, kept it and deleted step 2 (acc 0.1); the persistent
+    tier's retention did the same (exploratory session's repro)."""
+    a = casstore.CheckpointManager(tmp_path, max_to_keep=2, best_fn=lambda m: m["acc"])
+    a.save(1, {"x": np.zeros(2)}, metrics={"acc": 0.9})
+    a.save(2, {"x": np.zeros(2)}, metrics={"acc": 0.1})
+    a.wait_until_finished()
+    assert a.best_step() == 1
+    casstore.delete(tmp_path, 1)
+    with casstore.CheckpointManager(tmp_path) as b:
+        b.save(1, {"x": np.ones(2)}, metrics={"acc": 0.0}, force=True)
+    a.reload()
+    assert a.best_step() == 2
+    a.save(3, {"x": np.zeros(2)}, metrics={"acc": 0.5})
+    a.close()
+    assert casstore.list_steps(tmp_path) == [2, 3]
+
+
+def test_after_reload_the_persistent_tier_ranks_a_step_saved_again_by_its_new_metrics(
+        tmp_path):
+    remote = tmp_path / "remote"
+    mngr = casstore.CheckpointManager(tmp_path / "local", persistent=remote,
+                                      persistent_preservation_policy=casstore.BestN(
+                                          get_metric_fn=lambda m: m["acc"], n=2))
+    mngr.save(1, {"x": np.zeros(2)}, metrics={"acc": 0.9})
+    mngr.save(2, {"x": np.zeros(2)}, metrics={"acc": 0.1})
+    assert mngr.wait_until_persisted(30)
+    casstore.delete(remote, 1)
+    casstore.save(remote, 1, {"x": np.ones(2)}, metadata={"metrics": {"acc": 0.0}, "user": None})
+    mngr.reload()
+    mngr.save(3, {"x": np.zeros(2)}, metrics={"acc": 0.5})
+    assert mngr.wait_until_persisted(30)
+    mngr.close()
+    assert casstore.list_steps(remote) == [2, 3]
+
+
+def test_a_retention_that_fails_midway_lists_no_step_it_deleted():
+    """Retention deleted step 0, then failed on step 1: the manager still listed step 0, and
+    restore(0) of a listed step raised StepNotFoundError (exploratory session's repro)."""
+    from casstore.testing import FaultyStore
+
+    class RefusesStep1(FaultyStore):
+        refuse = False
+
+        def _delete(self, key):
+            if self.refuse and key.endswith("0000000000000001.manifest"):
+                raise PermissionError(f"denied: delete {key}")
+            return super()._delete(key)
+
+    class LatestOnly:
+        on = False
+
+        def should_preserve(self, infos, *, context):
+            return [not self.on or i == len(infos) - 1 for i in range(len(infos))]
+
+    store, policy = RefusesStep1(MemoryStore(), seed=0, rate=0.0), LatestOnly()
+    mngr = casstore.CheckpointManager(store, preservation_policy=policy)
+    for step in range(3):
+        mngr.save(step, {"x": np.full(2, step)})
+    mngr.wait_until_finished()
+    policy.on = store.refuse = True
+    mngr.save(3, {"x": np.full(2, 3)})
+    with pytest.raises(PermissionError, match="denied"):
+        mngr.wait_until_finished()
+    assert mngr.all_steps() == casstore.list_steps(store) == [1, 2, 3]
