@@ -31,7 +31,7 @@ from ._chunking import (
 )
 from ._codec import DEFAULT_ZSTD_LEVEL
 from ._device_staging import copy_on_device
-from ._errors import CasstoreError, StoreTimeoutError
+from ._errors import CasstoreError, StoreTimeoutError, close_quietly
 from ._layout import check_run, check_step
 from ._locks import check_write_access
 from ._manifest import Manifest
@@ -312,8 +312,8 @@ class AsyncCheckpointer:
     def __enter__(self) -> AsyncCheckpointer:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, kind, error, traceback) -> None:
+        close_quietly(self.close, error)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.store!r}, run={self.run!r})"

@@ -8,6 +8,7 @@ about as attributes and name them in the message.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 
 def warn_read_again(what: str, url: str) -> None:
@@ -179,3 +180,17 @@ def located(e: BaseException, step: int | None, url: str, run: str) -> BaseExcep
                          step=step, url=url, run=run)
     error.__cause__ = e
     return error
+
+
+def close_quietly(close: Callable[[], None], error: BaseException | None) -> None:
+    """``close()`` at the end of a ``with`` block that ``error`` is leaving (None: none), so
+    that a background save's error does not replace the caller's: it is then added to
+    ``error`` as a note (orbax's managers let it replace the caller's)."""
+    if error is None:
+        close()
+        return
+    try:
+        close()
+    except Exception as e:
+        error.add_note(f"casstore: closing the checkpointer then failed too: "
+                       f"{type(e).__name__}: {e}")

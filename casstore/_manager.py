@@ -17,7 +17,7 @@ from ._async_save import AsyncCheckpointer
 from ._chunking import DEFAULT_CHUNK_SIZE_BYTES
 from ._codec import DEFAULT_ZSTD_LEVEL
 from ._coordinator import processes
-from ._errors import StepAlreadyExistsError, StepNotFoundError
+from ._errors import StepAlreadyExistsError, StepNotFoundError, close_quietly
 from ._fallback import FallbackStore
 from ._gc import DEFAULT_GRACE_PERIOD_S, RetentionGc
 from ._layout import check_step
@@ -272,7 +272,7 @@ class CheckpointManager:
                 if step in self._steps:  # else the next call raised it, and saved nothing
                     raise StepAlreadyExistsError("step already exists", url=self.store.url,
                                                  run=self.run, step=step)
-            self._saving, metrics = step, snapshot(metrics, "metrics")  # the caller may change it
+            self._saving, metrics = step, snapshot(metrics, f"metrics (step {step})")
             agreement.propose(metrics, utc_now(), self.persister and self.persister.pending)
             self._saver._start(step, tree, {"metrics": metrics, "user": metadata},
                               previous_step=self._steps[-1] if self._steps else None,
@@ -347,8 +347,8 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, kind, error, traceback) -> None:
+        close_quietly(self.close, error)
 
     # -- retention ---------------------------------------------------------------------------
 

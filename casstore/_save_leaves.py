@@ -164,6 +164,18 @@ def _as_array(path: str, value: Any) -> tuple[Any, ArrayInfo]:
 
 
 
+def _unpackable_at(value: Any, at: str = "") -> str:
+    """Where in ``value`` msgpack first fails, as ``['key'][0]`` ('' for ``value`` itself)."""
+    items = (value.items() if isinstance(value, dict) else
+             enumerate(value) if isinstance(value, list | tuple) else ())
+    for k, v in items:
+        try:
+            msgpack.packb(v, use_bin_type=True, default=_python_scalar)
+        except (TypeError, ValueError, OverflowError):
+            return _unpackable_at(v, f"{at}[{k!r}]")
+    return at
+
+
 def snapshot(value: Any, what: str = "metadata") -> Any:
     """``value`` as the manifest stores it (msgpack: tuples become lists; numpy and jax
     scalars, such as a loss, Python numbers): a copy, so a caller's later change to its
@@ -177,7 +189,9 @@ def snapshot(value: Any, what: str = "metadata") -> Any:
     try:
         data = msgpack.packb(value, use_bin_type=True, default=_python_scalar)
     except (TypeError, ValueError, OverflowError) as e:
-        raise ValueError(f"{what} is not msgpack-serializable: {e}") from e
+        where = _unpackable_at(value)
+        raise ValueError(f"{what} is not msgpack-serializable{' at ' + where if where else ''}"
+                         f": {e} (arrays: pass Python numbers or lists, e.g. .tolist())") from e
     if len(data) > MAX_METADATA_BYTES:
         raise ValueError(f"{what} is {len(data)} bytes encoded; the limit is 1 MiB")
     copy = msgpack.unpackb(data, raw=False, strict_map_key=False)

@@ -357,3 +357,36 @@ def test_a_save_after_another_writer_saved_the_previous_step_again_stores_every_
     assert casstore.verify(repo_store).ok
     np.testing.assert_array_equal(casstore.restore(repo_store, 2)["w"], np.asarray(a))
     np.testing.assert_array_equal(casstore.restore(repo_store, 1)["w"], b)
+
+
+def _block_whose_save_fails(kind: str, leave_with_error: bool) -> None:
+    """A with block whose one save fails in the background (another writer committed its
+    step after the manager listed the steps), left by an error or not."""
+    store = MemoryStore()
+    make = casstore.CheckpointManager if kind == "manager" else casstore.AsyncCheckpointer
+    with make(store) as saver:
+        casstore.save(store, 6, {"x": np.zeros(2)})  # another writer's step 6
+        saver.save(6, {"x": np.ones(2)})
+        if leave_with_error:
+            raise RuntimeError("the training loop's own error")
+
+
+@pytest.mark.parametrize("kind", ["manager", "checkpointer"])
+def test_a_with_block_left_by_an_error_keeps_it_and_notes_a_failed_background_save(kind):
+    """A background save that failed replaced the error leaving the with block (exploratory
+    session's repro); the caller's error is raised, with the save's as a note. A block left
+    normally still raises the save's error."""
+    with pytest.raises(RuntimeError, match="own error") as e:
+        _block_whose_save_fails(kind, leave_with_error=True)
+    assert any("closing the checkpointer then failed too: StepAlreadyExistsError" in n
+               for n in e.value.__notes__), e.value.__notes__
+    with pytest.raises(casstore.StepAlreadyExistsError, match="step 6"):
+        _block_whose_save_fails(kind, leave_with_error=False)
+
+
+def test_metrics_msgpack_cannot_store_name_the_step_and_the_entry(tmp_path):
+    with casstore.CheckpointManager(tmp_path) as mngr, pytest.raises(
+            ValueError, match=r"metrics \(step 7\) is not msgpack-serializable at "
+                              r"\['per_class_acc'\]: .*\.tolist\(\)"):
+        mngr.save(7, {"x": np.ones(2)}, metrics={"loss": 0.5, "per_class_acc": jnp.ones(3)})
+    assert casstore.list_steps(tmp_path) == []
