@@ -202,9 +202,9 @@ class CheckpointManager:
         return self._notice.reached(check_step(step))
 
     def should_save(self, step: int) -> bool:
-        """True if ``step`` is newer than the latest step and the save decision policy says so.
-        Makes no request: the latest step is the one this manager knows (see the class
-        docstring), the one in flight included."""
+        """True if ``step`` is newer than the latest step (the newest this manager knows, the
+        one in flight included: no listing) and the save decision policy says so; a policy
+        that asks an earlier manager's step its save time reads that manifest once."""
         step = check_step(step)
         # in flight first: a save that commits in between is then among the known steps
         in_flight = self._saving if self._saver.is_saving_in_progress() else None

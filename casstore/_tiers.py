@@ -81,9 +81,8 @@ class PersistPolicy:
     local_per_host: bool = False
 
     def __post_init__(self):
-        value = self.interval_steps
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"persist_interval_steps must be a positive int, not {value!r}")
+        if not isinstance(n := self.interval_steps, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"persist_interval_steps must be a positive int, not {n!r}")
 
 
 class Persister:
@@ -180,8 +179,7 @@ class Persister:
 
     def local_save(self, step: int) -> Callable[[cf.Future | None], None]:
         """Counts a local save of ``step`` as running (persists yield to it: module docstring);
-        returns ``done(future)``: finished when ``future`` (its background write) is, or now if
-        None.
+        returns ``done(future)``: finished when ``future`` (its write) is, or now if None.
 
         Raises:
           StepAlreadyExistsError: ``step`` is on the persistent tier (a second save of it
@@ -244,8 +242,11 @@ class Persister:
                 self._expected = None if self._expected == step else self._expected
                 self._cond.notify_all()
             self._cond.wait_for(lambda: self._running != step)
-        # first: if it raises (the tier unreachable), the step stays known to be there
-        found = processes()[1] == 0 and deleted(self.persistent, step, self.run)
+        try:  # first: if it raises (the tier unreachable), the step stays known to be there
+            found = processes()[1] == 0 and deleted(self.persistent, step, self.run)
+        except Exception as e:
+            e.add_note(f"casstore: step {step} stays on the persistent tier {self.persistent.url}")
+            raise
         with self._cond:
             self._remote_steps.discard(step)
             self._details.pop(step, None)
@@ -275,9 +276,8 @@ class Persister:
             return self._cond.wait_for(idle, timeout_s)
 
     def close(self) -> None:
-        """Waits for the backlog, then stops the thread (with several processes: process 0
-        ends the rounds, and the others wait for that, at most the multi-process timeout).
-        Idempotent."""
+        """Waits for the backlog, then stops the thread, idempotent (with several processes:
+        process 0 ends the rounds, and the others wait for that, at most the timeout)."""
         self.wait(self._bound())
         with self._cond:
             closing, self._closed = not self._closed, True

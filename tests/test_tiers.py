@@ -1056,3 +1056,23 @@ def test_a_save_in_flight_at_interpreter_exit_is_persisted_before_the_process_en
     assert casstore.list_steps(local) == [0]
     assert casstore.list_steps(persistent) == [0]
     assert casstore.verify(persistent).ok
+
+
+def test_a_delete_the_persistent_tier_refuses_names_the_step_and_that_tier(tmp_path):
+    """A refused delete there raised the store's error naming only the object (exploratory
+    session's repro); the step stays on that tier and in the manager's list."""
+    from casstore.testing import FaultyStore
+
+    remote = FaultyStore(casstore.open_store(tmp_path / "remote"), seed=0, rate=0.0,
+                         ops=("delete",), kinds=("error",))
+    mngr = casstore.CheckpointManager(tmp_path / "local", persistent=remote)
+    mngr.save(0, {"x": np.ones(2)})
+    assert mngr.wait_until_persisted(30)
+    remote.rate = 1.0
+    with pytest.raises(ConnectionResetError, match="injected fault: delete") as e:
+        mngr.delete(0)
+    assert e.value.__notes__ == [f"casstore: step 0 stays on the persistent tier {remote.url}"]
+    assert 0 in mngr.all_steps()
+    assert casstore.list_steps(tmp_path / "remote") == [0]
+    remote.rate = 0.0
+    mngr.close()
