@@ -124,8 +124,9 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
         must match. Also raised, naming the key path, while placing a leaf whose saved values
         the target dtype cannot hold (see ``target``). For ``sharding="saved"``: the devices
         here cannot host a saved mesh (names the key path, the saved mesh and the devices).
-      ValueError: ``transforms`` or ``fill_missing`` without a target; ``sharding`` neither
-        None nor ``"saved"``, or given with a target.
+      ValueError: ``transforms`` or ``fill_missing`` without a target; ``transforms`` with a
+        key that is no str regular expression or a template neither str nor None; ``sharding``
+        neither None nor ``"saved"``, or given with a target.
       TypeError: ``paths`` is one string, not a list of them.
     """
     store = with_fallback(open_store(url), fallback)

@@ -189,8 +189,20 @@ def mismatch(message: str, manifest: Manifest, store: Store, path: str | None = 
 
 
 def _saved_by_target_path(manifest: Manifest, transforms, store: Store) -> dict[str, int]:
-    """Target key path -> saved leaf index, after the ``transforms`` renames (None drops)."""
-    rules = [(re.compile(k), v) for k, v in (transforms or {}).items()]
+    """Target key path -> saved leaf index, after the ``transforms`` renames (None drops).
+
+    Raises:
+      ValueError: a key of ``transforms`` is no regular expression, or a template no str.
+    """
+    rules = []
+    for k, v in (transforms or {}).items():
+        if not isinstance(k, str) or not isinstance(v, str | None):
+            raise ValueError("transforms maps str regular expressions to str templates (e.g. "
+                             f"r'params/\\1') or None (drop), not {k!r} to {v!r}")
+        try:
+            rules.append((re.compile(k), v))
+        except re.error as e:
+            raise ValueError(f"transforms: {k!r} is no regular expression: {e}") from None
     out: dict[str, int] = {}
     for i, leaf in enumerate(manifest.leaves):
         path = leaf.path

@@ -146,3 +146,15 @@ def test_nnx_model_that_gained_a_bias(tmp_path):
     model = nnx.merge(new_graph, casstore.restore(url, target=concrete, fill_missing=True))
     np.testing.assert_array_equal(model.linear1.kernel[...], old.linear1.kernel[...])
     np.testing.assert_array_equal(model.linear1.bias[...], np.zeros(4, np.float32))
+
+
+@pytest.mark.parametrize(("transforms", "message"), [
+    ({"(": "x"}, r"transforms: '\(' is no regular expression: missing \)"),
+    ({"a": 3}, r"transforms maps str regular expressions to str templates .* not 'a' to 3"),
+    ({b"a": "x"}, r"not b'a' to 'x'")])
+def test_transforms_that_are_no_regex_or_template_are_refused_naming_them(tmp_path, transforms,
+                                                                          message):
+    """They raised re.error, or a TypeError from inside re (exploratory session)."""
+    casstore.save(tmp_path, 0, {"a": np.ones(2)})
+    with pytest.raises(ValueError, match=message):
+        casstore.restore(tmp_path, 0, target={"a": np.ones(2)}, transforms=transforms)
