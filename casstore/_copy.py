@@ -21,8 +21,9 @@ objects are in.
 
 Between two paths of one S3 or GCS service with the same credentials
 (:meth:`~casstore.store.Store.server_side_copy`), the service copies each object (S3
-CopyObject, GCS rewrite), as rclone does within one remote: no byte reaches this process and
-no framing is checked (the service checked it at upload); ``verify=True`` decodes instead.
+CopyObject, GCS rewrite), as rclone does within one remote: no byte reaches this process, and
+each object's size (a HEAD) is checked instead of its framing: one cut short is read and
+checked as above; ``verify=True`` decodes instead.
 """
 
 from __future__ import annotations

@@ -530,6 +530,24 @@ def test_a_copy_within_one_service_is_server_side(tmp_path, object_servers, monk
     assert sorted(chunk_reads) == sorted(f"{src.root}/{k}" for k in objects)
 
 
+@pytest.mark.parametrize("server", ["seaweedfs", "fake-gcs"])
+def test_a_chunk_cut_short_at_the_source_is_not_copied_by_the_service(object_servers, server):
+    """A chunk object cut to half its bytes was copied by the service (CopyObject, rewrite)
+    and its step committed, which verify then called corrupt (exploratory session's repro);
+    the size check sends it through this process, which refuses it as a copy to another
+    service does."""
+    srv = object_servers[server]
+    src = object_store(srv)
+    casstore.save(src, 0, {"w": np.arange(4096, dtype=np.float32)})
+    (key,) = [o.key for o in list_chunk_objects(src)]
+    data = src.get(key)
+    src.put(key, data[:len(data) // 2])
+    dst = FsspecStore.from_url(srv.url(), **srv.storage_options)
+    with pytest.raises(casstore.CorruptChunkError, match=r"step 0"):
+        casstore.copy(src, dst)
+    assert casstore.list_steps(dst) == []
+
+
 def test_a_server_side_copy_needs_the_same_endpoint_and_credentials(object_servers):
     """Stores whose options differ in more than client settings (timeouts, pools), or whose
     aiobotocore sessions differ, are not one service to a copy: it reads and writes their

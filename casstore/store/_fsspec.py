@@ -385,12 +385,15 @@ class FsspecStore(Store):
         """:meth:`Store.server_side_copy` where ``src`` is on a filesystem of the same kind with
         the same endpoint and credentials (:func:`~casstore.store._clients.same_service`): on
         s3fs one CopyObject (an object of 5 GiB or more: ``fs.cp_file``, a HEAD then a copy in
-        parts), elsewhere ``fs.cp_file`` (one rewrite on gcsfs); with ``size`` None, after a
-        ``stat`` of the source for its size."""
+        parts), elsewhere ``fs.cp_file`` (one rewrite on gcsfs), after a ``stat`` of the source:
+        an object of another size than ``size`` (cut short) is not copied (None: the caller
+        reads it, and names the damage)."""
         if not isinstance(src, FsspecStore) or not _clients.same_service(src.fs, self.fs):
             return None
         self._check_writable(key)
-        size = src.stat(key).size if size is None else size
+        if (found := src.stat(key).size) != (size if size is not None else found):
+            return None
+        size = found
         from_path, to_path = src._path(key), self._path(key)
         if hasattr(self.fs, "call_s3") and size < _clients.S3_COPY_OBJECT_BYTES:
             (bucket, name, _), (to_bucket, to_name, _) = map(self.fs.split_path,
