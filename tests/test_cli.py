@@ -402,6 +402,10 @@ def test_copy_between_local_repositories(repo, tmp_path):
     restored = casstore.restore(str(dst), 2)
     np.testing.assert_array_equal(restored["w"], tree(0, 2)["w"])
     assert "copied 0 step(s)" in run("copy", repo, dst).stdout
+    # a repeated --steps adds to the list (it copied the last one alone: exploratory session)
+    out = run_json("copy", repo, tmp_path / "again", "--runs", "default", "--steps", "1",
+                   "--steps", "2")
+    assert sorted(map(tuple, out["steps_copied"])) == [("default", 1), ("default", 2)]
 
 
 def test_parse_storage_options():

@@ -153,10 +153,12 @@ def gc_command(url: str, dry_run: bool, grace_period: float, lock_timeout: float
         click.get_current_context().exit(EXIT_NEWER)
 
 
-def list_option(text: str | None, kind: Callable[[str], Any], name: str) -> list | None:
-    """A comma-separated option's items, or None; a UsageError names a bad or empty one."""
-    if text is None:
+def list_option(given: tuple[str, ...], kind: Callable[[str], Any], name: str) -> list | None:
+    """The items of a comma-separated option given any number of times, or None; a
+    UsageError names a bad or empty one."""
+    if not given:
         return None
+    text = ",".join(given)
     try:
         items = [kind(x.strip()) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -185,8 +187,10 @@ def check_selection(store: Any, url: str, runs: list[str] | None,
 @command("copy")
 @click.argument("src")
 @click.argument("dst")
-@click.option("--steps", help="Comma-separated steps to copy (default: all).")
-@click.option("--runs", help="Comma-separated runs to copy (default: all).")
+@click.option("--steps", multiple=True,
+              help="Comma-separated steps to copy (default: all); may be repeated.")
+@click.option("--runs", multiple=True,
+              help="Comma-separated runs to copy (default: all); may be repeated.")
 @click.option("--verify", is_flag=True,
               help="Decode every object and check its chunk id before writing it (reads each "
                    "object here, also between two paths of one S3 or GCS service).")
@@ -195,7 +199,7 @@ def check_selection(store: Any, url: str, runs: list[str] | None,
               callback=parse_options,
               help="Storage option for DST only (default: -o's). Local paths take none.")
 @json_flag
-def copy_command(src: str, dst: str, steps: str | None, runs: str | None, verify: bool,
+def copy_command(src: str, dst: str, steps: tuple[str, ...], runs: tuple[str, ...], verify: bool,
                  options: dict, dst_options: dict, as_json: bool) -> None:
     """Copies steps from SRC to DST, sending only the chunks DST lacks.
 
