@@ -94,6 +94,12 @@ def matches(path: str, prefixes: Sequence[str] | None) -> bool:
     """
     if prefixes is None:
         return True
+    _check_prefixes(prefixes)
+    return any(p == "" or path == p or path.startswith(p + "/") for p in prefixes)
+
+
+def _check_prefixes(prefixes: Sequence[str]) -> None:
+    """Raises :func:`matches`'s TypeError for ``prefixes`` that are no list of strings."""
     if isinstance(prefixes, str):
         raise TypeError(f"key-path prefixes are a list of strings: pass [{prefixes!r}], not "
                         f"the string {prefixes!r}")
@@ -101,16 +107,16 @@ def matches(path: str, prefixes: Sequence[str] | None) -> bool:
         raise TypeError("key-path prefixes are a list of strings ('params/w', "
                         f"'opt_state/[0]/mu'), not {not_text[0]!r} of type "
                         f"{type(not_text[0]).__name__}")
-    return any(p == "" or path == p or path.startswith(p + "/") for p in prefixes)
 
 
 def prefix_matcher(prefixes: Sequence[str] | None) -> Callable[[str], bool]:
     """:func:`matches` for many paths against one list of ``prefixes``: checked and hashed once,
     then each path costs one set lookup per element of it (a restore of every one of 20,000
     leaves by name was quadratic). Raises as :func:`matches`."""
-    matches("", prefixes or [])  # the type checks
-    wanted = frozenset(prefixes or ())
-    if prefixes is None or "" in wanted:
+    if prefixes is None:
+        return lambda path: True
+    _check_prefixes(prefixes)
+    if "" in (wanted := frozenset(prefixes)):
         return lambda path: True
     return lambda path: any(path[:i] in wanted for i in _ends(path))
 

@@ -391,8 +391,9 @@ class FsspecStore(Store):
         if not isinstance(src, FsspecStore) or not _clients.same_service(src.fs, self.fs):
             return None
         self._check_writable(key)
-        if (found := src.stat(key).size) != (size if size is not None else found):
-            return None
+        found = src.stat(key).size
+        if size is not None and found != size:
+            return None  # cut short (or replaced): the caller reads it and names the damage
         size = found
         from_path, to_path = src._path(key), self._path(key)
         if hasattr(self.fs, "call_s3") and size < _clients.S3_COPY_OBJECT_BYTES:
