@@ -99,25 +99,48 @@ def error_line(message: str, code: int, kind: str, *, as_json: bool) -> None:
         click.echo(f"casstore: error: {message}", err=True)
 
 
+_LEFT = ("run", "key path", "status", "dtype", "time", "sharding", "shape")
+PLAIN_ROWS = 2000  # a longer table prints plainly: rich takes about 2 ms a row (43 s for 20,000)
+
+
 def table(title: str | None, columns: list[str], rows: list[list[Any]]) -> None:
     """Prints a table; on a pipe or file each row stays one whole line. No rows: the title
-    alone (it gives the counts), not an empty frame."""
+    alone (it gives the counts), not an empty frame. Over ``PLAIN_ROWS`` rows (a step of
+    20,000 leaves) the table prints without a frame, its columns aligned, in well under a
+    second."""
     if title:
         console.print(title, soft_wrap=True)
     if not rows:
         return
+    cells = [[_printable(str(v)) for v in row] for row in rows]
+    if len(cells) > PLAIN_ROWS:
+        return _plain(columns, cells)
     t = Table()
     for name in columns:
-        t.add_column(name, justify="left" if name in ("run", "key path", "status", "dtype",
-                                                      "time", "sharding", "shape") else "right",
-                     overflow="fold", no_wrap=name == "time",
-                     min_width=24 if name == "key path" else None)
-    for row in rows:
-        t.add_row(*(_printable(str(v)) for v in row))
+        t.add_column(name, justify="left" if name in _LEFT else "right", overflow="fold",
+                     no_wrap=name == "time", min_width=24 if name == "key path" else None)
+    for row in cells:
+        t.add_row(*row)
     if not console.is_terminal:
         console.width = max(80, console.measure(
             t, options=console.options.update_width(100_000)).maximum)
     console.print(t)
+
+
+def _plain(columns: list[str], cells: list[list[str]]) -> None:
+    widths = [max(map(len, col)) for col in zip(columns, *cells, strict=True)]
+
+    def line(row: list[str]) -> str:
+        return "  ".join(v.ljust(w) if name in _LEFT else v.rjust(w)
+                         for name, v, w in zip(columns, row, widths, strict=True)).rstrip()
+
+    lines = [line(columns), "  ".join("-" * w for w in widths), *map(line, cells)]
+    try:  # a line a write: one large write cut short by the reader's exit raised no error
+        for text in lines:
+            console.file.write(text + "\n")
+        console.file.flush()
+    except BrokenPipeError:
+        console.on_broken_pipe()
 
 
 def _printable(text: str) -> str:
