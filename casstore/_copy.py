@@ -1,29 +1,28 @@
 """Copy checkpoints between repositories (local, S3, GCS, any pair), moving only missing chunks.
 
 The destination follows format.md §7's commit rule: a step's objects are all stored before its
-manifest is written create-only, so an interrupted copy leaves no partial step and running it
-again sends only what is missing. Manifests are read and validated first, every object the
-destination lacks is assigned to the first step that needs it, the objects of all steps go
-through one bounded pool, and each step's manifest is written, in step order, once its
-objects are in.
+manifest is written create-only, so an interrupted copy leaves no partial step and running it again
+sends only what is missing. Manifests are read and validated first, every object the destination
+lacks is assigned to the first step that needs it, the objects of all steps go through one bounded
+pool, and each step's manifest is written, in step order, once its objects are in.
 
-- ``verify=False`` (the default) checks each object's framing without decoding it (format.md
-  §3.2: header, the raw length the manifest gives, a raw chunk's payload length, the plane
-  table of codecs 3-5, each zstd frame's declared size): a truncated, mis-sized or foreign
-  object is refused, a changed byte inside a payload is not. A byte changed in transit is seen
-  by the store: S3 checks the CRC32C botocore sends with each upload (and botocore each
-  download against the stored checksum; then the object moves again, then the copy fails,
-  :mod:`casstore.store._retry`); on GCS each upload's stored MD5 is compared with what was
-  sent (gcsfs ``consistency="md5"``). Damage at the source is seen by every restore and
-  ``verify`` of the destination (the chunk id is checked on every read).
-- ``verify=True`` decodes every object (a delta on its base) and checks it against its chunk
-  id before it is sent: nothing damaged at the source reaches the destination.
+- ``verify=False`` (the default) checks each object's framing without decoding it (format.md §3.2:
+  header, the raw length the manifest gives, a raw chunk's payload length, the plane table of
+  codecs 3-5, each zstd frame's declared size): a truncated, mis-sized or foreign object is
+  refused, a changed byte inside a payload is not. A byte changed in transit is seen by the store:
+  S3 checks the CRC32C botocore sends with each upload (and botocore each download against the
+  stored checksum; then the object moves again, then the copy fails, :mod:`casstore.store._retry`);
+  on GCS each upload's stored MD5 is compared with what was sent (gcsfs ``consistency="md5"``).
+  Damage at the source is seen by every restore and ``verify`` of the destination (the chunk id is
+  checked on every read).
+- ``verify=True`` decodes every object (a delta on its base) and checks it against its chunk id
+  before it is sent: nothing damaged at the source reaches the destination.
 
 Between two paths of one S3 or GCS service with the same credentials
-(:meth:`~casstore.store.Store.server_side_copy`), the service copies each object (S3
-CopyObject, GCS rewrite), as rclone does within one remote: no byte reaches this process, and
-each object's size (a HEAD) is checked instead of its framing: one cut short is read and
-checked as above; ``verify=True`` decodes instead.
+(:meth:`~casstore.store.Store.server_side_copy`), the service copies each object (S3 CopyObject,
+GCS rewrite), as rclone does within one remote: no byte reaches this process, and each object's
+size (a HEAD) is checked instead of its framing: one cut short is read and checked as above;
+``verify=True`` decodes instead.
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ from ._errors import (
     warn_read_again,
 )
 from ._framing import check_framing
-from ._layout import manifest_key
+from ._layout import check_step, manifest_key
 from ._locks import Lease, save_lock
 from ._manifest import Manifest, needed_objects
 from ._pool import bounded_map
@@ -144,6 +143,7 @@ def copy(src_url: Url, dst_url: Url, *, steps: list[int] | None = None,
     Raises:
       StepNotFoundError: a run named in ``runs`` has no step in the source, or a step named in
         ``steps`` is in none of the selected runs (nothing is written).
+      TypeError, ValueError: ``steps`` or ``runs`` is not a list, or a step not an int.
       CorruptChunkError: a source object fails its checks or is missing (names run, step, key
         path and chunk id of the first, and the steps not copied); no manifest that needs it
         is written, and every other selected step is copied first.
@@ -177,8 +177,11 @@ def select_steps(src: Store, *, steps: list[int] | None = None,
     Raises:
       StepNotFoundError: a run in ``runs`` has no committed step, or a step in ``steps`` is
         in none of the selected runs.
-      ValueError: a run name is invalid.
+      TypeError, ValueError: ``steps`` or ``runs`` is not a list; a step not an int in [0, 1e16).
     """
+    if isinstance(steps, str | bytes | int) or isinstance(runs, str | bytes):
+        raise TypeError(f"steps and runs are lists (steps=[1], runs=['a']): {steps=}, {runs=}")
+    steps = None if steps is None else [check_step(step) for step in steps]
     all_runs = list_runs(src)
     for run in runs or ():
         if run not in all_runs:
@@ -351,7 +354,10 @@ class _Engine:
                 return
             data = self.bases.read(obj, cid, base, raw_length)
             try:
-                self._check(data, cid, base, raw_length)
+                if self.verify:
+                    self.bases.decode(data, cid, base, raw_length)
+                else:
+                    check_framing(data, cid, raw_length, delta=base is not None)
             except CorruptChunkError:  # damaged at the source only if it fails again
                 data = read_object(self.src, obj, raw_length)  # with verify, its base too
                 if self.verify:
@@ -372,12 +378,6 @@ class _Engine:
         except StoreTimeoutError as e:
             raise e.at(run=s.run, step=s.step, key_path=path, chunk_id=cid) from e
         self._done(obj, self.sent, len(data))
-
-    def _check(self, data: bytes, cid: str, base: str | None, raw_length: int) -> None:
-        if self.verify:
-            self.bases.decode(data, cid, base, raw_length)
-        else:
-            check_framing(data, cid, raw_length, delta=base is not None)
 
     def _found(self, obj: str) -> bool:
         try:

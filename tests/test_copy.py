@@ -146,12 +146,18 @@ def test_a_later_copy_skips_what_an_earlier_one_sent(tmp_path):
     assert second.chunks_copied == len(later - step0)
 
 
-@pytest.mark.parametrize(("kwargs", "named"), [({"runs": ["typo"]}, "typo"),
-                                           ({"steps": [0, 99]}, "99")])
-def test_a_missing_run_or_step_fails_before_anything_is_written(tmp_path, kwargs, named):
+@pytest.mark.parametrize(("kwargs", "error", "named"), [
+    ({"runs": ["typo"]}, casstore.StepNotFoundError, "typo"),
+    ({"steps": [0, 99]}, casstore.StepNotFoundError, "99"),
+    # steps="1" ended in "'in <string>' requires string as left operand, not int"
+    ({"steps": "1"}, TypeError, "steps='1'"), ({"steps": 1}, TypeError, "steps=1"),
+    ({"runs": "default"}, TypeError, "runs='default'"),
+    ({"steps": [0, 1.0]}, ValueError, "invalid step 1.0")])
+def test_a_missing_run_or_step_fails_before_anything_is_written(tmp_path, kwargs, error,
+                                                                named):
     src = LocalStore(tmp_path / "src")
     shared_steps(src, n=2)
-    with pytest.raises(casstore.StepNotFoundError, match=named):
+    with pytest.raises(error, match=named):
         casstore.copy(src, tmp_path / "dst", **kwargs)
     assert not (tmp_path / "dst").exists()
 
