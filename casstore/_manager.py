@@ -182,7 +182,7 @@ class CheckpointManager:
         self._steps = self.persister.local_steps if self.persister else self._steps  # agreed
         # last: a signal handler is installed only once nothing else can fail
         preemption = find(self.save_decision_policy, PreemptionCheckpointingPolicy)
-        self._notice = PreemptionNotice(preemption.signals if preemption else ())
+        self._notice = PreemptionNotice(preemption.signals if preemption else (), owner=self)
 
     @property
     def last_save_info(self) -> SaveInfo | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import weakref
 from collections.abc import Sequence
 
 from ._coordinator import processes
@@ -33,13 +34,15 @@ class PreemptionNotice:
         installed for each (from the main thread only) until :meth:`close`. The handler it
         replaces is called too when it is a Python function. Ignored with several processes,
         where only jax's sync point agrees across processes.
+      owner: an object (the manager) whose collection closes the notice, so that a manager
+        dropped unclosed puts back the handlers it replaced.
 
     Raises:
       ValueError: ``signals`` given but this is not the main thread (Python installs signal
         handlers there only).
     """
 
-    def __init__(self, signals: Sequence[int] = ()):
+    def __init__(self, signals: Sequence[int] = (), owner: object = None):
         self.signal_received: int | None = None
         self._previous: dict[int, object] = {}
         self._closed = False
@@ -52,6 +55,8 @@ class PreemptionNotice:
                              "in the main thread (pass signals=() to listen to jax only)")
         for sig in signals:
             self._previous[sig] = signal.signal(sig, self._handle)
+        if owner is not None:
+            weakref.finalize(owner, self.close)
 
     def _handle(self, signum: int, frame) -> None:
         if not self._closed:

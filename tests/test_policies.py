@@ -309,6 +309,27 @@ def test_managers_closed_in_any_order_put_back_the_first_handler():
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_a_manager_dropped_unclosed_puts_back_the_handler_it_replaced():
+    """Its handler outlived it: SIGTERM was recorded for no one and no longer stopped the job."""
+    import gc
+
+    def original(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, original)
+    try:
+        mngr = casstore.CheckpointManager(MemoryStore(),
+                                          save_decision_policy=PreemptionCheckpointingPolicy())
+        mngr.save(0, state(0))
+        mngr.wait_until_finished()
+        assert signal.getsignal(signal.SIGTERM) is not original
+        del mngr
+        gc.collect()
+        assert signal.getsignal(signal.SIGTERM) is original
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_the_default_policy_saves_at_jax_preemption_sync_point(monkeypatch):
     assert not casstore._preemption.reached_sync_point(3)  # no jax.distributed here
     monkeypatch.setattr(casstore._preemption, "reached_sync_point", lambda step: step == 7)
