@@ -517,6 +517,10 @@ def test_ls_with_a_persistent_tier_says_where_each_step_lives(object_servers, tm
     assert [(r["step"], r["where"]) for r in listed["steps"]] == [
         (0, "persistent"), (2, "persistent"), (4, "persistent")]
     run("ls", replaced, code=cli.EXIT_NO_REPOSITORY)  # without a persistent tier: none there
+    assert "note" not in run("ls", local, "--persistent", url, *opts).stderr
+    mistyped = run("ls", local, "--persistent", url + "-typo", *opts)  # listed all as local
+    assert f"no casstore repository at '{url}-typo' yet" in mistyped.stderr
+    assert ": 1 run(s), 2 step(s)" in mistyped.stdout  # the local steps 3 and 4 alone
 
 
 @pytest.mark.parametrize("leaves", [1000, 2500])  # rich's table; past PLAIN_ROWS, plain lines

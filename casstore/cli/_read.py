@@ -58,8 +58,11 @@ def _tiers(url: str, options: dict, persistent: str | None, persistent_options: 
         return list(local.manifests), list(local.damaged), {}
     check_options(persistent, persistent_options)
     remote_store = casstore.open_store(persistent, **persistent_options)
-    if not casstore.is_repository(local_store) and not casstore.is_repository(remote_store):
-        raise no_repository(f"{url} + {persistent}")
+    if not casstore.is_repository(remote_store):
+        if not casstore.is_repository(local_store):
+            raise no_repository(f"{url} + {persistent}")
+        click.echo(f"casstore: note: no casstore repository at {persistent!r} yet (nothing "
+                   "persisted there, or a mistyped URL): its tier is listed as empty", err=True)
     remote = casstore.scan_manifests(remote_store)
     where_: dict = {}  # the tiers holding an intact copy; a damaged one only elsewhere
     for tier, scan in (("local", local), ("persistent", remote)):
@@ -92,7 +95,8 @@ def ls_command(url: str, run: str | None, persistent: str | None, persistent_opt
     A damaged manifest is a row marked "damaged" (exit 1), one of a newer format "newer
     format" (exit 14 if nothing is damaged). With --persistent URL the steps of
     both tiers are listed (ADDED and SHARED over both), and WHERE says where each lives: local,
-    persistent or both.
+    persistent or both; a persistent URL with no repository yet is listed as empty, with a
+    note on stderr.
 
     \b
     Examples:
