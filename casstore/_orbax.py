@@ -86,8 +86,11 @@ def import_orbax(orbax_dir: str | os.PathLike, url: Url, step: int, *, run: str 
       item: import only this item of a manager step (``"default"`` for a manager with a single
         unnamed item).
       target: None, or the abstract tree (``jax.ShapeDtypeStruct`` leaves; with a sharding,
-        arrays are restored onto it) of the one pytree item imported (a plain checkpoint,
-        a step of one item, or ``item``), restored through it by orbax.
+        arrays are restored onto it, else to host memory) of the one pytree item imported (a
+        plain checkpoint, a step of one item, or ``item``), restored through it by orbax for
+        its structure, dict keys and key types. Arrays keep their saved dtypes: a target's
+        narrower one (int32 for int64 where jax's x64 is off) is not cast to; a restore into
+        the target casts and refuses values that do not fit.
       metadata: user metadata for the casstore manifest.
 
     Returns:
@@ -134,17 +137,46 @@ def _read(ocp, kind: str, path, target: Any) -> Any:
     as Python values."""
     if kind == "json":
         return json.loads(_json_file(path).read_text())
-    if target is not None:
-        return ocp.StandardCheckpointer().restore(path, target)
     checkpointer = ocp.PyTreeCheckpointer()
     item_metadata = checkpointer.metadata(path).item_metadata  # None: orbax could not read it
     if item_metadata is None:
         raise ValueError(f"its tree metadata ({str(path / _METADATA)!r}) does not read")
     tree_metadata = item_metadata.tree
+    if target is not None:
+        return checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+            item=target, restore_args=_target_args(ocp, target, tree_metadata)))
     restore_args = jax.tree.map(
         lambda m: ocp.RestoreArgs(restore_type=np.ndarray)
         if isinstance(m, ocp.metadata.ArrayMetadata) else ocp.RestoreArgs(), tree_metadata)
     return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+
+
+def _target_args(ocp, target: Any, tree_metadata: Any) -> Any:
+    """orbax's restore arguments for ``target``: its structure and key types, and its
+    shardings where it gives them, but every array in its saved dtype. orbax's own
+    (``StandardRestore``) cast to the target's dtype, so ``jax.eval_shape`` of a state with
+    jax's x64 off wrapped int64 values into int32, and put a leaf without a sharding on the
+    saved mesh, which a machine of other devices does not have."""
+    saved = {_plain_path(kp): getattr(m, "dtype", None)
+             for kp, m in jax.tree_util.tree_flatten_with_path(tree_metadata)[0]}
+
+    def args(kp, leaf):
+        dtype, sharding = saved.get(_plain_path(kp)), getattr(leaf, "sharding", None)
+        if getattr(leaf, "dtype", None) is None:
+            return ocp.RestoreArgs()  # a Python value: restored as saved
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):  # a jax array by nature
+            return ocp.ArrayRestoreArgs(sharding=sharding or jax.sharding.SingleDeviceSharding(
+                jax.local_devices(backend="cpu")[0]))
+        if sharding is None or dtype is None or jax.dtypes.canonicalize_dtype(dtype) != dtype:
+            return ocp.RestoreArgs(restore_type=np.ndarray)  # no cast: x64 off holds no int64
+        return ocp.ArrayRestoreArgs(sharding=sharding, global_shape=leaf.shape)
+
+    return jax.tree_util.tree_map_with_path(args, target)
+
+
+def _plain_path(kp: tuple) -> tuple[str, ...]:
+    """A key path as orbax's metadata spells it: dict keys as strings (``0`` -> ``"0"``)."""
+    return tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in kp)
 
 
 def _items(root, item: str | None) -> dict[str | None, tuple[str, Any]]:

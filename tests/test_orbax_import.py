@@ -1,5 +1,9 @@
 """import_orbax: an orbax checkpoint, read by orbax, becomes a casstore step bit for bit."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -161,6 +165,55 @@ def test_int_dict_keys_and_prng_keys_come_back_through_the_target(tmp_path):
     for a, b in zip(jax.tree.leaves(back["opt"]), jax.tree.leaves(state["opt"])):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
         assert a.dtype == b.dtype
+
+
+def test_a_target_of_narrower_dtypes_imports_the_saved_values_bit_exact(tmp_path):
+    """``jax.eval_shape`` of a state with jax's x64 off says int32 / uint32 / float32 for its
+    int64 / uint64 / float64 leaves: orbax's restore cast to them, and the import committed
+    -1294967296 for 3000000000, 5 for 2**63 + 5 and inf for 1e300."""
+    assert not jax.config.jax_enable_x64
+    state = {"tokens_seen": np.array(3_000_000_000, np.int64), "seed": np.array([2**63 + 5],
+             np.uint64), "ema": np.array([1e300, 1.0]), "w": jnp.ones(3, jnp.bfloat16),
+             "keys": {0: np.int64(-2**62)}}
+    with ocp.StandardCheckpointer() as ck:
+        ck.save(tmp_path / "orbax", state)
+    url = str(tmp_path / "cas")
+    with np.errstate(over="ignore"):  # jax's own cast of 1e300 to float32, in eval_shape
+        abstract = jax.eval_shape(lambda: state)
+    assert abstract["tokens_seen"].dtype == np.int32
+    casstore.import_orbax(tmp_path / "orbax", url, 0, target=abstract)
+    assert_bit_exact(casstore.restore(url, 0), jax.tree.map(np.asarray, state))
+    with pytest.raises(casstore.TargetMismatchError, match="overflow"):  # as for any step
+        casstore.restore(url, 0, target=abstract)
+
+
+def test_a_target_places_arrays_on_its_sharding_and_one_without_fits_any_machine(tmp_path):
+    """A target without shardings (``jax.eval_shape``) of a checkpoint saved on a 4x2 mesh
+    failed on a machine of one device (orbax: "Topology mismatch"); with shardings the
+    arrays are restored onto them."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
+    sharding = NamedSharding(mesh, PartitionSpec("a", "b"))
+    state = {"w": jax.device_put(jnp.arange(96.0).reshape(16, 6), sharding),
+             "opt": {0: jnp.ones(2), 1: jnp.arange(4)}}
+    with ocp.StandardCheckpointer() as ck:
+        ck.save(tmp_path / "orbax", state)
+    url = str(tmp_path / "cas")
+    casstore.import_orbax(tmp_path / "orbax", url, 0, target=jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
+    assert_bit_exact(casstore.restore(url, 0), jax.tree.map(np.asarray, state))
+    (w,) = [leaf for leaf in casstore.read_manifest(url, 0).leaves if leaf.path == "w"]
+    assert w.sharding == {"mesh": {"a": 4, "b": 2}, "spec": ["a", "b"]}  # imported onto it
+    code = ("import jax, sys, casstore; assert len(jax.devices()) == 1\n"
+            "t = {'w': jax.ShapeDtypeStruct((16, 6), 'float32'), 'opt': {\n"
+            "     0: jax.ShapeDtypeStruct((2,), 'float32'),\n"
+            "     1: jax.ShapeDtypeStruct((4,), 'int32')}}\n"
+            "casstore.import_orbax(sys.argv[1], sys.argv[2], 1, target=t)")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "orbax"), url], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert_bit_exact(casstore.restore(url, 1), jax.tree.map(np.asarray, state))
 
 
 @pytest.mark.parametrize("damage", ["_METADATA", "manifest.ocdbt", "_CHECKPOINT_METADATA"])
