@@ -26,6 +26,7 @@ from ._save import SaveInfo, save
 _METADATA = "_METADATA"  # the file orbax's PyTree handler writes into every item directory
 _STEP_METADATA = "_CHECKPOINT_METADATA"  # a manager step's: names each item's handler
 _JSON_FILE = "metadata"  # JsonCheckpointHandler's default file name
+_METRICS = "metrics"  # the item (and file) of a manager step's metrics
 _PYTREE_HANDLERS = ("StandardCheckpointHandler", "PyTreeCheckpointHandler")
 _JSON_HANDLERS = ("JsonCheckpointHandler",)
 
@@ -67,7 +68,10 @@ def import_orbax(orbax_dir: str | os.PathLike, url: Url, step: int, *, run: str 
     as 0-d numpy arrays of their saved dtype (int64, float64) and are stored as such. A JSON
     item (``ocp.args.JsonSave``) becomes leaves: dicts and lists as containers, str / int /
     float / bool / None as Python scalar leaves (restored as the same Python values). The
-    orbax step's own metadata (metrics, custom metadata) is not imported: pass ``metadata=``.
+    metrics a manager step holds (its ``metrics`` item: ``save(..., metrics=)`` with a
+    ``best_fn``) become the step's metrics, as :meth:`casstore.CheckpointManager.save` stores
+    them (``{"metrics": ..., "user": metadata}``), so a ``best_fn`` ranks imported steps; the
+    step's custom metadata is not imported: pass ``metadata=``.
 
     orbax's tree metadata keeps dict keys as strings and typed PRNG keys as their ``uint32``
     key data, and orbax itself needs the restore's target to give them back: without
@@ -118,10 +122,11 @@ def import_orbax(orbax_dir: str | os.PathLike, url: Url, step: int, *, run: str 
 
     root = epath.Path(os.fspath(orbax_dir))
     items = _items(root, item)
-    if target is not None and len(items) != 1:
+    if target is not None and len(items) - (_METRICS in items and item is None) != 1:
         raise ValueError(f"target= is the tree of one item; {str(root)!r} holds "
                          f"{sorted(items)}: pass item= too")
     try:
+        metrics = _pop_metrics(items) if item is None else None
         trees = {name: _read(ocp, kind, path, target) for name, (kind, path) in items.items()}
     except UnsupportedItemError:
         raise
@@ -129,7 +134,19 @@ def import_orbax(orbax_dir: str | os.PathLike, url: Url, step: int, *, run: str 
         raise OrbaxReadError(f"{str(root)!r}: orbax cannot read it: {type(e).__name__}: {e}; "
                              "nothing was written") from e
     tree = trees.popitem()[1] if len(trees) == 1 else trees
+    if metrics is not None:  # as CheckpointManager.save(metrics=) stores them
+        metadata = {"metrics": metrics, "user": metadata}
     return save(url, step, tree, run=run, metadata=metadata)
+
+
+def _pop_metrics(items: dict) -> Any:
+    """The JSON of orbax ``CheckpointManager``'s metrics item (a save's ``metrics=`` where it
+    has a ``best_fn``), taken out of ``items``; None if the step has none."""
+    found = items.get(_METRICS)
+    if found is None or found[0] != "json" or len(items) == 1:
+        return None
+    del items[_METRICS]
+    return json.loads(_json_file(found[1]).read_text())
 
 
 def _read(ocp, kind: str, path, target: Any) -> Any:

@@ -74,6 +74,30 @@ def test_checkpoint_manager_steps_with_named_items(tmp_path):
                      {"state": tree, "extra": {"seen": np.arange(3)}})
 
 
+def test_a_steps_metrics_become_its_metrics_not_an_item(tmp_path):
+    """orbax's manager writes save(metrics=) as an item "metrics": it was imported as state
+    ({"default": ..., "metrics": ...}), and a restore into the state's target refused."""
+    state = {"w": jnp.arange(6.0)}
+    options = ocp.CheckpointManagerOptions(best_fn=lambda m: m["loss"], best_mode="min")
+    with ocp.CheckpointManager(tmp_path / "orbax", options=options) as mngr:
+        for step, loss in ((1, 0.5), (2, 0.25), (3, 0.75)):
+            mngr.save(step, args=ocp.args.StandardSave(state), metrics={"loss": loss})
+        mngr.wait_until_finished()
+    url = str(tmp_path / "cas")
+    for step in (1, 2, 3):
+        casstore.import_orbax(tmp_path / "orbax" / str(step), url, step,
+                              metadata={"from": "orbax"} if step == 3 else None)
+    abstract = jax.eval_shape(lambda: state)
+    assert_bit_exact(casstore.restore(url, 2, target=abstract), state)
+    casstore.import_orbax(tmp_path / "orbax" / "1", url, 4, target=abstract)  # one item
+    with casstore.CheckpointManager(url, best_fn=lambda m: m["loss"], best_mode="min") as cas:
+        assert cas.best_step() == 2
+        assert cas.metadata(3) == {"from": "orbax"}
+    assert casstore.read_manifest(url, 3).metadata == {"metrics": {"loss": 0.75},
+                                                       "user": {"from": "orbax"}}
+    assert jax.tree.structure(casstore.restore(url, 1)) == jax.tree.structure(state)
+
+
 def test_every_item_of_a_step_is_imported_json_items_as_leaves(tmp_path):
     """A manager with item_names=("state", "extra"), StandardSave + JsonSave (issue 29)."""
     tree = make_tree()
