@@ -205,11 +205,7 @@ def _items(root, item: str | None) -> dict[str | None, tuple[str, Any]]:
     handlers = _handlers(root)
     if item is None and (root / _METADATA).exists() and not handlers:
         return {None: ("pytree", root)}
-    if item is not None:
-        names = [item]
-    else:
-        names = sorted(handlers) or sorted(
-            d.name for d in root.iterdir() if d.is_dir() and _kind(d, None) is not None)
+    names = [item] if item is not None else sorted(handlers) or _item_dirs(root)
     if not names:
         raise FileNotFoundError(f"{str(root)!r} is not an orbax checkpoint: no {_METADATA} "
                                 f"and no item directories")
@@ -226,6 +222,24 @@ def _items(root, item: str | None) -> dict[str | None, tuple[str, Any]]:
             + ", ".join(f"{n!r} ({h or 'unknown handler'})" for n, h in refused.items())
             + (f"; pass item= to import one of {importable}" if importable else ""), refused)
     return {name: (kinds[name], root / name) for name in names}
+
+
+def _item_dirs(root) -> list[str]:
+    """A step's item directories where its metadata names no handlers (an older orbax): every
+    directory, so one of an unknown kind is refused by name rather than dropped; none if no
+    directory is an item casstore knows (``root`` is no checkpoint).
+
+    Raises:
+      FileNotFoundError: ``root`` holds checkpoints (a manager's directory, or the parent of
+        several checkpoints), not the items of one.
+    """
+    dirs = sorted(d.name for d in root.iterdir()
+                  if d.is_dir() and ".orbax-checkpoint-tmp" not in d.name)
+    inner = [name for name in dirs if (root / name / _STEP_METADATA).exists()]
+    if inner:
+        raise FileNotFoundError(f"{str(root)!r} holds orbax checkpoints, not one: pass one of "
+                                f"{inner[:5]}{' ...' if len(inner) > 5 else ''}")
+    return dirs if any(_kind(root / name, None) for name in dirs) else []
 
 
 def _handlers(root) -> dict[str, str]:

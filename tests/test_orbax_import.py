@@ -156,6 +156,46 @@ def test_single_item_is_found_and_missing_checkpoints_are_named(tmp_path):
         casstore.import_orbax(tmp_path / "orbax" / "7", url, 7)
 
 
+def test_the_parent_of_several_checkpoints_is_refused_naming_them(tmp_path):
+    """It was imported as one step {"100": ..., "200": ..., "300": ...}."""
+    with ocp.StandardCheckpointer() as ck:
+        for step in (100, 200, 300):
+            ck.save(tmp_path / "ckpts" / str(step), {"w": jnp.full(3, float(step))})
+    url = str(tmp_path / "cas")
+    with pytest.raises(FileNotFoundError,
+                       match=r"ckpts' holds orbax checkpoints, not one: pass one of \['100', "):
+        casstore.import_orbax(tmp_path / "ckpts", url, 300)
+    assert casstore.list_steps(url) == []
+    casstore.import_orbax(tmp_path / "ckpts" / "300", url, 300)
+    assert casstore.restore(url, 300)["w"].tolist() == [300.0] * 3
+
+
+def test_a_step_without_handler_metadata_refuses_items_of_unknown_kinds_by_name(tmp_path):
+    """A step of an orbax that names no item handlers (its _CHECKPOINT_METADATA gone): the
+    items neither a pytree's nor a JSON "metadata" file were dropped silently."""
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    for name, save, restore, handler in (
+            ("state", ocp.args.StandardSave, ocp.args.StandardRestore,
+             ocp.StandardCheckpointHandler()),
+            ("loader", ocp.args.JsonSave, ocp.args.JsonRestore,
+             ocp.JsonCheckpointHandler(filename="loader.json"))):
+        registry.add(name, save, handler)
+        registry.add(name, restore, handler)
+    with ocp.CheckpointManager(tmp_path / "orbax", handler_registry=registry) as mngr:
+        mngr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave({"w": jnp.ones(3)}),
+                                             loader=ocp.args.JsonSave({"position": 12})))
+        mngr.wait_until_finished()
+    step = tmp_path / "orbax" / "1"
+    (step / "_CHECKPOINT_METADATA").unlink()
+    url = str(tmp_path / "cas")
+    with pytest.raises(casstore.UnsupportedItemError,
+                       match=r"not 'loader' \(unknown handler\); pass item= .*'state'"):
+        casstore.import_orbax(step, url, 1)
+    assert casstore.list_steps(url) == []
+    casstore.import_orbax(step, url, 1, item="state")
+    assert casstore.restore(url, 1)["w"].tolist() == [1.0] * 3
+
+
 def test_a_json_item_with_its_own_file_name_is_imported(tmp_path):
     """JsonCheckpointHandler(filename="extra.json"): its file is not 'metadata'."""
     with ocp.CheckpointManager(tmp_path / "orbax", item_names=("extra",), item_handlers={
