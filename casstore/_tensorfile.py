@@ -210,23 +210,27 @@ def tree_of(tensors: dict[str, np.ndarray]) -> dict | np.ndarray:
         if elements[-1] in node:
             raise ValueError(f"tensor {name!r} clashes with another tensor's key path")
         node[elements[-1]] = value
-    return _containers(root)
+    return _containers(root, [MAX_GAPS])
 
 
-MAX_GAPS = 2**16  # positions without a tensor that one list may have (a name's index is untrusted)
+MAX_GAPS = 2**16  # list positions without a tensor that one file may make (its names' indices
+# are untrusted: 40 names "a{i}/[65536]" of a 2.5 kB file made a manifest of 21 MB)
 
 
-def _containers(node: Any) -> Any:
+def _containers(node: Any, gaps: list[int]) -> Any:
+    """``node``'s nested dicts, those keyed ``[0]``, ``[1]``, ... as lists while the file's
+    budget of missing positions (``gaps[0]``, spent here) lasts; past it, dicts of int keys."""
     if not isinstance(node, dict):
         return node
     keys = list(node)
     if keys and all(re.fullmatch(r"\[(0|[1-9]\d*)\]", k) for k in keys) and (
-            length := 1 + max(int(k[1:-1]) for k in keys)) <= len(keys) + MAX_GAPS:
+            length := 1 + max(int(k[1:-1]) for k in keys)) <= len(keys) + gaps[0]:
         # sequence indices (format.md §5): a missing one held no tensor (None, an optax
         # EmptyState), so it is None, and the list keeps the positions of the saved tree
-        return [_containers(node[f"[{i}]"]) if f"[{i}]" in node else None
+        gaps[0] -= length - len(keys)
+        return [_containers(node[f"[{i}]"], gaps) if f"[{i}]" in node else None
                 for i in range(length)]
-    out = {_unescape(k): _containers(v) for k, v in node.items()}
+    out = {_unescape(k): _containers(v, gaps) for k, v in node.items()}
     if len(out) < len(keys) or len({type(k) for k in out}) > 1:
         raise ValueError(f"tensor name elements {sorted(keys)[:6]} at one level name the same "
                          "int key twice or mix int keys ([k], [=k]) with names: a pytree "

@@ -610,6 +610,24 @@ def test_an_export_imported_back_restores_into_the_exported_trees_structure(tmp_
             np.testing.assert_array_equal(a, b)  # (float64 as the target's float32)
 
 
+def test_the_lists_of_one_file_hold_a_bounded_number_of_missing_positions(tmp_path):
+    """The bound was a list's: 40 names "a{i}/[65536]" (a file of 2.5 kB) made 40 lists of
+    65,537 elements, a minute's import and a manifest of 21 MB."""
+    from casstore._tensorfile import MAX_GAPS
+    path = tmp_path / "gaps.safetensors"
+    safetensors.numpy.save_file({f"a{i}/[{MAX_GAPS}]": np.zeros(0, np.int8) for i in range(40)},
+                                str(path))
+    casstore.import_tensors(path, tmp_path / "r", 0)
+    back = casstore.restore(tmp_path / "r", 0)
+    (listed,) = [v for v in back.values() if isinstance(v, list)]  # the budget: one such list
+    assert len(listed) == MAX_GAPS + 1
+    assert listed[:2] == [None, None]
+    others = [v for v in back.values() if not isinstance(v, list)]
+    assert [list(v) for v in others] == [[MAX_GAPS]] * 39  # the rest: dicts of int keys
+    paths = [leaf.path for leaf in casstore.read_manifest(tmp_path / "r", 0).leaves]
+    assert sum(p.endswith(f"/[={MAX_GAPS}]") for p in paths) == 39
+
+
 def test_import_names_that_are_no_key_path_of_a_pytree_name_the_file(tmp_path):
     """An index past 64 bits and a NUL raised a bare OverflowError or TypeError."""
     for name, says in (("layers/[18446744073709551616]/w", "does not fit in 64 bits"),
