@@ -234,9 +234,12 @@ class Store(abc.ABC):
 
     def put_if_absent(self, key: str, data: bytes | memoryview) -> None:
         """Writes a whole object atomically, only if ``key`` does not exist yet (create-only).
+        On an object store, an object of exactly ``data`` found there is taken as this write's
+        own (an earlier send of it whose answer was lost) and the write succeeds.
 
         Raises:
-          FileExistsError: ``key`` exists; it is left unchanged.
+          FileExistsError: ``key`` exists (on an object store: with other bytes); it is left
+            unchanged.
           ReadOnlyStoreError: the store is read-only.
         """
         self._check_writable(key)

@@ -342,13 +342,12 @@ class FsspecStore(Store):
             self.policy.run(key, lambda t: self._call("pipe_file", path, self._body(data),
                                                       timeout=t, **options))
             return
-        attempts, ours = [], []
+        ours: list[int] = []
         if self.fs.protocol in ("gs", ("gs", "gcs")):  # gcsfs: in one request, whose
             options = {**options, "chunksize": memoryview(data).nbytes + 1}  # precondition
             # fake-gcs-server honours (a resumable upload's it ignores, TESTING-SERVERS.md)
 
         def create(timeout: float) -> None:
-            attempts.append(1)
             t0 = time.monotonic()
             if ours:  # an earlier attempt stored it, then failed its checksum: rewrite ours
                 return self._call("pipe_file", self._path(key), self._body(data),
@@ -360,10 +359,10 @@ class FsspecStore(Store):
                 ours.extend([1] if is_stored_mismatch(e) else [])
                 if not _clients.is_exists_error(e):
                     raise
-                # A retried create may find the object its own failed attempt stored.
+                # A create may find the object its own earlier attempt stored: casstore's
+                # retry's, or aiohttp's, which resends a PUT whose connection closed unanswered.
                 left = timeout - (time.monotonic() - t0)
-                if len(attempts) > 1 and self._call("cat_file", self._path(key),
-                                                    timeout=left) == bytes(data):
+                if self._call("cat_file", self._path(key), timeout=left) == bytes(data):
                     return
                 raise FileExistsError(f"{self.url}/{key} exists") from e
 
