@@ -6,6 +6,8 @@ requests from then on:
 
 - ``"stall"``: read the request, never answer (a load balancer that swallows connections);
 - ``"slowdown"``: answer ``503 SlowDown`` with an S3 XML error body, without asking upstream;
+- ``"forbidden"``, ``"unauthorized"``: answer GCS's ``403`` (an account without the
+  permission) or ``401`` (an invalid token) with its JSON error body, without asking upstream;
 - ``"cut"``: close both connections halfway through the request body (uploads) or the response
   body (downloads);
 - ``"trickle"``: relay the answer at ``rate_bytes_s`` bytes per second;
@@ -30,8 +32,16 @@ from collections.abc import Iterator
 HOST = "127.0.0.1"
 FAULTS = ("stall", "slowdown", "cut", "trickle")  # the ones that cost time
 CORRUPTING = ("flip",)
+REFUSALS = ("forbidden", "unauthorized")
 SLOWDOWN = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>SlowDown</Code><Message>"
             b"Please reduce your request rate.</Message><RequestId>faultproxy</RequestId></Error>")
+CANNED = {  # fault: (status line, content type, body)
+    "slowdown": (b"503 Slow Down", b"application/xml", SLOWDOWN),
+    "forbidden": (b"403 Forbidden", b"application/json", b'{"error": {"code": 403, "message": '
+                  b'"reader@p.iam.gserviceaccount.com does not have storage.objects.create '
+                  b'access to the Google Cloud Storage object."}}'),
+    "unauthorized": (b"401 Unauthorized", b"application/json",
+                     b'{"error": {"code": 401, "message": "Invalid Credentials"}}')}
 
 
 async def _read_head(reader: asyncio.StreamReader) -> bytes:
@@ -84,7 +94,7 @@ class FaultProxy:
         requests (of those beyond ``max_in_flight`` concurrent ones, if given) whose request
         line contains ``only`` (bytes), or matches it (a compiled bytes pattern: ``search``),
         until ``faults[fault]`` reaches ``max_faults`` (None: no end)."""
-        if fault is not None and fault not in FAULTS + CORRUPTING:
+        if fault is not None and fault not in FAULTS + CORRUPTING + REFUSALS:
             raise ValueError(f"unknown fault {fault!r}")
         self.fault, self.fraction, self.rate_bytes_s = fault, fraction, rate_bytes_s
         self.max_in_flight, self.only, self.max_faults = max_in_flight, only, max_faults
@@ -121,12 +131,12 @@ class FaultProxy:
                     pass
                 return
             length = _content_length(head) or 0
-            if fault == "slowdown":
+            if fault in CANNED:
                 if b"100-continue" not in head.lower():
                     await client_r.readexactly(length)
-                client_w.write(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
-                               b"Connection: close\r\nContent-Length: %d\r\n\r\n%s"
-                               % (len(SLOWDOWN), SLOWDOWN))
+                status, kind, body = CANNED[fault]
+                client_w.write(b"HTTP/1.1 %s\r\nContent-Type: %s\r\nConnection: close\r\n"
+                               b"Content-Length: %d\r\n\r\n%s" % (status, kind, len(body), body))
                 await client_w.drain()
                 return
             upstream_r, upstream_w = await asyncio.open_connection(HOST, self.upstream_port)

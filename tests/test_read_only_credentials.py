@@ -125,3 +125,35 @@ def test_manager_save_fails_in_the_call_on_a_read_only_store(tmp_path):
                         match=r"read-only; nothing was saved.*step 2\)")):
         mngr.save(2, tree_for(2))
     assert casstore.list_steps(tmp_path) == [1]
+
+
+@pytest.mark.parametrize(("refusal", "says"), [("forbidden", "does not have storage.objects"),
+                                               ("unauthorized", "Invalid Credentials, 401")])
+def test_gcs_refusing_access_is_named_as_such(object_servers, refusal, says, caplog):
+    """GCS's 403 (an objectViewer account writing) came as gcsfs's OSError("Forbidden") and
+    its 401 as an HttpError: neither was an AccessDeniedError (the CLI exited 2, not 12, and a
+    refused save advised deleting a lock that was never stored)."""
+    from click.testing import CliRunner
+    from faultproxy import fault_proxy
+
+    from casstore import cli
+    server = object_servers["fake-gcs"]
+    url = server.url_for("refused")
+    casstore.save(FsspecStore.from_url(url, **server.storage_options), 1, tree_for(1))
+    with fault_proxy(server.endpoint_url) as proxy:
+        options = {**server.storage_options, "endpoint_url": proxy.endpoint_url}
+        refused = FsspecStore.from_url(url, **options)
+        refused.policy.backoff_s = 5.0  # a retried request would wait at least 2.5 s
+        proxy.set(refusal, only=b"POST")  # writes (uploads are POSTs); reads go through
+        t0 = time.perf_counter()
+        with pytest.raises(casstore.AccessDeniedError, match=says) as info:
+            casstore.save(refused, 2, tree_for(2))
+        assert time.perf_counter() - t0 < 10.0  # refused once, not retried
+        assert url in str(info.value)
+        assert "could not delete lock" not in caplog.text
+        assert casstore.list_steps(refused) == [1]
+        proxy.set(refusal)
+        args = ["ls", url, *(a for k, v in options.items() for a in ("-o", f"{k}={v}"))]
+        result = CliRunner().invoke(cli.main, args)
+        assert result.exit_code == cli.EXIT_ACCESS_DENIED, result.output
+        assert "check the credentials" in result.stderr

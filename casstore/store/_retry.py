@@ -84,6 +84,15 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+def is_denied(exc: BaseException) -> bool:
+    """True if the store refused the request's credentials or permissions: a PermissionError
+    (s3fs maps 403 AccessDenied and bad keys to it), gcsfs's ``HttpError`` of a 401 or 403,
+    or the ``OSError("Forbidden: ...")`` gcsfs raises for a 403."""
+    return isinstance(exc, PermissionError) or (
+        type(exc).__name__ == "HttpError" and _http_status(exc) in (401, 403)) or (
+        type(exc) is OSError and str(exc).startswith("Forbidden: "))
+
+
 _CHECKSUM_CODES = {"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch"}
 CHECKSUM_ATTEMPTS = 3  # transfers of one object whose bytes fail their checksum
 
@@ -229,8 +238,8 @@ class RetryPolicy:
 
         A permanent error (or the last transient one, when ``retries`` ran out) is raised with
         the object's URL added; a deadline that passed raises StoreTimeoutError. A refused
-        request (s3fs maps 403 AccessDenied and bad keys to PermissionError) becomes
-        :class:`~casstore.AccessDeniedError`, whose message names that URL. Bytes that fail
+        request (:func:`is_denied`: S3's 403 AccessDenied and bad keys, GCS's 401 and 403)
+        becomes :class:`~casstore.AccessDeniedError`, whose message names that URL. Bytes that fail
         their transfer checksum (:func:`is_checksum_mismatch`) are sent or fetched again, up
         to :data:`CHECKSUM_ATTEMPTS` times in all; then an upload raises the store's refusal
         (with the URL added) and a download raises :class:`~casstore.CorruptChunkError` naming
@@ -245,12 +254,12 @@ class RetryPolicy:
             try:  # one attempt gets at most half the deadline: a trickle leaves time to retry
                 result = self._attempt(fn, min(deadline, time.monotonic() + budget / 2),
                                        limited)
-            except PermissionError as e:
-                if isinstance(e, CasstoreError):
-                    raise
-                raise AccessDeniedError(f"the server refused access: {e}",
-                                        url=f"{self.url}/{key}") from e
             except Exception as e:  # classified by is_transient; anything else is re-raised
+                if isinstance(e, CasstoreError) and isinstance(e, PermissionError):
+                    raise
+                if is_denied(e):
+                    raise AccessDeniedError(f"the server refused access: {e}",
+                                            url=f"{self.url}/{key}") from e
                 mismatch = is_checksum_mismatch(e)
                 mismatches += mismatch is not None
                 if mismatch == "download" and (mismatches >= CHECKSUM_ATTEMPTS or (
