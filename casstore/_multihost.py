@@ -261,11 +261,12 @@ class SaveAgreement:
         """
         if self.is_primary:
             seen = {(i, r.start): r for i, rs in refs.items() for r in rs}
+            mine = {r.key for rs in refs.values() for r in rs}
             for p, posted in enumerate(self.gather([], None)[1:], 1):
                 theirs = [(i, ChunkRef(ref[0], tuple(ref[1]), tuple(ref[2]), *ref[3:]))
                           for i, *ref in posted]
-                if theirs and not self.per_host:
-                    check_shared(store, p, theirs[0][1].key)
+                if not self.per_host:  # objects process 0 did not store (by content) too
+                    check_shared(store, p, sorted({r.key for _, r in theirs} - mine)[:4])
                 for i, ref in theirs:
                     if self.per_host and (i, ref.start) in seen:
                         _same_block(seen[i, ref.start], ref, p, self.save, self.paths[i])
@@ -378,21 +379,24 @@ def _per_process(spread: list[list[str]]) -> list[str]:
 _seen_shared: set[str] = set()  # URLs where process 0 saw another process's chunk
 
 
-def check_shared(store: Store, process: int, key: str) -> None:
-    """Process 0, before it commits: raises unless it sees ``key``, a chunk object that
-    ``process`` stored or found in the repository, at ``store``. Every process must save to one
-    repository (a shared filesystem or an object store); with a disk of its own per host, the
-    manifest would name chunks that process 0's repository lacks. Looked up once per URL.
+def check_shared(store: Store, process: int, keys: list[str]) -> None:
+    """Process 0, before it commits: raises unless it sees ``keys``, chunk objects that
+    ``process`` stored or found in the repository and process 0's save did not store itself
+    (a block of zeros both stored would be on a disk of each), at ``store``. Every process must
+    save to one repository (a shared filesystem or an object store); with a disk of its own
+    per host, the manifest would name chunks that process 0's repository lacks. Looked up until
+    a save had such objects, once per URL.
 
     Raises:
-      CasstoreError: process 0 does not see the object (nothing is committed).
+      CasstoreError: process 0 does not see an object (nothing is committed).
     """
-    if store.url in _seen_shared:
+    if store.url in _seen_shared or not keys:
         return
-    if not store.exists(key):
-        raise CasstoreError(
-            f"process {process} stored chunk object {key!r} but process 0 does not see it at "
-            f"{store.url!r}: every process of a multi-process save must write to one "
-            "repository that all of them read (a shared filesystem or an object store), not "
-            "a disk of its own; no manifest written")
+    for key in keys:
+        if not store.exists(key):
+            raise CasstoreError(
+                f"process {process} stored chunk object {key!r} but process 0 does not see it "
+                f"at {store.url!r}: every process of a multi-process save must write to one "
+                "repository that all of them read (a shared filesystem or an object store), "
+                "not a disk of its own; no manifest written")
     _seen_shared.add(store.url)

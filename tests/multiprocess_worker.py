@@ -193,6 +193,9 @@ def run(mode: str, step: int) -> None:
     if mode in ("save", "crash", "own-disk"):
         state = {k: jax.make_array_from_callback(v.shape, s, lambda idx, v=v: v[idx])
                  for (k, v), s in zip(values.items(), shardings("save").values())}
+        if mode == "own-disk":  # first, blocks of zeros alike on every host (a fresh moment)
+            state["a_zeros"] = jax.device_put(np.zeros((64, 48), np.float32),
+                                              shardings("save")["w"])
         store = LocalStore(f"{repo}/host{pid}" if mode == "own-disk" else repo)
         if mode == "crash" and pid == 1:
             real_put = store._put

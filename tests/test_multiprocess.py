@@ -101,7 +101,9 @@ def test_a_process_killed_before_commit_leaves_no_step(tmp_path):
 
 def test_processes_saving_to_disks_of_their_own_commit_nothing(tmp_path):
     """A per-host disk is not one repository: process 0 does not see process 1's chunks, so
-    it refuses to commit a manifest naming them, and both processes say why."""
+    it refuses to commit a manifest naming them, and both processes say why. The state's first
+    leaf is zeros: process 1's first chunk, which process 0 looked up alone, was then on
+    process 0's disk too (by content), and the step committed there unrestorable."""
     repo = tmp_path / "repo"
     results = run_job(2, "own-disk", repo, 1)
     assert [code for code, _ in results] == [3, 3], results
