@@ -24,6 +24,7 @@ import contextlib
 import datetime
 import itertools
 import time
+import weakref
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
@@ -37,6 +38,8 @@ from .store import Store
 
 _save_counter = itertools.count()  # SPMD: every process calls save() in the same order
 _forgotten = [0]  # saves numbered below this have no key left on the coordinator (process 0)
+_live: dict[int, bool] = {}  # this process's saves in flight, by number, until their
+# agreements are collected (a manager's in the background beside a casstore.save)
 
 
 class SaveAgreement:
@@ -54,7 +57,11 @@ class SaveAgreement:
         # tiers"): no check_shared, refs deduplicated, the manifest's bytes sent to the others
         self.per_host = per_host and self.count > 1
         self.manifest: bytes | None = None  # the committed manifest (per_host)
-        self.tag = f"casstore/save/{next(_save_counter)}" if self.count > 1 else ""
+        self.number = next(_save_counter) if self.count > 1 else 0
+        self.tag = f"casstore/save/{self.number}" if self.count > 1 else ""
+        if self.count > 1:
+            _live[self.number] = True
+            weakref.finalize(self, _live.pop, self.number, None)
         self._posted = False  # this process posted its refs (or its error)
         self._started = False  # this process posted how its save call went (start_verdict)
         self._published = False  # process 0 posted the outcome
@@ -113,15 +120,16 @@ class SaveAgreement:
             return [refs]
         client = self._client()
         self._posted = True
+        oldest = min(_live.copy(), default=self.number)  # (a copy: other threads add saves)
         client.key_value_set_bytes(f"{self.tag}/refs/{self.index}",
                                    msgpack.packb({"error": error, "refs": refs,
                                                   "save": self.save, "spread": self.spread,
-                                                  "counts": self.counts}))
+                                                  "counts": self.counts, "oldest": oldest}))
         if not self.is_primary:
             return []
         posts = [msgpack.unpackb(self._wait(client, f"{self.tag}/refs/{p}", p),
                                  strict_map_key=False) for p in range(self.count)]
-        self._forget_earlier(client)
+        self._forget_earlier(client, min(post["oldest"] for post in posts))
         failed = [f"process {p}: {post['error']}" for p, post in enumerate(posts)
                   if post["error"]]
         failed += [f"process {p} {self._other(post['save'])}" for p, post in enumerate(posts)
@@ -136,15 +144,14 @@ class SaveAgreement:
         self.totals = [sum(c) for c in zip(*(post["counts"] for post in posts))]
         return [post["refs"] for post in posts]
 
-    def _forget_earlier(self, client) -> None:
-        """Process 0, once every process posted this save: deletes the keys of the earlier
-        saves, which each process finished before it posted (one save of a process runs after
-        its previous one), so that the coordinator does not hold every save's refs for the
-        life of the job."""
-        number = int(self.tag.rsplit("/", 1)[1])
-        for k in range(_forgotten[0], number):
+    def _forget_earlier(self, client, oldest: int) -> None:
+        """Process 0, once every process posted this save: deletes the keys of the saves
+        numbered below ``oldest``, the oldest save any process had in flight when it posted
+        (a manager's runs in the background while the job calls ``casstore.save``), so that
+        the coordinator does not hold every save's refs for the life of the job."""
+        for k in range(_forgotten[0], oldest):
             client.key_value_delete(f"casstore/save/{k}")
-        _forgotten[0] = max(_forgotten[0], number)
+        _forgotten[0] = max(_forgotten[0], oldest)
 
     def _other(self, save: list) -> str:
         """How another process's save differs from this one's (for an error)."""
@@ -174,6 +181,7 @@ class SaveAgreement:
         except BaseException as e:
             self._start_verdict(f"{type(e).__name__}: {e}")
             self.abandon(f"{type(e).__name__}: {e}")
+            self.finish()
             raise
 
     def _start_verdict(self, error: str | None) -> None:
@@ -233,11 +241,21 @@ class SaveAgreement:
             yield self
         except BaseException as e:
             self.abandon(f"{type(e).__name__}: {e}")
+            self.finish()
             raise
-        if self.is_primary:
-            self.publish_outcome(None)
-        else:
-            self.wait_outcome()
+        try:
+            if self.is_primary:
+                self.publish_outcome(None)
+            else:
+                self.wait_outcome()
+        finally:
+            if not self.per_host:  # per_host: once the copies are confirmed (confirm_copies)
+                self.finish()
+
+    def finish(self) -> None:
+        """This process reads no key of this save any more: process 0 may delete them once
+        every process said so (:meth:`_forget_earlier`)."""
+        _live.pop(self.number, None)
 
     def gather_refs(self, refs: dict[int, list[ChunkRef]], store: Store
                     ) -> dict[int, list[ChunkRef]] | None:
@@ -318,6 +336,7 @@ class SaveAgreement:
             client.key_value_set_bytes(f"{self.tag}/copied/{self.index}", msgpack.packb(failed))
             failed += posted(client, f"{self.tag}/verdict", time.monotonic() + 2 * timeout_ms()
                               / 1000, "process 0 did not say whether every copy is written")
+        self.finish()
         if failed:
             try:
                 withdraw()

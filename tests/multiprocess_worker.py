@@ -11,9 +11,10 @@ STEP + 2 alike on every process. ``manager-asymmetric`` saves STEP to STEP + 5 t
 manager whose save() calls raise on one process only (see :func:`asymmetric_errors`) and prints
 ``CALLS <what each call returned or raised>``. ``manager-metrics`` saves STEP to STEP + 3
 through a manager keeping the 2 best by a loss each process computes differently, and prints
-``STEPS <all_steps()> <best_step()>``. Each further MODE STEP pair (``save`` or ``restore``)
-runs after the first in the same processes: one interpreter start and jax import per process
-for all of them. Prints ``OK`` once every one succeeded.
+``STEPS <all_steps()> <best_step()>``. ``overlap`` saves STEP to STEP + 3 of run ``train``
+through a manager while ``casstore.save`` saves run ``eval``. Each further MODE STEP pair
+(``save`` or ``restore``) runs after the first in the same processes: one interpreter start
+and jax import per process for all of them. Prints ``OK`` once every one succeeded.
 """
 
 import os
@@ -129,6 +130,28 @@ def ranked_by_metrics(step: int) -> None:
         print("STEPS", mngr.all_steps(), mngr.best_step(), flush=True)
 
 
+def overlapping(step: int) -> None:
+    """A manager's background saves of run "train", each still writing on process 0 (slow
+    chunk writes) when process 1 has posted its chunks and the job saves run "eval" with
+    casstore.save: process 0 deleted the coordinator's keys of every save numbered below the
+    one it gathered, process 1's post of the manager's save too, which then waited out the
+    timeout on every process and lost its step."""
+    store = LocalStore(repo)
+    real_put = store._put
+
+    def slow_put(key, data, *, exclusive):
+        time.sleep(0.05 if pid == 0 and key.startswith("chunks/") else 0)
+        real_put(key, data, exclusive=exclusive)
+
+    store._put = slow_put
+    with casstore.CheckpointManager(store, run="train", chunk_size_bytes=2048) as mngr:
+        for s in range(step, step + 4):
+            mngr.save(s, {"state": global_state(s), "step": s})
+            casstore.save(repo, s, {"b": global_state(s)["b"]}, run="eval")
+    print("STEPS", casstore.list_steps(repo, run="train"), casstore.list_steps(repo, run="eval"),
+          flush=True)
+
+
 def asymmetric_errors(step: int) -> None:
     """Process 1's background save of STEP fails at once while process 0's still writes, so
     only the next call, on each process whenever its save is done, raises it; process 0 alone
@@ -184,6 +207,9 @@ def run(mode: str, step: int) -> None:
         return
     if mode == "subset-mesh":
         subset_mesh(step)
+        return
+    if mode == "overlap":
+        overlapping(step)
         return
     if mode.removeprefix("manager-") in ("early-fail", "other-step", "other-tree",
                                          "local-array"):

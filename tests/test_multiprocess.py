@@ -140,6 +140,16 @@ def test_processes_that_do_not_save_alike_commit_nothing_and_stay_in_step(tmp_pa
     assert casstore.list_steps(repo) == [3]
 
 
+def test_a_save_beside_a_managers_background_save_loses_neither(tmp_path):
+    """Process 0 forgot the keys of every save numbered below the one it gathered: the
+    manager's save still in flight then timed out on every process, and its step was lost."""
+    repo = tmp_path / "repo"
+    results = run_job(2, "overlap", repo, 0)
+    assert_ok(results)
+    for _, out in results:
+        assert "STEPS [0, 1, 2, 3] [0, 1, 2, 3]" in out, out[-2000:]
+
+
 def test_a_manager_save_that_raises_on_one_process_fails_on_every_process(tmp_path):
     """A save() call that raised on one process only (a background save's error raised by the
     next call on one process and by the one after on the other; a retention error, process 0's
