@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
+import threading
 import time
 import weakref
 from collections.abc import Callable, Collection, Iterator
@@ -237,20 +238,33 @@ class SaveAgreement:
           CasstoreError: on a process other than 0, process 0 did not commit the step (or
             committed another save), or did not say so within :func:`timeout_ms`.
         """
+        beating = threading.Event()
+        if self.count > 1 and self.is_primary:
+            threading.Thread(target=self._beat, args=(beating,), daemon=True).start()
         try:
             yield self
         except BaseException as e:
+            beating.set()
             self.abandon(f"{type(e).__name__}: {e}")
             self.finish()
             raise
         try:
             if self.is_primary:
+                beating.set()
                 self.publish_outcome(None)
             else:
                 self.wait_outcome()
         finally:
             if not self.per_host:  # per_host: once the copies are confirmed (confirm_copies)
                 self.finish()
+
+    def _beat(self, stop: threading.Event) -> None:
+        """Process 0 until it posts the outcome: counts ``{tag}/alive`` up every quarter of
+        :func:`timeout_ms`, so the others wait for the outcome as long as its save goes on (it
+        writes every replicated block: it may take longer than the timeout beyond theirs)."""
+        with contextlib.suppress(Exception):  # the job ends: nothing left to tell
+            while not stop.wait(timeout_ms() / 4000):
+                self._client().key_value_increment(f"{self.tag}/alive", 1)
 
     def finish(self) -> None:
         """This process reads no key of this save any more: process 0 may delete them once
@@ -356,12 +370,21 @@ class SaveAgreement:
         """
         if self.count == 1 or self.is_primary:
             return
-        try:
-            outcome = msgpack.unpackb(self._client().blocking_key_value_get_bytes(
-                f"{self.tag}/outcome", timeout_ms()))
-        except Exception as e:  # jax's runtime error for a timeout or a dead process 0
-            raise CasstoreError(f"process 0 did not say within {timeout_ms() / 1000:g} s "
-                                "whether it committed the step") from e
+        client, beats = self._client(), None
+        while True:  # as long as process 0's save goes on (_beat)
+            try:
+                outcome = msgpack.unpackb(client.blocking_key_value_get_bytes(
+                    f"{self.tag}/outcome", timeout_ms()))
+                break
+            except Exception as e:  # jax's runtime error for a timeout or a dead process 0
+                now = None
+                with contextlib.suppress(Exception):
+                    now = client.key_value_try_get(f"{self.tag}/alive")
+                if now is None or now == beats:
+                    raise CasstoreError(f"process 0 did not say within "
+                                        f"{timeout_ms() / 1000:g} s whether it committed the "
+                                        "step, and its save showed no sign of going on") from e
+                beats = now
         if outcome["error"]:
             raise CasstoreError(f"process 0 did not commit the step: {outcome['error']}")
         if outcome["save"] != self.save:

@@ -12,8 +12,9 @@ manager whose save() calls raise on one process only (see :func:`asymmetric_erro
 ``CALLS <what each call returned or raised>``. ``manager-metrics`` saves STEP to STEP + 3
 through a manager keeping the 2 best by a loss each process computes differently, and prints
 ``STEPS <all_steps()> <best_step()>``. ``overlap`` saves STEP to STEP + 3 of run ``train``
-through a manager while ``casstore.save`` saves run ``eval``. Each further MODE STEP pair
-(``save`` or ``restore``) runs after the first in the same processes: one interpreter start
+through a manager while ``casstore.save`` saves run ``eval``; ``slow-primary`` saves a
+replicated state, which process 0 alone writes, slower than the timeout. Each further MODE STEP
+pair (``save`` or ``restore``) runs after the first in the same processes: one interpreter start
 and jax import per process for all of them. Prints ``OK`` once every one succeeded.
 """
 
@@ -152,6 +153,26 @@ def overlapping(step: int) -> None:
           flush=True)
 
 
+def slow_primary(step: int) -> None:
+    """A replicated state, which process 0 alone writes (replica 0 is on it), to a slow disk:
+    process 1 posted its empty part at once and waited for the outcome the timeout only, so
+    its save raised while process 0's committed."""
+    store = LocalStore(repo)
+    real_put, timeout_s = store._put, float(os.environ["CASSTORE_MULTIHOST_TIMEOUT_S"])
+
+    def slow_put(key, data, *, exclusive):
+        time.sleep(timeout_s / 4 if key.startswith("chunks/") else 0)
+        real_put(key, data, exclusive=exclusive)
+
+    store._put = slow_put
+    replicated = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P())
+    state = {f"w{i}": jax.device_put(np.full((256, 8), i, np.float32), replicated)
+             for i in range(6)}
+    t0 = time.monotonic()  # one chunk at a time: 1.5 times the timeout
+    info = casstore.save(store, step, state, pack_threshold_bytes=0, max_workers=1)
+    print("SAVED", info.new_chunks, time.monotonic() - t0 > timeout_s, flush=True)
+
+
 def asymmetric_errors(step: int) -> None:
     """Process 1's background save of STEP fails at once while process 0's still writes, so
     only the next call, on each process whenever its save is done, raises it; process 0 alone
@@ -210,6 +231,9 @@ def run(mode: str, step: int) -> None:
         return
     if mode == "overlap":
         overlapping(step)
+        return
+    if mode == "slow-primary":
+        slow_primary(step)
         return
     if mode.removeprefix("manager-") in ("early-fail", "other-step", "other-tree",
                                          "local-array"):

@@ -32,12 +32,13 @@ def _close_the_fork_server():
     JOBS.close()
 
 
-def run_job(nproc: int, mode: str, repo, step: int, *more, timeout_s: float = 120):
+def run_job(nproc: int, mode: str, repo, step: int, *more, timeout_s: float = 120,
+            multihost_timeout_s: str = "8"):
     """Runs ``nproc`` worker processes; returns their (returncode, output) pairs. ``more``:
     further ``mode, step`` pairs the same processes run after the first. The processes are
     forked from this module's tests/forkserver.py server, which imported jax once for all."""
     port = free_port()
-    env = multihost_env(CASSTORE_MULTIHOST_TIMEOUT_S="8")
+    env = multihost_env(CASSTORE_MULTIHOST_TIMEOUT_S=multihost_timeout_s)
     if nproc == 1:
         env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     processes = [[WORKER, port, nproc, i, mode, repo, step, *more] for i in range(nproc)]
@@ -148,6 +149,17 @@ def test_a_save_beside_a_managers_background_save_loses_neither(tmp_path):
     assert_ok(results)
     for _, out in results:
         assert "STEPS [0, 1, 2, 3] [0, 1, 2, 3]" in out, out[-2000:]
+
+
+def test_a_save_longer_on_process_0_than_the_timeout_commits_on_every_process(tmp_path):
+    """Process 0 writes every replicated block; the others waited for its outcome the
+    multi-process timeout only, and raised while it committed. They now wait while it beats."""
+    repo = tmp_path / "repo"
+    results = run_job(2, "slow-primary", repo, 0, multihost_timeout_s="4")
+    assert_ok(results)
+    assert "SAVED 6 True" in results[0][1], results[0][1][-2000:]  # longer than the timeout
+    assert "SAVED 6" in results[1][1], results[1][1][-2000:]
+    assert casstore.list_steps(repo) == [0]
 
 
 def test_a_manager_save_that_raises_on_one_process_fails_on_every_process(tmp_path):
