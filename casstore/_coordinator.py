@@ -6,8 +6,11 @@ In a single-process job nothing here starts jax's backends.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import msgpack
@@ -87,3 +90,47 @@ def posted(client, key: str, end: float, late: str) -> list[str]:
             key, max(1, int((end - time.monotonic()) * 1000))))
     except Exception as e:  # jax's runtime error for a timeout or a dead peer
         return [f"{late} within {timeout_ms() / 1000:g} s ({e})"]
+
+
+_latest_count = itertools.count()  # SPMD: every process restores the latest step alike
+
+
+def agreed_latest(latest: Callable[[], int | None], target: Any) -> int | None:
+    """``latest()``, the latest step; in a multi-process job restoring arrays that span
+    processes (a ``target`` leaf whose sharding is not fully addressable), process 0's, which
+    the others take from the key-value store: each listing on its own, a step committed in
+    between gave one global array the shards of two steps.
+
+    Raises:
+      CasstoreError: on a process other than 0, process 0 could not list the steps, or did
+        not post its answer within :func:`timeout_ms`.
+    """
+    count, index = processes()
+    if count == 1 or not any(_spans(leaf) for leaf in jax.tree.leaves(target)):
+        return latest()
+    client, key = kv_client(), f"casstore/latest/{next(_latest_count)}"
+    if index == 0:
+        try:
+            step, error = latest(), None
+        except Exception as e:
+            step, error = None, f"{type(e).__name__}: {e}"
+        client.key_value_set_bytes(key, msgpack.packb([step, error]))
+        if error is None:
+            return step
+        raise CasstoreError(f"cannot list the latest step: {error}")
+    try:
+        step, error = msgpack.unpackb(client.blocking_key_value_get_bytes(key, timeout_ms()))
+    except Exception as e:  # jax's runtime error for a timeout or a dead peer
+        raise CasstoreError(f"process 0 did not say which step is the latest within "
+                            f"{timeout_ms() / 1000:g} s ({e})") from e
+    if error is not None:
+        raise CasstoreError(f"process 0 could not list the latest step: {error}")
+    return step
+
+
+def _spans(leaf: Any) -> bool:
+    """True for a target leaf placed on devices of several processes."""
+    try:
+        return not leaf.sharding.is_fully_addressable
+    except Exception:  # no sharding, or an AbstractMesh's (placed at the restore)
+        return False

@@ -16,7 +16,7 @@ from typing import Any
 from ._async_save import AsyncCheckpointer
 from ._chunking import DEFAULT_CHUNK_SIZE_BYTES
 from ._codec import DEFAULT_ZSTD_LEVEL
-from ._coordinator import processes
+from ._coordinator import agreed_latest, processes
 from ._errors import StepAlreadyExistsError, StepNotFoundError, close_quietly
 from ._fallback import FallbackStore
 from ._gc import DEFAULT_GRACE_PERIOD_S, RetentionGc
@@ -397,15 +397,15 @@ class CheckpointManager:
                 paths: list[str] | None = None, partial: bool = False, strict: bool = True,
                 sharding: str | None = None, transforms: dict[str, str | None] | None = None,
                 fill_missing: bool = False) -> Any:
-        """Restores ``step`` (None: :meth:`latest_step`), after any save in flight; see
-        :func:`casstore.restore` for ``target``, ``paths``, ``partial``, ``strict``,
-        ``sharding``, ``transforms`` and ``fill_missing``. With a persistent tier,
-        ``last_restore_bytes`` then holds ``{url: stored bytes read}`` for each tier (a failed
-        save's or persist's error is left to ``save()`` and :meth:`wait_until_finished`)."""
+        """Restores ``step`` (None: :meth:`latest_step`; process 0's for arrays spanning
+        processes), after any save in flight; other arguments as :func:`casstore.restore`'s.
+        With a persistent tier, ``last_restore_bytes`` then holds ``{url: stored bytes read}``
+        by tier (a failed save's or persist's error is raised by the next ``save()``)."""
         self._saver._join()
         reader = self._reader()
-        restored = restore(reader, self.latest_step() if step is None else step, run=self.run,
-                           target=target, paths=paths, partial=partial, strict=strict,
+        step = agreed_latest(self.latest_step, target) if step is None else step  # alike
+        restored = restore(reader, step, run=self.run, target=target, paths=paths,
+                           partial=partial, strict=strict,
                            sharding=sharding, transforms=transforms, fill_missing=fill_missing)
         self.last_restore_bytes = getattr(reader, "bytes_read", None)
         return restored

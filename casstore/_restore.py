@@ -14,13 +14,14 @@ from typing import Any
 
 import jax
 
+from ._coordinator import agreed_latest
 from ._fallback import log_tiers, with_fallback
 from ._keypath import prefix_matcher, unflatten_plain, unmatched
 from ._known_chunks import remember_restored
 from ._manifest import Manifest
 from ._place import off_host, place, plain_value, saved_dtype
 from ._read import read_fitted, read_regions, regions_for
-from ._repository import Url, read_manifest
+from ._repository import Url, latest_step, read_manifest
 from ._saved_sharding import saved_target
 from ._target import match_target, mismatch
 from .store import Store, open_store
@@ -40,7 +41,9 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
 
     Args:
       url: a path, an fsspec URL or a Store.
-      step: the step; None means the latest committed step.
+      step: the step; None means the latest committed step (in a ``jax.distributed`` job
+        restoring arrays that span processes, process 0's latest, which every process takes
+        from the coordinator: every process must then call ``restore`` alike).
       run: the run name.
       target: None, or a pytree like the saved one whose leaves say what to return:
         ``jax.ShapeDtypeStruct`` (a jax.Array of that dtype, placed with its ``sharding`` or on
@@ -128,8 +131,12 @@ def restore(url: Url, step: int | None = None, *, run: str = "default", target: 
         key that is no str regular expression or a template neither str nor None; ``sharding``
         neither None nor ``"saved"``, or given with a target.
       TypeError: ``paths`` is one string, not a list of them.
+      CasstoreError: ``step`` None in a multi-process job (see ``step``) and process 0 did not
+        post its latest step in time.
     """
     store = with_fallback(open_store(url), fallback)
+    if step is None:  # in a multi-process job of global arrays: process 0's
+        step = agreed_latest(lambda: latest_step(store, run=run), target)
     manifest = read_manifest(store, step, run=run)
     workers = max_workers or store.read_threads(manifest.encoded())
     if sharding is not None:

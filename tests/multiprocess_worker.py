@@ -13,7 +13,8 @@ manager whose save() calls raise on one process only (see :func:`asymmetric_erro
 through a manager keeping the 2 best by a loss each process computes differently, and prints
 ``STEPS <all_steps()> <best_step()>``. ``overlap`` saves STEP to STEP + 3 of run ``train``
 through a manager while ``casstore.save`` saves run ``eval``; ``slow-primary`` saves a
-replicated state, which process 0 alone writes, slower than the timeout. Each further MODE STEP
+replicated state, which process 0 alone writes, slower than the timeout; ``latest`` restores the
+latest step while another appears. Each further MODE STEP
 pair (``save`` or ``restore``) runs after the first in the same processes: one interpreter start
 and jax import per process for all of them. Prints ``OK`` once every one succeeded.
 """
@@ -173,6 +174,23 @@ def slow_primary(step: int) -> None:
     print("SAVED", info.new_chunks, time.monotonic() - t0 > timeout_s, flush=True)
 
 
+def latest_alike(step: int) -> None:
+    """Restores the latest step (None) into a global array, process 0 before step STEP + 1's
+    manifest appears (a trainer commits it meanwhile: the test hid it), process 1 after:
+    each took its own listing's, and the array held the shards of two steps."""
+    from jax.experimental import multihost_utils
+    target = {"w": jax.ShapeDtypeStruct((64, 48), np.float32, sharding=shardings("save")["w"])}
+    if pid == 0:
+        restored = casstore.restore(repo, target=target)
+        os.rename(f"{repo}/hidden.manifest",
+                  f"{repo}/runs/default/steps/{step + 1:016d}.manifest")
+    multihost_utils.sync_global_devices("committed meanwhile")
+    if pid == 1:
+        restored = casstore.restore(repo, target=target)
+    print("VALUES", sorted({float(np.asarray(s.data).max())
+                            for s in restored["w"].addressable_shards}), flush=True)
+
+
 def asymmetric_errors(step: int) -> None:
     """Process 1's background save of STEP fails at once while process 0's still writes, so
     only the next call, on each process whenever its save is done, raises it; process 0 alone
@@ -234,6 +252,9 @@ def run(mode: str, step: int) -> None:
         return
     if mode == "slow-primary":
         slow_primary(step)
+        return
+    if mode == "latest":
+        latest_alike(step)
         return
     if mode.removeprefix("manager-") in ("early-fail", "other-step", "other-tree",
                                          "local-array"):

@@ -162,6 +162,20 @@ def test_a_save_longer_on_process_0_than_the_timeout_commits_on_every_process(tm
     assert casstore.list_steps(repo) == [0]
 
 
+def test_every_process_restores_the_same_latest_step(tmp_path):
+    """Each process took the latest step of its own listing: a step committed between two
+    processes' restore calls gave one global array the shards of steps 0 and 1."""
+    repo = tmp_path / "repo"
+    casstore.save(repo, 0, {"w": np.zeros((64, 48), np.float32)})
+    casstore.save(repo, 1, {"w": np.ones((64, 48), np.float32)})
+    (repo / "runs" / "default" / "steps" / f"{1:016d}.manifest").rename(repo / "hidden.manifest")
+    results = run_job(2, "latest", repo, 0)
+    assert_ok(results)
+    for _, out in results:
+        assert "VALUES [0.0]" in out, out[-2000:]
+    assert casstore.list_steps(repo) == [0, 1]
+
+
 def test_a_manager_save_that_raises_on_one_process_fails_on_every_process(tmp_path):
     """A save() call that raised on one process only (a background save's error raised by the
     next call on one process and by the one after on the other; a retention error, process 0's
