@@ -254,3 +254,60 @@ def test_a_create_only_write_above_gcsfs_chunk_size_still_refuses_an_existing_ob
     with pytest.raises(FileExistsError):
         store.put_if_absent("big", b"x" + first)
     assert store.get("big") == first
+
+
+@pytest.mark.parametrize("name", ["seaweedfs", "moto", "fake-gcs"])
+def test_a_prefix_with_brackets_reads_many_objects_and_copies_again(object_servers, name,
+                                                                    tmp_path):
+    """fsspec's cat took "exp[lr=0.1]" as a glob pattern: get_many raised a bare
+    FileNotFoundError for an object that exists, and a copy run again (it reads the
+    destination's manifests so) crashed."""
+    server = object_servers[name]
+    url = f"{server.url_for('sweep')}/exp[lr=0.1]"
+    store = FsspecStore.from_url(url, **server.storage_options)
+    store.put("k/1", b"one")
+    assert store.get_many(["k/1"]) == {"k/1": b"one"}
+    with pytest.raises(casstore.ObjectNotFoundError):
+        store.get_many(["k/1", "k/2"])
+    casstore.save(tmp_path / "src", 1, {"w": np.arange(6.0)})
+    for _ in range(2):
+        casstore.copy(tmp_path / "src", store)
+    assert casstore.list_steps(store) == [1]
+
+
+@pytest.mark.parametrize("name", ["moto", "fake-gcs"])
+def test_storage_options_the_client_would_ignore_are_refused(object_servers, name):
+    """open_store passed any keyword on to fsspec, which ignored those it does not know: a
+    misspelt endpoint_url (then AWS's), FsspecStore's own max_workers; a timeout given as a
+    string failed later with a bare TypeError."""
+    server = object_servers[name]
+    url = server.url_for("options")
+    for bad, says in (({"endpont_url": "http://typo"}, "unknown storage option.s. endpont_url"),
+                      ({"max_workers": 2}, "unknown storage option.s. max_workers"),
+                      ({"request_timeout_s": "5"}, "request_timeout_s='5': a positive number")):
+        with pytest.raises(ValueError, match=says):
+            casstore.open_store(url, **{**server.storage_options, **bad})
+    casstore.open_store(url, **server.storage_options)  # every option the fixture gives
+
+
+def test_a_gcs_endpoint_ending_in_a_slash_finds_the_repository(object_servers):
+    """gcsfs joined "//storage/v1" to it: 404s, read as an empty repository (a resumed job
+    would have started over)."""
+    server = object_servers["fake-gcs"]
+    url = server.url_for("slash")
+    casstore.save(casstore.open_store(url, **server.storage_options), 7, {"w": np.arange(3.0)})
+    slashed = {**server.storage_options,
+               "endpoint_url": server.storage_options["endpoint_url"] + "/"}
+    assert casstore.list_steps(casstore.open_store(url, **slashed)) == [7]
+
+
+def test_one_repository_named_by_two_protocol_spellings_is_refused_as_both_tiers(
+        object_servers, tmp_path):
+    """gs:// and gcs:// (s3:// and s3a://) name one repository: as local and persistent tier,
+    local retention deleted the persisted steps."""
+    for name, other in (("fake-gcs", "gcs"), ("moto", "s3a")):
+        server = object_servers[name]
+        url = server.url_for("alias")
+        alias = other + url[url.index("://"):]
+        with pytest.raises(ValueError, match="must be two repositories"):
+            casstore.CheckpointManager(url, persistent=alias, **server.storage_options)

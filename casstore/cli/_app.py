@@ -46,9 +46,6 @@ Exit codes:
   141 the output's reader went away (`| head`)"""
 # -o options that casstore itself takes (open_store), beside the filesystem's own
 CASSTORE_OPTIONS = {"read_only", "request_timeout_s", "operation_timeout_s"}
-# fsspec's AbstractFileSystem options, which every filesystem takes
-FSSPEC_OPTIONS = {"use_listings_cache", "listings_expiry_time", "max_paths",
-                  "skip_instance_cache", "asynchronous", "loop"}
 _where: dict[str, str] = {"at": ""}
 _sigints: list[bool] = []  # [True] once a first Ctrl-C came
 
@@ -309,26 +306,14 @@ def check_options(url: str, options: dict) -> None:
     """
     if not options or is_local(url):
         return  # open_store refuses options for a local path, by name
-    import inspect
-
-    import fsspec
-
-    protocol = url.split("://")[0]
+    from casstore.store import unknown_storage_options
     try:
-        cls = fsspec.get_filesystem_class(protocol)
+        problem = unknown_storage_options(url.split("://")[0], {
+            k: v for k, v in options.items() if k not in CASSTORE_OPTIONS})
     except (ValueError, ImportError) as e:
         raise click.UsageError(f"cannot open {url!r}: {e}") from None
-    known = CASSTORE_OPTIONS | FSSPEC_OPTIONS
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is not None:
-            known |= {p.name for p in inspect.signature(init).parameters.values()
-                      if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"self"}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise click.UsageError(f"unknown storage option(s) {', '.join(unknown)} for "
-                               f"{protocol}:// ({cls.__name__}); it takes "
-                               f"{', '.join(sorted(known))}")
+    if problem:
+        raise click.UsageError(problem)
 
 
 def open_repo(url: str, options: dict, *, create: bool = False, damaged: bool = False) -> Any:

@@ -254,7 +254,8 @@ class Store(abc.ABC):
 
     def location(self) -> str:
         """Where the objects are, spelled one way for comparing two stores (a local
-        directory's real path: symlinks, ``file://`` and ``local://`` resolved; else the URL),
+        directory's real path: symlinks, ``file://`` and ``local://`` resolved; else the URL,
+        its protocol spelled one way: ``gs://`` for ``gcs://``),
         ending in ``/``."""
         return self.url.rstrip("/") + "/"
 

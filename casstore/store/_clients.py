@@ -6,6 +6,7 @@ server-side copies)."""
 from __future__ import annotations
 
 import functools
+import inspect
 import io
 
 import fsspec
@@ -124,3 +125,63 @@ async def s3_head(fs, path: str, nbytes: int) -> bytes:
         return b"".join(parts)
     finally:
         body.close()
+
+
+# fsspec's AbstractFileSystem options, which every filesystem takes
+FSSPEC_OPTIONS = {"use_listings_cache", "listings_expiry_time", "max_paths",
+                  "skip_instance_cache", "asynchronous", "loop"}
+
+
+def unknown_storage_options(protocol: str, options: dict) -> str | None:
+    """A message naming the ``options`` that the filesystem of ``protocol`` does not take (it
+    takes fsspec's common ones and every named parameter of its class's ``__init__`` along its
+    class hierarchy), or None. s3fs and gcsfs pass the others on to fsspec, which ignores
+    them: a misspelt ``endpoint_url`` went to AWS.
+
+    Raises:
+      ValueError, ImportError: fsspec knows no such protocol, or cannot import its package.
+    """
+    cls = fsspec.get_filesystem_class(protocol)
+    known = set(FSSPEC_OPTIONS)
+    for klass in cls.__mro__:
+        if (init := klass.__dict__.get("__init__")) is not None:
+            known |= {p.name for p in inspect.signature(init).parameters.values()
+                      if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"self"}
+    unknown = sorted(set(options) - known)
+    if not unknown:
+        return None
+    return (f"unknown storage option(s) {', '.join(unknown)} for {protocol}:// "
+            f"({cls.__name__}); it takes {', '.join(sorted(known))}")
+
+
+def checked_options(url: str, options: dict, *timeouts: float) -> dict:
+    """``options`` as :meth:`FsspecStore.from_url` gives them to fsspec, ``url`` and they
+    checked first.
+
+    Raises:
+      ValueError: the path holds an empty segment (``a//b``): servers differ on it (SeaweedFS
+        and GCS store ``a/b``, moto ``a//b``), and a listing of one would not find the steps
+        saved there; on S3 or GCS, a ``.`` or ``..`` segment (moto stores it as written,
+        fake-gcs-server resolves it, SeaweedFS refuses it), or an option the client library
+        does not take, which it would ignore (:func:`unknown_storage_options`); a timeout
+        that is not a positive number.
+    """
+    protocol, _, path = url.partition("://")
+    if "//" in path.rstrip("/"):
+        raise ValueError(f"{url!r} has an empty path segment ('//'); object stores differ "
+                         "on such keys, so casstore refuses them: use one '/'")
+    if protocol in ("s3", "s3a", "gs", "gcs") and {".", ".."} & set(path.split("/")):
+        raise ValueError(f"{url!r} has a '.' or '..' path segment; object stores differ on "
+                         "such keys (one stores them as written, another resolves them, "
+                         "another refuses them), so casstore refuses them: write the path "
+                         "without them")
+    if protocol in ("s3", "s3a", "gs", "gcs") and (problem := unknown_storage_options(
+            protocol, options)):
+        raise ValueError(problem)
+    for name, value in zip(("request_timeout_s", "operation_timeout_s"), timeouts):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ValueError(f"{name}={value!r}: a positive number of seconds")
+    if protocol in ("gs", "gcs") and isinstance(options.get("endpoint_url"), str):
+        # gcsfs joins "//storage/v1" to one ending in "/": 404s, read as "no repository"
+        options = {**options, "endpoint_url": options["endpoint_url"].rstrip("/")}
+    return options

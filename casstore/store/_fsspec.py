@@ -169,22 +169,14 @@ class FsspecStore(Store):
         ``storage_options`` take precedence.
 
         Raises:
-          ValueError: the path holds an empty segment (``a//b``): servers differ on it
-            (SeaweedFS and GCS store ``a/b``, moto ``a//b``), and a listing of one would not
-            find the steps saved there; or, on S3 and GCS, a ``.`` or ``..`` segment (moto
-            stores it as written, fake-gcs-server resolves it, SeaweedFS refuses it).
+          ValueError: a URL or option :func:`~casstore.store._clients.checked_options`
+            refuses.
           FileNotFoundError: on GCS, a ``token`` that names a credentials file (a path, or a
             name ending ``.json``) that does not exist.
         """
-        protocol, _, path = url.partition("://")
-        if "//" in path.rstrip("/"):
-            raise ValueError(f"{url!r} has an empty path segment ('//'); object stores differ "
-                             "on such keys, so casstore refuses them: use one '/'")
-        if protocol in OBJECT_PROTOCOLS and {".", ".."} & set(path.split("/")):
-            raise ValueError(f"{url!r} has a '.' or '..' path segment; object stores differ on "
-                             "such keys (one stores them as written, another resolves them, "
-                             "another refuses them), so casstore refuses them: write the path "
-                             "without them")
+        protocol = url.partition("://")[0]
+        storage_options = _clients.checked_options(url, storage_options, request_timeout_s,
+                                                   operation_timeout_s)
         token = storage_options.get("token")
         if (protocol in ("gs", "gcs") and isinstance(token, str) and ("/" in token or
                 token.endswith(".json")) and not os.path.exists(os.path.expanduser(token))):
@@ -378,7 +370,7 @@ class FsspecStore(Store):
         protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else self.fs.protocol
         if "file" in protocols:
             return os.path.realpath(self.root).rstrip("/") + "/"
-        return super().location()
+        return f"{protocols[0]}://{self.root.strip('/')}/"  # gcs:// as gs://, s3a:// as s3://
 
     def server_side_copy(self, src: Store, key: str, size: int | None = None) -> int | None:
         """:meth:`Store.server_side_copy` where ``src`` is on a filesystem of the same kind with
@@ -414,10 +406,11 @@ class FsspecStore(Store):
         out: dict[str, bytes] = {}
         for i in range(0, len(keys), self.batch_size):
             batch = keys[i:i + self.batch_size]
+            # cat_ranges, not cat, which takes "[...]" in a path as a glob pattern
             got = self.policy.run(batch[0], lambda t, b=batch: self._call(
-                "cat", [self._path(k) for k in b], on_error="return", timeout=t))
-            for key in batch:
-                value = got.get(self._path(key), FileNotFoundError())
+                "cat_ranges", [self._path(k) for k in b], [None] * len(b), [None] * len(b),
+                on_error="return", timeout=t))
+            for key, value in zip(batch, got, strict=True):
                 if isinstance(value, BaseException) and not isinstance(value, FileNotFoundError):
                     # once more alone: retried if transient, else raised naming its URL
                     value = self.policy.run(key, lambda t, k=key: self._call(
