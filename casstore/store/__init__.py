@@ -37,7 +37,10 @@ def open_store(url: str | os.PathLike | Store, *, read_only: bool = False,
       The Store.
 
     Raises:
-      ValueError: ``storage_options`` or timeouts given for a local path or a Store instance.
+      ValueError: ``storage_options`` or timeouts given for a local path or a Store instance;
+        for s3:// and gs://, a storage option the client library does not take (it would
+        ignore it: :func:`unknown_storage_options`), or a timeout that is not a positive
+        number.
     """
     timeouts = {name: value for name, value in (("request_timeout_s", request_timeout_s),
                                                 ("operation_timeout_s", operation_timeout_s))
