@@ -83,14 +83,16 @@ def export_tensors(url: Url, step: int | None, out: str | os.PathLike, *, run: s
 
     Raises:
       ValueError: a bad suffix, no leaf selected, or ``dtype`` not a floating-point dtype's
-        name (checked before reading). FileNotFoundError, FileExistsError: see
+        name (checked before reading); its subclass TargetMismatchError: a prefix of ``paths``
+        or ``exclude`` selects no leaf (names it). FileNotFoundError, FileExistsError: see
         :func:`check_export_path`. StepNotFoundError, ManifestError, CorruptChunkError,
         MissingChunkError: as :func:`~casstore.restore`. UnsupportedLeafError: a leaf of a
         dtype the format cannot hold (names it and suggests ``dtype``), or whose values
         overflow ``dtype``. TypeError: ``paths`` or ``exclude`` is one string, not a list.
     """
-    from ._keypath import prefix_matcher
+    from ._keypath import prefix_matcher, unmatched
     from ._restore import restore
+    from ._target import mismatch
     from ._tensorfile import file_array, write_tensors
 
     out = os.path.expanduser(out)  # what check_export_path checks is what is written
@@ -99,6 +101,9 @@ def export_tensors(url: Url, step: int | None, out: str | os.PathLike, *, run: s
     store = open_store(url)
     manifest = read_manifest(store, step, run=run)
     chosen_by, excluded_by = prefix_matcher(paths or None), prefix_matcher(exclude or [])
+    for p in unmatched([*(paths or ()), *(exclude or ())], (x.path for x in manifest.leaves)):
+        raise mismatch("no leaf matches the requested path (paths or exclude)", manifest, store,
+                       p)  # a typo: the file would hold what was asked out, or lack what in
     chosen = [leaf for leaf in manifest.leaves
               if chosen_by(leaf.path) and not (exclude and excluded_by(leaf.path))]
     skipped = tuple((leaf.path, f"a {leaf.scalar_type} leaf") for leaf in chosen

@@ -436,6 +436,14 @@ def test_export_safetensors_reads_back_bit_exact(repo, tmp_path):
     assert sorted(loaded) == ["frozen", "w"]
     np.testing.assert_array_equal(loaded["w"], want["w"])
     assert loaded["w"].tobytes() == want["w"].tobytes()
+    # a prefix that selects nothing (a typo) is refused, as restore(paths=) refuses it: the
+    # file lacked what was asked in, or (--exclude) held what was asked out, exit 0
+    for option, typo in (("--paths", "frozn"), ("--exclude", "bf16")):
+        result = run("export", repo, 2, tmp_path / "typo.safetensors", "--paths", "w",
+                     option, typo, code=2)
+        assert "no leaf matches the requested path (paths or exclude)" in result.stderr
+        assert f"key path {typo!r}" in result.stderr
+        assert not (tmp_path / "typo.safetensors").exists()
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])
