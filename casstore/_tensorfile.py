@@ -139,11 +139,17 @@ def read_tensors(path: str) -> dict[str, np.ndarray]:
     Raises:
       ValueError: not a .safetensors or .npz name.
       TensorFileError: the file does not parse, or holds a tensor of a dtype casstore does
-        not store (names the file and the tensor).
+        not store, or a bool tensor of bytes other than 0 and 1 (names the file and the
+        tensor).
     """
     fmt = file_format(path)
     try:
-        return _read_npz(path) if fmt == "npz" else _read_safetensors(path)
+        tensors = _read_npz(path) if fmt == "npz" else _read_safetensors(path)
+        for name, a in tensors.items():  # numpy, jax and safetensors' readers differ on them
+            if a.dtype == bool and a.size and a.view(np.uint8).max() > 1:
+                raise TensorFileError(f"tensor {name!r} of dtype bool holds bytes other than "
+                                      "0 and 1", url=str(path))
+        return tensors
     except (TensorFileError, OSError):
         raise
     except Exception as e:  # numpy's and safetensors' own errors: name the file, say what

@@ -618,6 +618,20 @@ def test_an_export_imported_back_restores_into_the_exported_trees_structure(tmp_
             np.testing.assert_array_equal(a, b)  # (float64 as the target's float32)
 
 
+def test_a_bool_tensor_of_bytes_other_than_0_and_1_is_refused_naming_it(tmp_path):
+    """Stored as they were, numpy counted 3 True of [2, 255, 1, 0] and jax 2 of the same."""
+    for suffix in (".safetensors", ".npz"):
+        path = tmp_path / f"m{suffix}"
+        mask = np.array([2, 255, 1, 0], np.uint8).view(bool)
+        if suffix == ".npz":
+            np.savez(path, mask=mask, ok=np.array([True, False]))
+        else:
+            safetensors.numpy.save_file({"mask": mask, "ok": np.array([True, False])}, str(path))
+        with pytest.raises(casstore.TensorFileError, match=rf"'mask' of dtype bool.*'{path}'"):
+            casstore.import_tensors(path, tmp_path / "r", 0)
+        assert not (tmp_path / "r").exists()
+
+
 def test_the_lists_of_one_file_hold_a_bounded_number_of_missing_positions(tmp_path):
     """The bound was a list's: 40 names "a{i}/[65536]" (a file of 2.5 kB) made 40 lists of
     65,537 elements, a minute's import and a manifest of 21 MB."""
