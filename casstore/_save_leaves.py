@@ -19,7 +19,7 @@ import numpy as np
 from ._chunking import dtype_name, is_key_array
 from ._errors import UnsupportedLeafError
 from ._keypath import flatten, is_valid_path
-from ._manifest import LeafEntry
+from ._manifest import MAX_ARRAY_BYTES, LeafEntry
 from ._manifest_checks import MAX_METADATA_BYTES, metadata_problem, sharding_problem
 
 
@@ -154,6 +154,10 @@ def _as_array(path: str, value: Any) -> tuple[Any, ArrayInfo]:
     if dtype_name(value.dtype) is None:
         raise UnsupportedLeafError(f"arrays of dtype {value.dtype} cannot be stored",
                                    key_path=path)
+    extent = math.prod(d for d in value.shape if d) * value.dtype.itemsize
+    if extent > MAX_ARRAY_BYTES:  # a zero-size one too: a reader refuses such a manifest
+        raise UnsupportedLeafError(f"an array of shape {tuple(value.shape)} spans {extent} "
+                                   f"bytes, past casstore's limit of 2**48", key_path=path)
     is_jax = isinstance(value, jax.Array)
     # decided alike on every process, from the devices: one held by process 0 alone is
     # written by it; any other by each process for its shards (one on process 1's devices

@@ -480,6 +480,18 @@ def test_a_key_path_over_4096_bytes_is_refused_before_any_write_naming_the_limit
     casstore.save(store, 0, {"k" * 4000: np.ones(3)})  # within the limit
 
 
+def test_a_zero_size_array_of_a_huge_extent_is_refused_as_a_leaf_not_as_damage(tmp_path):
+    """Its manifest failed casstore's own check of what a reader accepts: a ManifestError, which
+    the CLI reports as a damaged repository (exit 1)."""
+    store = LocalStore(tmp_path / "repo")
+    with pytest.raises(casstore.UnsupportedLeafError, match=r"spans 4503599627370496 bytes, "
+                       r"past casstore's limit of 2\*\*48 \(key path 'z'\)"):
+        casstore.save(store, 0, {"z": np.zeros((2**20, 0, 2**30), np.float32)})
+    assert casstore.list_steps(store) == []
+    casstore.save(store, 0, {"z": np.zeros((2**20, 0, 2**25), np.float32)})  # 2**47 bytes
+    assert casstore.restore(store, 0)["z"].shape == (2**20, 0, 2**25)
+
+
 def test_a_complex_value_without_an_imaginary_part_restores_into_a_python_scalar(tmp_path):
     casstore.save(tmp_path, 0, {"c": 1 + 0j, "zc": np.array(2 + 0j, np.complex64),
                                 "i": 3 - 1j})
