@@ -110,8 +110,8 @@ class StoreTimeoutError(_Located, TimeoutError):
     """
 
     def __init__(self, message: str, *, key: str | None = None, **where):
-        self.key, self.message = key, message
         super().__init__(f"{message}; object {key!r}" if key else message, **where)
+        self.key, self.message = key, message  # the object apart: at() names it once
 
     def at(self, **where) -> StoreTimeoutError:
         """A copy of this error placed at a run, step, key path or chunk id (its cause: this)."""

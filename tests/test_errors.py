@@ -513,3 +513,14 @@ def test_key_path_prefixes_given_as_one_string_are_refused(tmp_path):
     assert list(casstore.restore(tmp_path, paths=["params"])) == ["params"]
     with pytest.raises(TypeError, match=r"a list of strings .*not 1 of type int"):
         casstore.restore(tmp_path, paths=[1])  # was: unsupported operand type(s) for +
+
+
+def test_a_timeout_placed_at_a_step_and_key_path_names_its_object_once():
+    """Each at() added "; object 'chunks/...'" again: a save's error named it three times."""
+    e = casstore.StoreTimeoutError("no answer within the 3 s deadline", key="chunks/b1/89",
+                                   url="s3://b/r")
+    placed = e.at(run="default", step=1).at(key_path="w")
+    assert str(placed) == ("no answer within the 3 s deadline; object 'chunks/b1/89' (url "
+                           "'s3://b/r', run 'default', step 1, key path 'w')")
+    assert placed.key == "chunks/b1/89"
+    assert placed.__cause__.__cause__ is e
