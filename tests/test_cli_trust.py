@@ -235,6 +235,7 @@ def test_errors_are_one_line_with_their_exit_code(repo, tmp_path):
     result = run("ls", tmp_path / "nowhere", code=cli.EXIT_NO_REPOSITORY)
     assert "no casstore repository" in result.stderr
     assert "nowhere" in result.stderr
+    assert "endpoint_url" not in result.stderr  # a hint for object stores only
     assert not (tmp_path / "nowhere").exists()
     result = run("ls", "nosuchprotocol://bucket/repo", code=cli.EXIT_USAGE)
     assert result.stderr.startswith("casstore: error:")

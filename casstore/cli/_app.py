@@ -347,8 +347,9 @@ def open_repo(url: str, options: dict, *, create: bool = False, damaged: bool = 
 
 def no_repository(url: str) -> NoRepository:
     """The error for a URL that holds no casstore repository (exit 10)."""
-    return NoRepository(f"no casstore repository at {url!r}; check the path (for S3-"
-                        "compatible servers, -o endpoint_url=...)")
+    server = {"s3": "an S3-compatible server", "gs": "a GCS emulator"}.get(url.split("://")[0])
+    return NoRepository(f"no casstore repository at {url!r}; check the path" + (
+        f" (for {server}, -o endpoint_url=...)" if server else ""))
 
 
 def where(url: str, run: str | None, step: int | None = None) -> None:
