@@ -185,9 +185,9 @@ def import_tensors(file: str | os.PathLike, url: Url, step: int, *,
     one tensor is named "" (an exported tree that is one array) is that array.
 
     Raises:
-      TensorFileError: the file is not a valid .safetensors / .npz file, or its tensor names
-        do not nest into one pytree (:func:`~casstore._tensorfile.tree_of`; names the file).
-      UnsupportedLeafError: an .npz array of a dtype casstore does not store.
+      TensorFileError: the file is not a valid .safetensors / .npz file, holds a tensor of a
+        dtype casstore does not store, or its tensor names do not nest into one pytree
+        (:func:`~casstore._tensorfile.tree_of`); names the file.
       StepAlreadyExistsError: the step exists.
     """
     from ._save import save

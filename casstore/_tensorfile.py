@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ._chunking import dtype_from_name
+from ._chunking import dtype_from_name, dtype_name
 from ._errors import TensorFileError, UnsupportedLeafError
 from ._keypath import escape_name, is_valid_path
 
@@ -171,7 +171,11 @@ def _read_npz(path: str) -> dict[str, np.ndarray]:
             if not member.endswith(".npy"):
                 raise TensorFileError(f"member {member!r} is not a .npy array", url=str(path))
             with archive.open(member) as f:
-                out[member[:-len(".npy")]] = np.lib.format.read_array(f, allow_pickle=False)
+                a = np.lib.format.read_array(f, allow_pickle=False)
+            if dtype_name(a.dtype) is None:  # (np.str_, datetime64, structured, ...)
+                raise TensorFileError(f"tensor {member[:-4]!r} has dtype {a.dtype}, which "
+                                      "casstore does not store", url=str(path))
+            out[member[:-len(".npy")]] = a
     return out
 
 

@@ -632,6 +632,16 @@ def test_a_bool_tensor_of_bytes_other_than_0_and_1_is_refused_naming_it(tmp_path
         assert not (tmp_path / "r").exists()
 
 
+def test_an_npz_array_of_a_dtype_casstore_does_not_store_is_named_with_its_file(tmp_path):
+    """The error named the repository (url) and not the file at fault."""
+    path = tmp_path / "s.npz"
+    np.savez(path, names=np.array(["a", "b"]), w=np.ones(2))
+    result = run("import", path, tmp_path / "r", 0, code=cli.EXIT_USAGE)
+    assert f"tensor 'names' has dtype <U1, which casstore does not store (url '{path}')" in (
+        result.stderr)
+    assert not (tmp_path / "r").exists()
+
+
 def test_the_lists_of_one_file_hold_a_bounded_number_of_missing_positions(tmp_path):
     """The bound was a list's: 40 names "a{i}/[65536]" (a file of 2.5 kB) made 40 lists of
     65,537 elements, a minute's import and a manifest of 21 MB."""
