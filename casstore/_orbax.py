@@ -157,7 +157,8 @@ def _read(ocp, kind: str, path, target: Any) -> Any:
     checkpointer = ocp.PyTreeCheckpointer()
     item_metadata = checkpointer.metadata(path).item_metadata  # None: orbax could not read it
     if item_metadata is None:
-        raise ValueError(f"its tree metadata ({str(path / _METADATA)!r}) does not read")
+        raise ValueError(f"orbax reads no tree metadata there ({str(path / _METADATA)!r}, "
+                         "or the manifest.ocdbt its arrays are found by, is missing or damaged)")
     tree_metadata = item_metadata.tree
     if target is not None:
         return checkpointer.restore(path, args=ocp.args.PyTreeRestore(

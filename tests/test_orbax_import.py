@@ -293,4 +293,4 @@ def test_a_damaged_orbax_checkpoint_is_named_and_nothing_is_written(tmp_path, da
         casstore.import_orbax(tmp_path / "orbax", url, 0)
     assert casstore.list_steps(url) == []
     if damage == "_METADATA":  # the file is named (was orbax's AttributeError on None.tree)
-        assert f"{path}') does not read" in str(caught.value)
+        assert f"orbax reads no tree metadata there ('{path}'" in str(caught.value)
