@@ -194,8 +194,8 @@ class AsyncCheckpointer:
         # wrote (a frozen base); after one that did not (every leaf trained) they are copied
         # unhashed.
         previous, info = self._committed, self.last_save_info  # no request on this path
-        if previous is not None and previous.step != previous_step:
-            previous = None
+        if previous is not None and previous_step is not None and previous.step != previous_step:
+            previous = None  # the manager's latest is another (its own retention deleted ours)
         if (previous is None and previous_step is not None  # a reopened manager: read once
                 and any(isinstance(getattr(a, "source", a), jax.Array) for a in arrays.values())):
             previous = self._committed = self._read_committed(previous_step)

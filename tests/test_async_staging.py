@@ -458,6 +458,30 @@ def test_a_previous_step_deleted_and_collected_meanwhile_never_commits_a_broken_
     assert got["head"].tobytes() == (head + 2).tobytes()
 
 
+def test_an_async_checkpointer_stages_a_frozen_base_by_chunk_id_as_the_manager_does(tmp_path):
+    """AsyncCheckpointer dropped its last committed manifest at every save (it knows no
+    "previous step" of the run as the manager does): each save copied and hashed the frozen
+    base again, and an unchanged jax array's remembered ids went unused."""
+    url = str(tmp_path / "r")
+    rng = np.random.default_rng(0)
+    base = rng.normal(size=8 * 2**14).astype(np.float32)  # 8 chunks of 64 KiB, frozen
+    frozen = jnp.asarray(rng.normal(size=8 * 2**14).astype(np.float32))
+    with casstore.AsyncCheckpointer(url, chunk_size_bytes=2**16) as ckptr:
+        for step in range(3):  # the second reuses the base: the third stages it by id
+            ckptr.save(step, {"base": base, "frozen": frozen, "head": np.full(10, step)})
+            ckptr.wait_until_finished()
+        assert ckptr.last_staging_peak_bytes < 2**16  # the head alone was copied
+        casstore.delete(url, 2)  # another process, then a collection: the next save's
+        casstore.delete(url, 1)  # previous step is gone, and its ids are staged anyway
+        casstore.gc(url, grace_period_s=0)
+        ckptr.save(3, {"base": base, "frozen": frozen, "head": np.full(10, 3)})
+        ckptr.wait_until_finished()  # on local disk the writer finds them gone: stored again
+    assert casstore.verify(url).ok
+    got = casstore.restore(url, 3)
+    assert got["base"].tobytes() == base.tobytes()
+    assert got["frozen"].tobytes() == np.asarray(frozen).tobytes()
+
+
 def test_a_previous_step_deleted_but_not_collected_is_reused_by_lookup(tmp_path):
     url = str(tmp_path / "r")
     base = np.random.default_rng(0).normal(size=8 * 2**14).astype(np.float32)
