@@ -39,8 +39,8 @@ from .store import Store
 
 _save_counter = itertools.count()  # SPMD: every process calls save() in the same order
 _forgotten = [0]  # saves numbered below this have no key left on the coordinator (process 0)
-_live: dict[int, bool] = {}  # this process's saves in flight, by number, until their
-# agreements are collected (a manager's in the background beside a casstore.save)
+_live: set[int] = set()  # the numbers of this process's saves in flight, until each is done
+# (finish(), or its agreement collected): a manager's in the background beside a casstore.save
 
 
 class SaveAgreement:
@@ -61,8 +61,8 @@ class SaveAgreement:
         self.number = next(_save_counter) if self.count > 1 else 0
         self.tag = f"casstore/save/{self.number}" if self.count > 1 else ""
         if self.count > 1:
-            _live[self.number] = True
-            weakref.finalize(self, _live.pop, self.number, None)
+            _live.add(self.number)
+            weakref.finalize(self, _live.discard, self.number)
         self._posted = False  # this process posted its refs (or its error)
         self._started = False  # this process posted how its save call went (start_verdict)
         self._published = False  # process 0 posted the outcome
@@ -269,7 +269,7 @@ class SaveAgreement:
     def finish(self) -> None:
         """This process reads no key of this save any more: process 0 may delete them once
         every process said so (:meth:`_forget_earlier`)."""
-        _live.pop(self.number, None)
+        _live.discard(self.number)
 
     def gather_refs(self, refs: dict[int, list[ChunkRef]], store: Store
                     ) -> dict[int, list[ChunkRef]] | None:
