@@ -129,8 +129,13 @@ def agreed_latest(latest: Callable[[], int | None], target: Any) -> int | None:
 
 
 def _spans(leaf: Any) -> bool:
-    """True for a target leaf placed on devices of several processes."""
+    """True for a target leaf placed on devices of several processes (on an AbstractMesh:
+    of the mesh ``jax.set_mesh`` made active, where the restore places it)."""
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh):
+        mesh = jax.sharding.get_mesh()
+        return not mesh.empty and len({d.process_index for d in mesh.devices.flat}) > 1
     try:
-        return not leaf.sharding.is_fully_addressable
-    except Exception:  # no sharding, or an AbstractMesh's (placed at the restore)
+        return not sharding.is_fully_addressable
+    except AttributeError:  # no sharding
         return False

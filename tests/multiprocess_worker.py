@@ -19,6 +19,7 @@ pair (``save`` or ``restore``) runs after the first in the same processes: one i
 and jax import per process for all of them. Prints ``OK`` once every one succeeded.
 """
 
+import contextlib
 import os
 import sys
 import time
@@ -174,19 +175,24 @@ def slow_primary(step: int) -> None:
     print("SAVED", info.new_chunks, time.monotonic() - t0 > timeout_s, flush=True)
 
 
-def latest_alike(step: int) -> None:
+def latest_alike(mode: str, step: int) -> None:
     """Restores the latest step (None) into a global array, process 0 before step STEP + 1's
     manifest appears (a trainer commits it meanwhile: the test hid it), process 1 after:
     each took its own listing's, and the array held the shards of two steps."""
     from jax.experimental import multihost_utils
-    target = {"w": jax.ShapeDtypeStruct((64, 48), np.float32, sharding=shardings("save")["w"])}
-    if pid == 0:
-        restored = casstore.restore(repo, target=target)
-        os.rename(f"{repo}/hidden.manifest",
-                  f"{repo}/runs/default/steps/{step + 1:016d}.manifest")
-    multihost_utils.sync_global_devices("committed meanwhile")
-    if pid == 1:
-        restored = casstore.restore(repo, target=target)
+    sharding, context = shardings("save")["w"], contextlib.nullcontext()
+    if mode == "latest-abstract":  # jax.eval_shape under jax.set_mesh gives such targets
+        sharding = NamedSharding(sharding.mesh.abstract_mesh, sharding.spec)
+        context = jax.set_mesh(shardings("save")["w"].mesh)
+    target = {"w": jax.ShapeDtypeStruct((64, 48), np.float32, sharding=sharding)}
+    with context:
+        if pid == 0:
+            restored = casstore.restore(repo, target=target)
+            os.rename(f"{repo}/hidden.manifest",
+                      f"{repo}/runs/default/steps/{step + 1:016d}.manifest")
+        multihost_utils.sync_global_devices("committed meanwhile")
+        if pid == 1:
+            restored = casstore.restore(repo, target=target)
     print("VALUES", sorted({float(np.asarray(s.data).max())
                             for s in restored["w"].addressable_shards}), flush=True)
 
@@ -253,8 +259,8 @@ def run(mode: str, step: int) -> None:
     if mode == "slow-primary":
         slow_primary(step)
         return
-    if mode == "latest":
-        latest_alike(step)
+    if mode in ("latest", "latest-abstract"):
+        latest_alike(mode, step)
         return
     if mode.removeprefix("manager-") in ("early-fail", "other-step", "other-tree",
                                          "local-array"):

@@ -162,14 +162,16 @@ def test_a_save_longer_on_process_0_than_the_timeout_commits_on_every_process(tm
     assert casstore.list_steps(repo) == [0]
 
 
-def test_every_process_restores_the_same_latest_step(tmp_path):
+@pytest.mark.parametrize("mode", ["latest", "latest-abstract"])
+def test_every_process_restores_the_same_latest_step(tmp_path, mode):
     """Each process took the latest step of its own listing: a step committed between two
-    processes' restore calls gave one global array the shards of steps 0 and 1."""
+    processes' restore calls gave one global array the shards of steps 0 and 1. The target's
+    sharding on a mesh, or on an AbstractMesh under jax.set_mesh."""
     repo = tmp_path / "repo"
     casstore.save(repo, 0, {"w": np.zeros((64, 48), np.float32)})
     casstore.save(repo, 1, {"w": np.ones((64, 48), np.float32)})
     (repo / "runs" / "default" / "steps" / f"{1:016d}.manifest").rename(repo / "hidden.manifest")
-    results = run_job(2, "latest", repo, 0)
+    results = run_job(2, mode, repo, 0)
     assert_ok(results)
     for _, out in results:
         assert "VALUES [0.0]" in out, out[-2000:]
