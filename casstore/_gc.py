@@ -117,6 +117,10 @@ def _collect(store: Store, grace_period_s: float, lease: Lease | None,
     garbage = [key for key, info in chunks.items()
                if key not in referenced and now - info.mtime >= grace_period_s]
     young = sum(1 for key in chunks if key not in referenced) - len(garbage)
+    missing = sorted(referenced - chunks.keys())
+    if dry_run:  # no lock keeps saves out: a step committed since the listing added objects
+        found = bounded_map(store.exists, missing, max_workers or store.max_workers)
+        missing = [key for key, there in zip(missing, found, strict=True) if not there]
     if not dry_run:
         def sweep(key: str) -> None:
             lease.check()  # never delete once saves may have taken the lock for stale
@@ -134,7 +138,7 @@ def _collect(store: Store, grace_period_s: float, lease: Lease | None,
         leftovers = store.sweep_leftovers(max(grace_period_s, LEFTOVER_AGE_S))
     return GcInfo(len(scan.manifests), len(chunks), len(referenced & chunks.keys()),
                   len(garbage), sum(chunks[key].size for key in garbage), young,
-                  len(referenced - chunks.keys()), dry_run, time.perf_counter() - t0,
+                  len(missing), dry_run, time.perf_counter() - t0,
                   len(scan.damaged), leftovers,
                   sum(p.kind == UNSUPPORTED for p in scan.damaged))
 

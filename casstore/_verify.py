@@ -227,8 +227,13 @@ def _users(manifests: tuple[Manifest, ...]) -> dict[str, _Users]:
 
 def _still_missing(store: Store, key: str, u: _Users) -> bool:
     """True if object ``key`` is still absent and a step that needs it is still there."""
-    return not store.exists(key) and any(
-        store.exists(manifest_key(run, step)) for run, step in sorted(u.steps))
+    return not store.exists(key) and _needed(store, u)
+
+
+def _needed(store: Store, u: _Users) -> bool:
+    """True if a step that needs the object of ``u`` is still committed (none may be: another
+    process deleted and collected them while verify ran)."""
+    return any(store.exists(manifest_key(run, step)) for run, step in sorted(u.steps))
 
 
 def _intact_length(store: Store, key: str, ref: ChunkRef) -> int | None:
@@ -284,8 +289,9 @@ def _read_all(store: Store, users: dict[str, _Users], keys: list[str], max_worke
             found = None
         except STORE_FAILURES:
             raise  # the store failed; the object may be fine
-        except FileNotFoundError as e:  # deleted since the listing
-            found = _problem(key, users[key], f"chunk missing: {e}", MISSING)
+        except FileNotFoundError as e:  # deleted since the listing: damage if still needed
+            found = (_problem(key, users[key], f"chunk missing: {e}", MISSING)
+                     if _needed(store, users[key]) else None)
         except UnsupportedFormatError as e:  # a newer writer's codec: not damage
             if ref.base is not None and e.chunk_id == ref.base:
                 key = chunk_key(ref.base)  # the base is of that format, not this delta

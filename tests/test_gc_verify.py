@@ -523,3 +523,51 @@ def test_verify_refuses_a_step_every_other_function_refuses(tmp_path, step):
     with pytest.raises(ValueError, match="invalid step"):
         casstore.verify(tmp_path, step)
     assert casstore.verify(tmp_path, np.int64(1)).ok
+
+
+def test_a_dry_run_beside_a_save_reports_no_missing_chunk(tmp_path, monkeypatch):
+    """A dry run takes no lock: a step committed between its chunk listing and its manifest
+    scan counted its new chunks as referenced but missing, and `casstore gc --dry-run`
+    reported a healthy repository as damaged (exit 1) during training."""
+    import casstore._gc as gc_module
+    url = str(tmp_path / "r")
+    casstore.save(url, 0, {"w": np.arange(100_000, dtype=np.float32)})
+    scan = gc_module.scan_manifests
+
+    def scan_after_a_save(store, **kwargs):  # another process's save, at the worst moment
+        casstore.save(url, 1, {"w": np.arange(100_000, dtype=np.float32) + 1})
+        return scan(store, **kwargs)
+
+    monkeypatch.setattr(gc_module, "scan_manifests", scan_after_a_save)
+    info = casstore.gc(url, dry_run=True, grace_period_s=0)
+    assert (info.manifests, info.missing_chunks) == (2, 0)
+    monkeypatch.setattr(gc_module, "scan_manifests", scan)
+    (key,) = {ref.key for leaf in casstore.read_manifest(url, 1).leaves for ref in leaf.chunks}
+    os.unlink(tmp_path / "r" / key)  # now one is missing for real: still reported
+    assert casstore.gc(url, dry_run=True, grace_period_s=0).missing_chunks == 1
+
+
+def test_verify_beside_retention_reports_no_chunk_of_a_step_deleted_meanwhile(tmp_path,
+                                                                              monkeypatch):
+    """Another process deleted a step and collected its chunks after verify read the
+    manifests: verify reported them missing (ok False, `casstore verify` exit 1), naming a
+    step that no longer exists."""
+    import casstore._verify as verify_module
+    url = str(tmp_path / "r")
+    for step in range(3):
+        casstore.save(url, step, {"w": np.random.default_rng(step).standard_normal(100_000)})
+    read_all = verify_module._read_all
+
+    def read_all_after_retention(*args, **kwargs):
+        casstore.delete(url, 0)
+        casstore.gc(url, grace_period_s=0)
+        return read_all(*args, **kwargs)
+
+    monkeypatch.setattr(verify_module, "_read_all", read_all_after_retention)
+    report = casstore.verify(url)
+    assert report.ok, report.problems
+    assert casstore.list_steps(url) == [1, 2]
+    monkeypatch.setattr(verify_module, "_read_all", read_all)
+    (key,) = {ref.key for leaf in casstore.read_manifest(url, 2).leaves for ref in leaf.chunks}
+    os.unlink(tmp_path / "r" / key)  # one a committed step needs: still reported
+    assert casstore.verify(url).chunks_missing == 1
