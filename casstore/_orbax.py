@@ -22,6 +22,7 @@ import numpy as np
 from ._errors import CasstoreError
 from ._repository import Url
 from ._save import SaveInfo, save
+from ._target import on_concrete_mesh
 
 _METADATA = "_METADATA"  # the file orbax's PyTree handler writes into every item directory
 _STEP_METADATA = "_CHECKPOINT_METADATA"  # a manager step's: names each item's handler
@@ -179,6 +180,10 @@ def _target_args(ocp, target: Any, tree_metadata: Any) -> Any:
              for kp, m in jax.tree_util.tree_flatten_with_path(tree_metadata)[0]}
 
     def args(kp, leaf):
+        if isinstance(leaf, jax.ShapeDtypeStruct):  # on an AbstractMesh: jax.set_mesh's mesh
+            leaf, problem = on_concrete_mesh(leaf)
+            if problem is not None:
+                raise ValueError(f"target leaf {jax.tree_util.keystr(kp)}: {problem}")
         dtype, sharding = saved.get(_plain_path(kp)), getattr(leaf, "sharding", None)
         if getattr(leaf, "dtype", None) is None:
             return ocp.RestoreArgs()  # a Python value: restored as saved

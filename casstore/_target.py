@@ -124,7 +124,7 @@ def match_target(manifest: Manifest, flat: list, store: Store, *, paths, partial
                             f"not in the checkpoint, and the target leaf ({type(t).__name__}) "
                             "is abstract: fill_missing needs a concrete array or scalar"))
         elif (problem := _compatibility_problem(manifest.leaves[i], t := _struct_of(t), strict)
-              or (t := _on_concrete_mesh(t))[1]) is not None:
+              or (t := on_concrete_mesh(t))[1]) is not None:
             mismatched.append((path, problem))
         else:
             plan.append((t[0], i))
@@ -149,7 +149,7 @@ def _struct_of(t: Any) -> Any:
     return jax.ShapeDtypeStruct(t.shape, t.dtype, weak_type=t.weak_type, sharding=sharding)
 
 
-def _on_concrete_mesh(t: Any) -> tuple[Any, str | None]:
+def on_concrete_mesh(t: Any) -> tuple[Any, str | None]:
     """``(t, None)``, or ``(t, the problem)`` for a sharding that does not split the target's
     shape; for a target whose sharding is on an AbstractMesh (``nnx.eval_shape``
     or ``jax.eval_shape`` under ``jax.set_mesh`` gives such targets: it names no devices),

@@ -268,6 +268,15 @@ def test_a_target_places_arrays_on_its_sharding_and_one_without_fits_any_machine
     assert_bit_exact(casstore.restore(url, 0), jax.tree.map(np.asarray, state))
     (w,) = [leaf for leaf in casstore.read_manifest(url, 0).leaves if leaf.path == "w"]
     assert w.sharding == {"mesh": {"a": 4, "b": 2}, "spec": ["a", "b"]}  # imported onto it
+    # on an AbstractMesh (nnx.eval_shape under jax.set_mesh): on the mesh jax.set_mesh made
+    # active, as restore takes it (orbax: "_device_assignment is not implemented")
+    with jax.set_mesh(mesh):
+        casstore.import_orbax(tmp_path / "orbax", url, 2, target=jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
+                mesh.abstract_mesh, x.sharding.spec) if x is state["w"] else None), state))
+    assert_bit_exact(casstore.restore(url, 2), jax.tree.map(np.asarray, state))
+    (w,) = [leaf for leaf in casstore.read_manifest(url, 2).leaves if leaf.path == "w"]
+    assert w.sharding == {"mesh": {"a": 4, "b": 2}, "spec": ["a", "b"]}
     code = ("import jax, sys, casstore; assert len(jax.devices()) == 1\n"
             "t = {'w': jax.ShapeDtypeStruct((16, 6), 'float32'), 'opt': {\n"
             "     0: jax.ShapeDtypeStruct((2,), 'float32'),\n"
