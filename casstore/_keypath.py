@@ -188,6 +188,12 @@ def _walk(node: Any, path: tuple[str, ...], leaves: list) -> dict:
     if children and all(isinstance(k[0], (tu.SequenceKey, tu.FlattenedIndexKey))
                         for k, _ in children):
         return {"t": "list", "c": nodes, "type": _type_name(node)}
+    if not all(isinstance(k[0], (tu.DictKey, tu.GetAttrKey)) for k, _ in children):
+        raise UnsupportedLeafError(
+            f"a {_type_name(node)} node's children mix sequence indices and names "
+            f"({', '.join(elements[:4])}{', ...' if len(elements) > 4 else ''}), which no "
+            "manifest tree node holds (format.md §4.2); save its state instead (flax nnx: "
+            "nnx.state(model))", key_path="/".join(path))
     keys = [k[0].key if isinstance(k[0], tu.DictKey) else k[0].name for k, _ in children]
     return {"t": "dict", "k": keys, "c": nodes, "type": _type_name(node)}
 

@@ -154,8 +154,13 @@ def on_concrete_mesh(t: Any) -> tuple[Any, str | None]:
     shape; for a target whose sharding is on an AbstractMesh (``nnx.eval_shape``
     or ``jax.eval_shape`` under ``jax.set_mesh`` gives such targets: it names no devices),
     ``t`` on the mesh ``jax.set_mesh`` made active, or ``(t, the problem)`` without one of
-    those axes."""
+    those axes; one whose sharding is a ``PartitionSpec`` (jax takes it on that mesh) with the
+    ``NamedSharding`` it names there."""
     sharding = getattr(t, "sharding", None)
+    if isinstance(getattr(t, "_sharding", None), jax.sharding.PartitionSpec):
+        # a spec on jax.set_mesh's mesh, which jax reads per thread: fixed here, on the
+        # caller's, for the read threads, which have no mesh
+        t = t.update(sharding=sharding)
     if isinstance(sharding, jax.sharding.Sharding) and isinstance(t, jax.ShapeDtypeStruct):
         try:
             sharding.shard_shape(t.shape)

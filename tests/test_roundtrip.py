@@ -280,6 +280,30 @@ def test_an_nnx_eval_shape_target_under_set_mesh_restores_onto_that_mesh(tmp_pat
         casstore.restore(tmp_path, 0, target=target)
 
 
+def test_a_partition_spec_target_under_set_mesh_restores_onto_that_mesh(tmp_path):
+    """ShapeDtypeStruct(..., sharding=P(...)) takes jax.set_mesh's mesh, which jax keeps per
+    thread: the read threads found none ("the context mesh cannot be empty")."""
+    w = np.arange(64, dtype=np.float32).reshape(8, 8)
+    casstore.save(tmp_path, 0, {"w": w})
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    with jax.set_mesh(mesh):
+        target = {"w": jax.ShapeDtypeStruct((8, 8), np.float32, sharding=P(None, "model"))}
+        for workers in (None, 1):
+            got = casstore.restore(tmp_path, 0, target=target, max_workers=workers)["w"]
+            assert got.sharding == NamedSharding(mesh, P(None, "model"))
+            np.testing.assert_array_equal(got, w)
+
+
+def test_a_node_mixing_sequence_indices_and_names_is_refused_naming_it(tmp_path):
+    """flax 0.12's nnx.List (and nnx.Sequential) flatten to [0], [1], ..., _pytree__state: the
+    save crashed with a bare AttributeError ('SequenceKey' object has no attribute 'name')."""
+    blocks = nnx.List([jnp.ones(2), jnp.zeros(2)])
+    with pytest.raises(casstore.UnsupportedLeafError, match=r"children mix sequence indices and "
+                       r"names \(\[0\], \[1\], _pytree__state\).*key path 'blocks'"):
+        casstore.save(tmp_path / "r", 0, {"blocks": blocks})
+    assert not (tmp_path / "r").exists() or casstore.list_steps(tmp_path / "r") == []
+
+
 def test_flax_nnx_state_with_rngs(repo_store):
     model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.Dropout(0.1,
                            rngs=nnx.Rngs(1)), nnx.Linear(8, 2, rngs=nnx.Rngs(2)))
