@@ -122,7 +122,8 @@ def match_target(manifest: Manifest, flat: list, store: Store, *, paths, partial
         elif i is None:
             missing.append((path, "not in the checkpoint" if not fill_missing else
                             f"not in the checkpoint, and the target leaf ({type(t).__name__}) "
-                            "is abstract: fill_missing needs a concrete array or scalar"))
+                            f"is {'abstract' if hasattr(t, 'dtype') else 'no array or scalar'}"
+                            ": fill_missing needs a concrete array or scalar"))
         elif (problem := _compatibility_problem(manifest.leaves[i], t := _struct_of(t), strict)
               or (t := on_concrete_mesh(t))[1]) is not None:
             mismatched.append((path, problem))
@@ -133,7 +134,7 @@ def match_target(manifest: Manifest, flat: list, store: Store, *, paths, partial
     extra = [] if partial else [(manifest.leaves[i].path, p) for p, i in by_path.items()
                                 if i not in used and selects(p) and not skips(p)]
     if missing or extra or mismatched:
-        raise _mismatch_report(manifest, store, missing, extra, mismatched)
+        raise _mismatch_report(manifest, store, missing, extra, mismatched, fill_missing)
     return plan
 
 
@@ -225,8 +226,10 @@ def _saved_by_target_path(manifest: Manifest, transforms, store: Store) -> dict[
 
 
 def _mismatch_report(manifest: Manifest, store: Store, missing: list[tuple[str, str]],
-                     extra: list[tuple[str, str]], mismatched: list[tuple[str, str]]):
-    """One TargetMismatchError listing every problem key path, with the opt-ins that help."""
+                     extra: list[tuple[str, str]], mismatched: list[tuple[str, str]],
+                     fill_missing: bool):
+    """One TargetMismatchError listing every problem key path, with the opt-ins that help
+    (those not passed already)."""
     lines = [f"target and checkpoint differ: {len(missing)} missing, {len(extra)} extra, "
              f"{len(mismatched)} mismatched key paths"]
     lines += [f"  missing {p!r}: {why}" for p, why in missing]
@@ -235,8 +238,9 @@ def _mismatch_report(manifest: Manifest, store: Store, missing: list[tuple[str, 
     lines += [f"  mismatched {p!r}: {why}" for p, why in mismatched]
     hints = (["pass partial=True to restore a subtree"] if extra else []) + (
         ["fill_missing=True returns concrete target leaves the checkpoint lacks"]
-        if missing else []) + (["transforms={saved regex: target path} renames saved leaves"]
-                               if missing or extra else [])
+        if missing and not fill_missing else []) + (
+            ["transforms={saved regex: target path} renames saved leaves"]
+            if missing or extra else [])
     lines += [f"  hint: {h}" for h in hints] + ["  first difference at"]  # + the location
     first = (missing or extra or mismatched)[0]
     error = mismatch("\n".join(lines), manifest, store, first[0])

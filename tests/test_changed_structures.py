@@ -114,6 +114,11 @@ def test_fill_missing_refuses_abstract_leaves_by_name(saved):
         casstore.restore(url, target=target, fill_missing=True)
     assert info.value.missing == ("layers/[1]/b",)
     assert "ShapeDtypeStruct" in str(info.value)
+    assert "hint: fill_missing=True" not in str(info.value)  # passed already
+    target["layers"][1]["b"] = jax.nn.relu  # an equinox module's function field, say
+    with pytest.raises(casstore.TargetMismatchError, match=r"the target leaf \(\w+\) is no "
+                       r"array or scalar: fill_missing needs a concrete array or scalar"):
+        casstore.restore(url, target=target, fill_missing=True)
 
 
 def test_transforms_need_a_target(saved):
