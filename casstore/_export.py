@@ -108,12 +108,14 @@ def export_tensors(url: Url, step: int | None, out: str | os.PathLike, *, run: s
               if chosen_by(leaf.path) and not (exclude and excluded_by(leaf.path))]
     skipped = tuple((leaf.path, f"a {leaf.scalar_type} leaf") for leaf in chosen
                     if leaf.kind == "scalar" and leaf.scalar_type in ("str", "bytes"))
-    wanted = [leaf.path for leaf in chosen if leaf.path not in dict(skipped)]
+    not_arrays = {path for path, _ in skipped}
+    wanted = [leaf.path for leaf in chosen if leaf.path not in not_arrays]
+    wanted_set = set(wanted)  # (a test against the list took 46 s for 40,000 leaves)
     if not wanted:
         raise ValueError(f"no array leaf of step {manifest.step} is selected (paths "
                          f"{list(paths or [])}, exclude {list(exclude or [])})")
     for leaf in chosen:  # a dtype the file cannot hold is refused before any chunk is read
-        if leaf.path in wanted and leaf.kind in ("array", "scalar"):
+        if leaf.path in wanted_set and leaf.kind in ("array", "scalar"):
             probe = (np.empty(0, dtype_from_name(leaf.dtype)) if leaf.kind == "array"
                      else leaf.value)
             file_array(leaf.path, _cast(leaf.path, probe, as_dtype), fmt)
