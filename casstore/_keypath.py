@@ -162,7 +162,8 @@ def flatten(tree: Any) -> tuple[dict, list[tuple[str, Any]]]:
 
 def _walk(node: Any, path: tuple[str, ...], leaves: list) -> dict:
     if len(path) > MAX_DEPTH:
-        raise UnsupportedLeafError("tree is nested too deeply", key_path="/".join(path))
+        raise UnsupportedLeafError(f"tree is nested deeper than {MAX_DEPTH} levels (format.md "
+                                   "§4.2)", key_path="/".join(path[:8]) + "/...")
     if node is None:  # a tree node without children, as in jax (format.md §4.2)
         return {"t": "none"}
     if is_leaf_value(node):

@@ -524,3 +524,16 @@ def test_a_timeout_placed_at_a_step_and_key_path_names_its_object_once():
                            "'s3://b/r', run 'default', step 1, key path 'w')")
     assert placed.key == "chunks/b1/89"
     assert placed.__cause__.__cause__ is e
+
+
+def test_a_tree_nested_too_deeply_is_refused_naming_its_path_briefly(tmp_path):
+    """The error printed the whole key path: 300 levels of 'k' make 600 characters, and long
+    keys far more."""
+    tree = np.ones(2)
+    for _ in range(300):
+        tree = {"k" * 50: tree}
+    with pytest.raises(casstore.UnsupportedLeafError,
+                       match=r"nested deeper than 256 levels \(format.md §4.2\)") as e:
+        casstore.save(tmp_path / "r", 0, tree)
+    assert e.value.key_path == "/".join(["k" * 50] * 8) + "/..."
+    assert len(str(e.value)) < 600
