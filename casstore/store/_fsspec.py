@@ -169,8 +169,10 @@ class FsspecStore(Store):
         ``storage_options`` take precedence.
 
         Raises:
-          ValueError: a URL or option :func:`~casstore.store._clients.checked_options`
-            refuses.
+          ValueError: the path holds an empty segment (``a//b``), or on S3 and GCS a ``.`` or
+            ``..`` segment (servers differ on such keys); on S3 and GCS, a storage option the
+            client library does not take (:func:`~casstore.store.unknown_storage_options`); a
+            timeout that is not a positive number.
           FileNotFoundError: on GCS, a ``token`` that names a credentials file (a path, or a
             name ending ``.json``) that does not exist.
         """
