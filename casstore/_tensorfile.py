@@ -170,12 +170,12 @@ def _read_npz(path: str) -> dict[str, np.ndarray]:
         for member in archive.namelist():
             if not member.endswith(".npy"):
                 raise TensorFileError(f"member {member!r} is not a .npy array", url=str(path))
+            name = member[:-len(".npy")]
             with archive.open(member) as f:
-                a = np.lib.format.read_array(f, allow_pickle=False)
-            if dtype_name(a.dtype) is None:  # (np.str_, datetime64, structured, ...)
-                raise TensorFileError(f"tensor {member[:-4]!r} has dtype {a.dtype}, which "
+                out[name] = np.lib.format.read_array(f, allow_pickle=False)
+            if dtype_name(out[name].dtype) is None:  # (np.str_, datetime64, structured, ...)
+                raise TensorFileError(f"tensor {name!r} has dtype {out[name].dtype}, which "
                                       "casstore does not store", url=str(path))
-            out[member[:-len(".npy")]] = a
     return out
 
 
