@@ -229,6 +229,8 @@ def test_a_create_only_write_whose_first_answer_was_lost_is_done(object_servers,
     def sent_twice(method, *args, **kwargs):
         if kwargs.get("mode") == "create":
             real(method, *args, **kwargs)  # stored; its answer lost
+            if hasattr(args[1], "seek"):  # s3fs's body: the same bytes sent again (a body
+                args[1].seek(0)  # read to its end sent none, and SeaweedFS waited 20 s)
         return real(method, *args, **kwargs)
 
     monkeypatch.setattr(store, "_call", sent_twice)
