@@ -244,13 +244,13 @@ class SaveAgreement:
         try:
             yield self
         except BaseException as e:
-            beating.set()
             self.abandon(f"{type(e).__name__}: {e}")
             self.finish()
             raise
+        finally:
+            beating.set()  # the outcome follows
         try:
             if self.is_primary:
-                beating.set()
                 self.publish_outcome(None)
             else:
                 self.wait_outcome()
