@@ -105,8 +105,13 @@ def _build(entry: LeafEntry, regions: dict[Index, np.ndarray] | None, t: Any,
     if entry.kind == "scalar":
         return jax.device_put(cast(host, entry, dtype, fail), sharding)
     tail = entry.shape[len(t.shape):]
-    shards, used = [], set()
     memory_kind = getattr(sharding, "memory_kind", None)  # e.g. "pinned_host" (offloaded)
+    if len(sharding.device_set) == 1 and sharding.is_fully_addressable:  # one jax call
+        value = cast(next(iter(regions.values())), entry, dtype, fail)
+        default = next(iter(sharding.device_set)).default_memory().kind
+        return (to_device(value, sharding) if isinstance(value, np.ndarray)
+                and memory_kind in (None, default) else jax.device_put(value, sharding))
+    shards, used = [], set()
     for d, index in sharding.addressable_devices_indices_map(tuple(t.shape)).items():
         region = normalize(index, t.shape, tail)
         value = cast(regions[region], entry, dtype, fail)
@@ -232,7 +237,8 @@ def _scalar(value: Any, kind: type, entry: LeafEntry, fail: Fail) -> Any:
 
 
 def to_device(host: np.ndarray, device: Any) -> jax.Array:
-    """``host`` on ``device`` (None: the default device), without a copy where jax allows.
+    """``host`` on ``device`` (a device, a sharding of one device, or None: the default
+    device), without a copy where jax allows.
 
     jax's CPU client adopts a 64-byte-aligned C-contiguous buffer in place
     (``jax.device_put(..., may_alias=True)``); :func:`casstore._read.read_regions` allocates
@@ -245,7 +251,9 @@ def to_device(host: np.ndarray, device: Any) -> jax.Array:
     to jax, which releases it when Python next holds the GIL.
     """
     target = device or _default_device()
-    if (target.platform == "cpu" and host.ctypes.data % ALIGN == 0 and host.flags.c_contiguous
+    platform = next(iter(target.device_set)).platform if isinstance(
+        target, jax.sharding.Sharding) else target.platform
+    if (platform == "cpu" and host.ctypes.data % ALIGN == 0 and host.flags.c_contiguous
             and host.dtype.byteorder in "=|<"):
         return jax.device_put(host, target, may_alias=True)
     return jax.device_put(host, target)
