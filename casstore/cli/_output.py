@@ -65,11 +65,8 @@ def emit_json(obj: Any, *, versioned: bool = True) -> None:
             return {"base64": base64.b64encode(x).decode()}
         raise TypeError(f"cannot print {type(x).__name__} as JSON")
 
-    try:
-        click.echo(json.dumps(_finite(obj), indent=2, default=default, allow_nan=False))
-        sys.stdout.flush()  # a reader that went away shows here, not after click's own exit
-    except BrokenPipeError:  # `... --json | head`: exit as SIGPIPE would (141), as tables do
-        console.on_broken_pipe()
+    write_lines(json.dumps(_finite(obj), indent=2, default=default,
+                           allow_nan=False).split("\n"))
 
 
 _TAGS = {"base64", "map"}  # the one key of a JSON object that stands for bytes or a map
@@ -134,8 +131,14 @@ def _plain(columns: list[str], cells: list[list[str]]) -> None:
         return "  ".join(v.ljust(w) if name in _LEFT else v.rjust(w)
                          for name, v, w in zip(columns, row, widths, strict=True)).rstrip()
 
-    lines = [line(columns), "  ".join("-" * w for w in widths), *map(line, cells)]
-    try:  # a line a write: one large write cut short by the reader's exit raised no error
+    write_lines([line(columns), "  ".join("-" * w for w in widths), *map(line, cells)])
+
+
+def write_lines(lines: list[str]) -> None:
+    """Prints ``lines`` to stdout, a line a write: one large write that the reader's exit cut
+    short raised no error, and the command exited 0 with its output cut. A reader that went
+    away (``casstore show URL --json | head``) exits as SIGPIPE would (141)."""
+    try:
         for text in lines:
             console.file.write(text + "\n")
         console.file.flush()
