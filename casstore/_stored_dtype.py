@@ -39,10 +39,12 @@ def stored_as(prepared: Prepared, arrays: dict[int, Any],
 
     Raises:
       UnsupportedLeafError: a cast that changes the kind of dtype (bool, integer, floating,
-        complex; e.g. float to int), of a PRNG key array, to a PRNG key dtype, or to a dtype
-        format.md §4.5 does not allow; names the key path. A leaf under a prefix can keep its
-        dtype through a longer prefix mapped to None (or to its own dtype; for a PRNG key
-        array, its key dtype or its key data's): ``{"params": bf16, "params/step": None}``.
+        complex; e.g. float to int), of a PRNG key array, to a PRNG key dtype, to a dtype
+        format.md §4.5 does not allow, or between two dtypes numpy does not cast between
+        (int4 to uint4, float8_e8m0fnu to float8_e4m3fn); names the key path. A leaf under
+        a prefix can keep its dtype through a longer prefix mapped to None (or to its own
+        dtype; for a PRNG key array, its key dtype or its key data's):
+        ``{"params": bf16, "params/step": None}``.
       ValueError: a prefix that is not a string, or that matches no array leaf.
 
     A value the stored dtype cannot hold (an integer out of its range, a finite float beyond
@@ -101,6 +103,11 @@ def _check_cast(path: str, source: np.dtype, key_impl: str | None, wanted: Any) 
         raise refuse(f"casting {source} ({_kind(source)}) to {_kind(stored)} would change "
                      f"what the values mean; map this key path to None (or {source.name}) to "
                      "keep it")
+    try:  # a pair ml_dtypes does not cast (int4 to uint4, float8_e8m0fnu to float8_e4m3fn)
+        np.zeros(1, source).astype(stored)
+    except TypeError as e:
+        raise refuse(f"numpy cannot cast {source} to {stored.name} ({e}); map this key path "
+                     f"to None (or {source.name}) to keep it") from e
     return stored
 
 

@@ -3,6 +3,7 @@ SaveArgs(dtype=...))."""
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
@@ -173,10 +174,15 @@ def test_a_longer_prefix_keeps_a_leaf_in_its_own_dtype(keep):
     ({"rng": jax.random.key(0, impl="rbg").dtype}, "rng", "PRNG key array"),
     ({"params/w": jax.random.key(0).dtype}, "params/w", "PRNG key dtypes"),
     ({"params": "float128"}, "params/c", "as float128: not a dtype of format.md"),
+    # pairs ml_dtypes does not cast: numpy's bare TypeError, after the config was written
+    ({"small/q": "uint4"}, "small/q", "numpy cannot cast int4 to uint4"),
+    ({"small/e": "float8_e4m3fn"}, "small/e", "cannot cast float8_e8m0fnu to float8_e4m3fn"),
 ])
 def test_refused_casts_name_the_key_path_and_write_nothing(dtypes, path, message):
     tree = {"params": {"w": np.ones((8, 8), np.float32), "c": np.ones(3, np.complex64)},
-            "count": np.int32(3), "rng": jax.random.key(0)}
+            "count": np.int32(3), "rng": jax.random.key(0),
+            "small": {"q": np.arange(4, dtype=ml_dtypes.int4),
+                      "e": np.ones(4, ml_dtypes.float8_e8m0fnu)}}
     store = CountingStore(MemoryStore())
     with pytest.raises(casstore.UnsupportedLeafError, match=message) as e:
         casstore.save(store, 0, tree, dtypes=dtypes)
