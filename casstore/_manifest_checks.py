@@ -129,7 +129,9 @@ def tiling_problem(shape: tuple[int, ...], refs: Sequence[Any]) -> str | None:
     index = [np.array([r.start for r in refs]), np.array([r.stop for r in refs])]
     lo, hi = ([np.searchsorted(e, x[:, i]) for i, e in enumerate(edges)] for x in index)
     if all(np.array_equal(a + 1, b) for a, b in zip(lo, hi)):
-        cells = np.unique(np.ravel_multi_index(tuple(lo), grid))
+        # each block's cell, in C order (np.ravel_multi_index takes at most 63 dimensions)
+        strides = [math.prod(grid[i + 1:]) for i in range(len(grid))]
+        cells = np.unique(sum(a * s for a, s in zip(lo, strides)))
         return OVERLAP if len(cells) < len(refs) else None
     covered = np.zeros(grid, dtype=bool)
     for a, b in zip(zip(*(x.tolist() for x in lo)), zip(*(x.tolist() for x in hi))):
