@@ -344,7 +344,7 @@ def _saved_dtype(entry: LeafEntry) -> np.dtype:
         value = complex(*entry.value) if entry.scalar_type == "complex" else entry.value
         narrow, wide = ((np.complex64, np.complex128) if entry.scalar_type == "complex"
                         else (np.float32, np.float64))
-        with np.errstate(over="ignore"):  # compared as Python numbers, not in float32
-            exact = type(value)(narrow(value)) == value or value != value  # NaN: any
+        with np.errstate(over="ignore"):  # bits compared: a NaN's payload, -0.0
+            exact = wide(value).tobytes() == wide(narrow(value)).tobytes()
         return np.dtype(narrow if exact else wide)
     return np.min_scalar_type(entry.value)

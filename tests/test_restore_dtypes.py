@@ -2,6 +2,8 @@
 x ``jax_enable_x64`` on and off, casts the target asks for, ``np.ndarray`` and PLACEHOLDER
 target leaves, and :func:`casstore.abstract_tree`."""
 
+import struct
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -134,13 +136,17 @@ def test_python_ints_that_fit_32_bits_need_no_x64(value, wanted):
 
 def test_python_floats_are_narrowed_by_precision_not_range_without_x64():
     """0.1 needs float64 (min_scalar_type called it float16): numpy, or refused on a sharding;
-    0.5 and NaN fit float32 exactly: a jax array."""
+    0.5 and NaN fit float32 exactly: a jax array. A NaN with a payload float32 drops (any
+    NaN counted as fitting: its bits came back as float32's quiet NaN) is float64's."""
     store = MemoryStore()
-    casstore.save(store, 0, {"lr": 0.1, "half": 0.5, "nan": float("nan"), "z": 0.1 + 1j})
+    payload = struct.unpack("<d", struct.pack("<Q", 0x7FF0000000000001))[0]  # signalling
+    casstore.save(store, 0, {"lr": 0.1, "half": 0.5, "nan": float("nan"), "z": 0.1 + 1j,
+                             "payload": payload})
     t = {k: jax.ShapeDtypeStruct((), np.complex128 if k == "z" else np.float64)
-         for k in ("lr", "half", "nan", "z")}
+         for k in ("lr", "half", "nan", "z", "payload")}
     got = casstore.restore(store, 0, target=t)
-    assert [type(got[k]) for k in ("lr", "z")] == [np.ndarray, np.ndarray]
+    assert [type(got[k]) for k in ("lr", "z", "payload")] == [np.ndarray] * 3
+    assert got["payload"].tobytes() == struct.pack("<Q", 0x7FF0000000000001)
     assert (got["lr"].dtype, float(got["lr"]), complex(got["z"])) == (np.float64, 0.1, 0.1 + 1j)
     assert all(isinstance(got[k], jax.Array) for k in ("half", "nan"))
     assert float(got["half"]) == 0.5
