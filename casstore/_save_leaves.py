@@ -140,6 +140,10 @@ def _scalar_entry(path: str, value: Any) -> LeafEntry:
 def _as_array(path: str, value: Any) -> tuple[Any, ArrayInfo]:
     """The array to store for a leaf (key data for typed keys) and what the manifest says."""
     key_impl = None
+    if isinstance(value, jax.core.Tracer):
+        raise UnsupportedLeafError(f"a traced value ({type(value).__name__}) has no data to "
+                                   "store: save outside jax.jit, vmap and grad, or use "
+                                   "jax.experimental.io_callback", key_path=path)
     if isinstance(value, jax.Array) and value.is_deleted():
         raise UnsupportedLeafError("this jax array was deleted (or donated to a jitted "
                                    "function) before the save", key_path=path)

@@ -116,6 +116,23 @@ def test_a_deleted_jax_array_is_refused_naming_its_key_path():
     assert casstore.list_steps(store) == []
 
 
+def test_a_traced_value_is_refused_naming_its_key_path():
+    """save inside jax.jit met the tracer with jax's ConcretizationTypeError, naming no leaf."""
+    store, errors = MemoryStore(), []
+
+    @jax.jit
+    def step(w):
+        with pytest.raises(casstore.UnsupportedLeafError) as e:
+            casstore.save(store, 0, {"params": {"w": w}, "step": 1})
+        errors.append(e.value)
+        return w
+
+    step(jnp.ones(4))
+    assert errors[0].key_path == "params/w"
+    assert "traced value" in str(errors[0])
+    assert casstore.list_steps(store) == []
+
+
 def test_an_existing_step_and_bad_arguments_are_refused():
     store = MemoryStore()
     casstore.save(store, 5, {"w": np.ones(3)})
