@@ -287,7 +287,9 @@ def _compatibility_problem(entry: LeafEntry, t: Any, strict: bool) -> str | None
         return f"target has shape {shape}, saved shape is {saved}"
     if (isinstance(t, jax.ShapeDtypeStruct | jax.Array) and not returns_numpy(entry, t)
             and (held := _narrowed(entry, t.dtype)) is not None):
-        return (f"saved {_saved_dtype(entry)}, the target asks for a jax array of "
+        what = (f"the {entry.scalar_type} {entry.value!r}" if entry.kind == "scalar"
+                else str(_saved_dtype(entry)))  # not the dtype a Python int first fits
+        return (f"saved {what}, the target asks for a jax array of "
                 f"{np.dtype(t.dtype)}, which jax holds as {held} because jax_enable_x64 is "
                 f"off: the values would change. Enable x64 "
                 f"(jax.config.update('jax_enable_x64', True)), ask for {held} explicitly, or "
