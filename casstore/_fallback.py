@@ -358,6 +358,7 @@ def reread_chunk(store: Store, key: str, ref: ChunkRef, out: np.ndarray | None,
     else:
         bases = store.copies(chunk_key(ref.base), most)
         pairs = [(c, b) for c in store.copies(key, most) for b in bases]
+    failed: list[tuple[tuple, tuple | None, Exception]] = []
     for copy, base in pairs:
         try:
             if base is None:
@@ -365,16 +366,41 @@ def reread_chunk(store: Store, key: str, ref: ChunkRef, out: np.ndarray | None,
             else:
                 raw = decode_delta(copy[1], base[1], ref.id, ref.base, ref.raw_bytes, out)
         except (CorruptChunkError, UnsupportedFormatError) as e:
-            log.warning("casstore: copies of %s in %s unusable: %s", key, " and ".join(
-                dict.fromkeys(c[0].url for c in (copy, base) if c is not None)), e)
+            failed.append((copy, base, e))
             continue
+        _warn_unusable(key, ref, failed, good=(copy, base))
         if all(c is None or c[0] is store.primary for c in (copy, base)):
             warn_read_again(f"chunk object {key}", store.primary.url)  # the primary's, again
         store.write_back_copy(key, *copy)
         if base is not None:
             store.write_back_copy(chunk_key(ref.base), *base)
         return raw
+    _warn_unusable(key, ref, failed, good=())
     return None
+
+
+def _warn_unusable(key: str, ref: ChunkRef, failed: list, good: tuple) -> None:
+    """Warns of the damaged copies among the ``failed`` pairs (copy, base copy or None,
+    error): a copy that failed alone or beside one of the ``good`` pair's copies is damaged.
+    A pair of two copies neither good nor known damaged (nothing else checked) is named
+    whole, both tiers; a pair with a copy known damaged says nothing of the other."""
+    good_ids = {id(c) for c in good if c is not None}
+    bad: dict[int, str] = {}
+    unclear = []
+    for copy, base, e in failed:
+        rest = [(k, c) for k, c in ((key, copy), (ref.base and chunk_key(ref.base), base))
+                if c is not None and id(c) not in good_ids]
+        if len(rest) == 1:
+            bad.setdefault(id(rest[0][1]), f"the copy of {rest[0][0]} in {rest[0][1][0].url} "
+                                           f"unusable: {e}")
+        else:
+            unclear.append((rest, e))
+    for message in bad.values():
+        log.warning("casstore: %s", message)
+    for rest, e in unclear:
+        if not any(id(c) in bad for _, c in rest):
+            log.warning("casstore: the copies of %s unusable together: %s", " and ".join(
+                f"{k} in {c[0].url}" for k, c in rest), e)
 
 
 def confirm_chunk(store: Store, key: str, base: str | None, ok: bool = True) -> None:

@@ -998,6 +998,33 @@ def test_a_damaged_local_base_of_a_delta_is_taken_from_the_persistent_tier(tmp_p
     assert casstore.verify(local).ok  # the base written back, the local delta kept
 
 
+def test_a_damaged_local_delta_is_named_alone_not_the_intact_persistent_base(
+        tmp_path, remote, caplog):
+    """The pair of the local (damaged) delta and the persistent base failed first, and its
+    warning named both tiers: "copies of deltas/... in LOCAL and REMOTE unusable", though
+    the persistent tier's copies are intact and the restore takes them."""
+    w = np.random.default_rng(0).normal(size=(256, 256)).astype(np.float32)
+    changed = w.copy()
+    changed[::16] *= np.float32(1 + 1e-4)
+    local = LocalStore(tmp_path / "local")
+    casstore.save(local, 0, {"w": w})
+    casstore.save(local, 1, {"w": changed})
+    casstore.copy(local, remote)
+    ref = next(r for leaf in casstore.read_manifest(local, 1).leaves for r in leaf.chunks
+               if r.base is not None)
+    path = pathlib.Path(local.root) / ref.key
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="casstore"):
+        restored = casstore.restore(casstore.FallbackStore(local, [remote]), 1)
+    assert restored["w"].tobytes() == changed.tobytes()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert f"the copy of {ref.key} in {local.url} unusable" in warnings[0]
+    assert remote.url not in warnings[0]
+
+
 @pytest.mark.parametrize(("damage", "error"), [
     ("truncated", "not msgpack"),
     # the scalar leaf "step" (0) as 1: still a valid manifest, which its digest refuses
