@@ -13,6 +13,7 @@ and a step the good copy cannot give back whole is left as it is.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import numpy as np
@@ -21,6 +22,7 @@ from ._delta import DeltaBases, read_object
 from ._errors import CorruptChunkError, ManifestError, UnsupportedFormatError
 from ._framing import check_framing
 from ._layout import CONFIG_KEY, chunk_key, manifest_key
+from ._locks import save_lock
 from ._manifest import DIGEST_BYTES, decode_manifest, needed_objects
 from ._pool import bounded_map
 from ._repository import (
@@ -33,6 +35,8 @@ from ._repository import (
 from ._scan import CONFIG, CORRUPT, MANIFEST, MISSING, UNSUPPORTED, Problem
 from ._verify import verify
 from .store import Store, open_store
+
+log = logging.getLogger("casstore")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -84,7 +88,10 @@ def repair(good_url: Url, damaged_url: Url, *, dry_run: bool = False,
     damaged or differs from the damaged copy's readable one, or an object is missing or
     corrupt there too), and a config object damaged in the good copy too, are left alone and
     reported in ``unrepairable``. No step is deleted: a failure part way leaves every step
-    as it was or mended.
+    as it was or mended. The writes hold a save lock (no GC meanwhile), and a damaged
+    manifest is replaced only if it is still there as read: a step deleted, or deleted and
+    saved again, while the repair runs is left as it is now (a warning names it; not in
+    ``steps``).
 
     Args:
       good_url, damaged_url: paths, fsspec URLs or Stores.
@@ -120,7 +127,8 @@ def repair(good_url: Url, damaged_url: Url, *, dry_run: bool = False,
                           report.ok, dry_run, time.perf_counter() - t0, config is not None, why)
     if config is not None:  # first: the steps' manifests are validated against it
         damaged.put(CONFIG_KEY, config)
-    plan.write()
+    if changed := plan.write():
+        steps = tuple(rs for rs in steps if rs not in changed)
     after = verify(damaged, read_data=read_data)
     return RepairInfo(report.problems, objects, steps, unrepairable, after.ok, False,
                       time.perf_counter() - t0, config is not None, why)
@@ -146,6 +154,7 @@ class _Plan:
                         for rs in p.needed_by})
         present = {info.key for info in list_chunk_objects(damaged)} if steps else set()
         self.info: dict[str, tuple] = {}
+        self.theirs: dict[tuple[str, int], bytes] = {}  # damaged manifests, as planned
         self.mended, needs, self.why = {}, {}, {}
         for run, step in steps:
             found = self._good_manifest(run, step)
@@ -199,21 +208,41 @@ class _Plan:
             self.why[run, step] = ("its manifest here is too damaged to tell whether GOOD's "
                                    "step is the same (docs/recovery.md: replace it by hand)")
         else:
+            self.theirs[run, step] = theirs
             return data, needed
         return None
 
-    def write(self) -> None:
+    def write(self) -> set[tuple[str, int]]:
         """The checked objects (framing checked again as they pass), then the manifests of
-        the steps whose manifest was damaged."""
+        the steps whose manifest was damaged, under a save lock (format.md §8: no GC deletes
+        what they need meanwhile). A damaged manifest is replaced only if it is still the
+        bytes the plan read: a step deleted since (and its chunks perhaps collected), or
+        deleted and saved again, is left as it is now, not brought back or overwritten.
+
+        Returns:
+          The steps left so, each named in a warning.
+        """
         def send(key: str) -> None:
             cid, base, raw_length, _ = self.info[key]
             data = read_object(self.good, key, raw_length)
             check_framing(data, cid, raw_length, delta=base is not None)
             self.damaged.put(key, data)
 
-        bounded_map(send, sorted(self.sent), self.damaged.max_workers)
-        for run, step in sorted(self.broken & self.mended.keys()):
-            self.damaged.put(manifest_key(run, step), self.mended[run, step])
+        changed = set()
+        with save_lock(self.damaged):
+            bounded_map(send, sorted(self.sent), self.damaged.max_workers)
+            for run, step in sorted(self.broken & self.mended.keys()):
+                try:
+                    now = read_manifest_bytes(self.damaged, run, step)
+                except (FileNotFoundError, ManifestError):
+                    now = None
+                if now != self.theirs[run, step]:
+                    changed.add((run, step))
+                    log.warning("casstore: repair leaves run %r step %d as it is: it was "
+                                "deleted or saved again while the repair ran", run, step)
+                    continue
+                self.damaged.put(manifest_key(run, step), self.mended[run, step])
+        return changed
 
 
 _CREATED = b"\xa7created\xcb"  # a manifest's created key, then its float64 (format.md §4)

@@ -17,7 +17,7 @@ from test_cli import run, run_json, tree, write_repo
 
 import casstore
 import casstore.store
-from casstore import cli
+from casstore import _repair, cli
 from casstore._layout import chunk_key, manifest_key
 
 from conftest import repack
@@ -751,6 +751,39 @@ def test_repair_mends_what_it_can_and_deletes_no_step(tmp_path):
     assert casstore.restore(str(damaged), 0, run="b")["x"].tobytes() == trees["b"][
         "x"].tobytes()
     assert [p.kind for p in casstore.verify(str(damaged)).problems] == ["manifest"]
+
+
+@pytest.mark.parametrize("meanwhile", ["deleted", "saved again"])
+def test_repair_leaves_a_step_deleted_or_saved_again_while_it_runs(tmp_path, monkeypatch,
+                                                                   caplog, meanwhile):
+    """Repair read step 1's damaged manifest, then put GOOD's over whatever was there when it
+    wrote, under no lock: a step deleted meanwhile (its chunks perhaps collected) came back,
+    and a training job's new step 1, saved after `casstore rm`, was replaced by the old one
+    and verified clean."""
+    good, damaged = str(tmp_path / "good"), str(tmp_path / "damaged")
+    rng = np.random.default_rng(0)
+    for step in range(2):
+        casstore.save(good, step, {"w": rng.standard_normal(5000).astype(np.float32)})
+    casstore.copy(good, damaged)
+    truncate_manifest(damaged, 1)
+    new = np.full(5000, 42.0, np.float32)
+    write = _repair._Plan.write
+
+    def after_the_trainer(plan):
+        casstore.delete(damaged, 1)
+        if meanwhile == "saved again":
+            casstore.save(damaged, 1, {"w": new})
+        return write(plan)
+
+    monkeypatch.setattr(_repair._Plan, "write", after_the_trainer)
+    info = casstore.repair(good, damaged)
+    assert info.steps == ()
+    assert "repair leaves run 'default' step 1 as it is" in caplog.text
+    if meanwhile == "deleted":
+        assert casstore.list_steps(damaged) == [0]
+    else:
+        np.testing.assert_array_equal(casstore.restore(damaged, 1)["w"], new)
+    assert casstore.verify(damaged).ok
 
 
 def test_repair_refuses_a_good_copy_whose_step_is_another_step(tmp_path):
