@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 # public name -> the private module that defines it
 _WHERE = {
-    "CopyInfo": "_copy", "CopyProgress": "_copy", "copy": "_copy",
+    "CopyInfo": "_copy", "CopyProgress": "_copy_engine", "copy": "_copy",
     "FallbackStore": "_fallback",
     **dict.fromkeys(["AccessDeniedError", "CasstoreError", "CorruptChunkError", "ManifestError",
                      "MissingChunkError", "ObjectNotFoundError", "PersistError",
@@ -73,8 +73,8 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # the names as static tools see them
     from ._async_save import AsyncCheckpointer as AsyncCheckpointer
     from ._copy import CopyInfo as CopyInfo
-    from ._copy import CopyProgress as CopyProgress
     from ._copy import copy as copy
+    from ._copy_engine import CopyProgress as CopyProgress
     from ._errors import AccessDeniedError as AccessDeniedError
     from ._errors import CasstoreError as CasstoreError
     from ._errors import CorruptChunkError as CorruptChunkError

@@ -29,21 +29,18 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
-import threading
+import logging
 import time
-import zlib
 from collections.abc import Callable
 
-from ._delta import DeltaBases, read_again, read_object
+from ._copy_engine import CopyProgress, Engine, Step, same_step, share_of
+from ._delta import DeltaBases
 from ._errors import (
     CorruptChunkError,
+    ManifestError,
     ObjectNotFoundError,
-    StepAlreadyExistsError,
     StepNotFoundError,
-    StoreTimeoutError,
-    warn_read_again,
 )
-from ._framing import check_framing
 from ._layout import check_step, manifest_key
 from ._locks import Lease, save_lock
 from ._manifest import Manifest, needed_objects
@@ -56,9 +53,11 @@ from ._repository import (
     list_runs,
     list_steps,
     read_decoded,
+    read_manifest_bytes,
 )
 from .store import Store, open_store
 
+log = logging.getLogger("casstore")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CopyInfo:
@@ -82,33 +81,6 @@ class CopyInfo:
     chunks_skipped: int
     bytes_skipped: int
     seconds: float
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class CopyProgress:
-    """Where a :func:`copy` stands, passed to its ``progress`` callback.
-
-    Attributes:
-      chunks_done, chunks_total: objects sent (or, for a persist, found there) so far, and
-        to send in all.
-      bytes_done: stored bytes sent so far.
-      steps_done, steps_total: manifests written so far, and to write in all.
-    """
-
-    chunks_done: int
-    chunks_total: int
-    bytes_done: int
-    steps_done: int
-    steps_total: int
-
-
-@dataclasses.dataclass(slots=True)
-class _Step:
-    run: str
-    step: int
-    manifest: Manifest
-    data: bytes  # the manifest as stored at the source, written as is
-    waiting: set[str]  # object keys not yet at the destination
 
 
 def copy(src_url: Url, dst_url: Url, *, steps: list[int] | None = None,
@@ -146,7 +118,9 @@ def copy(src_url: Url, dst_url: Url, *, steps: list[int] | None = None,
       TypeError, ValueError: ``steps`` or ``runs`` is not a list, or a step not an int.
       CorruptChunkError: a source object fails its checks or is missing (names run, step, key
         path and chunk id of the first, and the steps not copied); no manifest that needs it
-        is written, and every other selected step is copied first.
+        is written, and every other selected step is copied first. A step deleted from the
+        source since its manifest was read (a live source's retention) is not copied, and
+        named in a warning, not in this error.
       ManifestError: a source manifest is invalid (nothing is written); its subclass
         UnsupportedFormatError: a source object is of a newer format than this casstore's.
       StepAlreadyExistsError: the destination has a selected step whose manifest is not the
@@ -215,9 +189,9 @@ def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
     destination's save lock (``lease``: checked before each manifest is written)."""
     t0 = time.perf_counter()
     plan, skipped_steps, kept = _plan(src, dst, selected, manifests)
-    needed: dict[str, tuple[str, str | None, int, str, _Step]] = {}
+    needed: dict[str, tuple[str, str | None, int, str, Step]] = {}
     # a step the destination has may lack objects there (deleted or lost): they go first
-    there = [_Step(m.run, m.step, m, b"", set()) for m in kept]
+    there = [Step(m.run, m.step, m, b"", set()) for m in kept]
     for s in there + plan:
         for obj, (cid, base, raw, path) in needed_objects(s.manifest).items():
             if s in plan or obj not in present:
@@ -233,7 +207,7 @@ def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
                 if k not in needed]
     for s in plan:
         s.waiting = {k for k in needed_objects(s.manifest) if k not in present}
-    engine = _Engine(src, dst, plan if share is None else [], needed, len(missing), verify,
+    engine = Engine(src, dst, plan if share is None else [], needed, len(missing), verify,
                      progress, probe, gate, lease)
     engine.sizes = {r.key: r.stored_bytes for s in plan for leaf in s.manifest.leaves
                     for r in leaf.chunks}  # a delta's base: looked up if copied server-side
@@ -246,11 +220,12 @@ def copy_selected(src: Store, dst: Store, selected: list[tuple[str, int]],
         engine.stopped = True  # the transfers left running send and commit nothing more
         raise
     engine.commit_ready()
-    if engine.unusable:
-        message, where = next(iter(engine.unusable.values()))
-        names = ", ".join(f"{run}@{step}" for run, step in engine.not_copied[:10])
+    if damaged := _damaged(src, engine):
+        message, where = next(((m, w) for m, w in engine.unusable.values() if (
+            w["run"], w["step"]) in damaged), next(iter(engine.unusable.values())))
+        names = ", ".join(f"{run}@{step}" for run, step in damaged[:10])
         raise CorruptChunkError(f"{message}; {len(engine.unusable)} source object(s) unusable: "
-                                f"{len(engine.not_copied)} step(s) not copied ({names}), the "
+                                f"{len(damaged)} step(s) not copied ({names}), the "
                                 f"other {len(engine.committed)} copied", **where)
     present.update(engine.sent | engine.found)
     skipped += list(engine.found)
@@ -280,7 +255,7 @@ def read_manifests(src: Store, selected: list[tuple[str, int]]
 
 def _plan(src: Store, dst: Store, selected: list[tuple[str, int]],
           manifests: list[tuple[bytes, Manifest]] | None
-          ) -> tuple[list[_Step], list[tuple[str, int]], list[Manifest]]:
+          ) -> tuple[list[Step], list[tuple[str, int]], list[Manifest]]:
     """Reads (unless given) and validates the selected steps' manifests; a step the destination
     has is skipped if its manifest is the source's, byte for byte (a copy writes them as is),
     else StepAlreadyExistsError. Returns ``(steps to copy, steps skipped, their manifests)``."""
@@ -294,11 +269,29 @@ def _plan(src: Store, dst: Store, selected: list[tuple[str, int]],
     kept, plan = [], []
     for (run, step), (data, manifest) in zip(selected, manifests):
         if (run, step) in skipped:
-            _same_step(dst, run, step, there[manifest_key(run, step)], data)
+            same_step(dst, run, step, there[manifest_key(run, step)], data)
             kept.append(manifest)
         else:
-            plan.append(_Step(run, step, manifest, data, set()))
+            plan.append(Step(run, step, manifest, data, set()))
     return plan, skipped, kept
+
+
+def _damaged(src: Store, engine: Engine) -> list[tuple[str, int]]:
+    """The steps an unusable source object kept from being copied, less those deleted from
+    the source (or saved again there) since their manifests were read, each named in a
+    warning: a live source's retention and GC are no damage (as for ``verify``)."""
+    damaged = []
+    for s in (s for s in engine.plan if (s.run, s.step) in engine.not_copied):
+        try:
+            still = read_manifest_bytes(src, s.run, s.step) == s.data
+        except (FileNotFoundError, ManifestError):
+            still = False
+        if still:
+            damaged.append((s.run, s.step))
+        else:
+            log.warning("casstore: run %r step %d, deleted from %s during the copy, was not "
+                        "copied", s.run, s.step, src.url)
+    return damaged
 
 
 def _manifests_there(dst: Store, keys: list[str]) -> dict[str, bytes]:
@@ -307,144 +300,3 @@ def _manifests_there(dst: Store, keys: list[str]) -> dict[str, bytes]:
         return dst.get_many(keys)
     except ObjectNotFoundError:
         return {k: dst.get(k) for k in keys if dst.exists(k)}  # (a race again: it raises)
-
-
-def _same_step(dst: Store, run: str, step: int, there: bytes, ours: bytes) -> None:
-    """Raises StepAlreadyExistsError unless the destination's manifest ``there`` is ``ours``."""
-    if there != ours:
-        raise StepAlreadyExistsError(
-            "the destination has another step of this number (its manifest differs from the "
-            "source's: another history of the run, a newer casstore's format, or a damaged "
-            "manifest); it is left as it is", url=dst.url, run=run, step=step)
-
-
-class _Engine:
-    """The shared state of one copy: objects sent, manifests committed in step order."""
-
-    def __init__(self, src: Store, dst: Store, plan: list[_Step], needed: dict, total: int,
-                 verify: bool, progress: Callable[[CopyProgress], None] | None, probe: bool,
-                 gate: Callable[[], None] | None, lease: Lease | None):
-        self.src, self.dst, self.plan, self.needed = src, dst, plan, needed
-        self.gate, self.lease = gate, lease
-        self.total, self.verify, self.progress, self.probe = total, verify, progress, probe
-        self.bases: DeltaBases | None = None
-        self.sizes: dict[str, int] = {}  # stored bytes of the objects the manifests give
-        self.sent, self.bytes_sent = {}, 0  # stored bytes of each object sent, and their sum
-        self.recheck = False  # a step may have become ready while another thread committed
-        self.found: dict[str, int] = {}  # probed and found at the destination
-        self.committed, self.raced = [], []  # (run, step) written, and written by another
-        self.unusable: dict[str, tuple[str, dict]] = {}  # source objects: (message, where)
-        self.not_copied: list[tuple[str, int]] = []  # steps that need an unusable object
-        self.next = 0  # index in plan of the next manifest to write
-        self.stopped = False  # Ctrl-C: the caller went on without the transfers in flight
-        self.lock = threading.Lock()  # guards sent and waiting
-        self.commit_lock = threading.Lock()  # one writer of manifests (and of progress)
-
-    def transfer(self, obj: str) -> None:
-        cid, base, raw_length, path, s = self.needed[obj]
-        if self.gate is not None:
-            self.gate()
-        try:
-            if self.probe and self._found(obj):
-                return
-            size = None if self.verify else self.dst.server_side_copy(self.src, obj,
-                                                                       self.sizes.get(obj))
-            if size is not None:
-                self._done(obj, self.sent, size)
-                return
-            data = self.bases.read(obj, cid, base, raw_length)
-            try:
-                if self.verify:
-                    self.bases.decode(data, cid, base, raw_length)
-                else:
-                    check_framing(data, cid, raw_length, delta=base is not None)
-            except CorruptChunkError:  # damaged at the source only if it fails again
-                data = read_object(self.src, obj, raw_length)  # with verify, its base too
-                if self.verify:
-                    read_again(self.src, obj, cid, base, raw_length, data=data)
-                else:
-                    check_framing(data, cid, raw_length, delta=base is not None)
-                    warn_read_again(f"chunk object {obj}", self.src.url)
-            if self.stopped:
-                return
-            self.dst.put(obj, data)
-        except (CorruptChunkError, FileNotFoundError) as e:  # the other steps go on
-            where = {"url": self.src.url, "run": s.run, "step": s.step, "key_path": path,
-                     "chunk_id": cid}
-            with self.lock:
-                self.unusable[obj] = (f"source chunk unusable: {e}", where)
-            self.commit_ready(wait=False)
-            return
-        except StoreTimeoutError as e:
-            raise e.at(run=s.run, step=s.step, key_path=path, chunk_id=cid) from e
-        self._done(obj, self.sent, len(data))
-
-    def _found(self, obj: str) -> bool:
-        try:
-            size = self.dst.stat(obj).size
-        except FileNotFoundError:
-            return False
-        self._done(obj, self.found, size)
-        return True
-
-    def _done(self, obj: str, record: dict[str, int], size: int) -> None:
-        with self.lock:
-            record[obj] = size
-            self.bytes_sent += size if record is self.sent else 0
-            for step in self.plan[self.next:]:
-                step.waiting.discard(obj)
-        self.commit_ready(wait=False)
-
-    def commit_ready(self, wait: bool = True) -> None:
-        """Writes, in step order, the manifests whose objects are all in. With ``wait=False``
-        a thread that finds another one committing leaves its step to that one (which looks
-        again before it lets go), instead of waiting for the manifest write in flight."""
-        while True:
-            self.recheck = True  # before trying: the holder looks again after letting go
-            if not self.commit_lock.acquire(blocking=wait):
-                return
-            try:
-                self.recheck = False
-                self._commit_ready_steps()
-                self._report()
-            finally:
-                self.commit_lock.release()
-            if not self.recheck:
-                return
-
-    def _commit_ready_steps(self) -> None:
-        while self.next < len(self.plan) and not self.stopped:
-            s = self.plan[self.next]
-            with self.lock:
-                if s.waiting & self.unusable.keys():  # never complete: not written
-                    self.not_copied.append((s.run, s.step))
-                    self.next += 1
-                    continue
-                if s.waiting:
-                    break
-            try:
-                if self.lease is not None:
-                    self.lease.check()  # GC kept off the objects all along
-                self.dst.put_if_absent(manifest_key(s.run, s.step), s.data)
-                self.committed.append((s.run, s.step))
-            except FileExistsError:  # written concurrently by someone else
-                _same_step(self.dst, s.run, s.step, self.dst.get(manifest_key(s.run, s.step)),
-                           s.data)
-                self.raced.append((s.run, s.step))
-            except StoreTimeoutError as e:
-                raise e.at(run=s.run, step=s.step) from e
-            self.next += 1
-
-    def _report(self) -> None:
-        if self.progress is not None:
-            with self.lock:
-                state = CopyProgress(len(self.sent) + len(self.found), self.total,
-                                     self.bytes_sent, self.next, len(self.plan))
-            self.progress(state)
-
-
-def share_of(key: str, count: int) -> int:
-    """Which of ``count`` processes sends object ``key`` in a shared persist (a CRC32 of the
-    key: about as many objects each, whoever wrote them)."""
-    return zlib.crc32(key.encode()) % count
-

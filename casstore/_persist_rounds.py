@@ -20,7 +20,8 @@ from collections.abc import Callable
 import msgpack
 
 from ._coordinator import get_large, kv_client, processes, set_large, timeout_ms
-from ._copy import CopyInfo, copy_selected, share_of
+from ._copy import CopyInfo, copy_selected
+from ._copy_engine import share_of
 from ._errors import CasstoreError, ManifestError, StepNotFoundError
 from ._locks import Lease, save_lock
 from ._manifest import needed_objects

@@ -322,6 +322,31 @@ def test_steps_that_need_an_unusable_object_are_left_out_and_the_rest_copied(tmp
     assert casstore.verify(tmp_path / "dst").ok
 
 
+def test_a_step_the_source_deletes_during_the_copy_is_not_called_damage(tmp_path, monkeypatch,
+                                                                        caplog):
+    """The README's `casstore copy` after each save, from a live source: its retention deleted
+    step 0 and its GC collected the chunk after the copy read the manifests. The copy raised
+    CorruptChunkError ("source chunk unusable ... run casstore verify"), though verify of the
+    source is clean. The step is named in a warning; the rest is copied."""
+    src, dst = LocalStore(tmp_path / "src"), tmp_path / "dst"
+    rng = np.random.default_rng(0)
+    for step in range(3):
+        casstore.save(src, step, {"x": rng.normal(size=50_000)}, delta=False)
+    copy_selected = casstore._copy.copy_selected
+
+    def after_the_sources_retention(*args, **kwargs):
+        casstore.delete(src, 0)
+        casstore.gc(src, grace_period_s=0)
+        return copy_selected(*args, **kwargs)
+
+    monkeypatch.setattr(casstore._copy, "copy_selected", after_the_sources_retention)
+    info = casstore.copy(src, dst)
+    assert info.steps_copied == (("default", 1), ("default", 2))
+    assert "step 0, deleted from" in caplog.text
+    assert casstore.verify(src).ok
+    assert casstore.verify(dst).ok
+
+
 def test_verify_true_refuses_a_changed_byte_the_framing_check_lets_through(tmp_path):
     src = LocalStore(tmp_path / "src")
     casstore.save(src, 1, {"x": np.random.default_rng(0).normal(size=50_000)})

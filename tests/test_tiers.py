@@ -22,7 +22,7 @@ from faultproxy import fault_proxy
 from forkserver import LazyForkServer, multihost_env
 
 import casstore
-from casstore._copy import share_of
+from casstore._copy_engine import share_of
 from casstore._layout import chunk_id_of_key, chunk_key, is_object_key, manifest_key
 from casstore._manifest import needed_objects
 from casstore._repository import list_chunk_objects
