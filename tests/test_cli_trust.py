@@ -244,7 +244,7 @@ def test_errors_are_one_line_with_their_exit_code(repo, tmp_path):
     result = run("show", repo, 1, "--run", "no/such", code=2)
     assert "'no/such' has no steps" in result.stderr
     result = run("ls", repo, "-o", "anon=true", code=2)
-    assert "storage_options are for fsspec URLs" in result.stderr
+    assert "anon: storage options and timeouts are for object stores" in result.stderr
     run("ls", repo, "-o", "novalue", code=2)
     usage = run("show", repo, code=2)  # click's own usage error: one line too
     assert usage.stderr.count("\n") == 1

@@ -82,8 +82,10 @@ def test_open_store_picks_backend(tmp_path):
     assert isinstance(open_store("memory://casstore-open-test"), FsspecStore)
     s = MemoryStore()
     assert open_store(s) is s
-    with pytest.raises(ValueError, match="storage_options are for fsspec URLs"):
+    with pytest.raises(ValueError, match="anon: storage options and timeouts are for object"):
         open_store(tmp_path, anon=True)
+    with pytest.raises(ValueError, match=r"request_timeout_s: .* takes only read_only"):
+        open_store(tmp_path, request_timeout_s=5)
 
 
 @pytest.fixture(params=["seaweedfs", "moto", "fake-gcs"])

@@ -52,7 +52,10 @@ def open_store(url: str | os.PathLike | Store, *, read_only: bool = False,
     url = os.fspath(url)
     if not is_fsspec_url(url):
         if storage_options or timeouts:
-            raise ValueError(f"storage_options are for fsspec URLs, not the local path {url!r}")
+            given = ", ".join([*storage_options, *timeouts])
+            raise ValueError(f"{given}: storage options and timeouts are for object stores "
+                             f"(fsspec URLs), not the local path {url!r}, which takes only "
+                             "read_only")
         return LocalStore(os.path.expanduser(url.removeprefix("file://")), read_only=read_only)
     return FsspecStore.from_url(url, read_only=read_only, **timeouts, **storage_options)
 
