@@ -393,7 +393,7 @@ class SaveAgreement:
         if outcome["details"] is not None:
             metrics, timestamp = outcome["details"]
             self.details = (metrics, datetime.datetime.fromtimestamp(timestamp,
-                                                                     datetime.timezone.utc))
+                                                                     datetime.UTC))
         self.totals, self.manifest_bytes = outcome["totals"], outcome["manifest_bytes"]
         self.pending = outcome["pending"]
         if outcome.get("manifest"):

@@ -60,7 +60,7 @@ class PolicyCheckpointInfo:
 
 
 def utc_now() -> datetime.datetime:
-    return datetime.datetime.now(tz=datetime.timezone.utc)
+    return datetime.datetime.now(tz=datetime.UTC)
 
 
 MANAGER_METADATA = frozenset({"metrics", "user"})  # the keys of a manager's manifest metadata
@@ -80,7 +80,7 @@ def manifest_details(manifest: Any) -> tuple[Any, datetime.datetime]:
     saved in its metadata (None without, see :func:`split_metadata`), and its ``created``
     time."""
     return (split_metadata(manifest.metadata)[0],
-            datetime.datetime.fromtimestamp(manifest.created, datetime.timezone.utc))
+            datetime.datetime.fromtimestamp(manifest.created, datetime.UTC))
 
 
 @dataclasses.dataclass(kw_only=True)

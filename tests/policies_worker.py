@@ -45,7 +45,7 @@ def preemption() -> None:
 
 def continuous() -> None:
     if pid == 1:
-        ahead = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=1)
+        ahead = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=1)
         casstore._policies.utc_now = lambda: ahead
     policy = casstore.ContinuousCheckpointingPolicy(minimum_interval_secs=3600)
     with casstore.CheckpointManager(repo, save_decision_policy=policy) as mngr:

@@ -33,7 +33,7 @@ from casstore.store import MemoryStore
 
 from conftest import GatedStore
 
-T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+T0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
 
 
 def infos(steps, metrics=None, seconds=None):

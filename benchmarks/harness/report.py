@@ -32,7 +32,7 @@ def environment() -> dict:
     with contextlib.suppress(OSError, subprocess.CalledProcessError):
         sha = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=src, check=True,
                              capture_output=True, text=True).stdout.strip() or None
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "cpus": os.cpu_count(), "memory_bytes": psutil.virtual_memory().total,
             "platform": platform.platform(), "python": platform.python_version(),
             "casstore_path": src, "casstore_git": sha, "versions": versions,

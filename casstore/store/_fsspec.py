@@ -146,7 +146,7 @@ class FsspecStore(Store):
             scope.track(future)
         try:
             return future.result(timeout + 1.0)
-        except (asyncio.TimeoutError, cf.TimeoutError) as e:  # as fsspec's sync does
+        except (TimeoutError, cf.TimeoutError) as e:  # as fsspec's sync does
             future.cancel()
             raise FSTimeoutError from e
         except BaseException:  # Ctrl-C in this thread: the request is not waited for
