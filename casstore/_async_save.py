@@ -282,8 +282,13 @@ class AsyncCheckpointer:
             that stalls fails it within the store's deadline (StoreTimeoutError naming the
             step). StepAlreadyExistsError: the step existed; nothing was written.
         """
-        pending, self._pending = self._pending, None
-        if pending is not None and (error := pending.exception()) is not None:
+        if (pending := self._pending) is None:
+            return
+        # Forgotten only once it has ended: a wait that Ctrl-C (or a signal handler's
+        # sys.exit) interrupts leaves the save for the next call to wait for and raise.
+        error = pending.exception()
+        self._pending = None
+        if error is not None:
             if getattr(error, "step", None) is None:  # raised by a later call: say which step
                 error.add_note(f"casstore: raised by the background save of step "
                                f"{self._pending_step} (url {self.store.url!r})")

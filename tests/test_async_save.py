@@ -1,6 +1,9 @@
 """AsyncCheckpointer: save returns once staged, the step keeps the values of the call, errors
 surface from wait_until_finished."""
 
+import signal
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -88,6 +91,32 @@ def test_errors_surface_from_wait_until_finished_and_the_next_save():
     ckptr.close()
     with pytest.raises(RuntimeError, match="AsyncCheckpointer is closed"):
         ckptr.save(3, {"w": np.ones(3)})
+
+
+class SlowFailingStore(MemoryStore):
+    def _put(self, key, data, *, exclusive):
+        if key.startswith("chunks/"):
+            time.sleep(1.0)  # the caller's wait is interrupted meanwhile
+            raise OSError("injected: disk full")
+        super()._put(key, data, exclusive=exclusive)
+
+
+@pytest.mark.parametrize("manager", [False, True])
+def test_a_wait_interrupted_by_ctrl_c_leaves_the_save_to_the_next_call(manager):
+    """wait_until_finished forgot the save before it waited: after Ctrl-C there, the next
+    wait (or close) returned at once without its error, and nothing was committed."""
+    store = SlowFailingStore()
+    saver = (casstore.CheckpointManager(store) if manager
+             else casstore.AsyncCheckpointer(store))
+    saver.save(0, {"w": np.ones(1000)})
+    main = threading.main_thread().ident
+    threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        saver.wait_until_finished()
+    with pytest.raises(OSError, match="disk full"):
+        saver.wait_until_finished()
+    saver.close()
+    assert casstore.list_steps(store) == []
 
 
 def test_a_staging_error_is_raised_once_and_the_step_can_be_saved_again(monkeypatch):
