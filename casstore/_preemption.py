@@ -59,9 +59,13 @@ class PreemptionNotice:
             weakref.finalize(owner, self.close)
 
     def _handle(self, signum: int, frame) -> None:
+        previous = _live(self._previous.get(signum), signum)
         if not self._closed:
             self.signal_received = signum
-        previous = _live(self._previous.get(signum), signum)
+        elif signal.getsignal(signum) == self._handle:  # closed outside the main thread:
+            signal.signal(signum, previous)  # what it replaced is put back now, and acts
+            if previous == signal.SIG_DFL:  # the default action (SIGTERM: the process ends)
+                signal.raise_signal(signum)
         if callable(previous):
             previous(signum, frame)
 
@@ -85,8 +89,12 @@ class PreemptionNotice:
     def close(self) -> None:
         """Puts back the signal handlers it replaced, skipping those of notices closed since
         (closed in another order than made, the last one still puts back the first's
-        predecessor). Idempotent."""
+        predecessor). Idempotent. Outside the main thread (a ``close`` from another thread,
+        or the owner collected there), where Python sets no handler, each handler puts its
+        predecessor back when its signal next comes, and passes the signal on to it."""
         self._closed = True
+        if threading.current_thread() is not threading.main_thread():
+            return
         for sig in self._previous:
             if signal.getsignal(sig) == self._handle:
                 signal.signal(sig, _live(self._handle, sig))

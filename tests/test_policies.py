@@ -2,7 +2,11 @@
 
 import datetime
 import os
+import pathlib
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -328,6 +332,31 @@ def test_a_manager_dropped_unclosed_puts_back_the_handler_it_replaced():
         assert signal.getsignal(signal.SIGTERM) is original
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_manager_closed_in_another_thread_lets_sigterm_stop_the_job(tmp_path):
+    """close() from a thread other than the main one raised "signal only works in main
+    thread" and left the handler in place, which then swallowed SIGTERM: the job no longer
+    stopped. Its handler now puts back the default when the signal comes, and re-raises it."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, threading, time
+        import numpy as np, casstore
+        mngr = casstore.CheckpointManager(casstore.MemoryStore(), save_decision_policy=(
+            casstore.PreemptionCheckpointingPolicy()))
+        mngr.save(0, {"w": np.zeros(2)})
+        closer = threading.Thread(target=mngr.close)
+        closer.start()
+        closer.join()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+        print("still running after SIGTERM")
+        """))
+    root = str(pathlib.Path(__file__).parents[1])
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr
+    assert "signal only works in main thread" not in proc.stderr
 
 
 def test_the_default_policy_saves_at_jax_preemption_sync_point(monkeypatch):
