@@ -214,8 +214,7 @@ class CheckpointManager:
         context = DecisionContext(
             is_saving_in_progress=self._saver.is_saving_in_progress(),
             reached_preemption=self.reached_preemption(step) and not self._preemption_saved)
-        # both tiers (a replaced node's run has its persisted steps), and the save in flight,
-        # which orbax counts
+        # both tiers (a replaced node's steps are persisted) and the save in flight (as orbax)
         saved = self._infos(self.all_steps()) + [PolicyCheckpointInfo(in_flight)] * (
             in_flight is not None and in_flight not in self._steps)
         return bool(self.save_decision_policy.should_save(PolicyCheckpointInfo(step), saved,
@@ -273,6 +272,7 @@ class CheckpointManager:
                     raise StepAlreadyExistsError("step already exists", url=self.store.url,
                                                  run=self.run, step=step)
             self._saving, metrics = step, snapshot(metrics, f"metrics (step {step})")
+            metadata = snapshot(metadata, f"metadata (step {step})")  # named as the caller's
             agreement.propose(metrics, utc_now(), self.persister and self.persister.pending)
             self._saver._start(step, tree, {"metrics": metrics, "user": metadata},
                               previous_step=self._steps[-1] if self._steps else None,

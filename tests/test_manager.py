@@ -389,4 +389,7 @@ def test_metrics_msgpack_cannot_store_name_the_step_and_the_entry(tmp_path):
             ValueError, match=r"metrics \(step 7\) is not msgpack-serializable at "
                               r"\['per_class_acc'\]: .*\.tolist\(\)"):
         mngr.save(7, {"x": np.ones(2)}, metrics={"loss": 0.5, "per_class_acc": jnp.ones(3)})
+    with casstore.CheckpointManager(tmp_path) as mngr, pytest.raises(  # not ['user']['arr']
+            ValueError, match=r"metadata \(step 7\) is not msgpack-serializable at \['arr'\]"):
+        mngr.save(7, {"x": np.ones(2)}, metadata={"arr": np.zeros(3)})
     assert casstore.list_steps(tmp_path) == []
