@@ -92,6 +92,14 @@ def posted(client, key: str, end: float, late: str) -> list[str]:
         return [f"{late} within {timeout_ms() / 1000:g} s ({e})"]
 
 
+def try_get(client, key: str) -> str | None:
+    """The value at ``key``, or None if none is set (jax raises for a key not set)."""
+    try:
+        return client.key_value_try_get(key)
+    except Exception:  # jax's runtime error: not found
+        return None
+
+
 _latest_count = itertools.count()  # SPMD: every process restores the latest step alike
 
 

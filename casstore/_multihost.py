@@ -32,7 +32,7 @@ from typing import Any
 import msgpack
 import xxhash
 
-from ._coordinator import get_large, kv_client, posted, processes, set_large, timeout_ms
+from ._coordinator import get_large, kv_client, posted, processes, set_large, timeout_ms, try_get
 from ._errors import CasstoreError
 from ._manifest import ChunkRef
 from .store import Store
@@ -135,6 +135,9 @@ class SaveAgreement:
                   if post["error"]]
         failed += [f"process {p} {self._other(post['save'])}" for p, post in enumerate(posts)
                    if not post["error"] and post["save"] != self.save]
+        failed += [f"process {p} gave up waiting for process 0 (its chunks are no longer kept "
+                   "from GC)" for p in range(1, self.count)
+                   if try_get(client, f"{self.tag}/gave_up/{p}") is not None]
         if not failed and (local := _per_process([post["spread"] for post in posts])):
             failed = [f"key path {local[0]!r} is a jax array each process holds on its own "
                       "devices, not one global array: save it as numpy (np.asarray) or give it "
@@ -377,10 +380,10 @@ class SaveAgreement:
                     f"{self.tag}/outcome", timeout_ms()))
                 break
             except Exception as e:  # jax's runtime error for a timeout or a dead process 0
-                now = None
-                with contextlib.suppress(Exception):
-                    now = client.key_value_try_get(f"{self.tag}/alive")
-                if now is None or now == beats:
+                now = try_get(client, f"{self.tag}/alive")
+                if now is None or now == beats:  # its refs withdrawn: its lock goes, so
+                    with contextlib.suppress(Exception):  # a GC may delete what it reused
+                        client.key_value_set(f"{self.tag}/gave_up/{self.index}", "1")
                     raise CasstoreError(f"process 0 did not say within "
                                         f"{timeout_ms() / 1000:g} s whether it committed the "
                                         "step, and its save showed no sign of going on") from e

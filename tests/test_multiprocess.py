@@ -162,6 +162,18 @@ def test_a_save_longer_on_process_0_than_the_timeout_commits_on_every_process(tm
     assert casstore.list_steps(repo) == [0]
 
 
+def test_process_0_commits_nothing_once_another_process_gave_up_waiting(tmp_path):
+    """Process 1 timed out waiting for process 0 and let go of its save lock; process 0,
+    late, then gathered its refs and committed a step naming chunks a GC may have deleted
+    meanwhile (process 1 raised while process 0 committed)."""
+    repo = tmp_path / "repo"
+    results = run_job(2, "late-primary", repo, 0, multihost_timeout_s="3")
+    assert_ok(results)
+    assert "FAILED process 0 did not say within 3 s" in results[1][1], results[1][1][-2000:]
+    assert "process 1 gave up waiting for process 0" in results[0][1], results[0][1][-2000:]
+    assert casstore.list_steps(repo) == []
+
+
 @pytest.mark.parametrize("mode", ["latest", "latest-abstract"])
 def test_every_process_restores_the_same_latest_step(tmp_path, mode):
     """Each process took the latest step of its own listing: a step committed between two
