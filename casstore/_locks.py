@@ -84,18 +84,25 @@ class Lease:
         self._thread = threading.Thread(target=self._refresh, daemon=True,
                                         name=f"casstore-{kind}-lock")
 
+    def put(self) -> None:
+        """Puts the lock; the lease counts from the moment before the put (its ``created``
+        time), not from :meth:`start`: a holder paused between the two may have let the lock
+        turn stale for others meanwhile, and :meth:`check` must say so."""
+        put_at = time.time()
+        _put_lock(self.store, self.kind, self.key)
+        self._last = put_at
+
     def start(self) -> None:
-        """Starts the refreshes; the lock was put just now."""
-        self._last = time.time()
+        """Starts the refreshes, after :meth:`put`."""
         self._thread.start()
 
     def _refresh(self) -> None:
         while not self._stop.wait(_timing(self.kind)[0]):
             with contextlib.suppress(Exception):  # the lease runs out unless a later put lands
+                put_at = time.time()
                 _put_lock(self.store, self.kind, self.key)
-                now = time.time()
-                self._broken |= now - self._last > _timing(self.kind)[1] / 2
-                self._last = now
+                self._broken |= put_at - self._last > _timing(self.kind)[1] / 2
+                self._last = put_at
 
     def check(self) -> None:
         """Raises unless every refresh came within half the stale time since the lock was
@@ -174,7 +181,7 @@ def save_lock(store: Store) -> Iterator[Lease]:
     stored = True  # a put whose answer was lost may be stored all the same
     try:
         try:
-            _put_lock(store, "save", lease.key)
+            lease.put()
         except AccessDeniedError:
             stored = False  # refused: there is no lock to delete (read-only keys)
             raise
@@ -188,7 +195,7 @@ def save_lock(store: Store) -> Iterator[Lease]:
                                 "ignored", store.url, ", ".join(gc), GC_LOCK_STALE_S)
                 time.sleep(POLL_S)
                 gc = _live(store, "gc")
-            _put_lock(store, "save", lease.key)  # fresh again, then look for GCs again
+            lease.put()  # fresh again, then look for GCs again
         lease.start()
         yield lease
     finally:
@@ -240,7 +247,7 @@ def gc_lock(store: Store, timeout_s: float) -> Iterator[Lease]:
         if not (saves := _live(store, "save")):
             lease = Lease(store, "gc")
             try:
-                _put_lock(store, "gc", lease.key)
+                lease.put()
             except AccessDeniedError:
                 raise  # refused: no lock stored (read-only keys)
             except BaseException:

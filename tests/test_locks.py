@@ -59,6 +59,26 @@ def test_a_save_that_waited_for_a_long_gc_puts_its_lock_again_before_it_starts(t
     assert ages[0] < 1.0, ages  # put again after the wait: a GC finds it live
 
 
+def test_a_gc_paused_between_its_lock_and_its_lease_deletes_nothing(tmp_path, monkeypatch):
+    """The GC lease counted from its start, after the check for saves: a GC paused there past
+    the stale age (a saver meanwhile ignored its lock and reused a chunk) passed its checks
+    and went on deleting. It counts from the put now, and its first check refuses."""
+    monkeypatch.setattr(_locks, "GC_LOCK_STALE_S", 1.0)
+    monkeypatch.setattr(_locks, "GC_LOCK_REFRESH_S", 3600.0)  # no refresh within the test
+    live, calls = _locks._live, []
+
+    def paused_after_the_put(store, kind):  # the look for saves after the GC lock's put
+        calls.append(kind)
+        if len(calls) == 2:
+            time.sleep(0.8)  # past half the stale age: a save may have ignored the lock
+        return live(store, kind)
+
+    monkeypatch.setattr(_locks, "_live", paused_after_the_put)
+    with _locks.gc_lock(LocalStore(tmp_path / "repo"), timeout_s=10) as lease, pytest.raises(
+            casstore.CasstoreError, match="could not keep its lock"):
+        lease.check()
+
+
 def test_a_save_lock_held_for_longer_than_the_stale_age_stays_live(tmp_path, monkeypatch):
     """A copy of terabytes holds its save lock for hours: it is re-put, so GC never takes it
     for a dead process's and sweeps chunks the copy counted on; none is left after it."""
