@@ -182,10 +182,10 @@ def cast(host: np.ndarray, entry: LeafEntry, dtype: Any, fail: Fail) -> Any:
         raise fail(f"the saved {host.dtype} values cannot be cast to {dtype} ({e})",
                    entry.path) from e
     if _kind(dtype) in "fc" and not lossless(host.dtype, dtype) and overflowed(host, out):
-        raise fail(f"the saved {host.dtype} values hold values {dtype} has none of: beyond "
-                   "its range (they would become inf or NaN, or saturate), NaN or infinities, "
-                   "or zero and negatives for an unsigned float (float8_e8m0fnu); ask for a "
-                   "wider dtype", entry.path)
+        raise fail(f"the saved {host.dtype} values hold values {dtype} has none of: they "
+                   "overflow it (they would become inf or NaN, or saturate), or are NaN or "
+                   "infinities, or zero and negatives for an unsigned float (float8_e8m0fnu); "
+                   "ask for a wider dtype", entry.path)
     return out
 
 

@@ -191,7 +191,8 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
       ValueError: invalid ``step``, ``run``, ``chunk_size_bytes`` (an int in [1, 2**31],
         at least one element of every array leaf), ``metadata`` that msgpack cannot encode
         or format.md §4.1 does not allow (an extension type: the message says where),
-        a ``dtypes`` prefix that matches no array leaf, or an unknown ``compression``.
+        a ``dtypes`` prefix that matches no array leaf, an unknown ``compression``, or a
+        ``max_inflight_bytes`` of less than one chunk.
       ManifestError: the repository's config object is damaged or of an unknown version.
       StoreTimeoutError: an object store did not answer within its deadline (``open_store``'s
         ``operation_timeout_s``); nothing is committed (unless the manifest write was stored
@@ -206,9 +207,9 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
         prepared, arrays = stored_as(*prepare(tree, metadata), dtypes)
         # 2. the plan: inline leaves now, chunk jobs as a lazy stream
         inline, jobs = plan_jobs(prepared, arrays, chunk_size_bytes, pack_threshold_bytes)
+        workers = max_workers or store.max_workers
+        window = inflight_window(workers, chunk_size_bytes, max_inflight_bytes)
     del arrays  # the jobs hold what they still need
-    workers = max_workers or store.max_workers
-    window = inflight_window(workers, chunk_size_bytes, max_inflight_bytes)
     try:  # 3 to 6: encode, upload, agree, commit
         return write(store, step, prepared, inline, jobs, run=run, zstd_level=zstd_level,
                      shuffle=shuffle, compression=compression, max_workers=workers,

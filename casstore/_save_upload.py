@@ -37,9 +37,18 @@ def default_inflight_bytes(max_workers: int, chunk_size_bytes: int) -> int:
 def inflight_window(max_workers: int, chunk_size_bytes: int,
                     max_inflight_bytes: int | None = None) -> int:
     """Chunk jobs a save keeps in flight: ``max_inflight_bytes`` (default two chunks per
-    worker) in chunks of at most ``chunk_size_bytes``."""
-    inflight = max_inflight_bytes or default_inflight_bytes(max_workers, chunk_size_bytes)
-    return inflight // chunk_size_bytes
+    worker) in chunks of at most ``chunk_size_bytes``.
+
+    Raises:
+      ValueError: ``max_inflight_bytes`` is less than one chunk (it was a window of none,
+        taken as the default: a bound raised instead of lowered).
+    """
+    if max_inflight_bytes is None:
+        max_inflight_bytes = default_inflight_bytes(max_workers, chunk_size_bytes)
+    if not isinstance(max_inflight_bytes, int) or max_inflight_bytes < chunk_size_bytes:
+        raise ValueError(f"max_inflight_bytes={max_inflight_bytes!r} is less than one chunk "
+                         f"(chunk_size_bytes={chunk_size_bytes}): give at least that")
+    return max_inflight_bytes // chunk_size_bytes
 
 
 def store_chunks(jobs: Iterable[Job], writer: ChunkWriter, max_workers: int, window: int,

@@ -360,6 +360,11 @@ def test_invalid_arguments(saved):
     with pytest.raises(ValueError, match=re.escape(
             "chunk_size_bytes=3 is smaller than one element of key path 'x' (float32, 4 bytes)")):
         casstore.save(store, 0, {"x": np.ones(100, np.float32)}, chunk_size_bytes=3)
+    for inflight in (0, -1, 2**23, 1.5):  # a window of no chunk was taken as the default
+        with pytest.raises(ValueError, match=re.escape(
+                f"max_inflight_bytes={inflight!r} is less than one chunk")):
+            casstore.save(store, 0, {"x": np.ones(100, np.float32)},
+                          chunk_size_bytes=2**24, max_inflight_bytes=inflight)
     assert casstore.list_steps(store) == [5]
 
 

@@ -237,7 +237,7 @@ def test_a_float_narrowing_rounds_or_raises_never_overflows(values, target):
     t = {"x": np.zeros(saved.shape, dt)}
     if overflows:
         with pytest.raises(casstore.TargetMismatchError,
-                           match=rf"values {target} has none of: beyond"):
+                           match=rf"values {target} has none of: they overflow it"):
             casstore.restore(store, 0, target=t)
         return
     got = casstore.restore(store, 0, target=t)["x"]
