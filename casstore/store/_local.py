@@ -22,7 +22,6 @@ from .._errors import ObjectNotFoundError
 from ._base import ObjectInfo, Store
 
 _TEMPORARY = re.compile(r"\..+\.[0-9a-f]{32}\.tmp")  # a write's temporary file (_put)
-MAX_SPLIT_READ = 1 << 30  # bytes: larger objects are read whole (one preadv reads < 2 GiB)
 
 
 def _walk(top: str) -> Iterator[tuple[str, list[str], list[str]]]:
@@ -121,14 +120,20 @@ class LocalStore(Store):
         return view, buffer
 
     def get_split(self, key: str, head: bytearray, body: memoryview | np.ndarray) -> bool:
-        total = len(head) + memoryview(body).nbytes
-        if total > MAX_SPLIT_READ or not hasattr(os, "preadv"):
+        parts = [memoryview(head), memoryview(body).cast("B")]
+        total = sum(p.nbytes for p in parts)
+        if not hasattr(os, "preadv"):
             return False
         fd, info = _open_regular(self._path(key))
+        got = 0
         try:
             if info.st_size != total:
                 return False
-            got = os.preadv(fd, [head, body], 0)
+            while got < total:  # one preadv(2) reads at most 2 GiB - 4 KiB on Linux
+                rest = [p[max(0, got - at):] for p, at in zip(parts, (0, len(head)))]
+                if not (n := os.preadv(fd, [p for p in rest if p.nbytes], got)):
+                    break
+                got += n
         finally:
             os.close(fd)
         if got != total:  # the object is immutable: a short read means it changed under us
