@@ -37,7 +37,6 @@ from ._copy_engine import CopyProgress, Engine, Step, same_step, share_of
 from ._delta import DeltaBases
 from ._errors import (
     CorruptChunkError,
-    ManifestError,
     ObjectNotFoundError,
     StepNotFoundError,
 )
@@ -53,7 +52,7 @@ from ._repository import (
     list_runs,
     list_steps,
     read_decoded,
-    read_manifest_bytes,
+    still_committed,
 )
 from .store import Store, open_store
 
@@ -282,11 +281,7 @@ def _damaged(src: Store, engine: Engine) -> list[tuple[str, int]]:
     warning: a live source's retention and GC are no damage (as for ``verify``)."""
     damaged = []
     for s in (s for s in engine.plan if (s.run, s.step) in engine.not_copied):
-        try:
-            still = read_manifest_bytes(src, s.run, s.step) == s.data
-        except (FileNotFoundError, ManifestError):
-            still = False
-        if still:
+        if still_committed(src, s.manifest):
             damaged.append((s.run, s.step))
         else:
             log.warning("casstore: run %r step %d, deleted from %s during the copy, was not "
