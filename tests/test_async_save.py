@@ -102,9 +102,13 @@ class SlowFailingStore(MemoryStore):
 
 
 @pytest.mark.parametrize("manager", [False, True])
-def test_a_wait_interrupted_by_ctrl_c_leaves_the_save_to_the_next_call(manager):
+def test_a_wait_interrupted_by_ctrl_c_leaves_the_save_to_the_next_call(manager, request):
     """wait_until_finished forgot the save before it waited: after Ctrl-C there, the next
     wait (or close) returned at once without its error, and nothing was committed."""
+    # A run started in the background by a non-interactive shell (or nohup) inherits SIGINT
+    # ignored, and Python then installs no KeyboardInterrupt handler (test_deadlines.py too).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     store = SlowFailingStore()
     saver = (casstore.CheckpointManager(store) if manager
              else casstore.AsyncCheckpointer(store))
