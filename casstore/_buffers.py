@@ -10,12 +10,15 @@ later chunks instead. It lives as long as one save, so nothing is held after it.
 from __future__ import annotations
 
 import collections
+import math
 import mmap
 import threading
 
 import numpy as np
 
 MIN_POOLED_BYTES = 2**20  # smaller buffers come from malloc's heap, already mapped
+ALIGN = 64  # bytes: jax's CPU client adopts buffers aligned so (jax.device_put with may_alias)
+MMAP_BYTES = 1 << 20  # buffers of restored leaves from this size on may be mapped on their own
 _local = threading.local()
 
 
@@ -90,3 +93,22 @@ def thread_scratch(nbytes: int) -> np.ndarray:
         buffer = _local.scratch = None  # the old one unmapped before the new one is mapped
         buffer = _local.scratch = mapped(nbytes)
     return buffer[:nbytes]
+
+
+def empty_aligned(shape: list[int] | tuple[int, ...], dtype: np.dtype,
+                  own_mapping: bool = False) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on a 64-byte boundary
+    (:data:`ALIGN`), so jax's CPU client can adopt it in place.
+
+    With ``own_mapping``, from :data:`MMAP_BYTES` on, the array is :func:`mapped`, so it goes
+    back to the OS as soon as it is freed: for buffers dropped once their leaf is on its
+    devices. From malloc, a restore placing leaves on a GPU from 33 threads kept up to 32 MiB
+    per thread: restoring GPT-2-XL's state onto an H100 took 2.97 GB of extra RSS, 1.85 GB
+    with buffers returned at once (and 6% longer: each buffer's pages are faulted in anew).
+    """
+    n = math.prod(shape) * dtype.itemsize
+    if own_mapping and n >= MMAP_BYTES:
+        return mapped(n).view(dtype).reshape(shape)
+    raw = np.empty(n + ALIGN, np.uint8)
+    offset = -raw.ctypes.data % ALIGN
+    return raw[offset:offset + n].view(dtype).reshape(shape)

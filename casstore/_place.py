@@ -15,12 +15,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._buffers import ALIGN, empty_aligned
 from ._chunking import Index, dtype_from_name, lossless, overflowed
 from ._errors import ManifestError
 from ._manifest import LeafEntry
 from ._target import is_numpy_class, returns_numpy, target_shape
 
-ALIGN = 64  # bytes: jax's CPU client adopts buffers aligned so (jax.device_put with may_alias)
+CAST_BLOCK = 1 << 20  # elements a cast converts and checks at a time
 Fail = Callable[[str, str], Exception]  # (message, key path) -> the error to raise
 
 
@@ -175,17 +176,22 @@ def cast(host: np.ndarray, entry: LeafEntry, dtype: Any, fail: Fail) -> Any:
                    "ask for a dtype that holds them", entry.path)
     if _kind(host.dtype) == "c" and _kind(dtype) != "c":  # imaginary parts checked 0
         host = host.real
-    try:
-        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below
-            out = host.astype(dtype)
-    except TypeError as e:  # a pair ml_dtypes does not cast (int4 to int2)
-        raise fail(f"the saved {host.dtype} values cannot be cast to {dtype} ({e})",
-                   entry.path) from e
-    if _kind(dtype) in "fc" and not lossless(host.dtype, dtype) and overflowed(host, out):
-        raise fail(f"the saved {host.dtype} values hold values {dtype} has none of: they "
-                   "overflow it (they would become inf or NaN, or saturate), or are NaN or "
-                   "infinities, or zero and negatives for an unsigned float (float8_e8m0fnu); "
-                   "ask for a wider dtype", entry.path)
+    out = empty_aligned(host.shape, dtype)  # adopted by jax's CPU client, not copied again
+    check = _kind(dtype) in "fc" and not lossless(host.dtype, dtype)
+    flat_in, flat_out = host.reshape(-1), out.reshape(-1)  # host: a C-contiguous region
+    for start in range(0, max(host.size, 1), CAST_BLOCK):  # block temporaries, not leaf-sized
+        block, cast_block = flat_in[start:start + CAST_BLOCK], flat_out[start:start + CAST_BLOCK]
+        try:
+            with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below
+                np.copyto(cast_block, block, casting="unsafe")
+        except TypeError as e:  # a pair ml_dtypes does not cast (int4 to int2)
+            raise fail(f"the saved {host.dtype} values cannot be cast to {dtype} ({e})",
+                       entry.path) from e
+        if check and overflowed(block, cast_block):
+            raise fail(f"the saved {host.dtype} values hold values {dtype} has none of: they "
+                       "overflow it (they would become inf or NaN, or saturate), or are NaN "
+                       "or infinities, or zero and negatives for an unsigned float "
+                       "(float8_e8m0fnu); ask for a wider dtype", entry.path)
     return out
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._buffers import mapped
+from ._buffers import empty_aligned
 from ._chunking import Index
 from ._codec import HEADER, max_object_bytes, verify_raw
 from ._delta import DeltaBases
@@ -29,12 +29,10 @@ from ._errors import (
 )
 from ._fallback import FallbackStore, confirm_chunk, reread_chunk
 from ._manifest import ChunkRef, LeafEntry, Manifest
-from ._place import ALIGN, normalize, saved_dtype
+from ._place import normalize, saved_dtype
 from ._pool import bounded_map
 from ._target import is_numpy_class, target_shape
 from .store import Store
-
-MMAP_BYTES = 1 << 20  # region buffers from this size on are mapped on their own
 
 
 def regions_for(entry: LeafEntry, t: Any) -> list[Index]:
@@ -94,7 +92,7 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
     lock = threading.Lock()
     for i, regions in requests.items():
         entry = manifest.leaves[i]
-        out[i] = {r: _empty_aligned([b - a for a, b in zip(*r)], saved_dtype(entry),
+        out[i] = {r: empty_aligned([b - a for a, b in zip(*r)], saved_dtype(entry),
                                     i in temporary) for r in regions}
         if entry.inline is not None:
             whole = np.frombuffer(entry.inline, saved_dtype(entry)).reshape(entry.shape)
@@ -223,24 +221,6 @@ def _copy_block(raw: memoryview, ref: ChunkRef, entry: LeafEntry, regions: dict,
             buf[_slices(lo, hi, region[0])] = block[_slices(lo, hi, ref.start)]
 
 
-def _empty_aligned(shape: list[int], dtype: np.dtype, own_mapping: bool = False) -> np.ndarray:
-    """An uninitialised C-contiguous array whose data starts on a 64-byte boundary.
-
-    With ``own_mapping``, from :data:`MMAP_BYTES` on, the array is :func:`~casstore._buffers.
-    mapped`, so it goes back to the OS as soon as it is freed: for buffers dropped once their
-    leaf is on its devices. From malloc, a restore placing leaves on a GPU from 33 threads
-    kept up to 32 MiB per thread: restoring GPT-2-XL's state onto an H100 took 2.97 GB of extra
-    RSS, 1.85 GB with buffers returned at once (and 6% longer: each buffer's pages are faulted
-    in anew).
-    """
-    n = math.prod(shape) * dtype.itemsize
-    if own_mapping and n >= MMAP_BYTES:
-        return mapped(n).view(dtype).reshape(shape)
-    raw = np.empty(n + ALIGN, np.uint8)
-    offset = -raw.ctypes.data % ALIGN
-    return raw[offset:offset + n].view(dtype).reshape(shape)
-
-
 def read_fitted(store: Store, manifest: Manifest, requests: dict[int, list[Index]],
                 max_workers: int, place: Callable[[int, dict], Any] | None = None,
                 temporary: Collection[int] = ()) -> dict[int, Any]:
@@ -259,7 +239,7 @@ def read_fitted(store: Store, manifest: Manifest, requests: dict[int, list[Index
         for region, kept in clipped[i].items():
             out[region] = got[kept]
             if kept != region:
-                out[region] = _empty_aligned([b - a for a, b in zip(*region)],
+                out[region] = empty_aligned([b - a for a, b in zip(*region)],
                                              got[kept].dtype, i in temporary)
                 out[region].fill(0)  # jax's CPU client adopts an aligned buffer in place
                 out[region][_slices(*kept, region[0])] = got[kept]

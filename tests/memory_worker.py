@@ -3,8 +3,8 @@ test_memory.py in a process of its own (forked from tests/forkserver.py). RSS is
 5 ms during the operation; the figure is its peak minus the RSS just before the operation, once
 jax's backend has started (a save of numpy leaves starts it too, for ``jax.process_count``).
 
-Usage: memory_worker.py save-numpy|save-numpy-planes|save-jax|save-accelerator-path|restore-jax
-       URL [LEAVES]
+Usage: memory_worker.py save-numpy|save-numpy-planes|save-jax|save-accelerator-path|restore-jax|
+       restore-jax-bfloat16 URL [LEAVES [LEAF_ELEMENTS]]
 Prints one JSON line: {"state_bytes", "extra_peak_bytes", "inflight_bytes", "workers"}, and for a
 restore "encoded" (whether the step's chunks are mostly encoded), "readers" (its reader threads)
 and "check".
@@ -28,7 +28,7 @@ from casstore._repository import read_manifest
 from casstore._save_upload import default_inflight_bytes
 
 LEAVES = int(sys.argv[3]) if len(sys.argv) > 3 else 8  # of 256 MiB: 2 GiB by default
-LEAF_ELEMENTS = 64 * 2**20
+LEAF_ELEMENTS = int(sys.argv[4]) if len(sys.argv) > 4 else 64 * 2**20  # float32 elements
 
 
 @contextlib.contextmanager
@@ -74,13 +74,15 @@ if __name__ == "__main__":
     jax.devices()  # jax's runtime is not the operation's: 308 MB on a 16-core machine's CPU
     store = casstore.open_store(url)
     inflight = default_inflight_bytes(store.max_workers, DEFAULT_CHUNK_SIZE_BYTES)
-    if kind == "restore-jax":
-        target = {f"w{i}": jax.ShapeDtypeStruct((LEAF_ELEMENTS,), np.float32)
+    if kind.startswith("restore-jax"):  # -bfloat16: the float32 leaves cast as restored
+        dtype = jax.numpy.bfloat16 if kind.endswith("bfloat16") else np.float32
+        target = {f"w{i}": jax.ShapeDtypeStruct((LEAF_ELEMENTS,), dtype)
                   for i in range(LEAVES)}
         with peak_extra_rss(result := {}):
             restored = casstore.restore(store, 0, target=target)
             jax.block_until_ready(restored)
-        result["check"] = float(restored[f"w{LEAVES - 1}"][-1])
+        result["check"] = float(restored[f"w{LEAVES - 1}"][-1].astype(np.float32))
+        result["result_bytes"] = sum(a.nbytes for a in restored.values())
         result["encoded"] = read_manifest(store, 0).encoded()
         result["readers"] = store.read_threads(result["encoded"])
     else:
