@@ -174,21 +174,22 @@ def cast(host: np.ndarray, entry: LeafEntry, dtype: Any, fail: Fail) -> Any:
     if (why := _unrepresentable(host, dtype)) is not None:
         raise fail(f"the saved {host.dtype} values hold {why}, which {dtype} cannot hold; "
                    "ask for a dtype that holds them", entry.path)
-    if _kind(host.dtype) == "c" and _kind(dtype) != "c":  # imaginary parts checked 0
-        host = host.real
+    real = _kind(host.dtype) == "c" and _kind(dtype) != "c"  # imaginary parts checked 0
     out = empty_aligned(host.shape, dtype)  # adopted by jax's CPU client, not copied again
-    check = _kind(dtype) in "fc" and not lossless(host.dtype, dtype)
+    check = _kind(dtype) in "fc" and not lossless(host.real.dtype if real else host.dtype,
+                                                   dtype)
     flat_in, flat_out = host.reshape(-1), out.reshape(-1)  # host: a C-contiguous region
     for start in range(0, max(host.size, 1), CAST_BLOCK):  # block temporaries, not leaf-sized
         block, cast_block = flat_in[start:start + CAST_BLOCK], flat_out[start:start + CAST_BLOCK]
+        block = block.real if real else block
         try:
             with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below
                 np.copyto(cast_block, block, casting="unsafe")
         except TypeError as e:  # a pair ml_dtypes does not cast (int4 to int2)
-            raise fail(f"the saved {host.dtype} values cannot be cast to {dtype} ({e})",
+            raise fail(f"the saved {block.dtype} values cannot be cast to {dtype} ({e})",
                        entry.path) from e
         if check and overflowed(block, cast_block):
-            raise fail(f"the saved {host.dtype} values hold values {dtype} has none of: they "
+            raise fail(f"the saved {block.dtype} values hold values {dtype} has none of: they "
                        "overflow it (they would become inf or NaN, or saturate), or are NaN "
                        "or infinities, or zero and negatives for an unsigned float "
                        "(float8_e8m0fnu); ask for a wider dtype", entry.path)
