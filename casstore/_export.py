@@ -184,7 +184,8 @@ def import_tensors(file: str | os.PathLike, url: Url, step: int, *,
     """Saves the tensors of a .safetensors or .npz file as a step.
 
     Names with "/" nest (key paths, format.md §5); others are keys of one flat dict; a file whose
-    one tensor is named "" (an exported tree that is one array) is that array.
+    one tensor is named "" (an exported tree that is one array) is that array. Host memory:
+    the file's tensors, read one by one (1.0x the file), plus the save's in-flight window.
 
     Raises:
       TensorFileError: the file is not a valid .safetensors / .npz file, holds a tensor of a

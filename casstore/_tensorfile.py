@@ -14,6 +14,7 @@ import json
 import os
 import pathlib
 import re
+import struct
 import tempfile
 import zipfile
 from typing import Any
@@ -180,14 +181,27 @@ def _read_npz(path: str) -> dict[str, np.ndarray]:
 
 
 def _read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """Each tensor read from the file into an array of its own, one at a time: the file's bytes
+    are never held whole beside the tensors (``safetensors.deserialize`` takes them whole and
+    copies every tensor out: 2x the file at the peak). safetensors' ``safe_open`` checks the
+    header first (the dtypes, shapes and data offsets, which must tile the data exactly)."""
+    with _safetensors().safe_open(path, framework="numpy"):
+        pass  # raises SafetensorError for a header it does not accept
     codes = {code: name for name, code in SAFETENSORS_DTYPES.items()}
     out = {}
-    for name, t in _safetensors().deserialize(pathlib.Path(path).read_bytes()):
-        if t["dtype"] not in codes:
-            raise TensorFileError(f"tensor {name!r} has dtype {t['dtype']}, which casstore "
-                                  "does not store", url=str(path))
-        out[name] = np.frombuffer(t["data"], dtype_from_name(codes[t["dtype"]])).reshape(
-            t["shape"])
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        for name, t in sorted(header.items(), key=lambda item: item[1]["data_offsets"]):
+            if t["dtype"] not in codes:
+                raise TensorFileError(f"tensor {name!r} has dtype {t['dtype']}, which "
+                                      "casstore does not store", url=str(path))
+            start, stop = t["data_offsets"]
+            out[name] = np.empty(t["shape"], dtype_from_name(codes[t["dtype"]]))
+            f.seek(8 + size + start)
+            if f.readinto(out[name].reshape(-1).view(np.uint8)) != stop - start:
+                raise TensorFileError(f"tensor {name!r} is cut short", url=str(path))
     return out
 
 

@@ -145,6 +145,20 @@ def test_a_restore_that_casts_a_leaf_holds_it_once_in_each_dtype(tmp_path):
     assert m["extra_peak_bytes"] <= m["state_bytes"] + m["result_bytes"] + 256 * 2**20, m
 
 
+def test_importing_a_safetensors_file_holds_its_tensors_once(tmp_path):
+    """768 MiB of tensors: the arrays read from the file and the save's window. The whole
+    file's bytes, read for safetensors.deserialize beside the tensors it copied out, made 2x
+    (inside that call, which holds the GIL: VmHWM sees it, the RSS sampler does not)."""
+    import safetensors.numpy
+
+    w = np.random.default_rng(0).random(64 * 2**20, dtype=np.float32)
+    safetensors.numpy.save_file({"w0": w, "w1": w + 1, "w2": w[::-1].copy()},
+                                tmp_path / "repo.safetensors")
+    m = measure("import-safetensors", str(tmp_path / "repo"), leaves=3)
+    assert (m["tensors"], m["check"]) == (3, float(w[0]))  # w2's last value
+    assert m["extra_peak_bytes"] <= m["state_bytes"] + save_bound(m), m
+
+
 @pytest.mark.parametrize("pad", [0, 1], ids=["strict", "strict-False-padded"])
 def test_a_restore_places_leaves_before_its_last_chunk_arrives(monkeypatch, pad):
     """strict=False (a target one element longer, zero-padded) too: it held every leaf's
