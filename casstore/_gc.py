@@ -148,7 +148,8 @@ class RetentionGc:
     a background thread: it waits at most ``LOCK_WAIT_S`` for save locks (the other processes
     of a multi-process save release theirs just after the commit; a process killed while
     saving leaves one for up to 6 hours), so a busy repository is left for the next
-    retention, which tries again even if it deletes nothing. A GC that refuses because a
+    retention, which tries again even if it deletes nothing (a warning after ``WARN_AFTER``
+    postponements in a row: the lock of a killed save). A GC that refuses because a
     manifest does not read (:class:`ManifestError`, naming it) is also left for the next
     retention, with a warning once per message: the saves and retention go on (the save
     after which it ran is committed; nothing is deleted that the manifest may need).
@@ -159,10 +160,12 @@ class RetentionGc:
     """
 
     LOCK_WAIT_S = 2.0
+    WARN_AFTER = 10  # postponements in a row before a warning: space is not being freed
 
     def __init__(self, store: Store, grace_period_s: float):
         self.store, self.grace_period_s, self.due = store, grace_period_s, False
         self.refusals: set[str] = set()  # warned of
+        self.postponed = 0  # in a row
 
     def __call__(self, deleted: bool) -> GcInfo | None:
         """Collects if ``deleted`` or a collection is still due; None if none ran."""
@@ -173,12 +176,16 @@ class RetentionGc:
             info = gc(self.store, grace_period_s=self.grace_period_s,
                       lock_timeout_s=self.LOCK_WAIT_S)
         except GcBusyError as e:
-            log.info("casstore: gc after retention postponed: %s", e)
+            self.postponed += 1
+            (log.warning if self.postponed == self.WARN_AFTER else log.info)(
+                "casstore: gc after retention postponed%s: %s", f" {self.postponed} times in "
+                "a row, so retention frees no space" if self.postponed >= self.WARN_AFTER
+                else "", e)
             return None
         except ManifestError as e:  # a damaged manifest (in any run): collect nothing
             if str(e) not in self.refusals:
                 self.refusals.add(str(e))
                 log.warning("casstore: gc after retention skipped: %s", e)
             return None
-        self.due = False
+        self.due, self.postponed = False, 0
         return info

@@ -38,6 +38,9 @@ MAX_LOCK_BYTES = 2**16  # a lock object is about 100 bytes; a reader reads no mo
 WAIT_NOTICE_S = 5.0  # seconds gc waits for saves before it says which locks it waits for
 
 log = logging.getLogger("casstore")
+# Locks this process could not delete, by store URL: deleted at its next lock on that store.
+_leftovers: dict[str, set[str]] = {}
+_leftovers_lock = threading.Lock()
 
 
 class GcBusyError(CasstoreError):
@@ -177,6 +180,7 @@ def save_lock(store: Store) -> Iterator[Lease]:
     The lock is put, then GC locks are looked for (format.md §8); after waiting for a GC it
     is put again and GC locks looked for again: the lock is not refreshed while it waits,
     and a GC that began meanwhile may have found it stale (a wait of hours on a long GC)."""
+    delete_leftovers(store)
     lease = Lease(store, "save")
     stored = True  # a put whose answer was lost may be stored all the same
     try:
@@ -210,6 +214,7 @@ def save_lock_unless_gc(store: Store) -> Iterator[bool]:
     else none (yields False, at once): for best-effort writes that need not wait for a GC (a
     restore writing a step back into its primary tier). The body must be short: the lock is
     not refreshed."""
+    delete_leftovers(store)
     key = _put_lock(store, "save")
     try:
         yield not _live(store, "gc")
@@ -220,14 +225,39 @@ def save_lock_unless_gc(store: Store) -> Iterator[bool]:
 def _release(store: Store, key: str) -> None:
     """Deletes lock ``key`` (or the lock a put may have stored though it raised). A failure is
     logged, naming the lock left behind, never raised: it would hide the body's own outcome
-    (a committed step, or the error that matters)."""
+    (a committed step, or the error that matters). Such a lock is deleted again before this
+    process's next lock on the store (:func:`delete_leftovers`): left until it turned stale,
+    a save lock kept every GC away for 6 hours after a store outage of seconds, and a
+    manager's retention stopped freeing space meanwhile."""
     try:
         store.delete(key)
     except (ReadOnlyStoreError, NotADirectoryError):
         return  # nor was a lock put: refused before any request, or no such directory
     except Exception as e:
-        log.warning("casstore: could not delete lock %s/%s (%s): it stays until it turns "
-                    "stale; delete it by hand once no process holds it", store.url, key, e)
+        with _leftovers_lock:
+            _leftovers.setdefault(store.url, set()).add(key)
+        log.warning("casstore: could not delete lock %s/%s (%s): this process deletes it "
+                    "before its next save or GC there, else it stays until it turns stale",
+                    store.url, key, e)
+
+
+def delete_leftovers(store: Store) -> None:
+    """Deletes the locks this process left on ``store`` (by its URL) because their delete
+    failed (:func:`_release`); one that fails again is kept for the next call. Each was the
+    lock of a save or GC that has ended: no one else holds it (its key is random)."""
+    with _leftovers_lock:
+        keys = _leftovers.pop(store.url, set())
+    failed = set()
+    for key in sorted(keys):
+        try:
+            store.delete(key)
+            log.info("casstore: deleted lock %s/%s, left by an earlier failed delete",
+                     store.url, key)
+        except Exception:
+            failed.add(key)
+    if failed:
+        with _leftovers_lock:
+            _leftovers.setdefault(store.url, set()).update(failed)
 
 
 @contextlib.contextmanager
@@ -241,6 +271,7 @@ def gc_lock(store: Store, timeout_s: float) -> Iterator[Lease]:
     Raises:
       GcBusyError: no moment without saves came within ``timeout_s`` seconds; nothing done.
     """
+    delete_leftovers(store)
     start = time.monotonic()
     told = False
     while True:

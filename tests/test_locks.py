@@ -222,6 +222,28 @@ def test_a_lock_that_cannot_be_deleted_is_logged_not_raised_over_a_committed_sav
     assert left in caplog.text
 
 
+@pytest.mark.parametrize("then", ["save", "gc", "manager"])
+def test_a_lock_left_by_a_failed_delete_is_deleted_by_the_next_save_or_gc(then):
+    """A store outage of seconds as a save released its lock left the lock for 6 hours: every
+    GC meanwhile gave up (GcBusyError), and a manager's retention freed no space."""
+    store = LockFaults("delete", faults=0)
+    casstore.save(store, 0, {"w": np.full(100, 1.0)})
+    store.faults = 1
+    casstore.save(store, 1, {"w": np.full(100, 2.0)})
+    assert len(locks(store)) == 1  # left: its delete failed
+    if then == "save":
+        casstore.save(store, 2, {"w": np.full(100, 3.0)})
+    elif then == "gc":
+        casstore.delete(store, 0)
+        assert casstore.gc(store, grace_period_s=0, lock_timeout_s=1).deleted_chunks == 1
+    else:  # the retention GC of the next save, which keeps 1 step
+        with casstore.CheckpointManager(store, max_to_keep=1, gc_after_retention=True,
+                                        grace_period_s=0) as mngr:
+            mngr.save(2, {"w": np.full(100, 3.0)})
+        assert len(list(store.list("chunks/"))) == 1  # steps 0 and 1's chunks collected
+    assert locks(store) == []
+
+
 class SlowChunks(LocalStore):
     """Each chunk object's write takes ``delay_s``: a save paused (a suspended VM) meanwhile."""
 
@@ -288,3 +310,21 @@ def test_a_lock_object_is_read_no_further_than_its_size_limit():
     assert "locks/save-" + "0" * 32 + " (host 'h', pid 1," in held
     assert held.count("(host") == 1  # the damaged one by its key alone
     assert store.largest <= _locks.MAX_LOCK_BYTES + 1
+
+
+def test_retention_gc_warns_once_when_a_lock_keeps_it_from_freeing_space(monkeypatch, caplog):
+    """A live save lock of another process (or one a killed process left for 6 hours) made
+    every retention GC give up, logged at INFO only: disk grew past max_to_keep silently."""
+    from casstore._gc import RetentionGc
+
+    monkeypatch.setattr(RetentionGc, "LOCK_WAIT_S", 0.05)
+    store = MemoryStore()
+    casstore.save(store, 0, {"w": np.full(100, 1.0)})
+    _locks._put_lock(store, "save")
+    retention = RetentionGc(store, grace_period_s=0)
+    with caplog.at_level("WARNING", logger="casstore"):
+        for _ in range(RetentionGc.WARN_AFTER + 3):
+            assert retention(True) is None
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert f"postponed {RetentionGc.WARN_AFTER} times in a row" in warning
+    assert "frees no space" in warning
