@@ -11,13 +11,9 @@ waits for them and raises their error.
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures as cf
-import functools
 import logging
-import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +28,7 @@ from ._chunking import (
 from ._codec import DEFAULT_ZSTD_LEVEL
 from ._device_staging import copy_on_device
 from ._errors import CasstoreError, StoreTimeoutError, close_quietly
+from ._exit import finish_at_exit, forget_at_exit
 from ._layout import check_run, check_step
 from ._locks import check_write_access
 from ._manifest import Manifest
@@ -45,22 +42,14 @@ from .store import Store, open_store
 log = logging.getLogger("casstore")
 
 
-def _finish_at_exit(ref: weakref.ref) -> None:
+def _finish_at_exit(saver: AsyncCheckpointer) -> None:
     """At interpreter exit, lets an in-flight background save finish (or fail) first."""
-    saver = ref()
-    if saver is not None and saver._pending is not None:
+    if saver._pending is not None:
         error = saver._pending.exception()  # waits; a failed save has written no manifest
         if error is not None:  # nobody is left to raise it to
             log.error("casstore: the background save of step %s to %s failed at exit, nothing "
                       "was committed: %s", saver._pending_step, saver.store.url, error,
                       exc_info=error)
-
-
-def _register_exit_hook(saver: AsyncCheckpointer) -> None:
-    # concurrent.futures forbids new thread pools once its own exit hook has run, and the save
-    # uses pools; threading's exit hooks run in reverse order, so this one runs before it.
-    register = getattr(threading, "_register_atexit", atexit.register)
-    register(functools.partial(_finish_at_exit, weakref.ref(saver)))
 
 
 class AsyncCheckpointer:
@@ -135,7 +124,7 @@ class AsyncCheckpointer:
         self.last_save_info: SaveInfo | None = None
         self._committed: Manifest | None = None  # this object's last committed manifest
         self.last_staging_peak_bytes: int | None = None
-        _register_exit_hook(self)
+        finish_at_exit(self, _finish_at_exit)
 
     def save(self, step: int, tree: Any, *, metadata: Any = None) -> None:
         """Starts saving ``tree`` as ``step``; returns once its arrays are staged.
@@ -314,6 +303,7 @@ class AsyncCheckpointer:
             self.wait_until_finished()
         finally:
             self._executor.shutdown(wait=True)
+            forget_at_exit(self, _finish_at_exit)
 
     def __enter__(self) -> AsyncCheckpointer:
         return self

@@ -36,7 +36,6 @@ import logging
 import math
 import threading
 import time
-import weakref
 from collections.abc import Callable, Collection
 
 from ._coordinator import processes, timeout_ms
@@ -46,6 +45,7 @@ from ._errors import (
     StepAlreadyExistsError,
     located,
 )
+from ._exit import finish_at_exit, forget_at_exit
 from ._gc import DEFAULT_GRACE_PERIOD_S, GcInfo, RetentionGc
 from ._layout import manifest_key
 from ._locks import save_lock
@@ -140,9 +140,7 @@ class Persister:
         self._thread = threading.Thread(target=self._follow if follower else self._loop,
                                         name="casstore-persist", daemon=True)
         self._thread.start()
-        register = getattr(threading, "_register_atexit", None)
-        if register is not None:  # let an in-flight persist finish before the interpreter exits
-            register(functools.partial(_drain_at_exit, weakref.ref(self)))
+        finish_at_exit(self, _drain_at_exit)  # an in-flight persist ends before the exit
 
     def eligible(self, step: int) -> bool:
         """Whether ``step`` is one the policy persists."""
@@ -285,6 +283,7 @@ class Persister:
         if closing and self.rounds is not None and self.rounds.is_leader:
             self.rounds.stop(self.steps())
         self._thread.join(None if self.rounds is None else timeout_ms() / 1000)
+        forget_at_exit(self, _drain_at_exit)
 
     def _loop(self) -> None:
         while True:
@@ -442,9 +441,9 @@ class Persister:
             self._cond.notify_all()
 
 
-def _drain_at_exit(ref: weakref.ref) -> None:
+def _drain_at_exit(p: Persister) -> None:
     """At exit: waits for local saves in flight (they queue persists), then the backlog."""
-    if (p := ref()) is not None and not p._closed:
+    if not p._closed:
         with p._cond:
             p._cond.wait_for(lambda: not p._local_saves, p._bound())
         p.wait(p._bound())

@@ -182,3 +182,21 @@ def test_an_existing_step_and_bad_arguments_are_refused():
     assert casstore.restore(store, 5)["w"].tolist() == [1.0, 1.0, 1.0]
     with pytest.raises(ValueError, match="smaller than one chunk"):
         casstore.AsyncCheckpointer(store, max_staging_bytes=10, chunk_size_bytes=1024)
+
+
+def test_closed_savers_leave_no_exit_hook_behind(tmp_path):
+    """Each AsyncCheckpointer and CheckpointManager registered an interpreter-exit hook that
+    stayed after close(): a job opening one per evaluation grew by 3 objects a manager, and
+    ran every hook at exit."""
+    hooks = threading._threading_atexits  # the exit hooks threading runs (CPython)
+    casstore.AsyncCheckpointer(str(tmp_path / "a")).close()  # the first registers them
+    casstore.CheckpointManager(str(tmp_path / "m"), persistent=str(tmp_path / "p")).close()
+    before = len(hooks)
+    for i in range(20):
+        with casstore.AsyncCheckpointer(str(tmp_path / "a")) as saver:
+            saver.save(i, {"w": np.full(100, float(i))})
+        with casstore.CheckpointManager(str(tmp_path / "m"), persistent=str(tmp_path / "p"),
+                                        persist_interval_steps=1) as mngr:
+            mngr.save(i, {"w": np.full(100, float(i))})
+    assert len(hooks) == before
+    assert casstore.list_steps(str(tmp_path / "p")) == list(range(20))
