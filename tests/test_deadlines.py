@@ -317,3 +317,34 @@ def test_a_request_the_busy_event_loop_cannot_end_still_times_out():
         store.stat("k")
     assert time.monotonic() - t0 < 3.5  # 0.2 s + 1 s of grace, not the loop's 4 s
     time.sleep(4.0)  # let the loop come free before the next test uses it
+
+
+def test_a_request_abandoned_by_ctrl_c_that_then_fails_leaves_no_asyncio_traceback(caplog):
+    """Ctrl-C during a save to S3 printed "Task exception was never retrieved" tracebacks: the
+    abandoned request's task ended with an error that nothing read."""
+    import asyncio
+    import gc
+    import threading
+
+    from fsspec.asyn import AsyncFileSystem
+
+    class FailsOnceCancelled(AsyncFileSystem):
+        async def _info(self, path, **kwargs):
+            try:
+                await asyncio.sleep(5.0)
+            except asyncio.CancelledError:  # as a client that ends a cut request with an error
+                raise FileNotFoundError(path) from None
+
+    store = FsspecStore(FailsOnceCancelled(skip_instance_cache=True), "root", retries=0,
+                        request_timeout_s=10.0, operation_timeout_s=20.0)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # even run in background
+    try:
+        threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident,
+                                                   signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            store.stat("k")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    time.sleep(0.5)  # the task ends on the loop's thread
+    gc.collect()  # asyncio logs an unread task error when the task is collected
+    assert "exception was never retrieved" not in caplog.text

@@ -43,6 +43,7 @@ from ._retry import (
     is_stored_mismatch,
     one_attempt,
     one_attempt_options,
+    outcome,
 )
 
 OBJECT_PROTOCOLS = ("s3", "s3a", "gs", "gcs")
@@ -140,12 +141,15 @@ class FsspecStore(Store):
         timeout = max(timeout, 0.001)
         call = (getattr(self.fs, f"_{method}") if isinstance(method, str)
                 else functools.partial(method, self.fs))
-        coro = asyncio.wait_for(call(*args, **kwargs), timeout)
+        coro = asyncio.wait_for(outcome(call(*args, **kwargs)), timeout)
         future = asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
         if scope is not None:
             scope.track(future)
         try:
-            return future.result(timeout + 1.0)
+            value, error = future.result(timeout + 1.0)
+            if error is not None:
+                raise error
+            return value
         except (TimeoutError, cf.TimeoutError) as e:  # as fsspec's sync does
             future.cancel()
             raise FSTimeoutError from e
@@ -442,3 +446,4 @@ class FsspecStore(Store):
         if self.put_options is None:
             self.put_options = _clients.put_options(self.fs)
         return self.put_options if nbytes < _clients.S3FS_SINGLE_PUT_BYTES else {}
+

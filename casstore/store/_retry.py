@@ -284,3 +284,14 @@ class RetryPolicy:
                 return result
         self._unanswered = True
         raise no_answer(budget, refused or last, key=key, url=self.url) from last
+
+
+async def outcome(coro: Any) -> tuple[Any, Exception | None]:
+    """``coro``'s (value, None) or (None, error), for ``asyncio.wait_for`` to run: the task it
+    wraps ``coro`` in, cancelled by a caller that gave up (Ctrl-C) and ending with another
+    error (a client's own for a cut request), is then no "Task exception was never
+    retrieved" traceback: wait_for does not read that error."""
+    try:
+        return await coro, None
+    except Exception as e:
+        return None, e
