@@ -56,7 +56,8 @@ def regions_for(entry: LeafEntry, t: Any) -> list[Index]:
 
 def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Index]],
                  max_workers: int, place: Callable[[int, dict], Any] | None = None,
-                 temporary: Collection[int] = ()) -> dict[int, Any]:
+                 temporary: Collection[int] = (),
+                 given: dict[int, dict[Index, np.ndarray]] | None = None) -> dict[int, Any]:
     """Reads index regions of array leaves into host arrays (format.md §6), leaf by leaf.
 
     Only the chunks whose blocks overlap a requested region are fetched, each once (a delta
@@ -77,6 +78,8 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
       temporary: leaves whose host arrays ``place`` does not keep (it puts them on a GPU):
         their large buffers are mapped on their own, so memory goes back to the OS as each
         leaf is placed.
+      given: leaf index -> {region: array of the region's shape and the saved dtype, possibly
+        a strided view} to read those regions into instead of new buffers.
 
     Returns:
       leaf index -> ``place``'s value, or {region: host array of the region's shape,
@@ -92,8 +95,9 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
     lock = threading.Lock()
     for i, regions in requests.items():
         entry = manifest.leaves[i]
-        out[i] = {r: empty_aligned([b - a for a, b in zip(*r)], saved_dtype(entry),
-                                    i in temporary) for r in regions}
+        mine = (given or {}).get(i, {})
+        out[i] = {r: mine[r] if r in mine else empty_aligned(
+            [b - a for a, b in zip(*r)], saved_dtype(entry), i in temporary) for r in regions}
         if entry.inline is not None:
             whole = np.frombuffer(entry.inline, saved_dtype(entry)).reshape(entry.shape)
             for (start, stop), buf in out[i].items():
@@ -227,27 +231,38 @@ def read_fitted(store: Store, manifest: Manifest, requests: dict[int, list[Index
     """:func:`read_regions` for regions that may reach past the saved shape (``strict=False``).
 
     Each region is clipped to the saved array, the clipped part is read (so only chunks that
-    overlap the kept region are fetched), and the result is zero-padded back to the region's
-    shape, as orbax pads; each leaf is then placed as soon as its chunks are in, as
-    :func:`read_regions` places it (``place``, ``temporary`` and the result likewise).
+    overlap the kept region are fetched) straight into a zeroed buffer of the region's shape
+    (zero-padded, as orbax pads; not copied into it after, which held 2x the leaf), and each
+    leaf is placed as soon as its chunks are in, as :func:`read_regions` places it
+    (``place``, ``temporary`` and the result likewise).
     """
     clipped = {i: {r: _clip(r, manifest.leaves[i].shape) for r in regions}
                for i, regions in requests.items()}
+    padded: dict[int, dict[Index, np.ndarray]] = {}  # zeroed, each read into where it is kept
+    views: dict[int, dict[Index, np.ndarray]] = {}
+    for i, c in clipped.items():
+        for region, kept in c.items():
+            if kept != region and kept not in views.get(i, {}):
+                buf = empty_aligned([b - a for a, b in zip(*region)],
+                                    saved_dtype(manifest.leaves[i]), i in temporary)
+                buf.fill(0)  # jax's CPU client adopts an aligned buffer in place
+                padded.setdefault(i, {})[region] = buf
+                views.setdefault(i, {})[kept] = buf[_slices(*kept, region[0])]
 
     def fit(i: int, got: dict[Index, np.ndarray]) -> Any:
         out = {}
         for region, kept in clipped[i].items():
-            out[region] = got[kept]
-            if kept != region:
-                out[region] = empty_aligned([b - a for a, b in zip(*region)],
-                                             got[kept].dtype, i in temporary)
-                out[region].fill(0)  # jax's CPU client adopts an aligned buffer in place
+            out[region] = padded.get(i, {}).get(region, got[kept])
+            if kept != region and region not in padded.get(i, {}):  # a second region kept
+                out[region] = empty_aligned([b - a for a, b in zip(*region)],  # the same
+                                            got[kept].dtype, i in temporary)
+                out[region].fill(0)
                 out[region][_slices(*kept, region[0])] = got[kept]
         return out if place is None else place(i, out)
 
     return read_regions(store, manifest, {i: list(dict.fromkeys(c.values()))
                                           for i, c in clipped.items()}, max_workers,
-                        place=fit, temporary=temporary)
+                        place=fit, temporary=temporary, given=views)
 
 
 def _clip(region: Index, shape: tuple[int, ...]) -> Index:

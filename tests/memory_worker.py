@@ -4,7 +4,7 @@ test_memory.py in a process of its own (forked from tests/forkserver.py). RSS is
 jax's backend has started (a save of numpy leaves starts it too, for ``jax.process_count``).
 
 Usage: memory_worker.py save-numpy|save-numpy-planes|save-jax|save-accelerator-path|restore-jax|
-       restore-jax-bfloat16|import-safetensors URL [LEAVES [LEAF_ELEMENTS]]
+       restore-jax-bfloat16|restore-jax-padded|import-safetensors URL [LEAVES [LEAF_ELEMENTS]]
 Prints one JSON line: {"state_bytes", "extra_peak_bytes", "inflight_bytes", "workers"}, and for a
 restore "encoded" (whether the step's chunks are mostly encoded), "readers" (its reader threads)
 and "check".
@@ -89,14 +89,16 @@ if __name__ == "__main__":
     jax.devices()  # jax's runtime is not the operation's: 308 MB on a 16-core machine's CPU
     store = casstore.open_store(url)
     inflight = default_inflight_bytes(store.max_workers, DEFAULT_CHUNK_SIZE_BYTES)
-    if kind.startswith("restore-jax"):  # -bfloat16: the float32 leaves cast as restored
+    if kind.startswith("restore-jax"):  # -bfloat16: the float32 leaves cast as restored;
         dtype = jax.numpy.bfloat16 if kind.endswith("bfloat16") else np.float32
-        target = {f"w{i}": jax.ShapeDtypeStruct((LEAF_ELEMENTS,), dtype)
+        pad = int(kind.endswith("padded"))  # -padded: one element longer, strict=False
+        target = {f"w{i}": jax.ShapeDtypeStruct((LEAF_ELEMENTS + pad,), dtype)
                   for i in range(LEAVES)}
         with peak_extra_rss(result := {}):
-            restored = casstore.restore(store, 0, target=target)
+            restored = casstore.restore(store, 0, target=target, strict=not pad)
             jax.block_until_ready(restored)
-        result["check"] = float(restored[f"w{LEAVES - 1}"][-1].astype(np.float32))
+        result["check"] = float(restored[f"w{LEAVES - 1}"][-1 - pad].astype(np.float32))
+        result["pad"] = float(restored[f"w{LEAVES - 1}"][-1]) if pad else None
         result["result_bytes"] = sum(a.nbytes for a in restored.values())
         result["encoded"] = read_manifest(store, 0).encoded()
         result["readers"] = store.read_threads(result["encoded"])

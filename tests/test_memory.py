@@ -145,6 +145,19 @@ def test_a_restore_that_casts_a_leaf_holds_it_once_in_each_dtype(tmp_path):
     assert m["extra_peak_bytes"] <= m["state_bytes"] + m["result_bytes"] + 256 * 2**20, m
 
 
+def test_a_restore_that_pads_a_leaf_reads_it_into_its_padded_buffer(tmp_path):
+    """strict=False with a target one element longer (zero-padded, 512 MiB): the leaf was
+    read, then copied into a padded buffer, 2x the leaf at the peak."""
+    url, elements = str(tmp_path / "repo"), 128 * 2**20
+    w = np.random.default_rng(0).random(elements, dtype=np.float32)
+    casstore.save(url, 0, {"w0": w})
+    last = float(w[-1])
+    del w
+    m = measure("restore-jax-padded", url, leaves=1, leaf_elements=elements)
+    assert (m["check"], m["pad"], m["result_bytes"]) == (last, 0.0, (elements + 1) * 4)
+    assert m["extra_peak_bytes"] <= m["result_bytes"] + 256 * 2**20, m
+
+
 def test_importing_a_safetensors_file_holds_its_tensors_once(tmp_path):
     """768 MiB of tensors: the arrays read from the file and the save's window. The whole
     file's bytes, read for safetensors.deserialize beside the tensors it copied out, made 2x
