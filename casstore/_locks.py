@@ -38,8 +38,8 @@ MAX_LOCK_BYTES = 2**16  # a lock object is about 100 bytes; a reader reads no mo
 WAIT_NOTICE_S = 5.0  # seconds gc waits for saves before it says which locks it waits for
 
 log = logging.getLogger("casstore")
-# Locks this process could not delete, by store URL: deleted at its next lock on that store.
-_leftovers: dict[str, set[str]] = {}
+# Locks this process may have left, by store (_identity): deleted at its next lock there.
+_leftovers: dict[tuple[str, str], set[str]] = {}
 _leftovers_lock = threading.Lock()
 
 
@@ -83,6 +83,7 @@ class Lease:
     def __init__(self, store: Store, kind: str):
         self.store, self.kind, self.key = store, kind, lock_key(kind, uuid.uuid4().hex)
         self._last, self._broken = time.time(), False
+        self.unsure = False  # a put raised: it may land after the release (a lost answer)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._refresh, daemon=True,
                                         name=f"casstore-{kind}-lock")
@@ -92,7 +93,11 @@ class Lease:
         time), not from :meth:`start`: a holder paused between the two may have let the lock
         turn stale for others meanwhile, and :meth:`check` must say so."""
         put_at = time.time()
-        _put_lock(self.store, self.kind, self.key)
+        try:
+            _put_lock(self.store, self.kind, self.key)
+        except BaseException:
+            self.unsure = True
+            raise
         self._last = put_at
 
     def start(self) -> None:
@@ -103,7 +108,9 @@ class Lease:
         while not self._stop.wait(_timing(self.kind)[0]):
             with contextlib.suppress(Exception):  # the lease runs out unless a later put lands
                 put_at = time.time()
+                self.unsure = True  # until the put answers
                 _put_lock(self.store, self.kind, self.key)
+                self.unsure = False
                 self._broken |= put_at - self._last > _timing(self.kind)[1] / 2
                 self._last = put_at
 
@@ -205,7 +212,7 @@ def save_lock(store: Store) -> Iterator[Lease]:
     finally:
         lease.stop()
         if stored:
-            _release(store, lease.key)
+            _release(store, lease.key, lease.unsure)
 
 
 @contextlib.contextmanager
@@ -222,42 +229,53 @@ def save_lock_unless_gc(store: Store) -> Iterator[bool]:
         _release(store, key)
 
 
-def _release(store: Store, key: str) -> None:
+def _release(store: Store, key: str, unsure: bool = False) -> None:
     """Deletes lock ``key`` (or the lock a put may have stored though it raised). A failure is
     logged, naming the lock left behind, never raised: it would hide the body's own outcome
-    (a committed step, or the error that matters). Such a lock is deleted again before this
-    process's next lock on the store (:func:`delete_leftovers`): left until it turned stale,
-    a save lock kept every GC away for 6 hours after a store outage of seconds, and a
-    manager's retention stopped freeing space meanwhile."""
+    (a committed step, or the error that matters). Such a lock, and with ``unsure`` (a put of
+    it raised, and may land after this delete) this one whatever happens, is deleted again
+    before this process's next lock on the store (:func:`delete_leftovers`): left until it
+    turned stale, a save lock kept every GC away for 6 hours after a store outage of
+    seconds, and a manager's retention stopped freeing space meanwhile."""
     try:
         store.delete(key)
     except (ReadOnlyStoreError, NotADirectoryError):
         return  # nor was a lock put: refused before any request, or no such directory
     except Exception as e:
-        with _leftovers_lock:
-            _leftovers.setdefault(store.url, set()).add(key)
+        unsure = True
         log.warning("casstore: could not delete lock %s/%s (%s): this process deletes it "
                     "before its next save or GC there, else it stays until it turns stale",
                     store.url, key, e)
+    if unsure:
+        with _leftovers_lock:
+            _leftovers.setdefault(_identity(store), set()).add(key)
+
+
+def _identity(store: Store) -> tuple[str, str]:
+    """What tells two stores apart: the URL, and for an fsspec store its root and options
+    (two S3 services hold ``s3://bucket/repo`` each, told apart by ``endpoint_url``)."""
+    options = getattr(getattr(store, "fs", None), "storage_options", None) or {}
+    return store.url, repr((getattr(store, "root", None),
+                            sorted(options.items(), key=lambda item: item[0])))
 
 
 def delete_leftovers(store: Store) -> None:
-    """Deletes the locks this process left on ``store`` (by its URL) because their delete
-    failed (:func:`_release`); one that fails again is kept for the next call. Each was the
-    lock of a save or GC that has ended: no one else holds it (its key is random)."""
+    """Deletes the locks this process may have left on ``store`` (a delete that failed, or a
+    put that raised: :func:`_release`); one that fails again is kept for the next call. Each
+    was the lock of a save or GC that has ended: no one else holds it (its key is random)."""
     with _leftovers_lock:
-        keys = _leftovers.pop(store.url, set())
+        keys = _leftovers.pop(_identity(store), set())
     failed = set()
     for key in sorted(keys):
         try:
             store.delete(key)
-            log.info("casstore: deleted lock %s/%s, left by an earlier failed delete",
+            log.info("casstore: deleted lock %s/%s, left by an earlier failed request",
                      store.url, key)
         except Exception:
             failed.add(key)
     if failed:
         with _leftovers_lock:
-            _leftovers.setdefault(store.url, set()).update(failed)
+            _leftovers.setdefault(_identity(store), set()).update(failed)
 
 
 @contextlib.contextmanager
@@ -282,11 +300,11 @@ def gc_lock(store: Store, timeout_s: float) -> Iterator[Lease]:
             except AccessDeniedError:
                 raise  # refused: no lock stored (read-only keys)
             except BaseException:
-                _release(store, lease.key)  # an answer lost: the lock may be stored
+                _release(store, lease.key, True)  # an answer lost: the lock may be stored
                 raise
             if not (saves := _live(store, "save")):
                 break
-            _release(store, lease.key)
+            _release(store, lease.key, lease.unsure)
         waited = time.monotonic() - start
         if waited >= timeout_s or (not told and waited > WAIT_NOTICE_S):
             told = True
@@ -302,4 +320,4 @@ def gc_lock(store: Store, timeout_s: float) -> Iterator[Lease]:
         yield lease
     finally:
         lease.stop()
-        _release(store, lease.key)
+        _release(store, lease.key, lease.unsure)

@@ -328,3 +328,56 @@ def test_retention_gc_warns_once_when_a_lock_keeps_it_from_freeing_space(monkeyp
     (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert f"postponed {RetentionGc.WARN_AFTER} times in a row" in warning
     assert "frees no space" in warning
+
+
+class LatePut(MemoryStore):
+    """The first lock write times out unanswered and lands later (``land``), after the save
+    that sent it gave up and deleted the lock."""
+
+    def __init__(self):
+        super().__init__()
+        self.late, self.armed = None, False
+
+    def _put(self, key, data, *, exclusive):
+        if key.startswith("locks/") and self.armed and self.late is None:
+            self.late = (key, data)
+            raise TimeoutError("injected: the lock's write went unanswered")
+        super()._put(key, data, exclusive=exclusive)
+
+    def land(self):
+        super()._put(*self.late, exclusive=False)
+
+
+def test_a_lock_whose_put_lands_after_the_save_gave_up_is_deleted_by_the_next_gc():
+    store = LatePut()
+    casstore.save(store, 0, {"w": np.full(100, 1.0)})
+    store.armed = True
+    with pytest.raises(TimeoutError, match="injected"):
+        casstore.save(store, 1, {"w": np.full(100, 2.0)})
+    store.land()
+    assert len(locks(store)) == 1
+    assert casstore.gc(store, grace_period_s=0, lock_timeout_s=1).dry_run is False
+    assert locks(store) == []
+
+
+def test_a_lock_left_on_one_store_is_deleted_there_not_on_another_of_the_same_url(tmp_path):
+    """Two S3 services hold s3://bucket/repo each: a leftover lock of one was "deleted" on the
+    other (the URL alone named the store), and stayed where it was."""
+    import fsspec
+
+    from casstore.store import FsspecStore
+
+    fs = fsspec.filesystem("file", auto_mkdir=True)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, b = (FsspecStore(fs, str(tmp_path / name), url="s3://bucket/repo") for name in "ab")
+    casstore.save(a, 0, {"w": np.full(100, 1.0)})
+    casstore.save(b, 0, {"w": np.full(100, 1.0)})
+    delete = a._delete
+    a._delete = lambda key: (_ for _ in ()).throw(ConnectionError("injected: outage"))
+    casstore.save(a, 1, {"w": np.full(100, 2.0)})
+    a._delete = delete
+    casstore.save(b, 1, {"w": np.full(100, 2.0)})  # leaves a's leftover alone
+    assert len(locks(a)) == 1
+    casstore.gc(a, grace_period_s=0, lock_timeout_s=1)  # deletes it first
+    assert locks(a) == locks(b) == []
