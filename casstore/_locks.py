@@ -222,7 +222,14 @@ def save_lock_unless_gc(store: Store) -> Iterator[bool]:
     restore writing a step back into its primary tier). The body must be short: the lock is
     not refreshed."""
     delete_leftovers(store)
-    key = _put_lock(store, "save")
+    key = lock_key("save", uuid.uuid4().hex)
+    try:
+        _put_lock(store, "save", key)
+    except AccessDeniedError:
+        raise  # refused: no lock stored
+    except BaseException:
+        _release(store, key, True)  # an answer lost: the lock may be stored, or land later
+        raise
     try:
         yield not _live(store, "gc")
     finally:

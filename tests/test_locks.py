@@ -348,12 +348,22 @@ class LatePut(MemoryStore):
         super()._put(*self.late, exclusive=False)
 
 
-def test_a_lock_whose_put_lands_after_the_save_gave_up_is_deleted_by_the_next_gc():
+@pytest.mark.parametrize("holder", ["save", "write-back"])
+def test_a_lock_whose_put_lands_after_the_save_gave_up_is_deleted_by_the_next_gc(holder):
+    """holder "write-back": the lock of a restore writing chunks back into its local tier."""
     store = LatePut()
     casstore.save(store, 0, {"w": np.full(100, 1.0)})
     store.armed = True
+
+    def hold():
+        if holder == "save":
+            casstore.save(store, 1, {"w": np.full(100, 2.0)})
+        else:
+            with _locks.save_lock_unless_gc(store):
+                pass
+
     with pytest.raises(TimeoutError, match="injected"):
-        casstore.save(store, 1, {"w": np.full(100, 2.0)})
+        hold()
     store.land()
     assert len(locks(store)) == 1
     assert casstore.gc(store, grace_period_s=0, lock_timeout_s=1).dry_run is False
