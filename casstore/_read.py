@@ -243,26 +243,29 @@ def read_fitted(store: Store, manifest: Manifest, requests: dict[int, list[Index
     for i, c in clipped.items():
         for region, kept in c.items():
             if kept != region and kept not in views.get(i, {}):
-                buf = empty_aligned([b - a for a, b in zip(*region)],
-                                    saved_dtype(manifest.leaves[i]), i in temporary)
-                buf.fill(0)  # jax's CPU client adopts an aligned buffer in place
+                buf = _zeroed(region, saved_dtype(manifest.leaves[i]), i in temporary)
                 padded.setdefault(i, {})[region] = buf
                 views.setdefault(i, {})[kept] = buf[_slices(*kept, region[0])]
 
     def fit(i: int, got: dict[Index, np.ndarray]) -> Any:
-        out = {}
+        out, mine = {}, padded.get(i, {})
         for region, kept in clipped[i].items():
-            out[region] = padded.get(i, {}).get(region, got[kept])
-            if kept != region and region not in padded.get(i, {}):  # a second region kept
-                out[region] = empty_aligned([b - a for a, b in zip(*region)],  # the same
-                                            got[kept].dtype, i in temporary)
-                out[region].fill(0)
+            out[region] = mine.get(region, got[kept])
+            if kept != region and region not in mine:  # a second region keeping the same part
+                out[region] = _zeroed(region, got[kept].dtype, i in temporary)
                 out[region][_slices(*kept, region[0])] = got[kept]
         return out if place is None else place(i, out)
 
     return read_regions(store, manifest, {i: list(dict.fromkeys(c.values()))
                                           for i, c in clipped.items()}, max_workers,
                         place=fit, temporary=temporary, given=views)
+
+
+def _zeroed(region: Index, dtype: np.dtype, own_mapping: bool) -> np.ndarray:
+    """A zeroed 64-byte-aligned buffer of ``region``'s shape (jax's CPU client adopts it)."""
+    buf = empty_aligned([b - a for a, b in zip(*region)], dtype, own_mapping)
+    buf.fill(0)
+    return buf
 
 
 def _clip(region: Index, shape: tuple[int, ...]) -> Index:

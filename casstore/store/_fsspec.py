@@ -446,4 +446,3 @@ class FsspecStore(Store):
         if self.put_options is None:
             self.put_options = _clients.put_options(self.fs)
         return self.put_options if nbytes < _clients.S3FS_SINGLE_PUT_BYTES else {}
-
