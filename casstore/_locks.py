@@ -270,6 +270,8 @@ def delete_leftovers(store: Store) -> None:
     """Deletes the locks this process may have left on ``store`` (a delete that failed, or a
     put that raised: :func:`_release`); one that fails again is kept for the next call. Each
     was the lock of a save or GC that has ended: no one else holds it (its key is random)."""
+    if not _leftovers:  # nearly always: no store identity to work out before each save
+        return
     with _leftovers_lock:
         keys = _leftovers.pop(_identity(store), set())
     failed = set()
