@@ -15,7 +15,7 @@ from ._framing import check_framing
 from ._layout import manifest_key
 from ._locks import Lease
 from ._manifest import Manifest
-from .store import Store
+from .store import Store, stored_size
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -115,9 +115,7 @@ class Engine:
         self._done(obj, self.sent, len(data))
 
     def _found(self, obj: str) -> bool:
-        try:
-            size = self.dst.stat(obj).size
-        except FileNotFoundError:
+        if (size := stored_size(self.dst, obj)) is None:
             return False
         self._done(obj, self.found, size)
         return True

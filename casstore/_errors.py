@@ -169,6 +169,17 @@ class PersistError(CasstoreError, OSError):
         super().__init__(f"{message} (url {url!r}, run {run!r}{where})")
 
 
+# Failures of a whole store, not of one object: no other object's read would escape them.
+STORE_FAILURES = (StoreTimeoutError, StoreUnreachableError, AccessDeniedError)
+
+
+def unreadable(e: BaseException) -> bool:
+    """Whether ``e`` says that one object could not be read though it is there: an OSError
+    such as a bad disk block's EIO or EUCLEAN, or a file's EACCES; not a missing object, not
+    one of :data:`STORE_FAILURES`, not an error casstore raised (each names its own kind)."""
+    return isinstance(e, OSError) and not isinstance(e, (FileNotFoundError, CasstoreError))
+
+
 def located(e: BaseException, step: int | None, url: str, run: str) -> BaseException:
     """The error to surface for a failed persist of ``step`` to ``url``, naming the step and
     URL (a tiered manager's, ``_tiers``)."""

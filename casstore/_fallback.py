@@ -23,6 +23,7 @@ from ._errors import (
     ManifestError,
     ObjectNotFoundError,
     UnsupportedFormatError,
+    unreadable,
     warn_read_again,
 )
 from ._layout import CONFIG_KEY, chunk_key, parse_manifest_key
@@ -139,8 +140,8 @@ class FallbackStore(Store):
         """
         try:
             data = _read(self.primary, key, nbytes)
-        except FileNotFoundError:
-            data, i = self._from_fallback(key, nbytes=nbytes)
+        except OSError as e:
+            data, i = self._from_fallback(key, nbytes=nbytes, failed=e)
             self._checked(key, data, self.fallbacks[i].url)
             return data
         self._count(self.primary, len(data))
@@ -176,15 +177,19 @@ class FallbackStore(Store):
         if key == CONFIG_KEY:
             self.confirm(key)
 
-    def from_fallbacks(self, key: str, skip: int = 0, nbytes: int | None = None) -> bytes:
+    def from_fallbacks(self, key: str, skip: int = 0, nbytes: int | None = None,
+                       failed: OSError | None = None) -> bytes:
         """``key``'s bytes (its first ``nbytes`` if given) from the first fallback (after the
-        first ``skip``) that has it; a config object is written back at once if it parses
-        (``write_back``).
+        first ``skip``) that has it, the primary's read having ``failed``; a config object is
+        written back at once if it parses (``write_back``).
 
         Raises:
           ObjectNotFoundError: no fallback has it (the primary's error, naming its URL).
+          OSError: ``failed`` itself where no fallback has it and the primary's copy was
+            there but unreadable (:func:`~casstore._errors.unreadable`), or where it is
+            another failure of the primary (a timeout: the store, not the object).
         """
-        data = self._from_fallback(key, skip, nbytes)[0]
+        data = self._from_fallback(key, skip, nbytes, failed)[0]
         if key == CONFIG_KEY and not _damaged(key, data, self.primary.url):
             self.confirm(key)
         return data
@@ -193,24 +198,31 @@ class FallbackStore(Store):
                  ) -> tuple[memoryview, np.ndarray]:
         try:
             data, buffer = self.primary.get_into(key, buffer, max_bytes)
-        except FileNotFoundError:
+        except OSError as e:
             more = None if max_bytes is None else max_bytes + 1
-            return memoryview(self.from_fallbacks(key, nbytes=more)), buffer
+            return memoryview(self.from_fallbacks(key, nbytes=more, failed=e)), buffer
         self._count(self.primary, len(data))
         return data, buffer
 
     def get_split(self, key: str, head: bytearray, body: memoryview | np.ndarray) -> bool:
-        try:  # the primary's copy only: a missing one is read from a fallback by get_into
-            if not self.primary.get_split(key, head, body):
+        try:  # the primary's copy only: a missing or unreadable one is read from a
+            if not self.primary.get_split(key, head, body):  # fallback by get_into
                 return False
-        except FileNotFoundError:
-            return False
+        except OSError as e:
+            if isinstance(e, FileNotFoundError) or unreadable(e):
+                return False
+            raise
         self._count(self.primary, len(head) + memoryview(body).nbytes)
         return True
 
-    def _from_fallback(self, key: str, skip: int = 0, nbytes: int | None = None
-                       ) -> tuple[bytes, int]:
+    def _from_fallback(self, key: str, skip: int = 0, nbytes: int | None = None,
+                       failed: OSError | None = None) -> tuple[bytes, int]:
         """``(bytes, index of the fallback they came from)``; see :meth:`from_fallbacks`."""
+        if failed is not None and not isinstance(failed, FileNotFoundError):
+            if not unreadable(failed):
+                raise failed
+            log.warning("casstore: %s in %s unreadable (%s: %s); reading another tier's copy",
+                        key, self.primary.url, type(failed).__name__, failed)
         for i, tier in enumerate(self.fallbacks[skip:], skip):
             try:
                 data = _read(tier, key, nbytes)
@@ -220,6 +232,8 @@ class FallbackStore(Store):
             if self.write_back and not self.primary.read_only:
                 self._hold(key, data)
             return data, i
+        if failed is not None and not isinstance(failed, FileNotFoundError):
+            raise failed
         urls = ", ".join(t.url for t in [self.primary, *self.fallbacks[skip:]])
         raise ObjectNotFoundError(f"no such object in any tier ({urls})",
                                   url=f"{self.primary.url}/{key}")
@@ -236,14 +250,22 @@ class FallbackStore(Store):
 
     def copies(self, key: str, nbytes: int | None = None) -> list[tuple[Store, bytes]]:
         """``(tier, bytes)`` of every tier's copy of ``key`` (its first ``nbytes`` if given),
-        the primary's first; tiers without one, or whose read failed its transfer checksum,
-        are left out."""
+        the primary's first; tiers without one, whose copy is unreadable (logged), or whose
+        read failed its transfer checksum, are left out."""
         found = []
         for tier in [self.primary, *self.fallbacks]:
-            with contextlib.suppress(FileNotFoundError, CorruptChunkError):
+            try:
                 data = _read(tier, key, nbytes)
-                self._count(tier, len(data), recovered=tier is not self.primary)
-                found.append((tier, data))
+            except (FileNotFoundError, CorruptChunkError):
+                continue
+            except OSError as e:
+                if not unreadable(e):
+                    raise
+                log.warning("casstore: %s in %s unreadable: %s: %s", key, tier.url,
+                            type(e).__name__, e)
+                continue
+            self._count(tier, len(data), recovered=tier is not self.primary)
+            found.append((tier, data))
         return found
 
     def write_back_copy(self, key: str, tier: Store, data: bytes) -> None:
@@ -300,7 +322,9 @@ class FallbackStore(Store):
     def stat(self, key: str) -> ObjectInfo:
         try:
             return self.primary.stat(key)
-        except FileNotFoundError:
+        except OSError as e:
+            if not (isinstance(e, FileNotFoundError) or unreadable(e)):
+                raise
             for tier in self.fallbacks:
                 with contextlib.suppress(FileNotFoundError):
                     return tier.stat(key)

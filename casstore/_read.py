@@ -142,6 +142,11 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
         except StoreTimeoutError as e:
             raise e.at(run=manifest.run, step=manifest.step, chunk_id=cid,
                        key_path=manifest.leaves[blocks[0][0]].path) from e
+        except OSError as e:  # unreadable there (a bad block, a permission): the place named
+            e.add_note(f"casstore: reading chunk {cid} of key path "
+                       f"{manifest.leaves[blocks[0][0]].path!r} (run {manifest.run!r}, step "
+                       f"{manifest.step}) from {store.url}")
+            raise
         for i, ref in blocks if into is None else ():
             _copy_block(raw, ref, manifest.leaves[i], out[i], store, manifest)
         done = []

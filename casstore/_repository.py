@@ -14,7 +14,13 @@ from typing import Any
 import msgpack
 import xxhash
 
-from ._errors import ManifestError, StepNotFoundError, UnsupportedFormatError, warn_read_again
+from ._errors import (
+    ManifestError,
+    StepNotFoundError,
+    UnsupportedFormatError,
+    unreadable,
+    warn_read_again,
+)
 from ._format import (
     FEATURES,
     check_features,
@@ -226,14 +232,22 @@ def read_manifest_bytes(store: Store, run: str, step: int, size: int | None = No
     Raises:
       ManifestError: the object is over the size limit.
       FileNotFoundError: it does not exist.
+      OSError: it is there but unreadable (a bad block, a permission), with a note naming
+        the step.
     """
     key = manifest_key(run, step)
-    if size is None and store.cheap_stat:
-        size = store.stat(key).size
-    if size is not None and size > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{size} bytes exceeds the size limit of {MAX_MANIFEST_BYTES} "
-                            "(not read)", run=run, step=step, url=store.url)
-    data = store.head(key, MAX_MANIFEST_BYTES + 1)
+    try:
+        if size is None and store.cheap_stat:
+            size = store.stat(key).size
+        if size is not None and size > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{size} bytes exceeds the size limit of {MAX_MANIFEST_BYTES} "
+                                "(not read)", run=run, step=step, url=store.url)
+        data = store.head(key, MAX_MANIFEST_BYTES + 1)
+    except OSError as e:
+        if unreadable(e):  # a bad block, a permission: the step named
+            e.add_note(f"casstore: reading the manifest of run {run!r}, step {step} from "
+                       f"{store.url}")
+        raise
     if len(data) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"over {MAX_MANIFEST_BYTES} bytes: exceeds the size limit (read "
                             "no further)", run=run, step=step, url=store.url)
@@ -295,6 +309,10 @@ def still_committed(store: Store, manifest: Manifest) -> bool:
         data = read_manifest_bytes(store, manifest.run, manifest.step)
     except (FileNotFoundError, ManifestError):
         return False
+    except OSError as e:
+        if unreadable(e):
+            return False
+        raise
     return xxhash.xxh3_128_digest(data) == manifest.source_hash
 
 

@@ -12,7 +12,6 @@ stage (:mod:`casstore._save_upload`) calls it from every worker.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import threading
 
 import numpy as np
@@ -20,11 +19,17 @@ import numpy as np
 from ._buffers import BufferPool
 from ._codec import chunk_id, decode_chunk, encode_chunk, raw_object
 from ._delta import RestoreBudget, encode_delta, read_object
-from ._errors import CasstoreError, CorruptChunkError, ManifestError, StepNotFoundError
+from ._errors import (
+    CasstoreError,
+    CorruptChunkError,
+    ManifestError,
+    StepNotFoundError,
+    unreadable,
+)
 from ._layout import chunk_key, delta_key
 from ._manifest import Manifest
 from ._repository import list_steps, read_manifest
-from .store import Store
+from .store import Store, stored_size
 
 # Of the blocks whose delta did not pay at the previous save (unpaid_blocks), one in this many
 # tries again.
@@ -42,10 +47,7 @@ def lost_chunks(store: Store, manifest: Manifest) -> set[str]:
 
     def size(key: str) -> int | None:
         if key not in sizes:
-            try:
-                sizes[key] = store.stat(key).size
-            except FileNotFoundError:
-                sizes[key] = None
+            sizes[key] = stored_size(store, key)
         return sizes[key]
 
     return {r.id for leaf in manifest.leaves for r in leaf.chunks
@@ -159,13 +161,10 @@ class ChunkWriter:
         """``(stored bytes, base, (key, object) to upload or None)``; a stored chunk is not
         re-encoded."""
         key = chunk_key(cid)
-        if self.lookup and key not in self.lost:
-            try:
-                size = self.store.stat(key).size
-                self.budget.add_whole(size)
-                return size, None, None
-            except FileNotFoundError:
-                pass
+        if self.lookup and key not in self.lost and (size := stored_size(self.store, key)
+                                                     ) is not None:
+            self.budget.add_whole(size)
+            return size, None, None
         previous = self.bases.get(block) if block is not None else None
         if (previous is not None and previous.raw_bytes == len(raw) and previous.id != cid
                 and (int(cid[:8], 16) % DELTA_RETRY == 0 or block not in self._unpaid())):
@@ -189,8 +188,7 @@ class ChunkWriter:
         with self.lock:
             if cid in self.known or cid in self.inflight:
                 return
-        with contextlib.suppress(FileNotFoundError):
-            size = self.store.stat(chunk_key(cid)).size
+        if (size := stored_size(self.store, chunk_key(cid))) is not None:
             with self.lock:
                 self.known.setdefault(cid, (size, None))
 
@@ -264,5 +262,9 @@ def previous_manifest(store: Store, run: str, step: int | None = None) -> Manife
         except StepNotFoundError:
             continue
         except ManifestError:
+            return None
+        except OSError as e:  # unreadable (a bad block, a permission): as one that fails
+            if not unreadable(e):
+                raise
             return None
     return None

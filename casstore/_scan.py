@@ -11,11 +11,9 @@ from __future__ import annotations
 import dataclasses
 
 from ._errors import (
-    AccessDeniedError,
+    STORE_FAILURES,
     CasstoreError,
     ManifestError,
-    StoreTimeoutError,
-    StoreUnreachableError,
     UnsupportedFormatError,
 )
 from ._format import READER_VERSION
@@ -32,10 +30,6 @@ MANIFEST = "manifest"  # a manifest does not read or validate
 UNSUPPORTED = "unsupported"  # a newer format than this casstore reads: upgrade, not damage
 NOT_FOUND = "not found"  # the step or repository asked for does not exist
 CONFIG = "config"  # the config object is damaged, or missing where steps exist
-# the store failed, the repository is not damaged: these propagate
-STORE_FAILURES = (StoreTimeoutError, StoreUnreachableError, AccessDeniedError)
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class Problem:
     """One thing wrong with a repository, reported once per damaged object.
@@ -168,6 +162,9 @@ def _read(store: Store, parsed: tuple[str, int], size: int) -> Manifest | Proble
             run=run, step=step))
     except (CasstoreError, ValueError) as e:
         return manifest_problem(run, step, e)
+    except OSError as e:  # a bad block or a permission: this object, not the store
+        return manifest_problem(run, step, ManifestError(
+            f"{type(e).__name__}: {e}", url=store.url, run=run, step=step))
 
 
 def require_intact(scan: ManifestScan, what: str) -> None:

@@ -17,7 +17,13 @@ from collections.abc import Callable
 
 from ._codec import HEADER, MAX_RAW_LENGTH
 from ._delta import DeltaBases, read_again
-from ._errors import CasstoreError, CorruptChunkError, ManifestError, UnsupportedFormatError
+from ._errors import (
+    STORE_FAILURES,
+    CasstoreError,
+    CorruptChunkError,
+    ManifestError,
+    UnsupportedFormatError,
+)
 from ._layout import CONFIG_KEY, check_step, chunk_key, manifest_key
 from ._manifest import ChunkRef, Manifest
 from ._pool import bounded_map
@@ -28,7 +34,6 @@ from ._scan import (
     MANIFEST,
     MISSING,
     NOT_FOUND,
-    STORE_FAILURES,
     UNSUPPORTED,
     Problem,
     scan_manifests,
@@ -305,6 +310,9 @@ def _read_all(store: Store, users: dict[str, _Users], keys: list[str], max_worke
                     key, users[key], f"the manifest gives the chunk {ref.raw_bytes} raw bytes; "
                     f"the object holds {length}, which decode to its id: a damaged manifest, "
                     "whose step a restore refuses", MANIFEST)
+        except OSError as e:  # a bad block or a permission: this object, not the store
+            found = _problem(key, users[key], f"chunk unreadable: {type(e).__name__}: {e}",
+                             CORRUPT)
         if progress is not None:
             with lock:
                 done[0] += ref.stored_bytes

@@ -1054,6 +1054,52 @@ def test_a_damaged_local_manifest_of_a_persisted_step_is_read_from_the_persisten
         assert_bit_exact(mngr.restore(0), 0)
 
 
+def _unreadable(path: pathlib.Path) -> None:
+    """Makes the object at ``path`` unreadable with a real filesystem error other than a
+    missing file, as a bad disk block's EIO or a file's EACCES is to its reader: a symlink to
+    itself, which every open and stat refuses (ELOOP)."""
+    path.unlink()
+    path.symlink_to(path.name)
+
+
+def test_unreadable_local_objects_are_read_from_the_persistent_tier_and_named_without_it(
+        tmp_path, remote, caplog):
+    local = LocalStore(tmp_path / "local")
+    with manager(local, remote, persist_interval_steps=1) as mngr:
+        for step in range(3):
+            mngr.save(step, tree_for(step))
+            assert mngr.wait_until_persisted()
+    base = next(leaf for leaf in casstore.read_manifest(local, 1).leaves if leaf.path == "base")
+    chunk = base.chunks[0]
+    _unreadable(pathlib.Path(local._path(chunk.key)))  # of the frozen base: in every step
+    _unreadable(pathlib.Path(local.root) / manifest_key("default", 2))
+    with pytest.raises(OSError, match="Too many levels of symbolic links") as info:
+        casstore.restore(local, 1)
+    assert not isinstance(info.value, FileNotFoundError)
+    assert f"reading chunk {chunk.id} of key path 'base' (run 'default', step 1)" in " ".join(
+        info.value.__notes__)
+    with pytest.raises(OSError, match="Too many levels") as info:
+        casstore.restore(local, 2)
+    assert "reading the manifest of run 'default', step 2" in " ".join(info.value.__notes__)
+    report = casstore.verify(local)  # each named as a problem: verify does not raise
+    assert sorted((p.kind, p.step, p.chunk_id) for p in report.problems) == [
+        ("corrupt", None, chunk.id), ("manifest", 2, None)]
+    assert all("Too many levels" in p.message for p in report.problems)
+    with pytest.raises(casstore.ManifestError, match=r"gc refused.*default@2"):
+        casstore.gc(local, grace_period_s=0)
+    with caplog.at_level(logging.WARNING, logger="casstore"):
+        for step in (1, 2):
+            assert_bit_exact(casstore.restore(local, step, fallback=remote), step)
+    assert f"{chunk.key} in {local.url} unreadable" in caplog.text
+    assert f"{manifest_key('default', 2)} in {local.url} unreadable" in caplog.text
+    # A save whose run's latest manifest and a reused chunk are unreadable stores it again.
+    casstore.save(local, 3, tree_for(3), chunk_size_bytes=CHUNK)
+    assert_bit_exact(casstore.restore(local, 3), 3)
+    with manager(local, remote, persist_interval_steps=1) as mngr:
+        assert mngr.all_steps() == [0, 1, 2, 3]
+        assert_bit_exact(mngr.restore(2), 2)
+
+
 def test_a_fallback_store_is_a_read_only_view(tmp_path):
     """exists() answers for every tier, so a save through the view would skip the chunks only
     a fallback holds and leave the primary a step it cannot restore: refused."""

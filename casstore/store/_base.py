@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 
-from .._errors import ObjectNotFoundError, ReadOnlyStoreError
+from .._errors import ObjectNotFoundError, ReadOnlyStoreError, unreadable
 from .._pool import default_workers
 
 _SEGMENT = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]*")
@@ -34,6 +34,21 @@ class ObjectInfo:
     key: str
     size: int
     mtime: float
+
+
+def stored_size(store: Store, key: str) -> int | None:
+    """``key``'s size in ``store`` in bytes (one :meth:`Store.stat`); None where the store
+    lacks it, or cannot stat it (a damaged inode's EIO or EUCLEAN: a writer stores it again).
+
+    Raises:
+      OSError: the store failed (a timeout, an unreachable or refusing store).
+    """
+    try:
+        return store.stat(key).size
+    except OSError as e:
+        if isinstance(e, FileNotFoundError) or unreadable(e):
+            return None
+        raise
 
 
 def check_key(key: str) -> str:

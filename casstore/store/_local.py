@@ -180,6 +180,9 @@ class LocalStore(Store):
                 except FileNotFoundError:  # deleted while listing, or a link to nothing
                     if not os.path.lexists(os.path.join(dirpath, name)):
                         continue
+                except OSError:  # a damaged inode (EIO, EUCLEAN): listed, its reader names
+                    yield ObjectInfo(key, 0, time.time())  # it; young: no GC deletes it
+                    continue
                 yield ObjectInfo(key, st.st_size, st.st_mtime)
 
     def _put(self, key: str, data: bytes | memoryview, *, exclusive: bool) -> None:
