@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import pathlib
 import re
 import shutil
@@ -572,6 +573,35 @@ def test_a_persistent_tier_that_is_or_holds_the_local_one_is_refused(tmp_path, p
     with pytest.raises(ValueError, match="must be two repositories"):
         casstore.CheckpointManager(tmp_path / "local", persistent=url)
     assert not any((tmp_path / "local").iterdir())
+
+
+_ALIASED_TIERS = """
+import sys, casstore
+src, bind = sys.argv[1], sys.argv[2]
+for local, persistent in [(src + "/repo", bind + "/repo"), (src + "/new", bind + "/new/inner"),
+                          (bind + "/new/x", src + "/new")]:
+    try:
+        casstore.CheckpointManager(local, persistent=persistent).close()
+        print("accepted", local, persistent)
+    except ValueError as e:
+        print("refused", "must be two repositories" in str(e))
+casstore.CheckpointManager(src + "/repo", persistent=bind + "/other").close()
+print("two repositories accepted")
+"""
+
+
+def test_one_directory_at_two_paths_through_a_bind_mount_is_refused_as_both_tiers(tmp_path):
+    """Local retention would delete the persisted steps. The mount is made in a mount
+    namespace of the child process's own (``unshare``), as root or as a mapped root user."""
+    (tmp_path / "src" / "repo").mkdir(parents=True)
+    (tmp_path / "bind").mkdir()
+    user = [] if os.geteuid() == 0 else ["--map-root-user"]
+    script = (f"mount --bind {tmp_path / 'src'} {tmp_path / 'bind'} && "
+              f"{sys.executable} -c '{_ALIASED_TIERS}' {tmp_path / 'src'} {tmp_path / 'bind'}")
+    out = subprocess.run(["unshare", *user, "--mount", "sh", "-c", script],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["refused True"] * 3 + ["two repositories accepted"]
 
 
 def test_delete_removes_a_step_from_both_tiers_and_a_persisted_only_one(tmp_path, remote):
