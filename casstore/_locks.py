@@ -15,6 +15,7 @@ stale while it swept.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -249,6 +250,8 @@ def _release(store: Store, key: str, unsure: bool = False) -> None:
     except (ReadOnlyStoreError, NotADirectoryError):
         return  # nor was a lock put: refused before any request, or no such directory
     except Exception as e:
+        if getattr(e, "errno", None) == errno.EROFS and not _exists(store, key):
+            return  # a read-only filesystem, which refused the put too
         unsure = True
         log.warning("casstore: could not delete lock %s/%s (%s): this process deletes it "
                     "before its next save or GC there, else it stays until it turns stale",
@@ -256,6 +259,14 @@ def _release(store: Store, key: str, unsure: bool = False) -> None:
     if unsure:
         with _leftovers_lock:
             _leftovers.setdefault(_identity(store), set()).add(key)
+
+
+def _exists(store: Store, key: str) -> bool:
+    """Whether ``key`` is there; True where that cannot be told."""
+    try:
+        return store.exists(key)
+    except Exception:
+        return True
 
 
 def _identity(store: Store) -> tuple[str, str]:
@@ -308,8 +319,11 @@ def gc_lock(store: Store, timeout_s: float) -> Iterator[Lease]:
                 lease.put()
             except AccessDeniedError:
                 raise  # refused: no lock stored (read-only keys)
-            except BaseException:
+            except BaseException as e:
                 _release(store, lease.key, True)  # an answer lost: the lock may be stored
+                if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+                    e.add_note("casstore: garbage collection writes its lock object before it "
+                               "deletes anything: on a full disk, free a few kilobytes first")
                 raise
             if not (saves := _live(store, "save")):
                 break

@@ -30,7 +30,7 @@ from ._chunking import (
 )
 from ._codec import DEFAULT_ZSTD_LEVEL
 from ._compression import chunk_settings
-from ._errors import StoreTimeoutError
+from ._errors import CasstoreError, StoreTimeoutError
 from ._layout import check_run, check_step, manifest_key
 from ._locks import refuse_read_only, save_lock
 from ._manifest import Manifest
@@ -216,6 +216,10 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
                      window=window, delta=delta, t0=t0, agreement=agreement)
     except StoreTimeoutError as e:  # the key path is known where it stalled, the step here
         raise e.at(run=run, step=step) from e
+    except OSError as e:
+        if not isinstance(e, CasstoreError):  # a full disk names its file, not the step
+            e.add_note(f"casstore: while saving step {step} (run {run!r}) to {store.url}")
+        raise
 
 
 def write(store: Store, step: int, prepared: Prepared, inline: dict[int, bytes],

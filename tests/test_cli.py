@@ -825,7 +825,51 @@ def test_a_read_only_filesystem_exits_as_refused_access():
     from casstore.cli import _app
     error = OSError(errno.EROFS, "Read-only file system", "/mnt/ckpt/chunks/ab")
     assert _app.exit_code_of(error) == cli.EXIT_ACCESS_DENIED
-    assert _app.exit_code_of(OSError(errno.EIO, "I/O error")) == cli.EXIT_USAGE
+    assert _app.exit_code_of(OSError(errno.EIO, "I/O error")) == cli.EXIT_STORE_FAILED
+
+
+# run as sh -c "... -c 'SCRIPT'": no single quote in it
+_FULL_DISK = """
+import os, subprocess, sys
+import numpy as np
+import casstore
+repo, cli = sys.argv[1] + "/repo", [sys.executable, "-m", "casstore"]
+rng = np.random.default_rng(0)
+casstore.save(repo, 0, {"w": rng.integers(0, 2**31, 1 << 18, dtype=np.int32)})
+try:  # 10 MB on a disk of 8 MiB: fails midway, its chunks left unreferenced
+    casstore.save(repo, 1, {f"l{i}": rng.integers(0, 2**31, 25600, dtype=np.int32)
+                            for i in range(100)})
+except OSError as e:
+    print("save", e.errno, any("while saving step 1 (run" in n for n in e.__notes__))
+fd = os.open(sys.argv[1] + "/other.log", os.O_WRONLY | os.O_CREAT)  # another writer takes
+try:  # the rest
+    while True:
+        os.write(fd, b"x" * 4096)
+except OSError:
+    os.close(fd)
+gc = subprocess.run([*cli, "gc", repo, "--grace-period", "0"], capture_output=True, text=True)
+print("gc", gc.returncode, "free a few kilobytes" in gc.stderr, "No space" in gc.stderr)
+os.unlink(sys.argv[1] + "/other.log")
+gc = subprocess.run([*cli, "gc", repo, "--grace-period", "0"], capture_output=True, text=True)
+print("gc", gc.returncode, gc.stderr.strip()[-300:])
+print("steps", casstore.list_steps(repo), casstore.verify(repo).ok)
+"""
+
+
+def test_a_full_disk_exits_15_and_says_how_to_let_gc_free_it(tmp_path):
+    """gc on a disk a failed save filled exited 2, "usage or input error", with no way out
+    (exploratory session's repro): it writes its lock before deleting anything. A tmpfs of
+    8 MiB, mounted in a mount namespace of the child process's own (``unshare``)."""
+    user = [] if os.geteuid() == 0 else ["--map-root-user"]
+    script = (f"mount -t tmpfs -o size=8m tmpfs {tmp_path} && "
+              f"{sys.executable} -c '{_FULL_DISK}' {tmp_path}")
+    out = subprocess.run(["unshare", *user, "--mount", "sh", "-c", script],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[:2] == ["save 28 True", f"gc {cli.EXIT_STORE_FAILED} True True"], out.stdout
+    assert lines[2].startswith("gc 0"), out.stdout
+    assert lines[3] == "steps [0] True", out.stdout
 
 
 def test_copy_and_repair_refuse_storage_options_no_path_takes(repo, tmp_path):

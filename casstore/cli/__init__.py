@@ -12,6 +12,7 @@ from ._app import EXIT_BUSY as EXIT_BUSY
 from ._app import EXIT_NO_REPOSITORY as EXIT_NO_REPOSITORY
 from ._app import EXIT_OK as EXIT_OK
 from ._app import EXIT_PROBLEMS as EXIT_PROBLEMS
+from ._app import EXIT_STORE_FAILED as EXIT_STORE_FAILED
 from ._app import EXIT_UNREACHABLE as EXIT_UNREACHABLE
 from ._app import EXIT_USAGE as EXIT_USAGE
 from ._app import main as main

@@ -29,6 +29,7 @@ EXIT_UNREACHABLE = 11
 EXIT_ACCESS_DENIED = 12
 EXIT_BUSY = 13
 EXIT_NEWER = 14
+EXIT_STORE_FAILED = 15
 EXIT_CODES = f"""\b
 Exit codes:
   {EXIT_OK}   ok
@@ -41,6 +42,8 @@ Exit codes:
   {EXIT_BUSY}  gc waited --lock-timeout for saves in flight and did nothing
   {EXIT_NEWER}  a newer casstore wrote what was met (a format feature, codec or version
       this one does not read): upgrade casstore; nothing is damaged
+  {EXIT_STORE_FAILED}  the disk failed a read or write: it is full (or over quota), or
+      reported an I/O error
   130 interrupted (Ctrl-C: stops at once, releasing the save lock; a second one quits
       without waiting for that)
   141 the output's reader went away (`| head`)"""
@@ -77,7 +80,29 @@ def exit_code_of(e: BaseException) -> int:
     if isinstance(e, (casstore.ManifestError, casstore.CorruptChunkError,
                       casstore.MissingChunkError)):
         return EXIT_PROBLEMS
+    if getattr(e, "errno", None) in _FULL + _DISK_ERRORS:
+        return EXIT_STORE_FAILED
     return EXIT_USAGE
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_DISK_ERRORS = (errno.EIO, getattr(errno, "EUCLEAN", errno.EIO))  # EUCLEAN: Linux's
+
+
+def _os_fix(e: BaseException) -> str | None:
+    """The advice for an operating system's error of a local file (casstore's own errors
+    name theirs), or None."""
+    if not isinstance(e, OSError) or isinstance(e, casstore.CasstoreError):
+        return None
+    if e.errno in _FULL:
+        return ("free some space; gc writes a small lock object before it deletes anything, so "
+                "on a full disk free a few kilobytes elsewhere first, then run 'casstore gc "
+                "URL --grace-period 0' when no save runs (docs/recovery.md)")
+    if e.errno in _DISK_ERRORS:
+        return "the disk reported an error: check it (dmesg, fsck), then run 'casstore verify'"
+    if isinstance(e, PermissionError) and e.filename:
+        return f"check the permissions of {e.filename}"
+    return None
 
 
 _FIXES = {EXIT_UNREACHABLE: "check the endpoint (-o endpoint_url=...), that the server runs, "
@@ -100,7 +125,8 @@ def describe(e: BaseException) -> str:
         message = f"{type(e).__name__}: {message}"
     if _where["at"] and getattr(e, "url", None) is None:  # casstore errors name their place
         message += f" ({_where['at']})"
-    fix = getattr(e, "cli_fix", None) or (  # a command's own advice (copy's --steps)
+    # a command's own advice (copy's --steps), an OS error's, else the exit code's
+    fix = getattr(e, "cli_fix", None) or _os_fix(e) or (
         None if isinstance(e, casstore.UnsupportedFormatError) else _FIXES.get(
             exit_code_of(e)))  # that one says to upgrade
     if isinstance(e, casstore.ReadOnlyStoreError):  # opened so, not refused by the server
