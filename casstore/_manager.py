@@ -49,33 +49,33 @@ from .store import Store, open_store, split_options
 class CheckpointManager:
     """Saves a run's steps when a policy says so and keeps the steps a policy keeps.
 
-    Save decisions (:meth:`should_save`, and :meth:`save` without ``force``): a step newer than
-    the latest (committed or in flight) is saved when ``save_decision_policy`` says so; by
-    default every ``save_interval_steps`` steps, a run's first step and at jax's preemption
-    sync point (orbax's defaults). Retention, after each successful save: the steps
-    ``preservation_policy`` does not keep are deleted (their manifests; with
-    ``gc_after_retention`` garbage collection then frees the chunks no step references). The
-    default policy follows orbax's keyword arguments: with ``best_fn``, the ``max_to_keep``
-    steps whose metrics score best (``best_mode`` ``"max"`` or ``"min"``), plus the steps
-    without metrics if ``keep_checkpoints_without_metrics``; without it the ``max_to_keep``
-    latest; steps divisible by ``keep_period`` always. Policies are casstore's classes with
-    orbax's names (``LatestN``, ``BestN``, ``EveryNSteps``, ...), composable with ``|``.
+    Save decisions (:meth:`should_save`, and :meth:`save` without ``force``): a step newer than the
+    latest (committed or in flight) is saved when ``save_decision_policy`` says so; by default
+    every ``save_interval_steps`` steps, a run's first step and at jax's preemption sync point
+    (orbax's defaults). Retention, after each successful save: the steps ``preservation_policy``
+    does not keep are deleted (their manifests; with ``gc_after_retention`` garbage collection then
+    frees the chunks no step references). The default policy follows orbax's keyword arguments:
+    with ``best_fn``, the ``max_to_keep`` steps whose metrics score best (``best_mode`` ``"max"``
+    or ``"min"``), plus the steps without metrics if ``keep_checkpoints_without_metrics``; without
+    it the ``max_to_keep`` latest; steps divisible by ``keep_period`` always. Policies are
+    casstore's classes with orbax's names (``LatestN``, ``BestN``, ``EveryNSteps``, ...),
+    composable with ``|``.
 
     Preemption: :meth:`reached_preemption` tells the loop the job will be stopped (jax's sync
     point; in one process, SIGTERM, with ``PreemptionCheckpointingPolicy()`` in the save
-    policy); the first step after it that the loop had not asked about yet is saved.
+    policy); the first step after it the loop had not asked about yet is saved.
 
-    Saving: ``save`` stages the arrays and returns (see :class:`casstore.AsyncCheckpointer`
-    for what is copied and what it costs in host memory, and ``max_staging_bytes``); the
-    commit, retention and GC run on one background thread. Saves never overlap. The run's steps
-    are listed on construction and :meth:`reload` only, and kept current by this manager's
-    saves and deletes, so :meth:`should_save` and :meth:`latest_step` make no request; call
-    :meth:`reload` when another process may have written or deleted steps of this run.
+    Saving: ``save`` stages the arrays and returns (see :class:`casstore.AsyncCheckpointer` for
+    what is copied and what it costs in host memory, and ``max_staging_bytes``); the commit,
+    retention and GC run on one background thread. Saves never overlap. The run's steps are
+    listed on construction and :meth:`reload` only, and kept current by this manager's saves and
+    deletes, so :meth:`should_save` and :meth:`latest_step` make no request; call :meth:`reload`
+    when another process may have written or deleted steps of this run.
 
-    Thread-safety: NOT thread-safe (one training loop). An in-flight save is finished at
-    interpreter exit; a killed one leaves no partial step. Multi-process: every process calls
-    ``save`` with the same steps in order, on one repository (process 0 commits and deletes),
-    or with ``local_per_host`` each on a local tier of its own.
+    Thread-safety: NOT thread-safe (one training loop). An in-flight save is finished at exit,
+    where its error is only logged (end a job with :meth:`close`); a killed one leaves no
+    partial step. Multi-process: every process calls ``save`` with the same steps in order, on
+    one repository (process 0 commits), or with ``local_per_host`` on a local tier each.
 
     Args:
       url: a path, an fsspec URL or a Store.
