@@ -2,6 +2,11 @@
 
 import dataclasses
 import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from unittest import mock
@@ -71,6 +76,94 @@ def test_gc_keeps_the_chunks_of_a_run_and_of_chunks_moved_elsewhere_and_linked_b
     assert casstore.verify(root).ok
     for run, tree in trees.items():
         assert casstore.restore(root, 0, run=run)["w"].tobytes() == tree["w"].tobytes()
+
+
+def _two_runs(root) -> dict:
+    rng = np.random.default_rng(0)
+    trees = {run: {"w": rng.standard_normal(5000).astype(np.float32)} for run in ("a", "b")}
+    for run, tree in trees.items():
+        casstore.save(root, 0, tree, run=run)
+    return trees
+
+
+def _files(root) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("moved", ["runs", "runs/b"])
+def test_gc_refuses_while_a_moved_directory_is_a_link_to_nothing(tmp_path, moved):
+    """Its disk not mounted: walked past as a file, its runs looked deleted and GC deleted
+    every chunk only they referenced (exploratory session's repro)."""
+    root, disk = tmp_path / "repo", tmp_path / "other-disk"
+    trees = _two_runs(root)
+    disk.mkdir()
+    os.replace(root / moved, disk / "moved")
+    os.symlink(disk / "moved", root / moved)
+    assert casstore.list_runs(root) == ["a", "b"]
+    os.replace(disk, tmp_path / "unmounted")
+    chunks = _files(root / "chunks")
+    for call in (lambda: casstore.gc(root, grace_period_s=0), lambda: casstore.verify(root)):
+        with pytest.raises(OSError, match="a link to nothing where the repository has a "
+                                          "directory") as info:
+            call()
+        assert info.value.filename == str(root / moved)
+    assert _files(root / "chunks") == chunks
+    os.replace(tmp_path / "unmounted", disk)  # mounted again: every step restores
+    for run, tree in trees.items():
+        assert casstore.restore(root, 0, run=run)["w"].tobytes() == tree["w"].tobytes()
+
+
+def test_gc_lists_a_chunk_directory_under_its_own_name_not_through_an_alias(tmp_path):
+    """A link to a sibling fan-out directory sorted first: its chunks were listed under the
+    alias, referenced by no manifest, and deleted through it."""
+    root = tmp_path / "repo"
+    trees = _two_runs(root)
+    live = sorted((root / "chunks").iterdir())[-1]
+    os.symlink(live.name, root / "chunks" / "00")
+    info = casstore.gc(root, grace_period_s=0)
+    assert (info.deleted_chunks, info.chunks, info.referenced_chunks) == (0, 2, 2)
+    assert casstore.verify(root).ok
+    for run, tree in trees.items():
+        assert casstore.restore(root, 0, run=run)["w"].tobytes() == tree["w"].tobytes()
+
+
+_GC_AS_NOBODY = """
+import sys, casstore
+try:
+    casstore.gc(sys.argv[1], grace_period_s=0)
+except PermissionError as e:
+    print("refused", e.filename)
+"""
+
+
+def test_gc_refuses_when_a_directory_cannot_be_listed(tmp_path):
+    """os.walk skipped a directory it could not list (EACCES here; a bad block's EIO alike): the
+    run looked deleted, and GC deleted its chunks. As root, run as ``nobody`` (root reads every
+    directory), in a directory of its own."""
+    base = pathlib.Path(tempfile.mkdtemp(prefix="casstore-unlistable-"))
+    try:
+        root = base / "repo"
+        trees = _two_runs(root)
+        chunks = _files(root / "chunks")
+        steps = root / "runs" / "b" / "steps"
+        if os.geteuid() == 0:
+            subprocess.run(["chown", "-R", "nobody:nogroup", str(base)], check=True)
+            steps.chmod(0)
+            out = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup",
+                                  "--clear-groups", sys.executable, "-c", _GC_AS_NOBODY,
+                                  str(root)], capture_output=True, text=True, timeout=120)
+            assert out.stdout.strip() == f"refused {steps}", out.stderr[-3000:]
+        else:
+            steps.chmod(0)
+            with pytest.raises(PermissionError) as info:
+                casstore.gc(root, grace_period_s=0)
+            assert info.value.filename == str(steps)
+        steps.chmod(0o755)
+        assert _files(root / "chunks") == chunks
+        for run, tree in trees.items():
+            assert casstore.restore(root, 0, run=run)["w"].tobytes() == tree["w"].tobytes()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_gc_counts_every_run_and_refuses_on_a_bad_manifest(tmp_path):

@@ -86,7 +86,8 @@ def exit_code_of(e: BaseException) -> int:
 
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-_DISK_ERRORS = (errno.EIO, getattr(errno, "EUCLEAN", errno.EIO))  # EUCLEAN: Linux's
+_DISK_ERRORS = (errno.EIO, getattr(errno, "EUCLEAN", errno.EIO),  # EUCLEAN: Linux's
+                errno.ENOLINK)  # LocalStore's for a link to a disk not mounted
 
 
 def _os_fix(e: BaseException) -> str | None:

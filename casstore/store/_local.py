@@ -8,6 +8,7 @@ returns the object survives a crash and readers never see a partial object.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import stat
@@ -21,16 +22,34 @@ from .._buffers import mapped
 from .._errors import ObjectNotFoundError
 from ._base import ObjectInfo, Store
 
+# where a repository holds directories (format.md §2): a link to nothing there is no object
+_DIRECTORY = re.compile(r"(runs|chunks|deltas|locks)(/[^/]+)?|runs/[^/]+/steps")
 _TEMPORARY = re.compile(r"\..+\.[0-9a-f]{32}\.tmp")  # a write's temporary file (_put)
 
 
-def _walk(top: str) -> Iterator[tuple[str, list[str], list[str]]]:
+def _walk(top: str, root: str) -> Iterator[tuple[str, list[str], list[str]]]:
     """``os.walk(top)`` in sorted order, without hidden directories, into directories that are
-    symlinks too (a run or the chunks moved to another disk and linked back: every reader
-    opens paths through them, so GC must see what they hold), each directory once (a link to
-    an ancestor would loop)."""
+    symlinks to elsewhere too (a run or the chunks moved to another disk and linked back: every
+    reader opens paths through them, so GC must see what they hold), each directory once and
+    under its own name: a link to a directory inside the repository ``root`` (an alias of a
+    sibling, an ancestor, which would loop) is not followed.
+
+    Raises:
+      OSError: a directory could not be listed (a bad block's EIO, EACCES), or ``top`` is a
+        link to nothing (its disk not mounted): what it holds would look deleted, and GC would
+        take the chunks only it references for garbage.
+    """
+    inside = os.path.realpath(root).rstrip("/") + "/"
+
+    def failed(e: OSError) -> None:
+        if not isinstance(e, FileNotFoundError):
+            raise e
+        if os.path.islink(e.filename or ""):
+            raise _dangling(e.filename) from e
+        # else deleted while listing, or no such prefix: nothing there
+
     seen = set()
-    for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=True, onerror=failed):
         try:
             st = os.stat(dirpath)
         except FileNotFoundError:  # deleted while listing
@@ -40,8 +59,18 @@ def _walk(top: str) -> Iterator[tuple[str, list[str], list[str]]]:
             dirnames[:] = []
             continue
         seen.add((st.st_dev, st.st_ino))
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        dirnames[:] = [d for d in sorted(dirnames) if not d.startswith(".") and not (
+            os.path.islink(path := os.path.join(dirpath, d))
+            and (os.path.realpath(path) + "/").startswith(inside))]
         yield dirpath, dirnames, filenames
+
+
+def _dangling(path: str) -> OSError:
+    """The error for a link to nothing where a repository has a directory (not a
+    FileNotFoundError: the directory is not known to be gone)."""
+    return OSError(errno.ENOLINK, "a link to nothing where the repository has a directory (on "
+                   "a disk not mounted?): not listed, or GC would take what it holds for "
+                   "garbage", path)
 
 
 def _fsync_dir(path: str) -> None:
@@ -156,7 +185,7 @@ class LocalStore(Store):
         """Deletes the temporary files (``.<name>.<hex>.tmp``, see ``_put``) of writers killed
         before their rename, once older than ``older_than_s`` seconds; returns their bytes."""
         freed, now = 0, time.time()
-        for dirpath, _, filenames in _walk(self.root):
+        for dirpath, _, filenames in _walk(self.root, self.root):
             for name in filenames:
                 path = os.path.join(dirpath, name)
                 with contextlib.suppress(FileNotFoundError):
@@ -168,7 +197,7 @@ class LocalStore(Store):
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        for dirpath, _, filenames in _walk(self._path(base) if base else self.root):
+        for dirpath, _, filenames in _walk(self._path(base) if base else self.root, self.root):
             rel = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
             for name in sorted(filenames):
                 key = name if rel == "." else f"{rel}/{name}"
@@ -180,6 +209,8 @@ class LocalStore(Store):
                 except FileNotFoundError:  # deleted while listing, or a link to nothing
                     if not os.path.lexists(os.path.join(dirpath, name)):
                         continue
+                    if _DIRECTORY.fullmatch(key):
+                        raise _dangling(os.path.join(dirpath, name)) from None
                 except OSError:  # a damaged inode (EIO, EUCLEAN): listed, its reader names
                     yield ObjectInfo(key, 0, time.time())  # it; young: no GC deletes it
                     continue
