@@ -76,10 +76,10 @@ class AsyncCheckpointer:
     Thread-safety: NOT thread-safe (call it from one thread). At interpreter exit an in-flight
     save is finished first (an error it ends with is logged, level ERROR, logger ``casstore``:
     nothing is left to raise it to, and the exit status stays the script's, so end a job with
-    :meth:`close` or :meth:`wait_until_finished`; Python 3.12.0-3.12.2, which pyproject.toml excludes, start
-    no thread then, CPython gh-113964); a save killed with the process leaves no manifest, never a
-    partial step. Multi-process: every process of a ``jax.distributed`` job calls ``save``
-    with the same steps in the same order; process 0 commits.
+    :meth:`close` or :meth:`wait_until_finished`; Python 3.12.0-3.12.2, which pyproject.toml
+    excludes, start no thread then, CPython gh-113964); a save killed with the process leaves
+    no manifest, never a partial step. Multi-process: every process of a ``jax.distributed``
+    job calls ``save`` with the same steps in the same order; process 0 commits.
 
     Args:
       url: a path, an fsspec URL or a Store.
