@@ -49,10 +49,12 @@ class GcBusyError(CasstoreError):
 
 
 def _live(store: Store, kind: str) -> list[str]:
-    """Keys of the locks of ``kind`` that are not stale (see the module docstring)."""
+    """Keys of the locks of ``kind`` that are not stale (see the module docstring): put less
+    than the stale time ago, and no further in the future than that (a clock set back, or a
+    copy of the repository made with future times: else it held the others off until then)."""
     now, stale = time.time(), _timing(kind)[1]
     return [info.key for info in store.list(LOCKS_PREFIX)
-            if lock_kind(info.key) == kind and now - info.mtime < stale]
+            if lock_kind(info.key) == kind and abs(now - info.mtime) < stale]
 
 
 def _put_lock(store: Store, kind: str, key: str | None = None) -> str:

@@ -33,6 +33,22 @@ def test_a_live_gc_lock_holds_a_save_and_a_stale_one_does_not(tmp_path, monkeypa
     assert casstore.list_steps(store) == [0, 1]
 
 
+@pytest.mark.parametrize("kind", ["gc", "save"])
+def test_a_lock_dated_further_in_the_future_than_its_stale_age_holds_no_one(tmp_path, kind):
+    """A killed GC's lock stamped a day ahead (a clock set back, a copy made with ``cp -p`` from
+    a host ahead) held every save off for that day plus ten minutes (exploratory session's
+    repro); a save lock so dated held GC off alike. Within the stale age it still holds."""
+    store = LocalStore(tmp_path / "repo")
+    casstore.save(store, 0, {"w": np.zeros(3)})
+    key = _locks._put_lock(store, kind)
+    for ahead, live in ((_locks._timing(kind)[1] / 2, [key]), (24 * 3600 + 5, [])):
+        future = time.time() + ahead
+        os.utime(store._path(key), (future, future))
+        assert _locks._live(store, kind) == live
+    casstore.save(store, 1, {"w": np.ones(3)})  # neither waits
+    assert casstore.gc(store, lock_timeout_s=1).manifests == 2
+
+
 def test_a_save_that_waited_for_a_long_gc_puts_its_lock_again_before_it_starts(tmp_path,
                                                                                  monkeypatch):
     """A save waits for a GC without refreshing its lock: after a wait longer than the stale
