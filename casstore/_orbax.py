@@ -105,7 +105,9 @@ def import_orbax(orbax_dir: str | os.PathLike, url: Url, step: int, *, run: str 
       ImportError: orbax-checkpoint is not installed.
       FileNotFoundError: ``orbax_dir`` (or its ``item``) holds no orbax checkpoint.
       OrbaxReadError: orbax cannot read it (a damaged or partial checkpoint, or a ``target``
-        it does not fit); names the directory and orbax's error. Nothing was written.
+        it does not fit), or an item name (``item``, or one its metadata gives) is a path, not
+        a directory name of the step; names the directory and orbax's error or the name.
+        Nothing was written.
       ValueError: ``target`` given for a step of several items without ``item``.
       UnsupportedItemError: an item (``item``, or any item of the step without it) was written
         by an orbax handler other than the pytree and JSON ones; names every such item and its
@@ -209,6 +211,8 @@ def _items(root, item: str | None) -> dict[str | None, tuple[str, Any]]:
       FileNotFoundError, UnsupportedItemError: as :func:`import_orbax`.
     """
     handlers = _handlers(root)
+    if item is not None:
+        _check_item(item, "item=")
     if item is None and (root / _METADATA).exists() and not handlers:
         return {None: ("pytree", root)}
     names = [item] if item is not None else sorted(handlers) or _item_dirs(root)
@@ -260,7 +264,17 @@ def _handlers(root) -> dict[str, str]:
                              "nothing was written") from e
     if not isinstance(handlers, dict):
         return {}
+    for name in handlers:
+        _check_item(name, f"{str(path)!r} names an item")
     return {name: str(h).rsplit(".", 1)[-1] for name, h in handlers.items()}
+
+
+def _check_item(name: str, where: str) -> None:
+    """Raises OrbaxReadError unless ``name`` is an item's directory name: a path ('../x', '/x')
+    would read a directory outside the checkpoint."""
+    if not name or name in (".", "..") or "/" in name or os.sep in name or "\0" in name:
+        raise OrbaxReadError(f"{where} {name!r}, which is no item directory's name; nothing "
+                             "was written")
 
 
 def _json_file(path):

@@ -1,6 +1,8 @@
 """import_orbax: an orbax checkpoint, read by orbax, becomes a casstore step bit for bit."""
 
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -139,6 +141,24 @@ def test_items_it_cannot_import_are_refused_by_name_and_nothing_is_written(tmp_p
     assert casstore.list_steps(url) == []
     casstore.import_orbax(tmp_path / "orbax" / "1", url, 1, item="state")
     assert_bit_exact(casstore.restore(url, 1), tree)
+
+
+@pytest.mark.parametrize("name", ["../../elsewhere", "ABSOLUTE", "..", "a/b"])
+def test_an_item_name_that_is_a_path_is_refused_and_nothing_outside_is_read(tmp_path, name):
+    """Item names came from the step's metadata unchecked: '../x' or an absolute path read
+    a directory outside the checkpoint into the repository (exploratory session's repro)."""
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "metadata").write_text(json.dumps({"api_key": "secret"}))
+    step = tmp_path / "ckpt" / "10"
+    step.mkdir(parents=True)
+    name = str(tmp_path / "elsewhere") if name == "ABSOLUTE" else name
+    (step / "_CHECKPOINT_METADATA").write_text(json.dumps(
+        {"item_handlers": {name: "orbax.checkpoint.JsonCheckpointHandler"}}))
+    for item in (None, name):
+        with pytest.raises(casstore.OrbaxReadError,
+                           match=rf"{re.escape(repr(name))}, which is no item directory's"):
+            casstore.import_orbax(step, tmp_path / "repo", 10, item=item)
+    assert not (tmp_path / "repo").exists()
 
 
 def test_single_item_is_found_and_missing_checkpoints_are_named(tmp_path):
