@@ -27,7 +27,7 @@ FEATURES = {
 }
 FIRST_RELEASE = "0.1.0"  # reads every object that lists no feature
 MAX_FEATURES = 64
-_VERSION = re.compile(r"\d{1,6}(\.\d{1,6}){0,3}")
+_VERSION = re.compile(r"[0-9]{1,6}(\.[0-9]{1,6}){0,3}")
 
 
 def version_tuple(version: str) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ jax = LazyModule("jax")  # imported on first use: reading manifests needs no jax
 tu = LazyModule("jax.tree_util")
 SCALAR_TYPES = (bool, int, float, complex, str, bytes)
 MAX_DEPTH = 256
-_INDEX = r"\[-?\d+\]|\[=-?\d+\]"
+_INDEX = r"\[-?[0-9]+\]|\[=-?[0-9]+\]"
 _NAME = r"(?:[^~/\[]|~[0-3])+"
 _ELEMENT = re.compile(rf"{_INDEX}|~3|{_NAME}")
 _PATH = re.compile(rf"(?:{_ELEMENT.pattern})(?:/(?:{_ELEMENT.pattern}))*")  # one match a path

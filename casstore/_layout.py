@@ -14,7 +14,7 @@ DELTAS_PREFIX = "deltas/"
 RUNS_PREFIX = "runs/"
 MAX_STEP = 10**16
 _RUN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,127}")
-_MANIFEST = re.compile(r"runs/([A-Za-z0-9][A-Za-z0-9._\-]{0,127})/steps/(\d{16})\.manifest")
+_MANIFEST = re.compile(r"runs/([A-Za-z0-9][A-Za-z0-9._\-]{0,127})/steps/([0-9]{16})\.manifest")
 
 
 def check_run(run: str) -> str:

@@ -247,7 +247,7 @@ def _containers(node: Any, gaps: list[int]) -> Any:
     if not isinstance(node, dict):
         return node
     keys = list(node)
-    if keys and all(re.fullmatch(r"\[(0|[1-9]\d*)\]", k) for k in keys) and (
+    if keys and all(re.fullmatch(r"\[(0|[1-9][0-9]*)\]", k) for k in keys) and (
             length := 1 + max(int(k[1:-1]) for k in keys)) <= len(keys) + gaps[0]:
         # sequence indices (format.md §5): a missing one held no tensor (None, an optax
         # EmptyState), so it is None, and the list keeps the positions of the saved tree
@@ -268,7 +268,7 @@ def _unescape(element: str) -> Any:
     Raises:
       ValueError: an int key outside 64 bits (a key path holds no other).
     """
-    if m := re.fullmatch(r"\[=?(-?\d+)\]", element):
+    if m := re.fullmatch(r"\[=?(-?[0-9]+)\]", element):
         if not -2**63 <= (key := int(m.group(1))) < 2**63:
             raise ValueError(f"the int key of {element!r} does not fit in 64 bits")
         return key

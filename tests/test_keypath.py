@@ -56,7 +56,8 @@ def test_escaping_is_injective(names):
     assert all("/" not in e and is_valid_path(e) for e in escaped)
 
 
-@pytest.mark.parametrize("bad", ["a//b", "a/~9", "[x]", "a\0b", "x" * 5000, 3, None, "~"])
+@pytest.mark.parametrize("bad", ["a//b", "a/~9", "[x]", "a\0b", "x" * 5000, 3, None, "~",
+                                 "a/[\u0663]", "[=\u0663]"])  # Arabic-Indic 3: not an index
 def test_invalid_paths_are_rejected(bad):
     assert not is_valid_path(bad)
 

@@ -389,3 +389,15 @@ def test_an_object_whose_backend_gives_no_modification_time_counts_as_just_writt
     assert now - 1 <= _mtime({"name": "x", "size": 3}) <= time.time()
     assert _mtime({"last_modified": "2026-01-02T03:04:05Z"}) == 1767323045.0
     assert _mtime({"mtime": 12.5}) == 12.5
+
+
+def test_a_step_number_of_non_ascii_digits_is_no_step(tmp_path):
+    """Python's ``\\d`` matches every script's digits: a stray file under steps/ named with
+    Arabic-Indic ones was listed as the latest step, which no reader could then open
+    (exploratory session's repro); format.md §2's step is 16 ASCII digits."""
+    casstore.save(tmp_path, 1, {"a": np.arange(4.0)})
+    steps = tmp_path / "runs" / "default" / "steps"
+    (steps / ("0" * 15 + "\u0669.manifest")).write_bytes((steps / f"{1:016d}.manifest")
+                                                        .read_bytes())
+    assert casstore.list_steps(tmp_path) == [1]
+    assert casstore.restore(tmp_path)["a"].tolist() == [0.0, 1.0, 2.0, 3.0]
