@@ -275,7 +275,9 @@ class BestN(PreservationPolicy):
 
     ``get_metric_fn(metrics) -> float``; the highest values are best, the lowest with
     ``reverse=True`` (orbax's semantics; of equal values the latest step ranks best, as in
-    orbax). A NaN value ranks below every other, so it is never kept in place of a number.
+    orbax). A NaN value ranks below every other, so it is never kept in place of a number, and
+    so does a value that is no number (a string, None: a step whose stored metrics another
+    writer made so). An error ``get_metric_fn`` raises names the step.
     Steps saved without metrics are kept with ``keep_checkpoints_without_metrics``, dropped
     without once there are more than ``n`` steps (with ``n`` or fewer every step is kept, and
     with ``n=0`` none, as in orbax).
@@ -288,10 +290,10 @@ class BestN(PreservationPolicy):
 
     def ranked(self, checkpoints) -> list:
         """The checkpoints that have metrics, worst first, best last."""
-        scored = [(c, self.get_metric_fn(c.metrics)) for c in checkpoints
+        scored = [(c, _score(self.get_metric_fn, c)) for c in checkpoints
                   if c.metrics is not None]
-        nan = [c for c, value in scored if _is_nan(value)]
-        numbers = [(c, value) for c, value in scored if not _is_nan(value)]
+        nan = [c for c, value in scored if value != value]
+        numbers = [(c, value) for c, value in scored if value == value]
         # sorted() is stable with reverse too: of equal values the later step stays later
         return nan + [c for c, _ in sorted(numbers, key=lambda cv: cv[1], reverse=self.reverse)]
 
@@ -315,11 +317,21 @@ def best_of(policy: PreservationPolicy, checkpoints: list) -> int | None:
     return ranked[-1].step if ranked else None
 
 
-def _is_nan(value: Any) -> bool:
+def _score(get_metric_fn: Callable[[Any], float], checkpoint) -> float:
+    """``get_metric_fn(checkpoint.metrics)`` as a float: NaN for a value that is no number (a
+    string, None, an array of several), which then ranks as a NaN does."""
     try:
-        return bool(value != value)
-    except (TypeError, ValueError):  # not a number, or an array of several
-        return False
+        value = get_metric_fn(checkpoint.metrics)
+    except Exception as e:
+        e.add_note(f"casstore: get_metric_fn of the metrics of step {checkpoint.step}: "
+                   f"{checkpoint.metrics!r}"[:500])
+        raise
+    if isinstance(value, (str, bytes)):
+        return float("nan")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float("nan")
 
 
 @dataclasses.dataclass

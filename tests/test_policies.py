@@ -84,6 +84,14 @@ def test_best_n_ranks_nan_worst_and_of_equal_metrics_keeps_the_latest_as_orbax()
     assert kept(lowest, [0, 1, 2, 3, 4], losses) == [2, 3]
     highest = BestN(get_metric_fn=lambda m: m["loss"], n=2)
     assert kept(highest, [0, 1, 2, 3, 4], losses) == [0, 3]
+    # No number (another writer's stored metrics): ranked as a NaN, not a TypeError out of
+    # every later save (exploratory session's repro); a 0-d array is a number.
+    odd = [{"loss": v} for v in ("n/a", None, np.float32(0.1), np.array(0.3), [1.0, 2.0])]
+    assert kept(lowest, [0, 1, 2, 3, 4], odd) == [2, 3]
+    assert kept(highest, [0, 1, 2, 3, 4], odd) == [2, 3]
+    with pytest.raises(KeyError, match="loss") as info:
+        kept(lowest, [0, 1, 2], [{"loss": 1.0}, {"acc": 2.0}, {"loss": 0.5}])
+    assert "get_metric_fn of the metrics of step 1: {'acc': 2.0}" in info.value.__notes__[0]
     ties = [{"acc": 1.0}] * 4
     for reverse in (False, True):  # orbax 0.12 keeps [2, 3] in both modes
         best = BestN(get_metric_fn=lambda m: m["acc"], reverse=reverse, n=2)
