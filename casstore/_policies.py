@@ -147,16 +147,18 @@ class SpecificStepsPolicy(SaveDecisionPolicy):
 @dataclasses.dataclass(kw_only=True)
 class ContinuousCheckpointingPolicy(SaveDecisionPolicy):
     """Saves whenever no save is in progress and ``minimum_interval_secs`` (seconds, None for
-    none) passed since the latest step was saved. With several processes, process 0 decides
-    and the others follow (a collective; every process asks at every step)."""
+    none) passed since the latest step was saved, or that step is dated in this clock's future
+    (a writer whose clock ran ahead: else nothing was saved until this clock caught up). With
+    several processes, process 0 decides and the others follow (a collective; every process
+    asks at every step)."""
 
     minimum_interval_secs: float | None = None
 
     def should_save(self, step, previous_steps, *, context) -> bool:
+        since = previous_steps and (step.time - previous_steps[-1].time).total_seconds()
         due = not context.is_saving_in_progress and (
             not previous_steps or self.minimum_interval_secs is None
-            or (step.time - previous_steps[-1].time).total_seconds()
-            >= self.minimum_interval_secs)
+            or not 0 <= since < self.minimum_interval_secs)
         if processes()[0] > 1:
             from jax.experimental import multihost_utils
             due = bool(multihost_utils.broadcast_one_to_all(np.int32(due)))

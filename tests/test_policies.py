@@ -148,6 +148,8 @@ def test_save_decision_policies():
     assert decide(continuous, 1)  # nothing saved yet
     assert not decide(continuous, 2, previous=[1], seconds=59)
     assert decide(continuous, 2, previous=[1], seconds=60)
+    # the latest step dated ahead of this clock (its writer's ran fast): no waiting for it
+    assert decide(continuous, 2, previous=[1], seconds=-3600)
     assert not decide(continuous, 2, previous=[1], seconds=600, is_saving_in_progress=True)
     assert decide(ContinuousCheckpointingPolicy(), 2, previous=[1])
     preemption = PreemptionCheckpointingPolicy()
