@@ -35,13 +35,12 @@ _WHERE = {
     "ChunkRef": "_manifest", "LeafEntry": "_manifest", "Manifest": "_manifest",
     "import_orbax": "_orbax", "UnsupportedItemError": "_orbax", "OrbaxReadError": "_orbax",
     "AsyncCheckpointer": "_async_save",
-    **dict.fromkeys(["AnyPreservationPolicy", "AnySavePolicy", "BestN",
-                     "ContinuousCheckpointingPolicy", "CustomSteps", "DecisionContext",
-                     "EveryNSteps", "FixedIntervalPolicy", "InitialSavePolicy", "LatestN",
-                     "PolicyCheckpointInfo", "PreemptionCheckpointingPolicy",
-                     "PreservationContext", "PreservationPolicy", "PreserveAll",
-                     "SaveDecisionPolicy", "SpecificStepsPolicy"],
-                    "_policies"),
+    **dict.fromkeys(["AnySavePolicy", "ContinuousCheckpointingPolicy", "DecisionContext",
+                     "FixedIntervalPolicy", "InitialSavePolicy", "PolicyCheckpointInfo",
+                     "PreemptionCheckpointingPolicy", "PreservationContext",
+                     "SaveDecisionPolicy", "SpecificStepsPolicy"], "_policies"),
+    **dict.fromkeys(["AnyPreservationPolicy", "BestN", "CustomSteps", "EveryNSteps", "LatestN",
+                     "PreservationPolicy", "PreserveAll"], "_preservation"),
     **dict.fromkeys(["delete", "latest_step", "list_runs", "list_steps", "read_manifest"],
                     "_repository"),
     "RepairInfo": "_repair", "repair": "_repair",
@@ -114,23 +113,23 @@ if TYPE_CHECKING:  # the names as static tools see them
     from ._orbax import OrbaxReadError as OrbaxReadError
     from ._orbax import UnsupportedItemError as UnsupportedItemError
     from ._orbax import import_orbax as import_orbax
-    from ._policies import AnyPreservationPolicy as AnyPreservationPolicy
     from ._policies import AnySavePolicy as AnySavePolicy
-    from ._policies import BestN as BestN
     from ._policies import ContinuousCheckpointingPolicy as ContinuousCheckpointingPolicy
-    from ._policies import CustomSteps as CustomSteps
     from ._policies import DecisionContext as DecisionContext
-    from ._policies import EveryNSteps as EveryNSteps
     from ._policies import FixedIntervalPolicy as FixedIntervalPolicy
     from ._policies import InitialSavePolicy as InitialSavePolicy
-    from ._policies import LatestN as LatestN
     from ._policies import PolicyCheckpointInfo as PolicyCheckpointInfo
     from ._policies import PreemptionCheckpointingPolicy as PreemptionCheckpointingPolicy
     from ._policies import PreservationContext as PreservationContext
-    from ._policies import PreservationPolicy as PreservationPolicy
-    from ._policies import PreserveAll as PreserveAll
     from ._policies import SaveDecisionPolicy as SaveDecisionPolicy
     from ._policies import SpecificStepsPolicy as SpecificStepsPolicy
+    from ._preservation import AnyPreservationPolicy as AnyPreservationPolicy
+    from ._preservation import BestN as BestN
+    from ._preservation import CustomSteps as CustomSteps
+    from ._preservation import EveryNSteps as EveryNSteps
+    from ._preservation import LatestN as LatestN
+    from ._preservation import PreservationPolicy as PreservationPolicy
+    from ._preservation import PreserveAll as PreserveAll
     from ._repair import RepairInfo as RepairInfo
     from ._repair import repair as repair
     from ._repository import delete as delete

@@ -1,9 +1,9 @@
 """CheckpointManager: periodic, asynchronous saves with retention (orbax's names and semantics).
 
-Save decisions and retention are policies (``_policies``: orbax's ``save_decision_policy`` /
-``preservation_policy``), preemption notices come from ``_preemption``, each save is written in
-the background by an :class:`~casstore.AsyncCheckpointer`. The run's steps are listed from the
-store when the manager is made and by :meth:`CheckpointManager.reload`, not on every call.
+Save decisions and retention are policies (``_policies``, ``_preservation``: orbax's
+``save_decision_policy`` / ``preservation_policy``), preemption notices come from
+``_preemption``, each save is written in the background by an ``AsyncCheckpointer``. The run's
+steps are listed when the manager is made and by ``reload``, not on every call.
 """
 
 from __future__ import annotations
@@ -26,16 +26,18 @@ from ._policies import (
     DecisionContext,
     PolicyCheckpointInfo,
     PreemptionCheckpointingPolicy,
-    PreservationPolicy,
     SaveDecisionPolicy,
-    best_of,
-    find,
-    manager_policies,
-    persistent_preservation,
     split_metadata,
     utc_now,
 )
 from ._preemption import PreemptionNotice
+from ._preservation import (
+    PreservationPolicy,
+    best_of,
+    find,
+    manager_policies,
+    persistent_preservation,
+)
 from ._repository import Url, deleted, list_steps, read_manifest
 from ._restore import restore
 from ._retention import StepDetails, retain
@@ -404,9 +406,9 @@ class CheckpointManager:
         self._saver._join()
         reader = self._reader()
         step = agreed_latest(self.latest_step, target) if step is None else step  # alike
-        restored = restore(reader, step, run=self.run, target=target, paths=paths,
-                           partial=partial, strict=strict,
-                           sharding=sharding, transforms=transforms, fill_missing=fill_missing)
+        restored = restore(reader, step, run=self.run, target=target, paths=paths, strict=strict,
+                           partial=partial, sharding=sharding, transforms=transforms,
+                           fill_missing=fill_missing)
         self.last_restore_bytes = getattr(reader, "bytes_read", None)
         return restored
 
@@ -446,5 +448,3 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.store!r}, run={self.run!r})"
-
-

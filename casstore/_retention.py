@@ -17,10 +17,10 @@ from ._manifest import Manifest
 from ._policies import (
     PolicyCheckpointInfo,
     PreservationContext,
-    PreservationPolicy,
     manifest_details,
     utc_now,
 )
+from ._preservation import PreservationPolicy
 from ._repository import deleted
 from .store import Store
 

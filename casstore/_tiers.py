@@ -51,10 +51,8 @@ from ._layout import manifest_key
 from ._locks import save_lock
 from ._manifest import Manifest, needed_objects
 from ._persist_rounds import Rounds, persist_shared, send_share
-from ._policies import (
-    PreservationPolicy,
-    manifest_details,
-)
+from ._policies import manifest_details
+from ._preservation import PreservationPolicy
 from ._repository import deleted, ensure_config, list_steps, read_manifest, still_committed
 from ._retention import StepDetails, dropped
 from .store import Store

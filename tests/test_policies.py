@@ -77,6 +77,42 @@ def test_preservation_policies():
         EveryNSteps(0)
 
 
+def test_a_policy_of_bad_arguments_is_refused_when_made_not_after_deleting_steps(tmp_path):
+    """BestN(n=-1) kept none: retention deleted every step, the one just saved too; other bad
+    arguments failed at a save, some after its commit and retention (exploratory session's
+    repros)."""
+    metric = lambda m: m["loss"]  # noqa: E731
+    for bad, error, match in [
+            (lambda: BestN(get_metric_fn=metric, n=-1), ValueError, "n must be a positive int"),
+            (lambda: BestN(get_metric_fn=metric, n=1.5), ValueError, "not 1.5"),
+            (lambda: BestN(get_metric_fn=1), TypeError, "get_metric_fn must be callable"),
+            (lambda: BestN(get_metric_fn=metric, reverse="no"), TypeError, "reverse must be"),
+            (lambda: CustomSteps("12"), TypeError, "steps must be a container of ints"),
+            (lambda: SpecificStepsPolicy(5), TypeError, "steps must be a container of ints"),
+            (lambda: ContinuousCheckpointingPolicy(minimum_interval_secs=-1), ValueError,
+             "minimum_interval_secs must be a number >= 0"),
+            (lambda: AnySavePolicy([5]), TypeError, r"policies\[0\] must be a policy"),
+            (lambda: LatestN(2) | 5, TypeError, r"policies\[1\] must be a policy, an object "
+                                                r"with a should_preserve\(\) method"),
+            (lambda: casstore.CheckpointManager(tmp_path, preservation_policy=5), TypeError,
+             "preservation_policy must be a policy"),
+            (lambda: casstore.CheckpointManager(tmp_path, save_decision_policy=5), TypeError,
+             "save_decision_policy must be a policy"),
+            (lambda: casstore.CheckpointManager(tmp_path, max_to_keep=2, best_fn=1), TypeError,
+             "best_fn must be callable")]:
+        with pytest.raises(error, match=match):
+            bad()
+    assert not any(tmp_path.iterdir())
+    assert BestN(get_metric_fn=metric, n=0).n == 0  # keeps none, as in orbax
+
+    class Every3:  # any object with the method is a policy
+        def should_save(self, step, previous_steps, *, context):
+            return step.step % 3 == 0
+
+    with casstore.CheckpointManager(MemoryStore(), save_decision_policy=Every3()) as mngr:
+        assert run_loop(mngr, range(7)) == [0, 3, 6]
+
+
 def test_best_n_ranks_nan_worst_and_of_equal_metrics_keeps_the_latest_as_orbax():
     nan = float("nan")
     losses = [{"loss": v} for v in (0.5, nan, 0.1, 0.3, np.float32(nan))]
