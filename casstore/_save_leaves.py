@@ -133,7 +133,9 @@ def _scalar_entry(path: str, value: Any) -> LeafEntry:
         except UnicodeEncodeError as e:
             raise UnsupportedLeafError(f"str is not valid Unicode ({e.reason} at position "
                                        f"{e.start})", key_path=path) from None
-    stored = [float(value.real), float(value.imag)] if kind is complex else kind(value)
+    stored = ([float(value.real), float(value.imag)] if kind is complex
+              else str.__str__(value) if kind is str  # a (str, Enum)'s value, not its name
+              else kind(value))
     return LeafEntry(path, "scalar", scalar_type=kind.__name__, value=stored)
 
 
@@ -202,7 +204,11 @@ def snapshot(value: Any, what: str = "metadata") -> Any:
                          f": {e} (arrays: pass Python numbers or lists, e.g. .tolist())") from e
     if len(data) > MAX_METADATA_BYTES:
         raise ValueError(f"{what} is {len(data)} bytes encoded; the limit is 1 MiB")
-    copy = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    try:
+        copy = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except TypeError as e:  # a tuple key reads back as a list, which no dict takes
+        raise ValueError(f"{what} cannot be saved: a dict key that is a tuple or list ({e}); "
+                         "keys are str, int, float, bool, None or bytes") from e
     problem = metadata_problem(copy)
     if problem is not None:
         raise ValueError(f"{what} cannot be saved: {problem.replace('metadata', what, 1)}")

@@ -351,6 +351,8 @@ def test_invalid_arguments(saved):
             casstore.save(store, 0, {"x": np.ones(1)}, run=run)
     with pytest.raises(ValueError, match="metadata"):
         casstore.save(store, 0, {"x": np.ones(1)}, metadata={"f": object()})
+    with pytest.raises(ValueError, match="metadata cannot be saved: a dict key that is a tuple"):
+        casstore.save(store, 0, {"x": np.ones(1)}, metadata={(1, 2): "x"})  # was msgpack's
     for size in (0, -16, 2**32, 1.5):  # ZeroDivisionError, or a ManifestError at the commit
         with pytest.raises(ValueError, match=re.escape(f"chunk_size_bytes must be an int in "
                                                        f"[1, 2**31], not {size!r}")):

@@ -2,6 +2,7 @@
 
 import contextlib
 import dataclasses
+import enum
 from typing import NamedTuple
 
 import equinox as eqx
@@ -182,6 +183,22 @@ def test_python_scalars_keep_their_type(repo_store):
     assert restored["empty_list"] == []
     assert isinstance(restored["np_scalar"], np.ndarray)
     assert restored["np_scalar"] == 1.5
+
+
+def test_a_str_or_int_enum_member_is_stored_as_its_value(tmp_path):
+    """A (str, Enum) leaf was stored as its name, 'Color.RED' (str() of it), while the same
+    member in metadata was stored as 'red' (exploratory session's repro)."""
+    class Color(str, enum.Enum):  # noqa: UP042 (StrEnum's str() is its value: no bug)
+        RED = "red"
+
+    class Level(enum.IntEnum):
+        HIGH = 7
+
+    casstore.save(tmp_path, 0, {"c": Color.RED, "l": Level.HIGH}, metadata={"c": Color.RED})
+    restored = casstore.restore(tmp_path, 0)
+    assert (restored, casstore.read_manifest(tmp_path, 0).metadata) == (
+        {"c": "red", "l": 7}, {"c": "red"})
+    assert (type(restored["c"]), type(restored["l"])) == (str, int)
 
 
 def test_typed_prng_keys_restore_as_typed_keys(repo_store):
