@@ -117,6 +117,9 @@ class StoreContract:
     def test_invalid_keys_are_refused(self, store: Store, key: str):
         with pytest.raises(ValueError, match=re.escape(f"invalid store key {key!r}")):
             store.put(key, b"1")
+        for read in (store.get, store.exists, store.stat, lambda k: store.head(k, 1)):
+            with pytest.raises(ValueError, match=re.escape(f"invalid store key {key!r}")):
+                read(key)  # a local store read '../x' outside its root
 
     def test_read_only_refuses_writes(self, store: Store):
         store.put("r/1", b"1")

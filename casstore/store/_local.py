@@ -20,7 +20,7 @@ import numpy as np
 
 from .._buffers import mapped
 from .._errors import ObjectNotFoundError
-from ._base import ObjectInfo, Store
+from ._base import ObjectInfo, Store, check_key
 
 # where a repository holds directories (format.md §2): a link to nothing there is no object
 _DIRECTORY = re.compile(r"(runs|chunks|deltas|locks)(/[^/]+)?|runs/[^/]+/steps")
@@ -118,7 +118,8 @@ class LocalStore(Store):
         return os.path.realpath(self.root).rstrip("/") + "/"
 
     def _path(self, key: str) -> str:
-        return os.path.join(self.root, *key.split("/"))
+        """The file of ``key``; ValueError for an invalid key ('../x' would read outside)."""
+        return os.path.join(self.root, *check_key(key).split("/"))
 
     def get(self, key: str) -> bytes:
         return self.head(key, -1)

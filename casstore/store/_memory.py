@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterator
 
 from .._errors import ObjectNotFoundError
-from ._base import ObjectInfo, Store
+from ._base import ObjectInfo, Store, check_key
 
 
 class MemoryStore(Store):
@@ -25,16 +25,16 @@ class MemoryStore(Store):
 
     def get(self, key: str) -> bytes:
         try:
-            return self._objects[key][0]
+            return self._objects[check_key(key)][0]
         except KeyError:
             raise ObjectNotFoundError("no such object", url=f"{self.url}/{key}") from None
 
     def exists(self, key: str) -> bool:
-        return key in self._objects
+        return check_key(key) in self._objects
 
     def stat(self, key: str) -> ObjectInfo:
         try:
-            data, mtime = self._objects[key]
+            data, mtime = self._objects[check_key(key)]
         except KeyError:
             raise ObjectNotFoundError("no such object", url=f"{self.url}/{key}") from None
         return ObjectInfo(key, len(data), mtime)
