@@ -88,6 +88,20 @@ def test_open_store_picks_backend(tmp_path):
         open_store(tmp_path, request_timeout_s=5)
 
 
+def test_a_url_that_names_no_repository_is_refused(tmp_path, monkeypatch):
+    """'' and 'file://' were the current directory: save, copy and import wrote a repository
+    there; 's3://' failed later in botocore (exploratory session's repros)."""
+    monkeypatch.chdir(tmp_path)
+    for url, why in [("", "no path"), ("file://", "no path"), ("s3://", "no bucket"),
+                     ("gs:///", "no bucket"), ("a\0b", "a NUL character")]:
+        with pytest.raises(ValueError, match=re.escape(f"invalid URL {url!r}: {why}")):
+            casstore.save(url, 0, {"w": np.zeros(3)})
+    with pytest.raises(TypeError, match="url must be a str path or URL"):
+        open_store(b"repo")
+    assert list(tmp_path.iterdir()) == []
+    assert open_store(".").location() == f"{tmp_path}/"  # the current directory, on purpose
+
+
 @pytest.fixture(params=["seaweedfs", "moto", "fake-gcs"])
 def object_server(request, object_servers):
     return object_servers[request.param]

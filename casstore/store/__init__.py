@@ -41,7 +41,9 @@ def open_store(url: str | os.PathLike | Store, *, read_only: bool = False,
       ValueError: ``storage_options`` or timeouts given for a local path or a Store instance;
         for s3:// and gs://, a storage option the client library does not take (it would
         ignore it: :func:`unknown_storage_options`), or a timeout that is not a positive
-        number.
+        number; ``url`` is empty (``""``, ``"file://"``: ``"."`` is the current directory),
+        holds a NUL, or is an s3:// or gs:// URL without a bucket.
+      TypeError: ``url`` is bytes or another type, not a str, PathLike or Store.
     """
     timeouts = {name: value for name, value in (("request_timeout_s", request_timeout_s),
                                                 ("operation_timeout_s", operation_timeout_s))
@@ -51,6 +53,7 @@ def open_store(url: str | os.PathLike | Store, *, read_only: bool = False,
             raise ValueError("storage_options cannot apply to an already opened Store")
         return url
     url = os.fspath(url)
+    _check_url(url)
     if not is_fsspec_url(url):
         if storage_options or timeouts:
             given = ", ".join([*storage_options, *timeouts])
@@ -59,6 +62,20 @@ def open_store(url: str | os.PathLike | Store, *, read_only: bool = False,
                              "read_only")
         return LocalStore(os.path.expanduser(url.removeprefix("file://")), read_only=read_only)
     return FsspecStore.from_url(url, read_only=read_only, **timeouts, **storage_options)
+
+
+def _check_url(url: object) -> None:
+    """Raises for a URL that names no repository: bytes, an empty path (the current directory
+    by accident: '.' says it on purpose), a NUL, an object store URL without a bucket."""
+    if not isinstance(url, str):
+        raise TypeError(f"url must be a str path or URL, a PathLike or a Store, not {url!r}")
+    protocol, sep, path = url.partition("://")
+    why = ("no path (use '.' for the current directory)" if url in ("", "file://")
+           else "a NUL character" if "\0" in url
+           else "no bucket" if protocol in ("s3", "s3a", "gs", "gcs") and sep
+           and not path.strip("/") else None)
+    if why:
+        raise ValueError(f"invalid URL {url!r}: {why}")
 
 
 def is_fsspec_url(url: object) -> bool:
