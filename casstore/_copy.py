@@ -54,7 +54,7 @@ from ._repository import (
     read_decoded,
     still_committed,
 )
-from .store import Store, open_store
+from .store import Store, nested, open_store
 
 log = logging.getLogger("casstore")
 
@@ -112,8 +112,11 @@ def copy(src_url: Url, dst_url: Url, *, steps: list[int] | None = None,
       A :class:`CopyInfo`.
 
     Raises:
-      StepNotFoundError: a run named in ``runs`` has no step in the source, or a step named in
-        ``steps`` is in none of the selected runs (nothing is written).
+      StepNotFoundError: the source is no casstore repository, a run named in ``runs`` has no
+        step in it, or a step named in ``steps`` is in none of the selected runs (nothing is
+        written).
+      ValueError: the two are one repository, or one lies inside the other (nothing is
+        written).
       TypeError, ValueError: ``steps`` or ``runs`` is not a list, or a step not an int.
       CorruptChunkError: a source object fails its checks or is missing (names run, step, key
         path and chunk id of the first, and the steps not copied); no manifest that needs it
@@ -129,6 +132,11 @@ def copy(src_url: Url, dst_url: Url, *, steps: list[int] | None = None,
         for a chunk, run, step, key path and chunk id); manifests that need it are not written.
     """
     src, dst = open_store(src_url), open_store(dst_url)
+    if nested(src, dst):
+        raise ValueError(f"cannot copy {src.url!r} to {dst.url!r}: one repository, or one "
+                         "inside the other")
+    if not check_config(src):  # else an empty repository was made at the destination
+        raise StepNotFoundError("no casstore repository here: nothing to copy", url=src.url)
     with cf.ThreadPoolExecutor(1) as pool:
         source = pool.submit(lambda: (selected := select_steps(src, steps=steps, runs=runs),
                                       read_manifests(src, selected)))

@@ -9,7 +9,6 @@ process lists the same steps; the persister then resumes what a killed manager l
 from __future__ import annotations
 
 import logging
-import os
 
 import xxhash
 
@@ -19,46 +18,9 @@ from ._layout import manifest_key
 from ._persist_rounds import Rounds
 from ._repository import deleted, list_steps
 from ._tiers import Persister, PersistPolicy
-from .store import Store, open_store
+from .store import Store, nested, open_store
 
 log = logging.getLogger("casstore")
-
-
-def _inside(inner: str, outer: str) -> bool:
-    """Whether local directory ``inner`` is ``outer`` or lies inside it where their paths do
-    not say so: one directory reached at two paths through a bind mount, or an NFS export
-    mounted twice. Compared by ``(st_dev, st_ino)``: the deepest existing directory of
-    ``outer`` against each existing ancestor of ``inner``, the names below them alike. False
-    for object store locations."""
-    if not (inner.startswith("/") and outer.startswith("/")):
-        return False
-    top, below = _deepest(outer.rstrip("/") or "/")
-    here, names = _deepest(inner.rstrip("/") or "/")
-    found = _identity(top)
-    while found is not None:
-        if _identity(here) == found and names[:len(below)] == below:
-            return True
-        parent = os.path.dirname(here)
-        if parent == here:
-            return False
-        here, names = parent, [os.path.basename(here), *names]
-    return False
-
-
-def _deepest(path: str) -> tuple[str, list[str]]:
-    """``path``'s deepest existing ancestor (or itself), and the names of the rest below it."""
-    names: list[str] = []
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path, names = os.path.dirname(path), [os.path.basename(path), *names]
-    return path, names
-
-
-def _identity(path: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
 
 
 def start_persister(local: Store, persistent, run: str, local_steps: list[int],
@@ -88,8 +50,7 @@ def start_persister(local: Store, persistent, run: str, local_steps: list[int],
         raise ValueError(f"local_per_host needs a local tier on a local filesystem, not "
                          f"{local.url!r}: a save there checks each chunk of the step before "
                          "(its manifest names other hosts' chunks) with one stat each")
-    a, b = local.location(), persistent.location()
-    if a.startswith(b) or b.startswith(a) or _inside(a, b) or _inside(b, a):
+    if nested(local, persistent):
         raise ValueError(f"the persistent tier {persistent.url!r} and the local tier "
                          f"{local.url!r} must be two repositories, neither inside the other")
     cause = None

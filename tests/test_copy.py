@@ -673,3 +673,17 @@ def test_a_server_side_copy_of_delta_chains_and_of_a_lost_object(object_servers)
         casstore.copy(src, other)
     assert (e.value.step, e.value.chunk_id) == (3, lost.id)
     assert casstore.list_steps(other) == [0, 1, 2]
+
+
+def test_a_copy_from_no_repository_or_into_itself_is_refused_writing_nothing(tmp_path):
+    """Copying from a path without a repository made an empty one at the destination, and a
+    repository copied into a path inside itself (exploratory session's repros)."""
+    with pytest.raises(casstore.StepNotFoundError, match="no casstore repository here"):
+        casstore.copy(tmp_path / "nothing", tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+    casstore.save(tmp_path / "repo", 0, {"w": np.arange(3)})
+    before = sorted(p for p in (tmp_path / "repo").rglob("*"))
+    for dst in ("repo", "repo/nested", "."):
+        with pytest.raises(ValueError, match="one repository, or one inside the other"):
+            casstore.copy(tmp_path / "repo", tmp_path / dst)
+    assert sorted(p for p in (tmp_path / "repo").rglob("*")) == before

@@ -6,6 +6,7 @@ import os
 
 from ._base import ObjectInfo as ObjectInfo
 from ._base import Store as Store
+from ._base import nested as nested
 from ._base import stored_size as stored_size
 from ._clients import unknown_storage_options as unknown_storage_options
 from ._fsspec import FsspecStore as FsspecStore

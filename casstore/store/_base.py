@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import concurrent.futures as cf
 import dataclasses
+import os
 import re
 from collections.abc import Iterable, Iterator, Mapping
 
@@ -49,6 +50,52 @@ def stored_size(store: Store, key: str) -> int | None:
         if isinstance(e, FileNotFoundError) or unreadable(e):
             return None
         raise
+
+
+def nested(a: Store, b: Store) -> bool:
+    """Whether stores ``a`` and ``b`` are one repository or one lies inside the other, however
+    spelled (:meth:`Store.location`): local paths also compared as directories, by device and
+    inode, so one directory reached at two paths through a bind mount (or an NFS export
+    mounted twice) is found too."""
+    x, y = a.location(), b.location()
+    return x.startswith(y) or y.startswith(x) or _inside(x, y) or _inside(y, x)
+
+
+def _inside(inner: str, outer: str) -> bool:
+    """Whether local directory ``inner`` is ``outer`` or lies inside it where their paths do
+    not say so: one directory reached at two paths through a bind mount, or an NFS export
+    mounted twice. Compared by ``(st_dev, st_ino)``: the deepest existing directory of
+    ``outer`` against each existing ancestor of ``inner``, the names below them alike. False
+    for object store locations."""
+    if not (inner.startswith("/") and outer.startswith("/")):
+        return False
+    top, below = _deepest(outer.rstrip("/") or "/")
+    here, names = _deepest(inner.rstrip("/") or "/")
+    found = _identity(top)
+    while found is not None:
+        if _identity(here) == found and names[:len(below)] == below:
+            return True
+        parent = os.path.dirname(here)
+        if parent == here:
+            return False
+        here, names = parent, [os.path.basename(here), *names]
+    return False
+
+
+def _deepest(path: str) -> tuple[str, list[str]]:
+    """``path``'s deepest existing ancestor (or itself), and the names of the rest below it."""
+    names: list[str] = []
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path, names = os.path.dirname(path), [os.path.basename(path), *names]
+    return path, names
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def check_key(key: str) -> str:
