@@ -139,9 +139,11 @@ class FallbackStore(Store):
             UnsupportedFormatError: of a newer format in the fallback it was read from.
         """
         try:
-            data = _read(self.primary, key, nbytes)
+            data, failed = _read(self.primary, key, nbytes), None
         except OSError as e:
-            data, i = self._from_fallback(key, nbytes=nbytes, failed=e)
+            failed = e  # the fallbacks are read outside this handler: their errors keep theirs
+        if failed is not None:
+            data, i = self._from_fallback(key, nbytes=nbytes, failed=failed)
             self._checked(key, data, self.fallbacks[i].url)
             return data
         self._count(self.primary, len(data))
@@ -199,10 +201,12 @@ class FallbackStore(Store):
         try:
             data, buffer = self.primary.get_into(key, buffer, max_bytes)
         except OSError as e:
-            more = None if max_bytes is None else max_bytes + 1
-            return memoryview(self.from_fallbacks(key, nbytes=more, failed=e)), buffer
-        self._count(self.primary, len(data))
-        return data, buffer
+            failed = e  # the fallbacks are read outside this handler (see head)
+        else:
+            self._count(self.primary, len(data))
+            return data, buffer
+        more = None if max_bytes is None else max_bytes + 1
+        return memoryview(self.from_fallbacks(key, nbytes=more, failed=failed)), buffer
 
     def get_split(self, key: str, head: bytearray, body: memoryview | np.ndarray) -> bool:
         try:  # the primary's copy only: a missing or unreadable one is read from a
@@ -325,10 +329,11 @@ class FallbackStore(Store):
         except OSError as e:
             if not (isinstance(e, FileNotFoundError) or unreadable(e)):
                 raise
-            for tier in self.fallbacks:
-                with contextlib.suppress(FileNotFoundError):
-                    return tier.stat(key)
-            raise
+            failed = e
+        for tier in self.fallbacks:  # outside the handler (see head)
+            with contextlib.suppress(FileNotFoundError):
+                return tier.stat(key)
+        raise failed
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         seen: set[str] = set()

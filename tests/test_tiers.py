@@ -410,6 +410,34 @@ class HeldLocalStore(LocalStore):
         super()._put(key, data, exclusive=exclusive)
 
 
+@pytest.mark.parametrize("damage", ["replaced node", "damaged local chunk"])
+def test_a_stalled_request_to_the_persistent_tier_during_a_restore_is_retried(
+        tmp_path, object_servers, damage):
+    """A fallback read ran inside the handler of the local tier's error, which replaced the
+    botocore ReadTimeoutError's context, the error it was told transient by: one stalled
+    request failed the restore at once, or named an intact persisted chunk unusable
+    (exploratory session's repros). A plain restore from S3 retried it."""
+    server = object_servers["seaweedfs"]
+    with fault_proxy(server.endpoint_url, seed=3) as proxy:
+        remote = FsspecStore.from_url(server.url_for("stall-once"), **{
+            **server.storage_options, "endpoint_url": proxy.endpoint_url},
+            request_timeout_s=0.5, operation_timeout_s=30.0)
+        remote.policy.backoff_s = 0.05
+        local = LocalStore(tmp_path / "local")
+        with manager(local, remote, persist_interval_steps=1) as mngr:
+            mngr.save(0, tree_for(0))
+            assert mngr.wait_until_persisted()
+        if damage == "replaced node":
+            shutil.rmtree(tmp_path / "local")
+        else:
+            _damage_local(local, 0)
+        with manager(tmp_path / "local", remote, persist_interval_steps=1) as mngr:
+            proxy.set("stall", max_faults=1)  # one request stalls; every later one answers
+            assert_bit_exact(mngr.restore(0), 0)
+            assert proxy.faults["stall"] == 1
+            proxy.set(None)
+
+
 def _persist_during_a_held_save(tmp_path, remote, **policy):
     """A manager that persisted step 0, holding its save of step 3 (its write waits) while
     step 2 (saved beside it) is submitted for persisting; returns (manager, local tier, step

@@ -76,8 +76,13 @@ def is_transient(exc: BaseException) -> bool:
             return True
         if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
             return True
-        # the HTTP clients' own errors (gcsfs turns a 502 into requests' ProxyError)
-        if type(e).__module__.split(".")[0] in ("aiohttp", "urllib3", "requests"):
+        # the HTTP clients' own errors (gcsfs turns a 502 into requests' ProxyError), and
+        # botocore's of the connection (a read or connect timeout, a connection closed): these
+        # are told by their class, not by the error they wrap, which an exception raised in an
+        # ``except`` block replaces as its __context__
+        if type(e).__module__.split(".")[0] in ("aiohttp", "urllib3", "requests") or any(
+                c.__name__ == "HTTPClientError" and c.__module__.startswith("botocore")
+                for c in type(e).__mro__):
             return True
         if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):  # a reply cut short or
             return True  # changed on its way (gcsfs parses its JSON replies)
