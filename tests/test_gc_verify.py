@@ -127,6 +127,23 @@ def test_gc_lists_a_chunk_directory_under_its_own_name_not_through_an_alias(tmp_
         assert casstore.restore(root, 0, run=run)["w"].tobytes() == tree["w"].tobytes()
 
 
+def test_gc_keeps_the_chunks_of_a_run_linked_to_a_directory_elsewhere_in_the_repository(
+        tmp_path):
+    """A link to a directory inside the repository is no alias when no listing walks that
+    directory otherwise: passing over every such link (an earlier fix for aliases) hid the
+    run from GC, which deleted its chunks (exploratory session's repro)."""
+    root = tmp_path / "repo"
+    trees = _two_runs(root)
+    (root / "archive").mkdir()
+    os.replace(root / "runs" / "b", root / "archive" / "b")
+    os.symlink(root / "archive" / "b", root / "runs" / "b")
+    info = casstore.gc(root, grace_period_s=0)
+    assert (info.deleted_chunks, info.manifests, info.referenced_chunks) == (0, 2, 2)
+    assert casstore.verify(root).ok
+    for run, tree in trees.items():
+        assert casstore.restore(root, 0, run=run)["w"].tobytes() == tree["w"].tobytes()
+
+
 _GC_AS_NOBODY = """
 import sys, casstore
 try:

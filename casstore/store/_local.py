@@ -27,20 +27,19 @@ _DIRECTORY = re.compile(r"(runs|chunks|deltas|locks)(/[^/]+)?|runs/[^/]+/steps")
 _TEMPORARY = re.compile(r"\..+\.[0-9a-f]{32}\.tmp")  # a write's temporary file (_put)
 
 
-def _walk(top: str, root: str) -> Iterator[tuple[str, list[str], list[str]]]:
+def _walk(top: str) -> Iterator[tuple[str, list[str], list[str]]]:
     """``os.walk(top)`` in sorted order, without hidden directories, into directories that are
-    symlinks to elsewhere too (a run or the chunks moved to another disk and linked back: every
-    reader opens paths through them, so GC must see what they hold), each directory once and
-    under its own name: a link to a directory inside the repository ``root`` (an alias of a
-    sibling, an ancestor, which would loop) is not followed.
+    symlinks too (a run or the chunks moved to another disk and linked back: every reader
+    opens paths through them, so GC must see what they hold), each directory once (a link to
+    an ancestor would loop) and under its own name where the walk meets it: of a directory's
+    subdirectories the real ones come before the links, so a link to a sibling (an alias) is
+    the one passed over.
 
     Raises:
       OSError: a directory could not be listed (a bad block's EIO, EACCES), or ``top`` is a
         link to nothing (its disk not mounted): what it holds would look deleted, and GC would
         take the chunks only it references for garbage.
     """
-    inside = os.path.realpath(root).rstrip("/") + "/"
-
     def failed(e: OSError) -> None:
         if not isinstance(e, FileNotFoundError):
             raise e
@@ -59,9 +58,8 @@ def _walk(top: str, root: str) -> Iterator[tuple[str, list[str], list[str]]]:
             dirnames[:] = []
             continue
         seen.add((st.st_dev, st.st_ino))
-        dirnames[:] = [d for d in sorted(dirnames) if not d.startswith(".") and not (
-            os.path.islink(path := os.path.join(dirpath, d))
-            and (os.path.realpath(path) + "/").startswith(inside))]
+        dirnames[:] = sorted((d for d in dirnames if not d.startswith(".")),
+                             key=lambda d: (os.path.islink(os.path.join(dirpath, d)), d))
         yield dirpath, dirnames, filenames
 
 
@@ -186,7 +184,7 @@ class LocalStore(Store):
         """Deletes the temporary files (``.<name>.<hex>.tmp``, see ``_put``) of writers killed
         before their rename, once older than ``older_than_s`` seconds; returns their bytes."""
         freed, now = 0, time.time()
-        for dirpath, _, filenames in _walk(self.root, self.root):
+        for dirpath, _, filenames in _walk(self.root):
             for name in filenames:
                 path = os.path.join(dirpath, name)
                 with contextlib.suppress(FileNotFoundError):
@@ -198,7 +196,7 @@ class LocalStore(Store):
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        for dirpath, _, filenames in _walk(self._path(base) if base else self.root, self.root):
+        for dirpath, _, filenames in _walk(self._path(base) if base else self.root):
             rel = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
             for name in sorted(filenames):
                 key = name if rel == "." else f"{rel}/{name}"
