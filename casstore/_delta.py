@@ -33,9 +33,9 @@ from ._codec import (
     MAX_ELEMENT_SIZE,
     PLANE_CODECS,
     SAMPLE_BYTES,
-    VERSION,
     _min_saving,
     buffer_planes,
+    check_header,
     check_size,
     chunk_id,
     decode_chunk,
@@ -143,18 +143,14 @@ def base_bytes(data: bytes | memoryview, base_id: str, raw_length: int,
         length is not ``raw_length``.
     """
     k = element_size
-    check_size(data, base_id, raw_length)
-    if len(data) >= HEADER.size:
-        magic, version, codec, size, length = HEADER.unpack_from(data)
-        payload = memoryview(data)[HEADER.size:]
-        if (magic, version, length) == (MAGIC, VERSION, raw_length):
-            if codec in PLANE_CODECS and size == k:
-                return planes_of(payload, k, raw_length, base_id, codec)
-            if codec == CODEC_SHUFFLE_ZSTD and size == k:
-                return list(np.frombuffer(unzstd(payload, raw_length, base_id),
-                                          np.uint8).reshape(k, -1))
-            if codec == CODEC_RAW and size == 0 and len(payload) == raw_length:
-                return np.frombuffer(payload, np.uint8)
+    codec, size = check_header(data, base_id, raw_length)  # (an element size of 2 to 16)
+    payload = memoryview(data)[HEADER.size:]
+    if codec in PLANE_CODECS and size == k:
+        return planes_of(payload, k, raw_length, base_id, codec)
+    if codec == CODEC_SHUFFLE_ZSTD and size == k:
+        return list(np.frombuffer(unzstd(payload, raw_length, base_id), np.uint8).reshape(k, -1))
+    if codec == CODEC_RAW and len(payload) == raw_length:
+        return np.frombuffer(payload, np.uint8)
     return np.frombuffer(decode_chunk(data, base_id, raw_length), np.uint8)
 
 

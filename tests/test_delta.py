@@ -2,6 +2,7 @@
 
 import functools
 import math
+import struct
 from unittest import mock
 
 import jax
@@ -515,3 +516,31 @@ def test_the_restore_budget_holds_on_encoded_sizes():
     assert budget.take(10, 100)
     assert not budget.settle(10, 100, None)
     assert (budget.delta_bytes, budget.whole_bytes) == (400, 1800)
+
+
+def test_a_delta_base_whose_header_gives_an_element_size_its_codec_refuses_is_corrupt(
+        tmp_path):
+    """A uint8 leaf's delta (element size 1) on a base whose header was damaged to codec 5
+    with element size 1: the base's planes were read unchecked and an IndexError came out of
+    restore, verify and export (exploratory session's repro)."""
+    rng = np.random.default_rng(1)
+    big = rng.integers(0, 256, 200_000, dtype=np.uint8)  # unchanged: keeps the restore budget
+    u = rng.integers(0, 256, 100_000, dtype=np.uint8)
+    for step in range(2):
+        changed = u.copy()
+        changed[:10] += step
+        casstore.save(tmp_path, step, {"big": big, "u": changed})
+    (delta,) = (tmp_path / "deltas").rglob("*.*")
+    base_id = delta.name.rsplit(".", 1)[1]
+    base = tmp_path / "chunks" / base_id[:2] / base_id[2:]
+    data = base.read_bytes()
+    n = struct.unpack("<Q", data[8:16])[0]
+    header = bytearray(data[:16])
+    header[5], header[6:8] = 5, struct.pack("<H", 1)  # codec 5 needs an element size of 2-16
+    base.write_bytes(bytes(header) + struct.pack("<I", n) + data[16:16 + n])
+    with pytest.raises(casstore.CorruptChunkError,
+                       match=r"base chunk .* is corrupt: bad element size 1 for codec 5.*"
+                             r"step 1, key path 'u'"):
+        casstore.restore(tmp_path, 1)
+    report = casstore.verify(tmp_path)
+    assert [(p.kind, p.chunk_id) for p in report.problems] == [("corrupt", base_id)]
