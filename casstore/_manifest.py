@@ -321,16 +321,18 @@ def _check_tree(tree: Any, paths: list[str], check: _Check) -> None:
     index once, at the key path its leaf entry gives (``paths``, by index): a restore without
     a target rebuilds the tree, so a tree that disagrees would put values at other paths."""
     seen: set[int] = set()
-    stack: list[tuple[Any, tuple[str, ...]]] = [(tree, ())]
+    # (node, depth, its path as a cons cell (parent's cell, element) or None): one cell per
+    # node, where a tuple of the whole path per node took memory of nodes x depth
+    stack: list[tuple[Any, int, Any]] = [(tree, 0, None)]
     while stack:
-        node, path = stack.pop()
-        check(isinstance(node, dict) and len(path) <= MAX_DEPTH, "bad tree node or too deep")
+        node, depth, cell = stack.pop()
+        check(isinstance(node, dict) and depth <= MAX_DEPTH, "bad tree node or too deep")
         t = node.get("t")
         if t == "leaf":
             i = node.get("i")
             check(_is_int(i, 0, len(paths)) and i not in seen, "bad leaf index in tree")
-            check(paths[i] == "/".join(path), f"the tree puts leaf {paths[i]!r} at "
-                  f"{'/'.join(path)!r}")
+            path = _joined(cell)
+            check(paths[i] == path, f"the tree puts leaf {paths[i]!r} at {path!r}")
             seen.add(i)
         elif t in ("dict", "list", "tuple"):
             children = node.get("c")
@@ -343,10 +345,19 @@ def _check_tree(tree: Any, paths: list[str], check: _Check) -> None:
                 elements = [_element(k) for k in keys]
             else:
                 elements = [f"[{j}]" for j in range(len(children))]
-            stack.extend((c, (*path, e)) for c, e in zip(children, elements))
+            stack.extend((c, depth + 1, (cell, e)) for c, e in zip(children, elements))
         else:
             check(t == "none", f"unknown tree node kind {t!r}")
     check(len(seen) == len(paths), "tree does not reference every leaf")
+
+
+def _joined(cell: Any) -> str:
+    """The key path of a cons cell of :func:`_check_tree`."""
+    elements = []
+    while cell is not None:
+        cell, element = cell
+        elements.append(element)
+    return "/".join(reversed(elements))
 
 
 def _element(key: str | int) -> str:

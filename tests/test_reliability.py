@@ -5,6 +5,7 @@ import contextlib
 import functools
 import random
 import time
+import tracemalloc
 
 import jax
 import msgpack
@@ -364,6 +365,24 @@ def test_deeply_nested_tree_and_oversized_strings_are_rejected():
     doc["leaves"][0]["path"] = "p" * 5000
     with pytest.raises(casstore.ManifestError, match="bad key path"):
         decode_manifest(repack(doc), run="default", step=1, url="m")
+
+
+def test_a_deep_tree_of_many_nodes_is_checked_in_memory_of_its_nodes_not_times_its_depth():
+    """A tree 250 lists deep ending in 50,000 'none' nodes: the check kept each node's whole
+    path, memory of nodes x depth (a 1.5 MiB manifest grew the process by 469 MB; exploratory
+    session's repro); now a cell per node."""
+    from casstore._manifest import _Check, _check_tree
+
+    node = {"t": "list", "c": [{"t": "none"}] * 50_000, "type": "list"}
+    for _ in range(249):
+        node = {"t": "list", "c": [node], "type": "list"}
+    tracemalloc.start()
+    try:
+        _check_tree(node, [], _Check(run="default", step=1, url="m"))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 30e6, peak  # 100 MB before: 50,000 tuples of 250 elements
 
 
 def test_chunk_ids_cannot_name_objects_outside_chunks():
