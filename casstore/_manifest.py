@@ -326,7 +326,8 @@ def _check_tree(tree: Any, paths: list[str], check: _Check) -> None:
     stack: list[tuple[Any, int, Any]] = [(tree, 0, None)]
     while stack:
         node, depth, cell = stack.pop()
-        check(isinstance(node, dict) and depth <= MAX_DEPTH, "bad tree node or too deep")
+        check(isinstance(node, dict) and depth <= MAX_DEPTH
+              and isinstance(node.get("type", ""), str), "bad tree node or too deep")
         t = node.get("t")
         if t == "leaf":
             i = node.get("i")

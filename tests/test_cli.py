@@ -998,3 +998,33 @@ def test_du_plot_folder_read_only_hint_and_repair_of_a_newer_step(tmp_path):
     doc.update(features=[*doc["features"], "future-thing"], min_reader="9.0.0")
     key.write_bytes(repack(doc))
     run("repair", good, newer, code=14)
+
+
+def test_ls_and_cat_print_what_a_reader_takes_at_the_edges_of_the_format(tmp_path, monkeypatch):
+    """A ``created`` just below year 10000 UTC is year 10000 east of UTC: ls failed with
+    "year 10000 is out of range" (exit 2); a msgpack Timestamp in a tree node's field no
+    reader checks failed cat's JSON; a tree node's ``type`` must be a str (format.md §4.2)
+    (exploratory session's repros)."""
+    import time
+
+    import msgpack
+
+    url = tmp_path / "repo"
+    casstore.save(url, 1, {"a": np.arange(4.0)})
+    path = url / "runs" / "default" / "steps" / f"{1:016d}.manifest"
+    doc = msgpack.unpackb(path.read_bytes(), raw=False, strict_map_key=False)
+    doc["created"] = 253402300000.0  # 9999-12-31T23:46:40 UTC
+    doc["tree"]["note"] = msgpack.Timestamp(0)
+    path.write_bytes(repack(doc))
+    monkeypatch.setenv("TZ", "Asia/Tokyo")
+    time.tzset()
+    try:
+        assert "9999-12-31 23:46:40 UTC" in run("ls", url).stdout
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    assert json.loads(run("cat", url, 1).stdout)["tree"]["note"] == "1970-01-01T00:00:00+00:00"
+    doc["tree"]["type"] = msgpack.Timestamp(0)
+    path.write_bytes(repack(doc))
+    with pytest.raises(casstore.ManifestError, match="bad tree node"):
+        casstore.read_manifest(url, 1)

@@ -35,7 +35,13 @@ def problem_json(p: Any) -> dict:
 
 
 def _time(created: float) -> str:
-    return datetime.datetime.fromtimestamp(created).strftime("%Y-%m-%d %H:%M:%S")
+    """``created`` in local time; in UTC where local time would pass the year 9999 (a reader
+    takes any time below 10000-01-01 UTC, format.md §4.1)."""
+    try:
+        return datetime.datetime.fromtimestamp(created).strftime("%Y-%m-%d %H:%M:%S")
+    except (OverflowError, ValueError, OSError):
+        return datetime.datetime.fromtimestamp(created, datetime.UTC).strftime(
+            "%Y-%m-%d %H:%M:%S UTC")
 
 
 def _persistent_option(f: Any) -> Any:
