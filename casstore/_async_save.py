@@ -37,7 +37,7 @@ from ._repository import Url, read_manifest
 from ._save import SaveInfo, inflight_window, plan_jobs, prepare, write
 from ._save_encode import lost_chunks
 from ._staging import StagingStream
-from .store import Store, open_store
+from .store import Store, check_misspelt, open_store
 
 log = logging.getLogger("casstore")
 
@@ -111,6 +111,7 @@ class AsyncCheckpointer:
         if max_staging_bytes is not None and max_staging_bytes < chunk_size_bytes:
             raise ValueError(f"max_staging_bytes={max_staging_bytes} is smaller than one chunk "
                              f"(chunk_size_bytes={chunk_size_bytes})")
+        check_misspelt(storage_options, AsyncCheckpointer.__init__)
         self.store: Store = open_store(url, **storage_options)
         self.run = check_run(run)
         check_chunk_size(chunk_size_bytes)

@@ -45,7 +45,7 @@ from ._save import SaveInfo
 from ._save_leaves import snapshot
 from ._tiers import PersistPolicy
 from ._tiers_open import start_persister
-from .store import Store, open_store, split_options
+from .store import Store, check_misspelt, open_store, split_options
 
 
 class CheckpointManager:
@@ -159,6 +159,7 @@ class CheckpointManager:
             save_decision_policy, preservation_policy, save_interval_steps=save_interval_steps,
             max_to_keep=max_to_keep, keep_period=keep_period, best_fn=best_fn,
             best_mode=best_mode, keep_checkpoints_without_metrics=keep_checkpoints_without_metrics)
+        check_misspelt(storage_options, CheckpointManager.__init__)
         local_options, remote_options = split_options(storage_options, url, persistent)
         self._saver = AsyncCheckpointer(url, run=run, max_staging_bytes=max_staging_bytes,
                                         chunk_size_bytes=chunk_size_bytes, zstd_level=zstd_level,
@@ -174,8 +175,7 @@ class CheckpointManager:
         self._saving: int | None = None  # the step of the save in flight
         self.last_save_blocking_s = self.last_gc_info = self.last_restore_bytes = None
         self._steps: list[int] = list_steps(self.store, run=self.run)
-        # tiers (_tiers.py): the persister, which resumes what a killed manager left
-        self.persister = None if persistent is None else start_persister(
+        self.persister = None if persistent is None else start_persister(  # tiers, _tiers.py
             self.store, open_store(persistent, **remote_options), run, self._steps, PersistPolicy(
                 persist_interval_steps, persistent_preservation(
                     persistent_preservation_policy, persistent_max_to_keep,

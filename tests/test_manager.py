@@ -393,3 +393,19 @@ def test_metrics_msgpack_cannot_store_name_the_step_and_the_entry(tmp_path):
             ValueError, match=r"metadata \(step 7\) is not msgpack-serializable at \['arr'\]"):
         mngr.save(7, {"x": np.ones(2)}, metadata={"arr": np.zeros(3)})
     assert casstore.list_steps(tmp_path) == []
+
+
+def test_a_misspelt_keyword_is_refused_not_passed_to_the_filesystem(tmp_path):
+    """With an fsspec URL every other keyword is a storage option, and fsspec's memory
+    filesystem takes any: CheckpointManager("memory://...", max_to_kep=1) kept every step
+    (exploratory session's repro)."""
+    for make, typo, meant in [(casstore.CheckpointManager, "max_to_kep", "max_to_keep"),
+                              (casstore.AsyncCheckpointer, "chunk_sise_bytes",
+                               "chunk_size_bytes")]:
+        with pytest.raises(TypeError, match=rf"unexpected keyword argument '{typo}': did you "
+                                            rf"mean '{meant}'\?"):
+            make("memory://casstore-typo", **{typo: 1})
+    with casstore.CheckpointManager("memory://casstore-typo-ok", skip_instance_cache=True) as m:
+        m.save(0, {"w": np.zeros(2)})  # a storage option of fsspec's own still reaches it
+        m.wait_until_finished()
+        assert m.all_steps() == [0]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
+from typing import Any
 
 from ._base import ObjectInfo as ObjectInfo
 from ._base import Store as Store
@@ -86,6 +89,20 @@ def is_fsspec_url(url: object) -> bool:
         return False
     url = os.fspath(url)
     return "://" in url and not url.startswith("file://")
+
+
+def check_misspelt(options: dict, function: Any) -> None:
+    """Raises TypeError for a storage option whose name is close to one of ``function``'s own
+    keyword arguments: a misspelt one (``max_to_kep=1``) would reach the filesystem, which
+    may ignore it (fsspec's memory filesystem takes any), and the call would go on without
+    it."""
+    names = [n for n, p in inspect.signature(function).parameters.items()
+             if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD]
+    for option in options:
+        if close := difflib.get_close_matches(option, names, n=1, cutoff=0.8):
+            raise TypeError(f"{function.__qualname__}() got an unexpected keyword argument "
+                            f"{option!r}: did you mean {close[0]!r}? (other keywords are "
+                            "storage options, for fsspec URLs)")
 
 
 def split_options(options: dict, *urls: object) -> list[dict]:
