@@ -154,6 +154,22 @@ def test_transient_errors_are_retried_and_permanent_ones_are_not(tmp_path):
     store.fs.cat_file = flaky(store.fs.cat_file, [TimeoutError()] * 3)
     with pytest.raises(TimeoutError, match=rf"while accessing {re.escape(store.url)}/a$"):
         store.get("a")
+    # botocore's read timeout, whose aiohttp cause an ``except`` block may have replaced as
+    # its context (a tiered restore's fallback read): transient by its class
+    import aiohttp
+    import botocore.exceptions
+
+    store.policy.retries = 5
+    timeout = botocore.exceptions.ReadTimeoutError(endpoint_url="http://127.0.0.1:9")
+    timeout.__context__ = FileNotFoundError("the local tier's error")
+    store.fs.cat_file = flaky(store.fs.cat_file, [timeout])
+    assert store.get("a") == b"1"
+    # an invalid URL is permanent: 'http://' was retried until its 60 s deadline
+    invalid = [aiohttp.InvalidUrlClientError("http:///a") for _ in range(2)]
+    store.fs.cat_file = flaky(store.fs.cat_file, invalid)
+    with pytest.raises(aiohttp.InvalidUrlClientError):
+        store.get("a")
+    assert len(invalid) == 1  # one attempt
 
 
 def test_a_create_that_stored_its_bytes_then_failed_is_not_a_conflict(tmp_path):

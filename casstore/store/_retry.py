@@ -63,6 +63,8 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, _PERMANENT):
         return False
     for e in (x for x in seen if x is not None):
+        if isinstance(e, ValueError) and type(e).__module__.startswith("aiohttp"):
+            return False  # an invalid URL (InvalidURL): no retry makes it valid
         if isinstance(e, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
             return True
         response = getattr(e, "response", None)  # botocore ClientError
