@@ -19,7 +19,7 @@ import numpy as np
 from ._chunking import dtype_name, is_key_array
 from ._errors import UnsupportedLeafError
 from ._keypath import flatten, is_valid_path
-from ._manifest import MAX_ARRAY_BYTES, LeafEntry
+from ._manifest import MAX_ARRAY_BYTES, MAX_LEAVES, MAX_MANIFEST_BYTES, LeafEntry
 from ._manifest_checks import MAX_METADATA_BYTES, metadata_problem, sharding_problem
 
 
@@ -76,6 +76,9 @@ def prepare(tree: Any, metadata: Any = None) -> tuple[Prepared, dict[int, Any]]:
         over 1 MiB encoded).
     """
     node, leaves = flatten(tree)
+    if len(leaves) > MAX_LEAVES:
+        raise UnsupportedLeafError(f"the tree has {len(leaves)} leaves; a manifest holds at "
+                                   f"most {MAX_LEAVES} (format.md §4.4): nothing was written")
     _check_paths([path for path, _ in leaves])
     metadata = snapshot(metadata)
     scalars: dict[int, LeafEntry] = {}
@@ -86,6 +89,13 @@ def prepare(tree: Any, metadata: Any = None) -> tuple[Prepared, dict[int, Any]]:
             values[i], infos[i] = _as_array(path, value)
         else:
             scalars[i] = _scalar_entry(path, value)
+    inline = sum(len(e.value.encode() if isinstance(e.value, str) else e.value)
+                 for e in scalars.values() if isinstance(e.value, (str, bytes)))
+    if inline > MAX_MANIFEST_BYTES // 2:
+        raise UnsupportedLeafError(f"the str and bytes leaves hold {inline} bytes, which the "
+                                   f"manifest stores: they may take half of its limit of "
+                                   f"{MAX_MANIFEST_BYTES} bytes (format.md §4.4), "
+                                   f"{MAX_MANIFEST_BYTES // 2}; nothing was written")
     return Prepared(node, [p for p, _ in leaves], scalars, infos, metadata), values
 
 

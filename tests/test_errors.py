@@ -544,3 +544,21 @@ def test_a_tree_nested_too_deeply_is_refused_naming_its_path_briefly(tmp_path):
         casstore.save(tmp_path / "r", 0, tree)
     assert e.value.key_path == "/".join(["k" * 50] * 8) + "/..."
     assert len(str(e.value)) < 600
+
+
+def test_a_tree_a_manifest_cannot_hold_is_refused_before_anything_is_written(tmp_path,
+                                                                          monkeypatch):
+    """Over a million leaves, or str and bytes leaves past the manifest's size limit, passed
+    every check, wrote their chunks, then failed as a damaged manifest (ManifestError) at the
+    commit (exploratory session's repro)."""
+    blob = b"x" * (1 << 20)  # one object, many leaves: no memory of its own
+    with pytest.raises(casstore.UnsupportedLeafError, match="the str and bytes leaves hold "
+                                                           "135266304 bytes"):
+        casstore.save(tmp_path, 0, {"w": np.ones(1000), **{f"b{i}": blob for i in range(129)}})
+    from casstore import _save_leaves
+
+    monkeypatch.setattr(_save_leaves, "MAX_LEAVES", 1000)  # a million leaves take 15 s
+    with pytest.raises(casstore.UnsupportedLeafError, match="the tree has 1001 leaves; a "
+                                                           "manifest holds at most 1000"):
+        casstore.save(tmp_path, 0, list(range(1001)))
+    assert list(tmp_path.iterdir()) == []
