@@ -24,6 +24,7 @@ from ._chunking import (
     DEFAULT_CHUNK_SIZE_BYTES,
     DEFAULT_PACK_THRESHOLD_BYTES,
     check_chunk_size,
+    check_options,
 )
 from ._codec import DEFAULT_ZSTD_LEVEL
 from ._device_staging import copy_on_device
@@ -115,6 +116,7 @@ class AsyncCheckpointer:
         self.store: Store = open_store(url, **storage_options)
         self.run = check_run(run)
         check_chunk_size(chunk_size_bytes)
+        check_options(zstd_level=zstd_level, delta=delta)
         self.max_staging_bytes = max_staging_bytes
         self.chunk_size_bytes, self.zstd_level, self.delta = chunk_size_bytes, zstd_level, delta
         self._executor = cf.ThreadPoolExecutor(1, thread_name_prefix="casstore-save")

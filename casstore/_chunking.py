@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import operator
 from typing import Any
 
 import ml_dtypes
@@ -250,6 +251,31 @@ def start_host_copies(xs: list[jax.Array]) -> list[jax.Array]:
         return jax.device_put(xs, [jax.sharding.SingleDeviceSharding(d, memory_kind="pinned_host")
                                    for d in devices])
     return [start_host_copy(x, (0,) * x.ndim, x.shape) for x in xs]
+
+
+def check_options(*, zstd_level: object = 3, max_workers: object = None,
+                  pack_threshold_bytes: object = 0, delta: object = True,
+                  shuffle: object = None, dtypes: object = None) -> None:
+    """Raises ValueError naming a save option out of its range or of another type (a level zstd
+    does not have, which failed midway in a save that compressed, or was ignored by one that
+    did not; 0 workers, taken as the default; ``delta="no"``, taken as true)."""
+    for name, value, low, high in (("zstd_level", zstd_level, -(2**17), 22),
+                                   ("max_workers", max_workers, 1, 4096),
+                                   ("pack_threshold_bytes", pack_threshold_bytes, 0, 2**31)):
+        if value is None and name == "max_workers":
+            continue
+        try:
+            number = operator.index(value)  # numpy ints too
+        except TypeError:
+            number = None
+        if isinstance(value, bool) or number is None or not low <= number <= high:
+            raise ValueError(f"{name} must be an int in [{low}, {high}], not {value!r}")
+    for name, value in (("delta", delta), ("shuffle", shuffle)):
+        if not isinstance(value, (bool, np.bool_)) and not (name == "shuffle" and value is None):
+            raise ValueError(f"{name} must be a bool{' or None' * (name == 'shuffle')}, not "
+                             f"{value!r}")
+    if dtypes is not None and not isinstance(dtypes, dict):
+        raise ValueError(f"dtypes must be a dict of key path prefix -> dtype, not {dtypes!r}")
 
 
 def check_chunk_size(chunk_size_bytes: object) -> int:

@@ -27,6 +27,7 @@ from ._chunking import (
     DEFAULT_CHUNK_SIZE_BYTES,
     DEFAULT_PACK_THRESHOLD_BYTES,
     check_chunk_size,
+    check_options,
 )
 from ._codec import DEFAULT_ZSTD_LEVEL
 from ._compression import chunk_settings
@@ -191,8 +192,10 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
       ValueError: invalid ``step``, ``run``, ``chunk_size_bytes`` (an int in [1, 2**31],
         at least one element of every array leaf), ``metadata`` that msgpack cannot encode
         or format.md §4.1 does not allow (an extension type: the message says where),
-        a ``dtypes`` prefix that matches no array leaf, an unknown ``compression``, or a
-        ``max_inflight_bytes`` of less than one chunk.
+        a ``dtypes`` prefix that matches no array leaf, an unknown ``compression``, a
+        ``max_inflight_bytes`` of less than one chunk, ``zstd_level`` (an int up to 22),
+        ``max_workers`` (at least 1), ``pack_threshold_bytes`` or a ``delta`` or ``shuffle``
+        that is no bool.
       ManifestError: the repository's config object is damaged or of an unknown version.
       StoreTimeoutError: an object store did not answer within its deadline (``open_store``'s
         ``operation_timeout_s``); nothing is committed (unless the manifest write was stored
@@ -203,11 +206,13 @@ def save(url: Url, step: int, tree: Any, *, run: str = "default", metadata: Any 
         store, step = open_store(url), check_step(step)
         manifest_key(check_run(run), step)
         check_chunk_size(chunk_size_bytes)
+        check_options(zstd_level=zstd_level, max_workers=max_workers, delta=delta,
+                      pack_threshold_bytes=pack_threshold_bytes, shuffle=shuffle, dtypes=dtypes)
         # 1. the leaves, checked and in their stored dtypes
         prepared, arrays = stored_as(*prepare(tree, metadata), dtypes)
         # 2. the plan: inline leaves now, chunk jobs as a lazy stream
         inline, jobs = plan_jobs(prepared, arrays, chunk_size_bytes, pack_threshold_bytes)
-        workers = max_workers or store.max_workers
+        workers = int(max_workers or store.max_workers)  # a numpy int too
         window = inflight_window(workers, chunk_size_bytes, max_inflight_bytes)
     del arrays  # the jobs hold what they still need
     try:  # 3 to 6: encode, upload, agree, commit

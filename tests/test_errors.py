@@ -562,3 +562,27 @@ def test_a_tree_a_manifest_cannot_hold_is_refused_before_anything_is_written(tmp
                                                            "manifest holds at most 1000"):
         casstore.save(tmp_path, 0, list(range(1001)))
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("zstd_level", 99, "zstd_level must be an int in"),
+    ("zstd_level", "3", "zstd_level must be an int in"),
+    ("max_workers", 0, "max_workers must be an int in [1, 4096], not 0"),
+    ("max_workers", 1.5, "max_workers must be an int in"),
+    ("pack_threshold_bytes", None, "pack_threshold_bytes must be an int in"),
+    ("delta", "no", "delta must be a bool, not 'no'"),
+    ("shuffle", "yes", "shuffle must be a bool or None"),
+    ("dtypes", "w", "dtypes must be a dict")])
+def test_a_save_option_out_of_its_range_is_refused_before_anything_is_written(
+        tmp_path, option, value, message):
+    """Each was ignored (a zstd level where raw chunks were stored), taken for something else
+    (0 workers for the default, "no" for true) or failed midway in the save (a level zstd
+    does not have, where it compressed) (exploratory session's repros)."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        casstore.save(tmp_path / "r", 0, {"w": np.ones(3)}, **{option: value})
+    assert not (tmp_path / "r").exists()
+    if option in ("zstd_level", "delta"):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            casstore.AsyncCheckpointer(tmp_path / "r", **{option: value})
+    info = casstore.save(tmp_path / "r", 0, {"w": np.ones(3)}, max_workers=np.int64(2))
+    assert info.step == 0  # a numpy int is an int
