@@ -69,9 +69,10 @@ def _check_planes(payload: memoryview, k: int, n: int, bad: Callable) -> None:
 
 
 def _check_frame_size(frame: memoryview, size: int, bad: Callable) -> None:
-    """Checks that ``frame`` is one zstd frame declaring ``size`` content bytes that ends
-    exactly where ``frame`` does: its blocks are walked by their 3-byte headers (RFC 8878
-    §3.1.1.2), none decoded, so a frame cut short (a body that ended early) is refused."""
+    """Checks that ``frame`` begins with one whole zstd frame declaring ``size`` content bytes:
+    its blocks are walked by their 3-byte headers (RFC 8878 §3.1.1.2), none decoded, so a
+    frame cut short (a body that ended early) is refused. Bytes after it are ignored, as a
+    reader ignores them (format.md §3.2)."""
     try:
         declared = zstandard.frame_content_size(frame)
         position = zstandard.frame_header_size(frame)
@@ -89,5 +90,5 @@ def _check_frame_size(frame: memoryview, size: int, bad: Callable) -> None:
         if kind == 3:
             raise bad("reserved zstd block type")
         position += 3 + (1 if kind == 1 else header >> 3)  # an RLE block holds one byte
-    if position + 4 * checksum != len(frame):
-        raise bad(f"zstd frame of {position + 4 * checksum} bytes in {len(frame)}")
+    if position + 4 * checksum > len(frame):
+        raise bad(f"zstd frame of {position + 4 * checksum} bytes cut short at {len(frame)}")

@@ -284,11 +284,13 @@ def test_the_framing_check_refuses_a_truncated_object_without_decoding(tmp_path)
 @pytest.mark.parametrize("array", [np.arange(10.0), np.zeros(100_000),
                                    np.random.default_rng(0).normal(0, 0.02, 300_000)
                                    .astype(np.float32)], ids=["tiny", "zeros", "planes"])
-def test_the_framing_check_finds_a_zstd_frame_cut_short_or_followed_by_bytes(array):
+def test_the_framing_check_finds_a_zstd_frame_cut_short_and_takes_what_readers_take(array):
     """Each zstd frame's blocks are walked (RFC 8878 §3.1.1.2): a body that ended early
-    anywhere, even inside a frame whose header is intact, is refused, and so are bytes past
-    the frame; the whole object passes."""
-    from casstore._codec import chunk_id, encode_chunk
+    anywhere, even inside a frame whose header is intact, is refused; the whole object passes,
+    and so do bytes after a frame within its stored length, which readers ignore (format.md
+    §3.2): copy refused a chunk that restore and verify took (exploratory session's repro).
+    Past the last plane of codec 5 they break its plane table, which readers refuse too."""
+    from casstore._codec import chunk_id, decode_chunk, encode_chunk
     from casstore._framing import check_framing
 
     raw = memoryview(array.tobytes())
@@ -296,9 +298,19 @@ def test_the_framing_check_finds_a_zstd_frame_cut_short_or_followed_by_bytes(arr
     assert data[5] != 0  # zstd frames (codec 1 or 5), not raw bytes
     check_framing(data, chunk_id(raw), len(raw))
     for damaged in [data[:n] for n in (len(data) - 1, len(data) - 4, len(data) * 2 // 3,
-                                       len(data) // 2)] + [data + b"\0"]:
+                                       len(data) // 2)]:
         with pytest.raises(casstore.CorruptChunkError, match="bad chunk object"):
             check_framing(damaged, chunk_id(raw), len(raw))
+    longer = data + b"\0" * 8
+    try:
+        decoded = decode_chunk(longer, chunk_id(raw), len(raw))
+    except casstore.CorruptChunkError:
+        with pytest.raises(casstore.CorruptChunkError, match="bad chunk object"):
+            check_framing(longer, chunk_id(raw), len(raw))
+    else:
+        assert bytes(decoded) == bytes(raw)
+        check_framing(longer, chunk_id(raw), len(raw))
+    assert (data[5] == 1) == (array.size < 300_000)  # both ways are met: codec 1 and 5
 
 
 def test_steps_that_need_an_unusable_object_are_left_out_and_the_rest_copied(tmp_path):
