@@ -171,9 +171,9 @@ def _shared(d: LeafDiff) -> str:
     return "part" if d.status == "changed" and d.changed_bytes < d.bytes_b else "no"
 
 
-def inspect_step(url: Url, step: int, *, run: str = "default") -> StepInfo:
-    """Each leaf of a step: shape, dtype, sharding, chunks, bytes, and sharing with the
-    run's previous step. Reads two manifests, no chunk data.
+def inspect_step(url: Url, step: int | None = None, *, run: str = "default") -> StepInfo:
+    """Each leaf of a step (None: the run's latest): shape, dtype, sharding, chunks, bytes,
+    and sharing with the run's previous step. Reads two manifests, no chunk data.
 
     Raises:
       StepNotFoundError: the step does not exist. ManifestError: its manifest is damaged
@@ -181,6 +181,7 @@ def inspect_step(url: Url, step: int, *, run: str = "default") -> StepInfo:
     """
     store = open_store(url)
     manifest = read_manifest(store, step, run=run)
+    step = manifest.step
     earlier = [s for s in list_steps(store, run=run) if s < step]
     shared: dict[str, str] = {}
     problems: tuple[Problem, ...] = ()

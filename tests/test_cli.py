@@ -1028,3 +1028,11 @@ def test_ls_and_cat_print_what_a_reader_takes_at_the_edges_of_the_format(tmp_pat
     path.write_bytes(repack(doc))
     with pytest.raises(casstore.ManifestError, match="bad tree node"):
         casstore.read_manifest(url, 1)
+
+
+def test_inspect_step_of_none_is_the_latest_step(repo):
+    """It failed with a bare TypeError comparing None (exploratory session's repro), where
+    diff_steps already took None for the latest."""
+    latest = casstore.inspect_step(repo, None)
+    assert (latest.step, latest.previous_step) == (2, 1)
+    assert latest == casstore.inspect_step(repo, 2)
