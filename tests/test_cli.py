@@ -1036,3 +1036,16 @@ def test_inspect_step_of_none_is_the_latest_step(repo):
     latest = casstore.inspect_step(repo, None)
     assert (latest.step, latest.previous_step) == (2, 1)
     assert latest == casstore.inspect_step(repo, 2)
+
+
+def test_a_step_is_written_in_ascii_digits_only(repo, tmp_path):
+    """Python's int() read '0_1' as step 1 and a fullwidth one (U+FF11) as 1: 'casstore rm URL 0_1'
+    deleted step 1 (exploratory session's repro)."""
+    for args, said in [(("rm", repo, "0_1"), "'0_1' is not a step number"),
+                       (("show", repo, "\uff11"), "'\uff11' is not a step number nor 'latest'"),
+                       (("export", repo, "0_1", tmp_path / "x.npz"), "'0_1' is not a step"),
+                       (("copy", repo, tmp_path / "dst", "--steps", "0_1"),
+                        "--steps '0_1' is not a comma-separated list of steps")]:
+        assert said in run(*args, code=2).stderr
+    assert casstore.list_steps(repo) == [0, 1, 2]
+    assert not (tmp_path / "dst").exists()

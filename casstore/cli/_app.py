@@ -274,22 +274,35 @@ def run_option(f: Any) -> Any:
     return click.option("--run", default="default", show_default=True, help="Run name.")(f)
 
 
+def step_number(text: str) -> int:
+    """A step number written in ASCII digits; ValueError for anything else (Python's ``int``
+    also takes ``1_0`` for 10 and other scripts' digits, and ``rm`` would delete that step)."""
+    if not (text.isascii() and text.isdigit()):
+        raise ValueError(f"{text!r} is not a step number")
+    return int(text)
+
+
 class StepParam(click.ParamType):
-    """A STEP argument: a step number, or ``latest`` (the run's newest committed step, as
-    restic's ``latest`` snapshot); :func:`step_of` resolves it once the repository is open."""
+    """A STEP argument: a step number, or with ``latest`` also ``latest`` (the run's newest
+    committed step, as restic's ``latest`` snapshot; :func:`step_of` resolves it once the
+    repository is open)."""
 
     name = "step"
 
+    def __init__(self, latest: bool = True):
+        self.latest = latest
+
     def convert(self, value: Any, param: Any, ctx: Any) -> int | str:
-        if isinstance(value, int) or value == "latest":
+        if isinstance(value, int) or (self.latest and value == "latest"):
             return value
         try:
-            return int(value)
+            return step_number(value)
         except ValueError:
-            self.fail(f"{value!r} is neither a step number nor 'latest'", param, ctx)
+            self.fail(f"{value!r} is not a step number" + (" nor 'latest'" if self.latest
+                                                              else ""), param, ctx)
 
 
-STEP = StepParam()
+STEP, STEP_NUMBER = StepParam(), StepParam(latest=False)
 
 
 def step_of(store: Any, url: str, run: str, step: int | str) -> int:

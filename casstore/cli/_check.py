@@ -15,6 +15,7 @@ from ._app import (
     EXIT_NEWER,
     EXIT_PROBLEMS,
     STEP,
+    STEP_NUMBER,
     check_run,
     command,
     counted,
@@ -25,6 +26,7 @@ from ._app import (
     parse_options,
     problems_exit,
     run_option,
+    step_number,
     step_of,
     storage_options,
     where,
@@ -163,7 +165,7 @@ def list_option(given: tuple[str, ...], kind: Callable[[str], Any], name: str) -
         items = [kind(x.strip()) for x in text.split(",") if x.strip()]
     except ValueError:
         raise click.UsageError(f"{name} {text!r} is not a comma-separated list of "
-                               f"{'steps (integers)' if kind is int else 'names'}") from None
+                               f"{'steps' if kind is step_number else 'names'}") from None
     if not items:
         raise click.UsageError(f"{name} {text!r} names nothing")
     return items
@@ -213,7 +215,7 @@ def copy_command(src: str, dst: str, steps: tuple[str, ...], runs: tuple[str, ..
     """
     src_options, dst_options = pair_options(src, dst, options, dst_options)
     source = open_repo(src, src_options)
-    step_list = list_option(steps, int, "--steps")
+    step_list = list_option(steps, step_number, "--steps")
     run_list = list_option(runs, str, "--runs")
     check_selection(source, src, run_list, step_list)
     target = counted(open_repo(dst, dst_options, create=True))
@@ -235,7 +237,7 @@ def copy_command(src: str, dst: str, steps: tuple[str, ...], runs: tuple[str, ..
 
 @command("rm")
 @click.argument("url")
-@click.argument("steps", type=int, nargs=-1, required=True)
+@click.argument("steps", type=STEP_NUMBER, nargs=-1, required=True)
 @run_option
 @click.option("--dry-run", is_flag=True,
               help="Name the steps that would be deleted; delete nothing.")

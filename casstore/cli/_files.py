@@ -8,6 +8,7 @@ import casstore
 
 from ._app import (
     STEP,
+    STEP_NUMBER,
     check_run,
     command,
     counted,
@@ -73,7 +74,7 @@ def export_command(url: str, step: int | str, out: str, run: str, paths: tuple[s
 @command("import")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False))
 @click.argument("url")
-@click.argument("step", type=int)
+@click.argument("step", type=STEP_NUMBER)
 @run_option
 @storage_options
 @json_flag
