@@ -1042,8 +1042,8 @@ def test_a_step_is_written_in_ascii_digits_only(repo, tmp_path):
     """Python's int() read '0_1' as step 1 and a fullwidth one (U+FF11) as 1: 'casstore rm URL 0_1'
     deleted step 1 (exploratory session's repro)."""
     for args, said in [(("rm", repo, "0_1"), "'0_1' is not a step number"),
-                       (("show", repo, "\uff11"), "'\uff11' is not a step number nor 'latest'"),
-                       (("export", repo, "0_1", tmp_path / "x.npz"), "'0_1' is not a step"),
+                       (("show", repo, "\uff11"), "'\uff11' is neither a step number nor"),
+                       (("export", repo, "0_1", tmp_path / "x.npz"), "'0_1' is neither a step"),
                        (("copy", repo, tmp_path / "dst", "--steps", "0_1"),
                         "--steps '0_1' is not a comma-separated list of steps")]:
         assert said in run(*args, code=2).stderr

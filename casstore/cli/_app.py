@@ -298,8 +298,8 @@ class StepParam(click.ParamType):
         try:
             return step_number(value)
         except ValueError:
-            self.fail(f"{value!r} is not a step number" + (" nor 'latest'" if self.latest
-                                                              else ""), param, ctx)
+            self.fail(f"{value!r} is neither a step number nor 'latest'" if self.latest
+                      else f"{value!r} is not a step number", param, ctx)
 
 
 STEP, STEP_NUMBER = StepParam(), StepParam(latest=False)
