@@ -69,15 +69,14 @@ def _read(store: Store, key: str, nbytes: int | None) -> bytes:
 class FallbackStore(Store):
     """A read view of ``primary`` that reads what ``primary`` lacks from ``fallbacks``.
 
-    ``get`` and ``get_into`` try the primary, then each fallback in order, for a missing
-    object, and ``get`` for a config object or a manifest that is damaged in the primary (one
-    that fails validation: not one of a newer format) where a fallback's is not;
-    :func:`reread_chunk` (which a restore calls for a chunk that fails its checks) reads the
-    chunk from the other copies. ``list`` yields the union of every tier's keys (the
-    primary's entry where several have one), so the latest step is the latest of all tiers.
-    It is read-only (:class:`~casstore.ReadOnlyStoreError`): ``exists`` answers for every
-    tier, so a save through it would skip the chunks only a fallback holds; save to the
-    primary itself.
+    ``get`` and ``get_into`` try the primary, then each fallback in order, for a missing object,
+    and ``get`` for a config object or a manifest that is damaged in the primary (one that fails
+    validation: not one of a newer format) where a fallback's is not; :func:`reread_chunk` (which a
+    restore calls for a chunk that fails its checks) reads the chunk from the other copies.
+    ``list`` yields the union of every tier's keys (the primary's entry where several have one), so
+    the latest step is the latest of all tiers. It is read-only
+    (:class:`~casstore.ReadOnlyStoreError`): ``exists`` answers for every tier, so a save through
+    it would skip the chunks only a fallback holds; save to the primary itself.
 
     Args:
       primary: a path, URL or Store: read first (and written to by ``write_back``).
@@ -140,8 +139,8 @@ class FallbackStore(Store):
         """
         try:
             data, failed = _read(self.primary, key, nbytes), None
-        except OSError as e:
-            failed = e  # the fallbacks are read outside this handler: their errors keep theirs
+        except OSError as e:  # fallbacks are read outside this handler: their errors keep theirs
+            failed = e
         if failed is not None:
             data, i = self._from_fallback(key, nbytes=nbytes, failed=failed)
             self._checked(key, data, self.fallbacks[i].url)
@@ -187,9 +186,8 @@ class FallbackStore(Store):
 
         Raises:
           ObjectNotFoundError: no fallback has it (the primary's error, naming its URL).
-          OSError: ``failed`` itself where no fallback has it and the primary's copy was
-            there but unreadable (:func:`~casstore._errors.unreadable`), or where it is
-            another failure of the primary (a timeout: the store, not the object).
+          OSError: ``failed``, unless missing, where no fallback has it, or at once where it
+            is no failure of the one object (a timeout: :func:`~casstore._errors.unreadable`).
         """
         data = self._from_fallback(key, skip, nbytes, failed)[0]
         if key == CONFIG_KEY and not _damaged(key, data, self.primary.url):
@@ -329,8 +327,8 @@ class FallbackStore(Store):
         except OSError as e:
             if not (isinstance(e, FileNotFoundError) or unreadable(e)):
                 raise
-            failed = e
-        for tier in self.fallbacks:  # outside the handler (see head)
+            failed = e  # the fallbacks are read outside this handler (see head)
+        for tier in self.fallbacks:
             with contextlib.suppress(FileNotFoundError):
                 return tier.stat(key)
         raise failed
