@@ -131,6 +131,8 @@ def copy(src_url: Url, dst_url: Url, *, steps: list[int] | None = None,
       StoreTimeoutError: either store did not answer within its deadline (names the object and,
         for a chunk, run, step, key path and chunk id); manifests that need it are not written.
     """
+    if progress is not None and not callable(progress):  # else step 0 was copied, then this
+        raise TypeError(f"progress must be callable, not {progress!r}")
     src, dst = open_store(src_url), open_store(dst_url)
     if nested(src, dst):
         raise ValueError(f"cannot copy {src.url!r} to {dst.url!r}: one repository, or one "

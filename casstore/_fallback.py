@@ -29,7 +29,7 @@ from ._errors import (
 from ._layout import CONFIG_KEY, chunk_key, parse_manifest_key
 from ._locks import save_lock_unless_gc
 from ._manifest import ChunkRef, decode_manifest, needed_objects
-from ._repository import list_chunk_objects, parse_config
+from ._repository import Url, list_chunk_objects, parse_config
 from .store import ObjectInfo, Store, open_store
 
 log = logging.getLogger("casstore")
@@ -80,7 +80,7 @@ class FallbackStore(Store):
 
     Args:
       primary: a path, URL or Store: read first (and written to by ``write_back``).
-      fallbacks: URLs or Stores, tried in order.
+      fallbacks: a URL or Store, or a list of them, tried in order.
       write_back: put what a restore read from a fallback into the primary too, once it is
         checked (best effort: a failed write is logged and the read still succeeds), so the
         next restore finds it there: a chunk or delta object after the restore decoded it and
@@ -96,9 +96,10 @@ class FallbackStore(Store):
       objects_recovered: objects read from a fallback (missing or damaged in the primary).
     """
 
-    def __init__(self, primary, fallbacks: Sequence, *, write_back: bool = False):
+    def __init__(self, primary, fallbacks: Sequence | Url, *, write_back: bool = False):
         self.primary = open_store(primary)
-        self.fallbacks = [open_store(f) for f in fallbacks]
+        self.fallbacks = [open_store(f) for f in (
+            fallbacks if isinstance(fallbacks, list | tuple) else [fallbacks])]
         self.write_back = write_back
         self.url = self.primary.url
         self.read_only = True  # a view: see the class docstring
@@ -355,10 +356,7 @@ class FallbackStore(Store):
 def with_fallback(store: Store, fallback) -> Store:
     """``store`` itself for ``fallback=None``, else a :class:`FallbackStore` reading what
     ``store`` lacks from ``fallback`` (a URL, a Store, or a list of them, tried in order)."""
-    if fallback is None:
-        return store
-    fallbacks = list(fallback) if isinstance(fallback, (list, tuple)) else [fallback]
-    return FallbackStore(store, fallbacks)
+    return store if fallback is None else FallbackStore(store, fallback)
 
 
 def reread_chunk(store: Store, key: str, ref: ChunkRef, out: np.ndarray | None,

@@ -95,6 +95,9 @@ def gc(url: Url, *, grace_period_s: float = DEFAULT_GRACE_PERIOD_S, dry_run: boo
       ReadOnlyStoreError: not a dry run on a read-only store.
     """
     t0 = time.perf_counter()
+    for name, value in (("grace_period_s", grace_period_s), ("lock_timeout_s", lock_timeout_s)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+            raise ValueError(f"{name} must be a number of seconds >= 0, not {value!r}")
     store = open_store(url)
     if not check_config(store):
         return GcInfo(0, 0, 0, 0, 0, 0, 0, dry_run, time.perf_counter() - t0)

@@ -201,6 +201,9 @@ def _saved_by_target_path(manifest: Manifest, transforms, store: Store) -> dict[
       ValueError: a key of ``transforms`` is no regular expression, or a template no str.
     """
     rules = []
+    if not isinstance(transforms, dict | None):
+        raise ValueError(f"transforms must be a dict of saved key path regular expression -> "
+                         f"target key path template (or None), not {transforms!r}")
     for k, v in (transforms or {}).items():
         if not isinstance(k, str) or not isinstance(v, str | None):
             raise ValueError("transforms maps str regular expressions to str templates (e.g. "
@@ -214,7 +217,11 @@ def _saved_by_target_path(manifest: Manifest, transforms, store: Store) -> dict[
         path = leaf.path
         for regex, template in rules:
             if (m := regex.fullmatch(path)) is not None:
-                path = None if template is None else m.expand(template)
+                try:
+                    path = None if template is None else m.expand(template)
+                except (re.error, IndexError) as e:  # a group the expression does not have
+                    raise ValueError(f"transforms: template {template!r} of {regex.pattern!r}"
+                                     f" does not expand: {e}") from None
                 break
         if path is None:
             continue

@@ -131,6 +131,8 @@ def verify(url: Url, step: int | None = None, *, run: str | None = None, read_da
     """
     t0 = time.perf_counter()
     step = None if step is None else check_step(step)
+    if progress is not None and not callable(progress):  # else raised after all the reading
+        raise TypeError(f"progress must be callable, not {progress!r}")
     store = open_store(url)
     config = _config_problem(store, run, step)
     if config is not None and config.kind != CONFIG:  # a newer format, or no repository

@@ -586,3 +586,32 @@ def test_a_save_option_out_of_its_range_is_refused_before_anything_is_written(
             casstore.AsyncCheckpointer(tmp_path / "r", **{option: value})
     info = casstore.save(tmp_path / "r", 0, {"w": np.ones(3)}, max_workers=np.int64(2))
     assert info.step == 0  # a numpy int is an int
+
+
+def test_arguments_of_the_wrong_kind_are_named_before_any_work(tmp_path):
+    """Each failed with a bare error naming no argument, some after the work: copy committed
+    a step before it called progress=5, verify read every chunk first, gc took NaN seconds
+    and deleted nothing (exploratory session's repros)."""
+    url = tmp_path / "repo"
+    casstore.save(url, 0, {"a": np.arange(3.0), "b": np.ones(2)})
+    target = {"x": jax.ShapeDtypeStruct((3,), np.float64),
+              "b": jax.ShapeDtypeStruct((2,), np.float64)}
+    for call, error, message in [
+            (lambda: casstore.restore(url, 0, target=target, transforms=[("a", "x")]),
+             ValueError, "transforms must be a dict"),
+            (lambda: casstore.restore(url, 0, target=target, transforms={"(a)": r"\2"}),
+             ValueError, r"template '\\2' of '(a)' does not expand"),
+            (lambda: casstore.restore(url, 0, fallback=5), TypeError,
+             "url must be a str path or URL, a PathLike or a Store, not 5"),
+            (lambda: casstore.verify(url, progress=5), TypeError, "progress must be callable"),
+            (lambda: casstore.copy(url, tmp_path / "copy", progress=5), TypeError,
+             "progress must be callable"),
+            (lambda: casstore.gc(url, grace_period_s=float("nan")), ValueError,
+             "grace_period_s must be a number of seconds >= 0, not nan"),
+            (lambda: casstore.gc(url, lock_timeout_s="x"), ValueError,
+             "lock_timeout_s must be a number of seconds >= 0, not 'x'")]:
+        with pytest.raises(error, match=re.escape(message)):
+            call()
+    assert not (tmp_path / "copy").exists()
+    restored = casstore.restore(url, 0, target=target, transforms={"(a)": "x"}, fallback=url)
+    assert restored["x"].tolist() == [0.0, 1.0, 2.0]

@@ -56,6 +56,8 @@ def open_store(url: str | os.PathLike | Store, *, read_only: bool = False,
         if storage_options or timeouts:
             raise ValueError("storage_options cannot apply to an already opened Store")
         return url
+    if not isinstance(url, str | os.PathLike):
+        raise TypeError(f"url must be a str path or URL, a PathLike or a Store, not {url!r}")
     url = os.fspath(url)
     _check_url(url)
     if not is_fsspec_url(url):
