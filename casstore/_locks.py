@@ -48,12 +48,19 @@ class GcBusyError(CasstoreError):
     """GC found saves holding their locks until its lock timeout; it did nothing."""
 
 
-def _live(store: Store, kind: str) -> list[str]:
+def _live(store: Store, kind: str, own: tuple[str, float] | None = None) -> list[str]:
     """Keys of the locks of ``kind`` that are not stale (see the module docstring): put less
     than the stale time ago, and no further in the future than that (a clock set back, or a
-    copy of the repository made with future times: else it held the others off until then)."""
-    now, stale = time.time(), _timing(kind)[1]
-    return [info.key for info in store.list(LOCKS_PREFIX)
+    copy of the repository made with future times: else it held the others off until then).
+
+    Ages are on the store's clock where ``own``, ``(key, time.monotonic() of its put)`` of
+    the caller's own lock, is listed: its time is the store's then (on this machine's clock,
+    a client behind the store's by more than the stale age took a fresh lock for stale);
+    else on this machine's."""
+    infos, stale = list(store.list(LOCKS_PREFIX)), _timing(kind)[1]
+    mine = next((i.mtime for i in infos if own is not None and i.key == own[0]), None)
+    now = time.time() if mine is None else mine + time.monotonic() - own[1]
+    return [info.key for info in infos
             if lock_kind(info.key) == kind and abs(now - info.mtime) < stale]
 
 
@@ -199,8 +206,8 @@ def save_lock(store: Store) -> Iterator[Lease]:
         except AccessDeniedError:
             stored = False  # refused: there is no lock to delete (read-only keys)
             raise
-        since = time.monotonic()
-        while gc := _live(store, "gc"):
+        since = put_at = time.monotonic()
+        while gc := _live(store, "gc", (lease.key, put_at)):
             while gc:
                 if since is not None and time.monotonic() - since > WAIT_NOTICE_S:
                     since = None  # said once
@@ -208,8 +215,9 @@ def save_lock(store: Store) -> Iterator[Lease]:
                                 "finish (lock %s); a GC lock not refreshed for %g s is "
                                 "ignored", store.url, ", ".join(gc), GC_LOCK_STALE_S)
                 time.sleep(POLL_S)
-                gc = _live(store, "gc")
+                gc = _live(store, "gc", (lease.key, put_at))
             lease.put()  # fresh again, then look for GCs again
+            put_at = time.monotonic()
         lease.start()
         yield lease
     finally:
@@ -234,7 +242,7 @@ def save_lock_unless_gc(store: Store) -> Iterator[bool]:
         _release(store, key, True)  # an answer lost: the lock may be stored, or land later
         raise
     try:
-        yield not _live(store, "gc")
+        yield not _live(store, "gc", (key, time.monotonic()))
     finally:
         _release(store, key)
 
@@ -327,7 +335,7 @@ def gc_lock(store: Store, timeout_s: float) -> Iterator[Lease]:
                     e.add_note("casstore: garbage collection writes its lock object before it "
                                "deletes anything: on a full disk, free a few kilobytes first")
                 raise
-            if not (saves := _live(store, "save")):
+            if not (saves := _live(store, "save", (lease.key, time.monotonic()))):
                 break
             _release(store, lease.key, lease.unsure)
         waited = time.monotonic() - start

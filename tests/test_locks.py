@@ -49,6 +49,29 @@ def test_a_lock_dated_further_in_the_future_than_its_stale_age_holds_no_one(tmp_
     assert casstore.gc(store, lock_timeout_s=1).manifests == 2
 
 
+def test_a_live_gc_lock_holds_a_save_whose_clock_is_behind_the_stores(tmp_path, monkeypatch):
+    """Lock ages are on the store's clock, read off the caller's own lock: on this machine's,
+    a client an hour behind the store took a GC lock put a second ago for one from the
+    future, stale, and saved during the sweep (review of the fix above)."""
+    import types
+
+    store = LocalStore(tmp_path / "repo")
+    casstore.save(store, 0, {"w": np.zeros(3)})
+    key = _locks._put_lock(store, "gc")  # a GC sweeping now, as the store's clock says
+    behind = types.SimpleNamespace(time=lambda: time.time() - 3600, monotonic=time.monotonic,
+                                   sleep=time.sleep)
+    monkeypatch.setattr(_locks, "time", behind)
+    done = threading.Event()
+    saver = threading.Thread(target=lambda: (casstore.save(store, 1, {"w": np.ones(3)}),
+                                             done.set()))
+    saver.start()
+    assert not done.wait(1.0)  # it waits for the GC
+    store.delete(key)  # the GC ends
+    assert done.wait(10)
+    saver.join()
+    assert casstore.list_steps(store) == [0, 1]
+
+
 def test_a_save_that_waited_for_a_long_gc_puts_its_lock_again_before_it_starts(tmp_path,
                                                                                  monkeypatch):
     """A save waits for a GC without refreshing its lock: after a wait longer than the stale
@@ -83,11 +106,11 @@ def test_a_gc_paused_between_its_lock_and_its_lease_deletes_nothing(tmp_path, mo
     monkeypatch.setattr(_locks, "GC_LOCK_REFRESH_S", 3600.0)  # no refresh within the test
     live, calls = _locks._live, []
 
-    def paused_after_the_put(store, kind):  # the look for saves after the GC lock's put
+    def paused_after_the_put(store, kind, own=None):  # the look for saves after the put
         calls.append(kind)
         if len(calls) == 2:
             time.sleep(0.8)  # past half the stale age: a save may have ignored the lock
-        return live(store, kind)
+        return live(store, kind, own)
 
     monkeypatch.setattr(_locks, "_live", paused_after_the_put)
     with _locks.gc_lock(LocalStore(tmp_path / "repo"), timeout_s=10) as lease, pytest.raises(
