@@ -7,6 +7,7 @@ about as attributes and name them in the message.
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Callable
 
@@ -173,11 +174,19 @@ class PersistError(CasstoreError, OSError):
 STORE_FAILURES = (StoreTimeoutError, StoreUnreachableError, AccessDeniedError)
 
 
+# What an operating system says of one file it cannot read: a bad block (EIO), a damaged
+# inode (EUCLEAN, Linux's), a permission (EACCES, EPERM), a link to itself (ELOOP).
+_UNREADABLE = {errno.EIO, errno.EACCES, errno.EPERM, errno.ELOOP, getattr(errno, "EUCLEAN", 117)}
+
+
 def unreadable(e: BaseException) -> bool:
-    """Whether ``e`` says that one object could not be read though it is there: an OSError
-    such as a bad disk block's EIO or EUCLEAN, or a file's EACCES; not a missing object, not
-    one of :data:`STORE_FAILURES`, not an error casstore raised (each names its own kind)."""
-    return isinstance(e, OSError) and not isinstance(e, (FileNotFoundError, CasstoreError))
+    """Whether ``e`` says that one object could not be read though it is there: an OSError of
+    one of those errnos, not an error casstore raised (each names its own kind). Not a
+    failure of the whole store, which every other read would meet too (a timeout, refused
+    credentials, a FUSE mount gone, an NFS handle gone stale: s3fs raises EINVAL for an
+    expired token)."""
+    return (isinstance(e, OSError) and not isinstance(e, CasstoreError)
+            and e.errno in _UNREADABLE)
 
 
 def located(e: BaseException, step: int | None, url: str, run: str) -> BaseException:

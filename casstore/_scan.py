@@ -15,6 +15,7 @@ from ._errors import (
     CasstoreError,
     ManifestError,
     UnsupportedFormatError,
+    unreadable,
 )
 from ._format import READER_VERSION
 from ._layout import RUNS_PREFIX, manifest_key, parse_manifest_key
@@ -163,6 +164,8 @@ def _read(store: Store, parsed: tuple[str, int], size: int) -> Manifest | Proble
     except (CasstoreError, ValueError) as e:
         return manifest_problem(run, step, e)
     except OSError as e:  # a bad block or a permission: this object, not the store
+        if not unreadable(e):
+            raise
         return manifest_problem(run, step, ManifestError(
             f"{type(e).__name__}: {e}", url=store.url, run=run, step=step))
 

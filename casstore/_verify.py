@@ -23,6 +23,7 @@ from ._errors import (
     CorruptChunkError,
     ManifestError,
     UnsupportedFormatError,
+    unreadable,
 )
 from ._layout import CONFIG_KEY, check_step, chunk_key, manifest_key
 from ._manifest import ChunkRef, Manifest
@@ -313,6 +314,8 @@ def _read_all(store: Store, users: dict[str, _Users], keys: list[str], max_worke
                     f"the object holds {length}, which decode to its id: a damaged manifest, "
                     "whose step a restore refuses", MANIFEST)
         except OSError as e:  # a bad block or a permission: this object, not the store
+            if not unreadable(e):
+                raise
             found = _problem(key, users[key], f"chunk unreadable: {type(e).__name__}: {e}",
                              CORRUPT)
         if progress is not None:

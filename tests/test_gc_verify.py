@@ -3,6 +3,7 @@
 import dataclasses
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -681,3 +682,35 @@ def test_verify_beside_retention_reports_no_chunk_of_a_step_deleted_meanwhile(tm
     (key,) = {ref.key for leaf in casstore.read_manifest(url, 2).leaves for ref in leaf.chunks}
     os.unlink(tmp_path / "r" / key)  # one a committed step needs: still reported
     assert casstore.verify(url).chunks_missing == 1
+
+
+def test_a_failure_of_the_whole_store_is_raised_not_reported_as_damaged_objects(tmp_path):
+    """An expired token (s3fs raises OSError EINVAL for S3's InvalidToken), a FUSE mount gone
+    (ENOTCONN), an NFS handle gone stale (ESTALE) fail every read: verify reported every
+    manifest and chunk damaged, and copy took a step for deleted during the copy and left
+    it out (review of the unreadable-object fix); a bad block's EIO is one object's."""
+    import errno
+
+    class Failing(MemoryStore):
+        error: OSError | None = None
+
+        def get(self, key):
+            if self.error is not None and key != "config":
+                raise self.error
+            return super().get(key)
+
+        def head(self, key, nbytes):
+            if self.error is not None and key != "config":
+                raise self.error
+            return super().head(key, nbytes)
+
+    store = Failing()
+    casstore.save(store, 0, {"w": np.arange(1000.0)})
+    for code in (errno.EINVAL, errno.ENOTCONN, errno.ESTALE):
+        store.error = OSError(code, os.strerror(code))
+        with pytest.raises(OSError, match=re.escape(os.strerror(code))):
+            casstore.verify(store)
+        with pytest.raises(OSError, match=re.escape(os.strerror(code))):
+            casstore.copy(store, tmp_path / f"copy-{code}")
+    store.error = OSError(errno.EIO, "Input/output error")  # one object's: named, not raised
+    assert {p.kind for p in casstore.verify(store).problems} == {"manifest"}

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from .._buffers import mapped
-from .._errors import ObjectNotFoundError
+from .._errors import ObjectNotFoundError, unreadable
 from ._base import ObjectInfo, Store, check_key
 
 # where a repository holds directories (format.md §2): a link to nothing there is no object
@@ -210,8 +210,10 @@ class LocalStore(Store):
                         continue
                     if _DIRECTORY.fullmatch(key):
                         raise _dangling(os.path.join(dirpath, name)) from None
-                except OSError:  # a damaged inode (EIO, EUCLEAN): listed, its reader names
-                    yield ObjectInfo(key, 0, time.time())  # it; young: no GC deletes it
+                except OSError as e:  # a damaged inode (EIO, EUCLEAN): listed, its reader
+                    if not unreadable(e):  # names it; young: no GC deletes it
+                        raise
+                    yield ObjectInfo(key, 0, time.time())
                     continue
                 yield ObjectInfo(key, st.st_size, st.st_mtime)
 
