@@ -114,16 +114,25 @@ def test_gc_refuses_while_a_moved_directory_is_a_link_to_nothing(tmp_path, moved
         assert casstore.restore(root, 0, run=run)["w"].tobytes() == tree["w"].tobytes()
 
 
-def test_gc_lists_a_chunk_directory_under_its_own_name_not_through_an_alias(tmp_path):
-    """A link to a sibling fan-out directory sorted first: its chunks were listed under the
-    alias, referenced by no manifest, and deleted through it."""
+@pytest.mark.parametrize("alias", ["chunk directory", "run renamed and linked back"])
+def test_gc_refuses_a_directory_reached_at_two_paths(tmp_path, alias):
+    """A link to a sibling chunk directory listed its chunks under the link's name, referenced
+    by no manifest, and GC deleted them through it; walking real directories first (the next
+    fix) then took a run's directory renamed and linked back under its old name for an alias
+    of the new one, whose name is no run, and GC deleted the run's chunks (exploratory
+    session's repro, then the review's). One directory at two paths is refused."""
     root = tmp_path / "repo"
     trees = _two_runs(root)
-    live = sorted((root / "chunks").iterdir())[-1]
-    os.symlink(live.name, root / "chunks" / "00")
-    info = casstore.gc(root, grace_period_s=0)
-    assert (info.deleted_chunks, info.chunks, info.referenced_chunks) == (0, 2, 2)
-    assert casstore.verify(root).ok
+    if alias == "chunk directory":
+        os.symlink(sorted((root / "chunks").iterdir())[-1].name, root / "chunks" / "00")
+    else:
+        os.replace(root / "runs" / "b", root / "runs" / "b old")
+        os.symlink("b old", root / "runs" / "b")
+    chunks = _files(root / "chunks")
+    for call in (lambda: casstore.gc(root, grace_period_s=0), lambda: casstore.verify(root)):
+        with pytest.raises(OSError, match="one directory at two paths"):
+            call()
+    assert _files(root / "chunks") == chunks
     for run, tree in trees.items():
         assert casstore.restore(root, 0, run=run)["w"].tobytes() == tree["w"].tobytes()
 
@@ -180,6 +189,31 @@ def test_gc_refuses_when_a_directory_cannot_be_listed(tmp_path):
         assert _files(root / "chunks") == chunks
         for run, tree in trees.items():
             assert casstore.restore(root, 0, run=run)["w"].tobytes() == tree["w"].tobytes()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_gc_at_a_disks_mount_point_passes_over_lost_and_found(tmp_path):
+    """A repository at a disk's mount point holds lost+found, which only root reads: GC
+    swept the whole root for temporary files and raised PermissionError there, and a manager
+    with gc_after_retention failed its saves (review). Its sweep reads the repository's
+    directories only. As root, run as ``nobody``."""
+    base = pathlib.Path(tempfile.mkdtemp(prefix="casstore-mountpoint-"))
+    try:
+        _two_runs(base)
+        (base / "lost+found").mkdir(mode=0o700)
+        if os.geteuid() == 0:
+            subprocess.run(["chown", "-R", "nobody:nogroup", str(base)], check=True)
+            os.chown(base / "lost+found", 0, 0)
+            out = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup",
+                                  "--clear-groups", sys.executable, "-c",
+                                  "import sys, casstore; print(casstore.gc(sys.argv[1], "
+                                  "grace_period_s=0).manifests)", str(base)],
+                                 capture_output=True, text=True, timeout=120)
+            assert out.stdout.strip() == "2", out.stderr[-3000:]
+        else:
+            (base / "lost+found").chmod(0)
+            assert casstore.gc(base, grace_period_s=0).manifests == 2
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -23,22 +23,23 @@ from .._errors import ObjectNotFoundError, unreadable
 from ._base import ObjectInfo, Store, check_key
 
 # where a repository holds directories (format.md §2): a link to nothing there is no object
-_DIRECTORY = re.compile(r"(runs|chunks|deltas|locks)(/[^/]+)?|runs/[^/]+/steps")
+_DIRECTORIES = ("chunks", "deltas", "locks", "runs")
+_DIRECTORY = re.compile(rf"({'|'.join(_DIRECTORIES)})(/[^/]+)?|runs/[^/]+/steps")
 _TEMPORARY = re.compile(r"\..+\.[0-9a-f]{32}\.tmp")  # a write's temporary file (_put)
 
 
 def _walk(top: str) -> Iterator[tuple[str, list[str], list[str]]]:
     """``os.walk(top)`` in sorted order, without hidden directories, into directories that are
     symlinks too (a run or the chunks moved to another disk and linked back: every reader
-    opens paths through them, so GC must see what they hold), each directory once (a link to
-    an ancestor would loop) and under its own name where the walk meets it: of a directory's
-    subdirectories the real ones come before the links, so a link to a sibling (an alias) is
-    the one passed over.
+    opens paths through them, so GC must see what they hold), each directory once: a link
+    back to an ancestor (a loop) is not walked again.
 
     Raises:
-      OSError: a directory could not be listed (a bad block's EIO, EACCES), or ``top`` is a
-        link to nothing (its disk not mounted): what it holds would look deleted, and GC would
-        take the chunks only it references for garbage.
+      OSError: a directory could not be listed (a bad block's EIO, EACCES), ``top`` is a
+        link to nothing (its disk not mounted), or one directory is reached at two paths (a
+        link to a sibling; a run's directory renamed and linked back under its old name):
+        what it holds would look deleted, or be listed under one of its names only, and GC
+        would take for garbage, or delete through one name, the chunks the other's keys need.
     """
     def failed(e: OSError) -> None:
         if not isinstance(e, FileNotFoundError):
@@ -47,19 +48,21 @@ def _walk(top: str) -> Iterator[tuple[str, list[str], list[str]]]:
             raise _dangling(e.filename) from e
         # else deleted while listing, or no such prefix: nothing there
 
-    seen = set()
+    seen: dict[tuple[int, int], str] = {}
     for dirpath, dirnames, filenames in os.walk(top, followlinks=True, onerror=failed):
         try:
             st = os.stat(dirpath)
         except FileNotFoundError:  # deleted while listing
             dirnames[:] = []
             continue
-        if (st.st_dev, st.st_ino) in seen:
+        if (first := seen.get((st.st_dev, st.st_ino))) is not None:
             dirnames[:] = []
-            continue
-        seen.add((st.st_dev, st.st_ino))
-        dirnames[:] = sorted((d for d in dirnames if not d.startswith(".")),
-                             key=lambda d: (os.path.islink(os.path.join(dirpath, d)), d))
+            if dirpath.startswith(first + os.sep):
+                continue  # a link to an ancestor: walked there
+            raise OSError(f"one directory at two paths, {first} and {dirpath} (a symlink): not "
+                          "listed, or GC could delete through one name what the other needs")
+        seen[(st.st_dev, st.st_ino)] = dirpath
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         yield dirpath, dirnames, filenames
 
 
@@ -184,7 +187,10 @@ class LocalStore(Store):
         """Deletes the temporary files (``.<name>.<hex>.tmp``, see ``_put``) of writers killed
         before their rename, once older than ``older_than_s`` seconds; returns their bytes."""
         freed, now = 0, time.time()
-        for dirpath, _, filenames in _walk(self.root):
+        tops = [self.root, *(os.path.join(self.root, d) for d in _DIRECTORIES)]
+        for dirpath, dirnames, filenames in (x for top in tops for x in _walk(top)):
+            if dirpath == self.root:  # its own files; of its directories, the repository's
+                dirnames[:] = []  # (at a disk's mount point, lost+found is root's only)
             for name in filenames:
                 path = os.path.join(dirpath, name)
                 with contextlib.suppress(FileNotFoundError):
