@@ -699,3 +699,19 @@ def test_a_copy_from_no_repository_or_into_itself_is_refused_writing_nothing(tmp
         with pytest.raises(ValueError, match="one repository, or one inside the other"):
             casstore.copy(tmp_path / "repo", tmp_path / dst)
     assert sorted(p for p in (tmp_path / "repo").rglob("*")) == before
+
+
+def test_one_url_on_two_services_is_two_repositories_to_copy_between():
+    """s3://ckpt/run on one S3 service and on another (a migration from an on-premises
+    service to a cloud) were refused as one repository: locations name no endpoint (review).
+    No request is made: the refusal came first."""
+    from casstore.store import nested
+
+    def s3(endpoint):
+        return FsspecStore.from_url("s3://ckpt/run", endpoint_url=endpoint, anon=True,
+                                    skip_instance_cache=True)
+
+    assert not nested(s3("http://127.0.0.1:9"), s3("http://127.0.0.2:9"))
+    assert nested(s3("http://127.0.0.1:9"), s3("http://127.0.0.1:9"))
+    assert nested(s3("http://127.0.0.1:9"), FsspecStore.from_url(
+        "s3://ckpt/run/inner", client_kwargs={"endpoint_url": "http://127.0.0.1:9"}, anon=True))

@@ -58,7 +58,17 @@ def nested(a: Store, b: Store) -> bool:
     inode, so one directory reached at two paths through a bind mount (or an NFS export
     mounted twice) is found too."""
     x, y = a.location(), b.location()
+    if _endpoint(a) != _endpoint(b):  # two services: s3://ckpt/run on each is two buckets
+        return False
     return x.startswith(y) or y.startswith(x) or _inside(x, y) or _inside(y, x)
+
+
+def _endpoint(store: Store) -> str | None:
+    """The endpoint an fsspec store's client reaches (its ``endpoint_url``, given or in its
+    ``client_kwargs``); None for the provider's own, or a store of another kind."""
+    options = getattr(getattr(store, "fs", None), "storage_options", None) or {}
+    return options.get("endpoint_url") or (options.get("client_kwargs") or {}).get(
+        "endpoint_url")
 
 
 def _inside(inner: str, outer: str) -> bool:
