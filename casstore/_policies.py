@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import numbers
 import signal
 from collections.abc import Callable, Container, Sequence
 from typing import Any
@@ -158,8 +159,8 @@ class ContinuousCheckpointingPolicy(SaveDecisionPolicy):
 
     def __post_init__(self):
         value = self.minimum_interval_secs
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not value >= 0):
+        if value is not None and (isinstance(value, bool | np.bool_)
+                                  or not isinstance(value, numbers.Real) or not value >= 0):
             raise ValueError(f"minimum_interval_secs must be a number >= 0 (seconds) or None, "
                              f"not {value!r}")
 
@@ -241,6 +242,6 @@ def check_policies(policies: Any, method: str) -> None:
 def check_positive(name: str, value: Any, *, none_ok: bool = False) -> None:
     if value is None and none_ok:
         return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool | np.bool_) or value < 1:
         raise ValueError(f"{name} must be a positive int{' or None' if none_ok else ''}, "
                          f"not {value!r}")

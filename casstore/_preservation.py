@@ -10,10 +10,9 @@ checkpoints, *, context) -> list[bool]``, one flag per step, ascending), given
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Container, Sequence
 from typing import Any
-
-import numpy as np
 
 from ._policies import (
     AnySavePolicy,
@@ -120,18 +119,20 @@ class BestN(PreservationPolicy):
             raise TypeError(f"get_metric_fn must be callable, not {self.get_metric_fn!r}")
         if self.n != 0:  # 0 keeps none, as in orbax
             check_positive("n", self.n, none_ok=True)
-        for name in ("reverse", "keep_checkpoints_without_metrics"):
-            if not isinstance(getattr(self, name), (bool, np.bool_)):
-                raise TypeError(f"{name} must be a bool, not {getattr(self, name)!r}")
 
     def ranked(self, checkpoints) -> list:
         """The checkpoints that have metrics, worst first, best last."""
         scored = [(c, _score(self.get_metric_fn, c)) for c in checkpoints
                   if c.metrics is not None]
-        nan = [c for c, value in scored if value != value]
-        numbers = [(c, value) for c, value in scored if value == value]
-        # sorted() is stable with reverse too: of equal values the later step stays later
-        return nan + [c for c, _ in sorted(numbers, key=lambda cv: cv[1], reverse=self.reverse)]
+        for _ in range(2):  # values that do not compare (a tuple, a number): the numbers only
+            nan = [c for c, value in scored if _nan(value)]
+            values = [(c, value) for c, value in scored if not _nan(value)]
+            try:  # sorted() is stable with reverse too: of equal values the later step stays
+                return nan + [c for c, _ in sorted(values, key=lambda cv: cv[1],  # later
+                                                   reverse=self.reverse)]
+            except TypeError:
+                scored = [(c, v if isinstance(v, float) else math.nan) for c, v in scored]
+        raise AssertionError("floats compare")
 
     def should_preserve(self, checkpoints, *, context) -> list[bool]:
         if self.n is None or len(checkpoints) <= self.n:  # orbax: room for all, metrics or not
@@ -153,21 +154,26 @@ def best_of(policy: PreservationPolicy, checkpoints: list) -> int | None:
     return ranked[-1].step if ranked else None
 
 
-def _score(get_metric_fn: Callable[[Any], float], checkpoint) -> float:
-    """``get_metric_fn(checkpoint.metrics)`` as a float: NaN for a value that is no number (a
-    string, None, an array of several), which then ranks as a NaN does."""
+def _nan(value: Any) -> bool:
+    return isinstance(value, float) and value != value
+
+
+def _score(get_metric_fn: Callable[[Any], float], checkpoint) -> Any:
+    """``get_metric_fn(checkpoint.metrics)``: a number (a numpy or jax scalar too) as a float,
+    NaN for a str, bytes or None, which then ranks as a NaN does; another value (a tuple)
+    as it is, ranked by Python's comparison where the values compare."""
     try:
         value = get_metric_fn(checkpoint.metrics)
     except Exception as e:
         e.add_note(f"casstore: get_metric_fn of the metrics of step {checkpoint.step}: "
                    f"{checkpoint.metrics!r}"[:500])
         raise
-    if isinstance(value, (str, bytes)):
+    if value is None or isinstance(value, str | bytes):
         return float("nan")
     try:
         return float(value)
     except (TypeError, ValueError):
-        return float("nan")
+        return value
 
 
 @dataclasses.dataclass
