@@ -1024,6 +1024,9 @@ def test_ls_and_cat_print_what_a_reader_takes_at_the_edges_of_the_format(tmp_pat
         monkeypatch.undo()
         time.tzset()
     assert json.loads(run("cat", url, 1).stdout)["tree"]["note"] == "1970-01-01T00:00:00+00:00"
+    doc["tree"]["note"] = msgpack.Timestamp(2**40)  # past year 9999 (review)
+    path.write_bytes(repack(doc))
+    assert json.loads(run("cat", url, 1).stdout)["tree"]["note"] == {"timestamp": [2**40, 0]}
     doc["tree"]["type"] = msgpack.Timestamp(0)
     path.write_bytes(repack(doc))
     with pytest.raises(casstore.ManifestError, match="bad tree node"):

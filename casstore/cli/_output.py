@@ -65,7 +65,10 @@ def emit_json(obj: Any, *, versioned: bool = True) -> None:
         if isinstance(x, bytes):
             return {"base64": base64.b64encode(x).decode()}
         if isinstance(x, msgpack.Timestamp):  # in a field no reader checks (another writer's)
-            return x.to_datetime().isoformat()
+            try:
+                return x.to_datetime().isoformat()
+            except (OverflowError, ValueError, OSError):  # past what datetime holds
+                return {"timestamp": [x.seconds, x.nanoseconds]}
         raise TypeError(f"cannot print {type(x).__name__} as JSON")
 
     write_lines(json.dumps(_finite(obj), indent=2, default=default,
