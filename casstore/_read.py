@@ -120,7 +120,7 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
         blocks = users[key]
         first = blocks[0][1]
         cid = first.id
-        into = _destination(blocks, out)
+        into, failed = _destination(blocks, out), None
         try:
             if into is not None and first.base is None and _read_in_place(store, key, first,
                                                                           into):
@@ -131,14 +131,7 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
                 raw = bases.decode(data, cid, first.base, first.raw_bytes, into)
                 confirm_chunk(store, key, first.base)  # a tier's copy: now written back
         except (FileNotFoundError, CorruptChunkError, UnsupportedFormatError) as e:
-            try:  # read again; with tiers, a good copy elsewhere (a header of an unknown
-                # codec or version is a newer writer's or damage: another copy tells)
-                raw = reread_chunk(store, key, first, into, isinstance(e, FileNotFoundError))
-            except StoreTimeoutError as t:
-                raise t.at(run=manifest.run, step=manifest.step, chunk_id=cid,
-                           key_path=manifest.leaves[blocks[0][0]].path) from t
-            if raw is None:
-                raise _unusable(e, store, manifest, blocks[0][0], cid) from e
+            failed = e  # read again below, outside this handler: its errors keep their own
         except StoreTimeoutError as e:
             raise e.at(run=manifest.run, step=manifest.step, chunk_id=cid,
                        key_path=manifest.leaves[blocks[0][0]].path) from e
@@ -147,6 +140,16 @@ def read_regions(store: Store, manifest: Manifest, requests: dict[int, list[Inde
                        f"{manifest.leaves[blocks[0][0]].path!r} (run {manifest.run!r}, step "
                        f"{manifest.step}) from {store.url}")
             raise
+        if failed is not None:
+            try:  # read again; with tiers, a good copy elsewhere (a header of an unknown
+                # codec or version is a newer writer's or damage: another copy tells)
+                raw = reread_chunk(store, key, first, into,
+                                   isinstance(failed, FileNotFoundError))
+            except StoreTimeoutError as t:
+                raise t.at(run=manifest.run, step=manifest.step, chunk_id=cid,
+                           key_path=manifest.leaves[blocks[0][0]].path) from t
+            if raw is None:
+                raise _unusable(failed, store, manifest, blocks[0][0], cid) from failed
         for i, ref in blocks if into is None else ():
             _copy_block(raw, ref, manifest.leaves[i], out[i], store, manifest)
         done = []
