@@ -15,6 +15,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 import contextlib
 import importlib.util
 import pathlib
+import shlex
+import subprocess
+import sys
 import threading
 import uuid
 
@@ -126,6 +129,20 @@ def load_benchmark(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def in_mount_namespace(mount: str, script: str, *args: object,
+                       timeout: float = 300) -> subprocess.CompletedProcess:
+    """Runs Python ``script`` (no single quote in it) with ``args`` after the shell command
+    ``mount``, in a mount namespace of the child process's own (``unshare``, as root or as a
+    mapped root user): the mount is its alone, and goes with it. Asserts it exited 0."""
+    user = [] if os.geteuid() == 0 else ["--map-root-user"]
+    command = " ".join([f"{mount} && {shlex.quote(sys.executable)} -c '{script}'",
+                        *(shlex.quote(str(a)) for a in args)])
+    out = subprocess.run(["unshare", *user, "--mount", "sh", "-c", command],
+                         capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
 
 
 def repack(doc: dict) -> bytes:

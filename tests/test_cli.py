@@ -26,7 +26,7 @@ from casstore import cli
 from casstore.cli import _output
 from casstore.store import FsspecStore
 
-from conftest import repack
+from conftest import in_mount_namespace, repack
 
 CHUNK = 256 * 1024  # small chunks: the frozen leaf spans 4 of them
 
@@ -860,12 +860,7 @@ def test_a_full_disk_exits_15_and_says_how_to_let_gc_free_it(tmp_path):
     """gc on a disk a failed save filled exited 2, "usage or input error", with no way out
     (exploratory session's repro): it writes its lock before deleting anything. A tmpfs of
     8 MiB, mounted in a mount namespace of the child process's own (``unshare``)."""
-    user = [] if os.geteuid() == 0 else ["--map-root-user"]
-    script = (f"mount -t tmpfs -o size=8m tmpfs {tmp_path} && "
-              f"{sys.executable} -c '{_FULL_DISK}' {tmp_path}")
-    out = subprocess.run(["unshare", *user, "--mount", "sh", "-c", script],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = in_mount_namespace(f"mount -t tmpfs -o size=8m tmpfs {tmp_path}", _FULL_DISK, tmp_path)
     lines = out.stdout.splitlines()
     assert lines[:2] == ["save 28 True", f"gc {cli.EXIT_STORE_FAILED} True True"], out.stdout
     assert lines[2].startswith("gc 0"), out.stdout

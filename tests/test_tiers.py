@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import pathlib
 import re
 import shutil
@@ -29,7 +28,7 @@ from casstore._manifest import needed_objects
 from casstore._repository import list_chunk_objects
 from casstore.store import CountingStore, FsspecStore, LocalStore, MemoryStore
 
-from conftest import object_store
+from conftest import in_mount_namespace, object_store
 
 CHUNK = 32_768
 DEADLINES = {"request_timeout_s": 0.5, "operation_timeout_s": 2.0}
@@ -623,12 +622,8 @@ def test_one_directory_at_two_paths_through_a_bind_mount_is_refused_as_both_tier
     namespace of the child process's own (``unshare``), as root or as a mapped root user."""
     (tmp_path / "src" / "repo").mkdir(parents=True)
     (tmp_path / "bind").mkdir()
-    user = [] if os.geteuid() == 0 else ["--map-root-user"]
-    script = (f"mount --bind {tmp_path / 'src'} {tmp_path / 'bind'} && "
-              f"{sys.executable} -c '{_ALIASED_TIERS}' {tmp_path / 'src'} {tmp_path / 'bind'}")
-    out = subprocess.run(["unshare", *user, "--mount", "sh", "-c", script],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = in_mount_namespace(f"mount --bind {tmp_path / 'src'} {tmp_path / 'bind'}",
+                             _ALIASED_TIERS, tmp_path / "src", tmp_path / "bind", timeout=120)
     assert out.stdout.splitlines() == ["refused True"] * 3 + ["two repositories accepted"]
 
 
