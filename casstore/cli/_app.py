@@ -99,7 +99,7 @@ def _os_fix(e: BaseException) -> str | None:
         return ("free some space; gc writes a small lock object before it deletes anything, so "
                 "on a full disk free a few kilobytes elsewhere first, then run 'casstore gc "
                 "URL --grace-period 0' when no save runs (docs/recovery.md)")
-    if e.errno in _DISK_ERRORS:
+    if e.errno in _DISK_ERRORS and e.filename:  # a local file's (s3fs's EIO names none)
         return "the disk reported an error: check it (dmesg, fsck), then run 'casstore verify'"
     if isinstance(e, PermissionError) and e.filename:
         return f"check the permissions of {e.filename}"
