@@ -13,6 +13,8 @@ import functools
 import itertools
 import math
 import operator
+from collections.abc import Mapping
+from numbers import Integral, Real
 from typing import Any
 
 import ml_dtypes
@@ -260,8 +262,7 @@ def check_options(*, zstd_level: object = 3, max_workers: object = None,
     does not have, which failed midway in a save that compressed, or was ignored by one that
     did not; 0 workers, taken as the default; ``delta="no"``, taken as true)."""
     for name, value, low, high in (("zstd_level", zstd_level, -(2**17), 22),
-                                   ("max_workers", max_workers, 1, 4096),
-                                   ("pack_threshold_bytes", pack_threshold_bytes, 0, 2**31)):
+                                   ("max_workers", max_workers, 1, 4096)):
         if value is None and name == "max_workers":
             continue
         try:
@@ -270,12 +271,18 @@ def check_options(*, zstd_level: object = 3, max_workers: object = None,
             number = None
         if isinstance(value, bool) or number is None or not low <= number <= high:
             raise ValueError(f"{name} must be an int in [{low}, {high}], not {value!r}")
-    for name, value in (("delta", delta), ("shuffle", shuffle)):
-        if not isinstance(value, (bool, np.bool_)) and not (name == "shuffle" and value is None):
+    if (isinstance(pack_threshold_bytes, bool) or not isinstance(pack_threshold_bytes, Real)
+            or not 0 <= pack_threshold_bytes <= 2**31):
+        raise ValueError(f"pack_threshold_bytes must be a number of bytes in [0, 2**31], not "
+                         f"{pack_threshold_bytes!r}")
+    for name, value in (("delta", delta), ("shuffle", shuffle)):  # an int flag (1) too
+        if not isinstance(value, bool | np.bool_ | Integral) and not (name == "shuffle"
+                                                                   and value is None):
             raise ValueError(f"{name} must be a bool{' or None' * (name == 'shuffle')}, not "
                              f"{value!r}")
-    if dtypes is not None and not isinstance(dtypes, dict):
-        raise ValueError(f"dtypes must be a dict of key path prefix -> dtype, not {dtypes!r}")
+    if dtypes is not None and not isinstance(dtypes, Mapping):
+        raise ValueError(f"dtypes must be a mapping of key path prefix -> dtype, not "
+                         f"{dtypes!r}")
 
 
 def check_chunk_size(chunk_size_bytes: object) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Iterator, Sequence
 
@@ -98,8 +99,9 @@ class FallbackStore(Store):
 
     def __init__(self, primary, fallbacks: Sequence | Url, *, write_back: bool = False):
         self.primary = open_store(primary)
-        self.fallbacks = [open_store(f) for f in (
-            fallbacks if isinstance(fallbacks, list | tuple) else [fallbacks])]
+        self.fallbacks = [open_store(f) for f in (  # one URL, or any iterable of them
+            [fallbacks] if isinstance(fallbacks, str | os.PathLike | Store | bytes)
+            or not hasattr(fallbacks, "__iter__") else fallbacks)]
         self.write_back = write_back
         self.url = self.primary.url
         self.read_only = True  # a view: see the class docstring

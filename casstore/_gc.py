@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 import time
 
 from ._errors import CasstoreError, ManifestError
@@ -96,7 +97,7 @@ def gc(url: Url, *, grace_period_s: float = DEFAULT_GRACE_PERIOD_S, dry_run: boo
     """
     t0 = time.perf_counter()
     for name, value in (("grace_period_s", grace_period_s), ("lock_timeout_s", lock_timeout_s)):
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
             raise ValueError(f"{name} must be a number of seconds >= 0, not {value!r}")
     store = open_store(url)
     if not check_config(store):

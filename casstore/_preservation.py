@@ -130,7 +130,7 @@ class BestN(PreservationPolicy):
             try:  # sorted() is stable with reverse too: of equal values the later step stays
                 return nan + [c for c, _ in sorted(values, key=lambda cv: cv[1],  # later
                                                    reverse=self.reverse)]
-            except TypeError:
+            except (TypeError, ValueError):  # (arrays of several compare to no truth value)
                 scored = [(c, v if isinstance(v, float) else math.nan) for c, v in scored]
         raise AssertionError("floats compare")
 

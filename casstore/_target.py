@@ -12,6 +12,7 @@ key path at fault. :func:`abstract_tree` builds a target from a live pytree.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -201,7 +202,7 @@ def _saved_by_target_path(manifest: Manifest, transforms, store: Store) -> dict[
       ValueError: a key of ``transforms`` is no regular expression, or a template no str.
     """
     rules = []
-    if not isinstance(transforms, dict | None):
+    if not isinstance(transforms, Mapping | None):
         raise ValueError(f"transforms must be a dict of saved key path regular expression -> "
                          f"target key path template (or None), not {transforms!r}")
     for k, v in (transforms or {}).items():

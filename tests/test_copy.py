@@ -715,3 +715,9 @@ def test_one_url_on_two_services_is_two_repositories_to_copy_between():
     assert nested(s3("http://127.0.0.1:9"), s3("http://127.0.0.1:9"))
     assert nested(s3("http://127.0.0.1:9"), FsspecStore.from_url(
         "s3://ckpt/run/inner", client_kwargs={"endpoint_url": "http://127.0.0.1:9"}, anon=True))
+    # one service however spelled, and where one names none (the provider's own, or the
+    # environment's: it may be the other), one repository: as both tiers retention would
+    # delete the persisted steps (review)
+    assert nested(s3("http://127.0.0.1:9"), s3("HTTP://127.0.0.1:9/"))
+    assert nested(s3("http://host"), s3("http://host:80"))
+    assert nested(s3("http://127.0.0.1:9"), FsspecStore.from_url("s3://ckpt/run", anon=True))

@@ -4,6 +4,7 @@ import os
 import re
 import shutil
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -569,10 +570,10 @@ def test_a_tree_a_manifest_cannot_hold_is_refused_before_anything_is_written(tmp
     ("zstd_level", "3", "zstd_level must be an int in"),
     ("max_workers", 0, "max_workers must be an int in [1, 4096], not 0"),
     ("max_workers", 1.5, "max_workers must be an int in"),
-    ("pack_threshold_bytes", None, "pack_threshold_bytes must be an int in"),
+    ("pack_threshold_bytes", None, "pack_threshold_bytes must be a number of bytes in"),
     ("delta", "no", "delta must be a bool, not 'no'"),
     ("shuffle", "yes", "shuffle must be a bool or None"),
-    ("dtypes", "w", "dtypes must be a dict")])
+    ("dtypes", "w", "dtypes must be a mapping")])
 def test_a_save_option_out_of_its_range_is_refused_before_anything_is_written(
         tmp_path, option, value, message):
     """Each was ignored (a zstd level where raw chunks were stored), taken for something else
@@ -586,6 +587,8 @@ def test_a_save_option_out_of_its_range_is_refused_before_anything_is_written(
             casstore.AsyncCheckpointer(tmp_path / "r", **{option: value})
     info = casstore.save(tmp_path / "r", 0, {"w": np.ones(3)}, max_workers=np.int64(2))
     assert info.step == 0  # a numpy int is an int
+    casstore.save(tmp_path / "r", 1, {"w": np.ones(3)}, delta=np.int64(1), zstd_level=-5,
+                  pack_threshold_bytes=1e6, dtypes=types.MappingProxyType({}))  # (review)
 
 
 def test_arguments_of_the_wrong_kind_are_named_before_any_work(tmp_path):
@@ -615,3 +618,9 @@ def test_arguments_of_the_wrong_kind_are_named_before_any_work(tmp_path):
     assert not (tmp_path / "copy").exists()
     restored = casstore.restore(url, 0, target=target, transforms={"(a)": "x"}, fallback=url)
     assert restored["x"].tolist() == [0.0, 1.0, 2.0]
+    # what worked before these checks still does (review): any mapping, any iterable of
+    # fallbacks, numpy seconds, an endless lock timeout
+    restored = casstore.restore(url, 0, target=target, fallback=(u for u in [url]),
+                                transforms=types.MappingProxyType({"(a)": "x"}))
+    assert restored["x"].tolist() == [0.0, 1.0, 2.0]
+    casstore.gc(url, grace_period_s=np.float32(60), lock_timeout_s=float("inf"))

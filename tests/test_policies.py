@@ -133,6 +133,8 @@ def test_best_n_ranks_nan_worst_and_of_equal_metrics_keeps_the_latest_as_orbax()
     assert kept(highest, [0, 1, 2], pairs) == [0, 2]
     mixed = [{"loss": v} for v in ((0.9, -1.0), 0.5, "n/a", np.float32(0.7))]
     assert kept(highest, [0, 1, 2, 3], mixed) == [1, 3]
+    arrays = [{"loss": np.array([v, v])} for v in (0.3, 0.1, 0.2)]  # no truth value: NaN
+    assert kept(lowest, [0, 1, 2], arrays) == [1, 2]
     with pytest.raises(KeyError, match="loss") as info:
         kept(lowest, [0, 1, 2], [{"loss": 1.0}, {"acc": 2.0}, {"loss": 0.5}])
     assert "get_metric_fn of the metrics of step 1: {'acc': 2.0}" in info.value.__notes__[0]

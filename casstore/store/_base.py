@@ -12,6 +12,7 @@ import concurrent.futures as cf
 import dataclasses
 import os
 import re
+import urllib.parse
 from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
@@ -58,17 +59,24 @@ def nested(a: Store, b: Store) -> bool:
     inode, so one directory reached at two paths through a bind mount (or an NFS export
     mounted twice) is found too."""
     x, y = a.location(), b.location()
-    if _endpoint(a) != _endpoint(b):  # two services: s3://ckpt/run on each is two buckets
-        return False
+    ends = _endpoint(a), _endpoint(b)
+    if None not in ends and ends[0] != ends[1]:  # two services: s3://ckpt/run on each is
+        return False  # two buckets (where one is the provider's own, it may be the other)
     return x.startswith(y) or y.startswith(x) or _inside(x, y) or _inside(y, x)
 
 
-def _endpoint(store: Store) -> str | None:
-    """The endpoint an fsspec store's client reaches (its ``endpoint_url``, given or in its
-    ``client_kwargs``); None for the provider's own, or a store of another kind."""
+def _endpoint(store: Store) -> tuple[str, str, int | None] | None:
+    """The endpoint an fsspec store's client was given (``endpoint_url``, or in its
+    ``client_kwargs``), as ``(scheme, host, port)`` however spelled; None where none was
+    given (the provider's own, or the environment's), or for a store of another kind."""
     options = getattr(getattr(store, "fs", None), "storage_options", None) or {}
-    return options.get("endpoint_url") or (options.get("client_kwargs") or {}).get(
+    url = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get(
         "endpoint_url")
+    if not url:
+        return None
+    parts = urllib.parse.urlsplit(str(url).strip().lower())
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    return parts.scheme, parts.hostname or "", port
 
 
 def _inside(inner: str, outer: str) -> bool:

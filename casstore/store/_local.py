@@ -147,7 +147,7 @@ class LocalStore(Store):
                     break
                 got += n
         if got != size:  # the object is immutable: a short read means it changed under us
-            raise OSError(f"short read of {self._path(key)}: {got} of {size} bytes")
+            raise OSError(errno.EIO, f"short read: {got} of {size} bytes", self._path(key))
         return view, buffer
 
     def get_split(self, key: str, head: bytearray, body: memoryview | np.ndarray) -> bool:
@@ -168,7 +168,7 @@ class LocalStore(Store):
         finally:
             os.close(fd)
         if got != total:  # the object is immutable: a short read means it changed under us
-            raise OSError(f"short read of {self._path(key)}: {got} of {total} bytes")
+            raise OSError(errno.EIO, f"short read: {got} of {total} bytes", self._path(key))
         return True
 
     def exists(self, key: str) -> bool:
