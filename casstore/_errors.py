@@ -189,6 +189,12 @@ def unreadable(e: BaseException) -> bool:
             and e.errno in _UNREADABLE)
 
 
+def not_here(e: BaseException) -> bool:
+    """Whether ``e`` says that a store has no usable copy of one object: missing there, or
+    :func:`unreadable` there; another copy may serve."""
+    return isinstance(e, FileNotFoundError) or unreadable(e)
+
+
 def located(e: BaseException, step: int | None, url: str, run: str) -> BaseException:
     """The error to surface for a failed persist of ``step`` to ``url``, naming the step and
     URL (a tiered manager's, ``_tiers``)."""

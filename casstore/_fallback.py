@@ -24,6 +24,7 @@ from ._errors import (
     ManifestError,
     ObjectNotFoundError,
     UnsupportedFormatError,
+    not_here,
     unreadable,
     warn_read_again,
 )
@@ -214,7 +215,7 @@ class FallbackStore(Store):
             if not self.primary.get_split(key, head, body):  # fallback by get_into
                 return False
         except OSError as e:
-            if isinstance(e, FileNotFoundError) or unreadable(e):
+            if not_here(e):
                 return False
             raise
         self._count(self.primary, len(head) + memoryview(body).nbytes)
@@ -223,9 +224,9 @@ class FallbackStore(Store):
     def _from_fallback(self, key: str, skip: int = 0, nbytes: int | None = None,
                        failed: OSError | None = None) -> tuple[bytes, int]:
         """``(bytes, index of the fallback they came from)``; see :meth:`from_fallbacks`."""
-        if failed is not None and not isinstance(failed, FileNotFoundError):
-            if not unreadable(failed):
-                raise failed
+        if failed is not None and not not_here(failed):
+            raise failed
+        if unreadable(failed):
             log.warning("casstore: %s in %s unreadable (%s: %s); reading another tier's copy",
                         key, self.primary.url, type(failed).__name__, failed)
         for i, tier in enumerate(self.fallbacks[skip:], skip):
@@ -237,7 +238,7 @@ class FallbackStore(Store):
             if self.write_back and not self.primary.read_only:
                 self._hold(key, data)
             return data, i
-        if failed is not None and not isinstance(failed, FileNotFoundError):
+        if unreadable(failed):
             raise failed
         urls = ", ".join(t.url for t in [self.primary, *self.fallbacks[skip:]])
         raise ObjectNotFoundError(f"no such object in any tier ({urls})",
@@ -261,13 +262,12 @@ class FallbackStore(Store):
         for tier in [self.primary, *self.fallbacks]:
             try:
                 data = _read(tier, key, nbytes)
-            except (FileNotFoundError, CorruptChunkError):
-                continue
-            except OSError as e:
-                if not unreadable(e):
+            except (OSError, CorruptChunkError) as e:  # (a transfer checksum's: a ValueError)
+                if not (isinstance(e, CorruptChunkError) or not_here(e)):
                     raise
-                log.warning("casstore: %s in %s unreadable: %s: %s", key, tier.url,
-                            type(e).__name__, e)
+                if unreadable(e):
+                    log.warning("casstore: %s in %s unreadable: %s: %s", key, tier.url,
+                                type(e).__name__, e)
                 continue
             self._count(tier, len(data), recovered=tier is not self.primary)
             found.append((tier, data))
@@ -328,7 +328,7 @@ class FallbackStore(Store):
         try:
             return self.primary.stat(key)
         except OSError as e:
-            if not (isinstance(e, FileNotFoundError) or unreadable(e)):
+            if not not_here(e):
                 raise
             failed = e  # the fallbacks are read outside this handler (see head)
         for tier in self.fallbacks:

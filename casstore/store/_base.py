@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 
-from .._errors import ObjectNotFoundError, ReadOnlyStoreError, unreadable
+from .._errors import ObjectNotFoundError, ReadOnlyStoreError, not_here
 from .._pool import default_workers
 
 _SEGMENT = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]*")
@@ -48,7 +48,7 @@ def stored_size(store: Store, key: str) -> int | None:
     try:
         return store.stat(key).size
     except OSError as e:
-        if isinstance(e, FileNotFoundError) or unreadable(e):
+        if not_here(e):
             return None
         raise
 
